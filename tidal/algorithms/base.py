@@ -1,0 +1,73 @@
+"""Contracts of the algorithm pieces. Shapes: B sequences, T token positions of ``Experience.sequences``.
+
+Every per-token tensor is aligned with the sequence: ``x_BT[b, t]`` belongs to token ``sequences[b, t]``
+(its logprob is log p(sequences[b,t] | sequences[b,:t])). ``action_mask_BT`` is 1 on response tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageInput:
+    """What an estimator sees for one rollout batch (all on one device).
+
+    rewards_B: scalar reward per sequence (after shaping, before KL-in-reward).
+    token_rewards_BT: extra per-token reward (e.g. -kl_coef * kl when KL is in the reward), or None.
+    action_mask_BT: 1 on response tokens.
+    values_BT: critic values at response tokens (estimators with needs_critic), else None.
+    group_ids_B: prompt index of each sequence; the n samples of one prompt share an id.
+    """
+
+    rewards_B: torch.Tensor
+    action_mask_BT: torch.Tensor
+    group_ids_B: torch.Tensor
+    token_rewards_BT: torch.Tensor | None = None
+    values_BT: torch.Tensor | None = None
+
+
+class AdvantageEstimator(abc.ABC):
+    """Computes per-token advantages and returns (returns are the critic's targets, or equal to
+    advantages for critic-free estimators). Both are zero outside the action mask."""
+
+    needs_critic: bool = False
+
+    @abc.abstractmethod
+    def compute(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (advantages_BT, returns_BT)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LossNormalizer:
+    """Global counts of one optimizer step (summed over micro-batches and all DP ranks), so that
+    summing per-micro-batch losses gives the aggregate of the whole global batch.
+
+    num_tokens: response tokens in the global batch; num_seqs: sequences in the global batch.
+    """
+
+    num_tokens: float
+    num_seqs: float
+
+
+class LossAggregator(abc.ABC):
+    @abc.abstractmethod
+    def __call__(self, loss_BT: torch.Tensor, mask_BT: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+        """Reduce per-token losses of one micro-batch to its share of the global-batch loss."""
+
+
+class PolicyLoss(abc.ABC):
+    @abc.abstractmethod
+    def __call__(
+        self,
+        logp_BT: torch.Tensor,
+        old_logp_BT: torch.Tensor,
+        adv_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        agg: LossAggregator,
+        norm: LossNormalizer,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Return (scalar loss share, detached metrics such as clip_frac)."""

@@ -1,0 +1,158 @@
+"""Typed configuration machinery shared by every component config.
+
+Contract:
+- Each component owns one kw-only dataclass (e.g. ``EngineConfig`` in ``tidal/engine/config.py``).
+  Its ``__post_init__`` validates the fields and raises :class:`ConfigError` naming the field.
+- :func:`build` turns a nested plain dict (from YAML) into the dataclass tree, rejecting unknown
+  keys and wrongly typed values with the full dotted key (``engine.tp_size``).
+- Configs are never rewritten after construction; derived values are properties or computed by
+  the component that needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``key`` is the dotted path of the offending field."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"config error at '{key}': {message}")
+
+    def prefixed(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.message)
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise ConfigError(key, message) unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def check_choice(value: Any, choices: typing.Iterable[Any], key: str) -> None:
+    choices = list(choices)
+    check(value in choices, key, f"{value!r} is not one of {choices}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (dataclass, Optional, list, dict, Literal, scalars)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e.message)
+        raise ConfigError(key, f"{value!r} matches none of {[_type_name(a) for a in args]}: {errors}")
+    if origin is Literal:
+        check_choice(value, get_args(tp), key)
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        check(isinstance(value, dict), key, f"expected a mapping for {tp.__name__}, got {value!r}")
+        return build(tp, value, prefix=key)
+    if origin in (list, tuple):
+        check(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
+        (item_tp, *_rest) = get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        check(isinstance(value, dict), key, f"expected a mapping, got {value!r}")
+        k_tp, v_tp = get_args(tp) or (Any, Any)
+        return {_coerce(k, k_tp, key): _coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is float:
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        check(isinstance(value, int) and not isinstance(value, bool), key, f"expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        check(isinstance(value, bool), key, f"expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        check(isinstance(value, str), key, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Construct dataclass ``cls`` from a nested dict, validating keys, types and values."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(key, f"unknown key; valid keys under '{prefix or '<root>'}' are {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.prefixed(prefix) if prefix else e
+    except TypeError as e:  # missing required field
+        raise ConfigError(prefix or "<root>", str(e)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value`` (value parsed as YAML) into (["a","b","c"], value)."""
+    if "=" not in text:
+        raise ConfigError(text, "override must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(key or text, "empty key in override")
+    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``key.sub=value`` override set (creating mappings as needed)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(path[: i + 1]), f"is a value ({child!r}), cannot set a sub-key")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def to_dict(cfg: Any) -> Any:
+    """The plain-dict form of a config tree (round-trips through :func:`build`)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg

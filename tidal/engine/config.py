@@ -1,0 +1,50 @@
+"""Configuration of the rollout engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tidal.config_base import check
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineConfig:
+    """Rollout engine settings (``engine.*``).
+
+    backend: ``native`` (Tidal's embedded paged engine, default), ``hf`` (a simple reference loop
+        over the Hugging Face model with its KV cache), ``vllm`` or ``sglang`` (optional extras).
+    tp_size: rollout tensor-parallel size; TP groups are consecutive ranks; WORLD_SIZE % tp_size == 0.
+    dtype: weight/activation dtype of the engine (``auto``: bf16 on CUDA, fp32 on CPU).
+    max_num_seqs: most sequences decoded in one step.
+    max_num_batched_tokens: token budget of one prefill step (chunked prefill above it).
+    block_size: tokens per KV-cache block.
+    kv_cache_memory_fraction: fraction of free device memory (after weights) given to the KV cache
+        on CUDA; on CPU ``kv_cache_max_tokens`` bounds the cache instead.
+    kv_cache_max_tokens: hard cap on cached tokens (0: derived from memory on CUDA; required on CPU
+        to be > 0 or it defaults to enough for max_num_seqs full-length sequences).
+    enable_prefix_caching: share KV blocks of identical prompt prefixes (GRPO groups prefill once).
+    cuda_graphs: capture decode steps in CUDA graphs at bucketed batch sizes (CUDA only).
+    sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights.
+    """
+
+    backend: Literal["native", "hf", "vllm", "sglang"] = "native"
+    tp_size: int = 1
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.5
+    kv_cache_max_tokens: int = 0
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    sleep_level: int = 1
+
+    def __post_init__(self):
+        check(self.tp_size >= 1, "tp_size", "must be >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
+        check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction", "must be in (0, 0.95]")
+        check(self.kv_cache_max_tokens >= 0, "kv_cache_max_tokens", "must be >= 0")
+        check(self.sleep_level in (0, 1, 2), "sleep_level", "must be 0 (never), 1 (KV cache) or 2 (KV cache and weights)")
