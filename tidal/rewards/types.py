@@ -1,0 +1,48 @@
+"""What a reward sees and returns. Rewards score the RESPONSE; the prompt is given separately, never mixed in."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardSample:
+    """One generated sample to score.
+
+    prompt: the prompt text as given to the model (chat template applied).
+    response: the decoded response only (special tokens skipped).
+    prompt_ids / response_ids: token ids of each part.
+    reference: the data row's reference answer (any JSON value), or None.
+    label: the data row's recipe label (selects reward components), "" when the row has none.
+    metadata: the rest of the data row.
+    finish_reason: "stop" (EOS/stop token) or "length" (truncated at max_new_tokens).
+    index: position of this sample in the scored batch (for error messages).
+    """
+
+    prompt: str
+    response: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reference: Any = None
+    label: str = ""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finish_reason: str = "stop"
+    index: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardOutput:
+    """Scores of a batch of B samples.
+
+    total_B: weighted total reward (fp32). components: each named component's score [B].
+    valid_B: False for samples dropped by a configured, counted skip (their total is 0 and must be
+        excluded from training). metrics: scalar summaries (component means, counts of skips).
+    """
+
+    total_B: torch.Tensor
+    components: dict[str, torch.Tensor]
+    valid_B: torch.Tensor
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
