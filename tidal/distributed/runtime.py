@@ -1,0 +1,116 @@
+"""The torchrun/SPMD runtime: process-group initialisation and the rollout TP/DP groups (spec §2).
+
+Every rank runs the same program. Rollout tensor-parallel groups are blocks of consecutive ranks;
+the orthogonal DP groups take one rank from each TP group:
+
+    world 8, tp 2:  TP [0,1] [2,3] [4,5] [6,7]   DP [0,2,4,6] [1,3,5,7]
+
+Works as one plain process (a world of one, no torchrun needed) and under
+``torchrun --nproc_per_node N`` (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(kw_only=True)
+class Runtime:
+    """This rank's place in the world. ``tp_group``/``dp_group`` are the rollout groups it belongs to."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    tp_size: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        start = (self.rank // self.tp_size) * self.tp_size
+        return list(range(start, start + self.tp_size))
+
+
+def rollout_group_ranks(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Return (tp_groups, dp_groups) rank lists for a world, as in spec §2.2."""
+    if tp_size < 1 or world_size % tp_size != 0:
+        raise ValueError(
+            f"WORLD_SIZE ({world_size}) % engine.tp_size ({tp_size}) != 0: choose engine.tp_size dividing the number of ranks"
+        )
+    tp_groups = [list(range(s, s + tp_size)) for s in range(0, world_size, tp_size)]
+    dp_groups = [list(range(i, world_size, tp_size)) for i in range(tp_size)]
+    return tp_groups, dp_groups
+
+
+def resolve_device(pref: str, local_rank: int) -> torch.device:
+    if pref == "cpu" or (pref == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"run.device={pref!r} but CUDA is not available; use run.device=cpu or auto")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) -> Runtime:
+    """Initialise the default process group (if not yet) and build the rollout TP/DP groups.
+
+    Under torchrun the rendezvous comes from the environment; as a plain process a world of one is
+    created in memory (no ports are opened).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    tp_groups, dp_groups = rollout_group_ranks(world_size, tp_size)
+    dev = resolve_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        else:
+            if world_size != 1:
+                raise ValueError("WORLD_SIZE > 1 without MASTER_ADDR: launch with torchrun")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # new_group must be called by every rank for every group, in the same order.
+    tp_group = dp_group = None
+    for ranks in tp_groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            tp_group = group
+    for ranks in dp_groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dp_group = group
+    return Runtime(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=dev,
+        backend=backend,
+        tp_size=tp_size,
+        tp_rank=rank % tp_size,
+        tp_group=tp_group,
+        dp_rank=rank // tp_size,
+        dp_size=world_size // tp_size,
+        dp_group=dp_group,
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""A simple reference engine: a sampling loop over a Hugging Face causal LM with its KV cache.
+
+Correct but not fast (no paging, no continuous batching); used as a baseline and where the native
+engine does not support a model. Single-rank only: tensor parallelism needs ``engine.backend=native``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from tidal.engine.base import Completion, SamplingParams
+from tidal.engine.config import EngineConfig
+from tidal.engine.sampler import sample
+
+
+class HFEngine:
+    def __init__(self, hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, dtype: torch.dtype, tp_group=None):
+        if cfg.tp_size != 1:
+            raise ValueError("engine.backend=hf does not support engine.tp_size > 1; use engine.backend=native")
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        self.weights_on_cpu = False
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name not in self._params:
+                    raise KeyError(f"HFEngine.load_weights: unknown weight {name!r}")
+                self._params[name].copy_(t)
+
+    def sleep(self, level: int = 1) -> int:
+        if level >= 2 and not self.weights_on_cpu:
+            freed = self._weight_bytes() if self.device.type != "cpu" else 0
+            self.model.to("cpu")
+            self.weights_on_cpu = True
+            return freed
+        return 0
+
+    def wake_up(self) -> int:
+        if self.weights_on_cpu:
+            self.model.to(self.device)
+            self.weights_on_cpu = False
+            return self._weight_bytes() if self.device.type != "cpu" else 0
+        return 0
+
+    def memory_report(self) -> dict[str, int]:
+        return {"weights": 0 if self.weights_on_cpu or self.device.type == "cpu" else self._weight_bytes(), "kv_cache": 0}
+
+    def _weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.weights_on_cpu:
+            raise RuntimeError("HFEngine.generate called while asleep at level 2: call wake_up() first")
+        expanded = [p for p in prompts for _ in range(params.n)]
+        out: list[Completion] = []
+        step = max(1, self.cfg.max_num_seqs)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        for s in range(0, len(expanded), step):
+            out.extend(self._generate_batch(expanded[s : s + step], params, gen))
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[Completion]:
+        B = len(prompts)
+        L = max(len(p) for p in prompts)
+        pad = 0
+        ids_BL = torch.full((B, L), pad, dtype=torch.long, device=self.device)
+        mask_BL = torch.zeros((B, L), dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):  # left padding keeps the last prompt token at the end
+            ids_BL[b, L - len(p):] = torch.tensor(p, device=self.device)
+            mask_BL[b, L - len(p):] = 1
+        eos = set(params.stop_token_ids)
+        if not params.ignore_eos and self.model.config.eos_token_id is not None:
+            e = self.model.config.eos_token_id
+            eos |= set(e if isinstance(e, list) else [e])
+        tokens = [[] for _ in range(B)]
+        logps = [[] for _ in range(B)]
+        done = [False] * B
+        reasons = ["length"] * B
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True)
+        past, logits_BV = out.past_key_values, out.logits[:, -1]
+        next_pos_B = pos_BL[:, -1] + 1
+        for _ in range(params.max_new_tokens):
+            tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, gen)
+            for b in range(B):
+                if done[b]:
+                    continue
+                t = int(tok_B[b])
+                tokens[b].append(t)
+                logps[b].append(float(logp_B[b]))
+                if t in eos:
+                    done[b], reasons[b] = True, "stop"
+            if all(done):
+                break
+            mask_BL = torch.cat([mask_BL, torch.ones((B, 1), dtype=mask_BL.dtype, device=self.device)], dim=1)
+            out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None], past_key_values=past, use_cache=True)
+            past, logits_BV = out.past_key_values, out.logits[:, -1]
+            next_pos_B = next_pos_B + 1
+        return [
+            Completion(prompt_ids=list(p), token_ids=tokens[b], logprobs=logps[b], finish_reason=reasons[b])
+            for b, p in enumerate(prompts)
+        ]

@@ -1,0 +1,56 @@
+"""Loading actor, critic, reference and tokenizer from local Hugging Face folders."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from tidal.models.logprobs import attach_logprob_method
+
+
+def _require_dir(path: str, what: str) -> None:
+    if not path or not os.path.isdir(path):
+        raise ValueError(f"{what}: model path {path!r} is not a local directory (Tidal never downloads; pass a local HF folder)")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"{what}: {path!r} has no config.json; is it a Hugging Face model folder?")
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, what: str = "model.path") -> torch.nn.Module:
+    """Load an HF causal LM on CPU in ``dtype`` with the Tidal logprob method attached."""
+    _require_dir(path, what)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    attach_logprob_method(model)
+    return model
+
+
+def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a value model: the LM body with a scalar head per token (``score``), freshly initialised
+    (zeros) when the checkpoint is a plain causal LM."""
+    _require_dir(path, "model.critic_path")
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    cfg = AutoConfig.from_pretrained(path)
+    if head is not None and "TokenClassification" not in "".join(cfg.architectures or []):
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+    return model
+
+
+def load_tokenizer(path: str):
+    _require_dir(path, "model.tokenizer_path")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """values_BT[b, t] = V(input_ids[b, :t]): the value of the state in which token t is chosen, aligned
+    like logprobs (the critic's output at position t-1); position 0 is 0. fp32."""
+    position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
+    out = critic(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
+    v_BT = out.logits[..., 0].float()
+    return torch.cat([torch.zeros_like(v_BT[:, :1]), v_BT[:, :-1]], dim=1)

@@ -1,0 +1,105 @@
+"""Token log-probabilities and entropies of a causal LM, temperature-aware and chunked.
+
+Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``;
+position 0 has no prediction and is 0. The full-vocabulary fp32 logits are never materialised for
+the whole batch: the LM head runs over chunks of hidden states, and under autograd each chunk is
+recomputed in the backward pass (activation checkpointing), so peak extra memory is one chunk.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LOGPROB_METHOD = "tidal_token_logprobs"
+
+
+def _chunk_logp_entropy(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, labels_N: torch.Tensor,
+    temperature: float, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_NV = F.linear(hidden_NH, weight_VH, bias_V).float()
+    if temperature != 1.0:
+        logits_NV = logits_NV / temperature
+    logz_N = torch.logsumexp(logits_NV, dim=-1)
+    logp_N = logits_NV.gather(-1, labels_N[:, None]).squeeze(-1) - logz_N
+    if with_entropy:
+        # H = logZ - sum p * logits
+        probs_NV = torch.exp(logits_NV - logz_N[:, None])
+        entropy_N = logz_N - (probs_NV * logits_NV).sum(-1)
+    else:
+        entropy_N = torch.zeros_like(logp_N)
+    return logp_N, entropy_N
+
+
+def lm_head_logprobs(
+    hidden_BTH: torch.Tensor,
+    lm_head: torch.nn.Linear,
+    input_ids_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of the next tokens from decoder hidden states.
+
+    hidden_BTH[b, t] predicts input_ids[b, t+1]. Returns tensors [B, T] aligned with input_ids.
+    """
+    B, T, H = hidden_BTH.shape
+    hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
+    labels_N = input_ids_BT[:, 1:].reshape(-1)
+    weight, bias = lm_head.weight, lm_head.bias
+    logps, ents = [], []
+    use_ckpt = torch.is_grad_enabled() and hidden_NH.requires_grad
+    for s in range(0, hidden_NH.shape[0], chunk_tokens):
+        args = (hidden_NH[s : s + chunk_tokens], weight, bias, labels_N[s : s + chunk_tokens], temperature, with_entropy)
+        if use_ckpt:
+            lp, en = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
+        else:
+            lp, en = _chunk_logp_entropy(*args)
+        logps.append(lp)
+        ents.append(en)
+    zeros_B1 = hidden_BTH.new_zeros(B, 1, dtype=torch.float32)
+    logp_BT = torch.cat([zeros_B1, torch.cat(logps).view(B, T - 1)], dim=1)
+    entropy_BT = torch.cat([zeros_B1, torch.cat(ents).view(B, T - 1)], dim=1) if with_entropy else None
+    return logp_BT, entropy_BT
+
+
+def _token_logprobs_method(
+    self,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
+    out = self.get_decoder()(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
+    return lm_head_logprobs(
+        out.last_hidden_state, self.get_output_embeddings(), input_ids_BT,
+        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+    )
+
+
+def attach_logprob_method(model: torch.nn.Module) -> None:
+    """Give an HF causal LM a ``tidal_token_logprobs(input_ids, attention_mask, ...)`` method.
+
+    It is a method of the model itself (not a wrapper module) so parameter names stay the HF names;
+    FSDP2 strategies register it with ``register_fsdp_forward_method`` so it unshards like forward.
+    """
+    setattr(model, LOGPROB_METHOD, types.MethodType(_token_logprobs_method, model))
+
+
+def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048):
+    """Call the model's attached logprob method (see :func:`attach_logprob_method`)."""
+    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens)
+
+
+def reference_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Plain full-logits reference (for tests): same layout as :func:`lm_head_logprobs`."""
+    logp_BTV = (logits_BTV.float() / temperature).log_softmax(-1)
+    logp = logp_BTV[:, :-1].gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)

@@ -1,0 +1,187 @@
+"""The Strategy contract (spec §3): one interface over training backends (FSDP2, DeepSpeed).
+
+The trainer never branches on the backend. A Strategy owns: the runtime (process groups), how
+models are sharded (``prepare_trainable`` / ``prepare_frozen``), backward with gradient scaling,
+the optimizer step with clipping and the LR schedule, model/optimizer CPU offload, checkpoint
+state, the rollout engine's lifecycle and ``update_engine_weights``. It does not know what a
+reward is or how advantages are computed.
+
+Gradient contract: the trainer passes loss *shares* whose sum over all micro-batches and all ranks
+is the global-batch loss. Backends average gradients over data-parallel ranks, so ``backward``
+multiplies by the DP world size to turn that average back into the sum.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from tidal.distributed.generate import gather_and_generate
+from tidal.distributed.runtime import Runtime
+from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.strategy.config import OptimConfig, StrategyConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainState:
+    """A trained model with its optimizer and LR scheduler. ``offloaded`` tracks the optimizer state."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    max_grad_norm: float
+    optimizer_offloaded: bool = False
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Multiplier of the peak LR at optimizer step ``s`` (warmup, then constant/cosine/linear decay)."""
+
+    def fn(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.scheduler == "constant":
+            return 1.0
+        span = max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / span)
+        floor = optim.min_lr_ratio
+        if optim.scheduler == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return fn
+
+
+class Strategy(abc.ABC):
+    def __init__(self, cfg: StrategyConfig, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        if self.cfg.param_dtype == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return getattr(torch, self.cfg.param_dtype)
+
+    # ---- models -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prepare_trainable(self, model: torch.nn.Module, optim: OptimConfig, *, lr: float, total_steps: int) -> TrainState:
+        """Shard ``model`` (fp32 master weights), build AdamW and the LR schedule."""
+
+    @abc.abstractmethod
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module:
+        """Shard a frozen model (reference, reward model) for inference; offloaded to CPU if asked."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor, state: TrainState, *, sync_grads: bool) -> None:
+        """Accumulate gradients of a loss share; ``sync_grads`` is False for all but the last micro-batch."""
+
+    @abc.abstractmethod
+    def clip_and_norm(self, state: TrainState) -> float:
+        """Global gradient norm (all ranks), clipped in place to ``state.max_grad_norm`` when > 0."""
+
+    def optimizer_step(self, state: TrainState) -> dict[str, float]:
+        """Clip, step, zero grads, advance the LR schedule. A non-finite gradient norm skips the step
+        on every rank alike (the norm is global) and reports ``skipped=1``."""
+        grad_norm = self.clip_and_norm(state)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        lr = state.scheduler.get_last_lr()[0]
+        state.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    @abc.abstractmethod
+    def offload_model(self, model: torch.nn.Module) -> None:
+        """Move parameters and buffers to CPU (not a checkpoint: nothing is written to disk)."""
+
+    @abc.abstractmethod
+    def reload_model(self, model: torch.nn.Module) -> None:
+        """Move parameters and buffers back to the device."""
+
+    def offload_optimizer(self, state: TrainState) -> None:
+        if not state.optimizer_offloaded:
+            _move_optimizer_state(state.optimizer, torch.device("cpu"))
+            state.optimizer_offloaded = True
+
+    def reload_optimizer(self, state: TrainState) -> None:
+        if state.optimizer_offloaded:
+            _move_optimizer_state(state.optimizer, self.device)
+            state.optimizer_offloaded = False
+
+    # ---- weights and checkpoints ------------------------------------------------------------------
+    @abc.abstractmethod
+    def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full unsharded tensor in ``dtype``) for every parameter; a collective on
+        every rank, in the same order everywhere. A tied parameter is yielded once, under its first name."""
+
+    @abc.abstractmethod
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        """Sharded (DCP-ready) state of model + optimizer; scheduler state under 'scheduler'."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
+
+    # ---- rollout engine lifecycle -------------------------------------------------------------
+    def update_engine_weights(self, actor: torch.nn.Module, engine: RolloutEngine, *, dtype: torch.dtype, bucket_bytes: int = 256 << 20) -> int:
+        """Gather the actor's current weights and copy them into the engine in buckets. Returns bytes sent.
+        Does not wake the engine's KV cache: weights are loaded wherever the engine keeps them."""
+        sent = 0
+        for bucket in _buckets(self.full_weights(actor, dtype), bucket_bytes):
+            engine.load_weights(bucket)
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return sent
+
+    def generate(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return gather_and_generate(engine, prompts, params, self.runtime)
+
+    def sleep(self, engine: RolloutEngine, level: int) -> int:
+        freed = engine.sleep(level) if level > 0 else 0
+        self.empty_cache()
+        return freed
+
+    def wake_up(self, engine: RolloutEngine) -> int:
+        return engine.wake_up()
+
+    def empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- collectives used by the trainer ------------------------------------------------------
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.runtime.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                st[k] = v.to(device, non_blocking=True)
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, t in named:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

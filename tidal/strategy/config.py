@@ -1,0 +1,68 @@
+"""Configuration of the training backend (``strategy.*``) and optimisers (``optim.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tidal.config_base import check
+
+
+@dataclasses.dataclass(kw_only=True)
+class StrategyConfig:
+    """Training backend.
+
+    backend: ``fsdp2`` (torch.distributed.fsdp.fully_shard, default) or ``deepspeed`` (ZeRO).
+    param_dtype: compute dtype of sharded models (``auto``: bf16 on CUDA, fp32 on CPU); master
+        weights, gradients reduction and optimizer state stay fp32.
+    reshard_after_forward: FSDP2 frees unsharded parameters after each layer's forward (ZeRO-3-like).
+    offload_optimizer: keep optimizer state on CPU outside optimizer steps (moved to the device for
+        the step, back afterwards).
+    offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
+    offload_critic: keep the critic on CPU outside its forward and update.
+    offload_actor_during_rollout: move the actor's parameters to CPU while the engine generates.
+    zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); ignored by fsdp2 (error if set to non-default).
+    """
+
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    reshard_after_forward: bool = True
+    offload_optimizer: bool = False
+    offload_reference: bool = True
+    offload_critic: bool = False
+    offload_actor_during_rollout: bool = False
+    zero_stage: int = 3
+
+    def __post_init__(self):
+        check(self.zero_stage in (1, 2, 3), "zero_stage", "must be 1, 2 or 3")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with warmup and a decay schedule, per trained model.
+
+    lr / critic_lr: peak learning rates of actor and critic.
+    scheduler: ``constant``, ``cosine`` (to min_lr_ratio * lr) or ``linear`` (to min_lr_ratio * lr),
+        over the run's total optimizer steps, after warmup_steps of linear warmup.
+    max_grad_norm: global gradient-norm clip (0 disables clipping; the norm is still reported).
+    """
+
+    lr: float = 1e-6
+    critic_lr: float = 5e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", "must be > 0")
+        check(self.critic_lr > 0, "critic_lr", "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        check(self.eps > 0, "eps", "must be > 0")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")

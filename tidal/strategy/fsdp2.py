@@ -1,0 +1,117 @@
+"""FSDP2 backend: ``torch.distributed.fsdp.fully_shard`` per decoder layer, then the root.
+
+Parameters are sharded over all ranks (a 1-D mesh of the world). Master weights are fp32; on CUDA
+the compute (unsharded) dtype is bf16 with fp32 gradient reduction (MixedPrecisionPolicy). Names of
+parameters are untouched (fully_shard does not wrap modules), so ``full_weights`` yields HF names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from tidal.models.logprobs import LOGPROB_METHOD
+from tidal.strategy.base import Strategy, TrainState, lr_lambda
+from tidal.strategy.config import OptimConfig
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of an HF model (the units FSDP2 shards one by one)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in no_split]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers of {type(model).__name__} (no _no_split_modules); FSDP2 needs them")
+    return layers
+
+
+class FSDP2Strategy(Strategy):
+    def _mesh(self):
+        if not hasattr(self, "_mesh_cache"):
+            self._mesh_cache = init_device_mesh(self.device.type, (self.runtime.world_size,))
+        return self._mesh_cache
+
+    def _shard(self, model: torch.nn.Module, *, reshard_after_forward: bool) -> torch.nn.Module:
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        kwargs = dict(mesh=self._mesh(), mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        if hasattr(model, LOGPROB_METHOD):
+            register_fsdp_forward_method(model, LOGPROB_METHOD)
+        return model
+
+    def prepare_trainable(self, model: torch.nn.Module, optim: OptimConfig, *, lr: float, total_steps: int) -> TrainState:
+        model = model.to(dtype=torch.float32)
+        model.train()
+        self._shard(model.to(self.device), reshard_after_forward=self.cfg.reshard_after_forward)
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=tuple(optim.betas), eps=optim.eps, foreach=True,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
+        return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm)
+
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module:
+        model.requires_grad_(False)
+        model.eval()
+        self._shard(model.to(self.device, dtype=torch.float32), reshard_after_forward=True)
+        if offload:
+            self.offload_model(model)
+        return model
+
+    def backward(self, loss: torch.Tensor, state: TrainState, *, sync_grads: bool) -> None:
+        model = state.model
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync_grads)
+        (loss * self.runtime.world_size).backward()
+
+    def clip_and_norm(self, state: TrainState) -> float:
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = state.max_grad_norm if state.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def offload_model(self, model: torch.nn.Module) -> None:
+        if self.device.type != "cpu":
+            model.to("cpu")
+            self.empty_cache()
+
+    def reload_model(self, model: torch.nn.Module) -> None:
+        if self.device.type != "cpu":
+            model.to(self.device)
+
+    def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        # named_parameters yields a shared (tied) parameter once, under its first name, identically on every rank.
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            yield name, full.to(self.device, dtype=dtype)
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": state.scheduler.state_dict()}
+
+    def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
+        set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        state.scheduler.load_state_dict(sd["scheduler"])
+
+    def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full CPU state dict on every rank (for HF export)."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
