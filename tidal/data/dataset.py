@@ -1,0 +1,173 @@
+"""Prompt datasets: every source loaded, templated and tokenized once, then blended by weight.
+
+Blending (exact rule). Let source ``s`` keep ``k_s`` rows after overlong handling and have weight
+``w_s``. It contributes ``c_s = round(w_s * k_s)`` entries to the dataset: ``c_s // k_s`` copies of
+every row, plus ``c_s mod k_s`` distinct rows drawn without replacement (kept in file order) by a
+``numpy.random.default_rng(seed)`` shared by the sources in config order. The dataset is the
+concatenation of the sources' entries in config order; ``len()`` is ``sum(c_s)``. The draw is fixed
+for the run (it depends only on ``seed`` and the data); the per-epoch shuffling is the sampler's job.
+So weight 1 uses each row once per epoch, 2 twice, 0.5 a fixed half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from tidal.config_base import ConfigError
+from tidal.data.config import DataConfig, DataSource
+from tidal.data.loaders import load_rows
+from tidal.data.prompts import ParsedRow, generation_prompt_len, parse_row, render, require_chat_template, text_tokenizer
+
+_TOKENIZE_CHUNK = 1024
+
+
+@dataclasses.dataclass(kw_only=True)
+class PromptItem:
+    """One prompt as the trainer sees it.
+
+    prompt_ids: token ids given to the engine (template and generation prompt included).
+    prompt_text: the exact text those ids decode from (after any left truncation).
+    reference: the row's reference answer (any JSON value) or None.
+    label: the row's recipe label, "" when absent.
+    metadata: every other field of the row (a fresh copy per access).
+    images: the row's images, passed through unchanged, or None.
+    source: the path of the source the row came from; row: its 0-based row index in that source.
+    """
+
+    prompt_ids: list[int]
+    prompt_text: str
+    reference: Any
+    label: str
+    metadata: dict[str, Any]
+    images: list | None
+    source: str
+    row: int
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Kept:
+    parsed: ParsedRow
+    text: str
+    source: str
+    row: int
+
+
+class PromptDataset:
+    """All prompt rows of ``sources``, tokenized with ``tokenizer`` under ``cfg`` (see module docstring).
+
+    Attributes: ``num_rows`` distinct rows kept, ``num_dropped`` overlong rows left out
+    (``overlong_prompt: drop``), ``num_truncated`` rows left-truncated (``left_truncate``).
+    Raises ValueError naming file and line for a malformed row or (``overlong_prompt: error``) an
+    overlong prompt, and ConfigError when a chat template is needed but missing.
+    """
+
+    def __init__(self, sources: Sequence[DataSource], tokenizer: Any, cfg: DataConfig, *, seed: int):
+        if not sources:
+            raise ValueError("no data sources given (set data.train / data.eval)")
+        require_chat_template(tokenizer, cfg)
+        self._tokenizer = tokenizer
+        self._cfg = cfg
+        self._gen_len = generation_prompt_len(tokenizer) if cfg.apply_chat_template else 0
+        if cfg.overlong_prompt == "left_truncate" and cfg.max_prompt_len <= self._gen_len:
+            raise ConfigError("data.max_prompt_len", f"must exceed the {self._gen_len} tokens of the generation prompt to left-truncate")
+        self.num_dropped = 0
+        self.num_truncated = 0
+        self._kept: list[_Kept] = []
+        ids_parts: list[np.ndarray] = []
+        per_source: list[np.ndarray] = []
+        for source in sources:
+            start = len(self._kept)
+            ids_parts.extend(self._load_source(source))
+            per_source.append(np.arange(start, len(self._kept)))
+        self._ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32)
+        lengths = np.array([len(p) for p in ids_parts], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self._index = _blend(sources, per_source, seed)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._kept)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"prompt index {i} out of range for {len(self)} prompts")
+        k = int(self._index[i])
+        kept = self._kept[k]
+        ids = self._ids[self._offsets[k] : self._offsets[k + 1]].tolist()
+        return PromptItem(
+            prompt_ids=ids,
+            prompt_text=kept.text,
+            reference=kept.parsed.reference,
+            label=kept.parsed.label,
+            metadata=dict(kept.parsed.metadata),
+            images=kept.parsed.images,
+            source=kept.source,
+            row=kept.row,
+        )
+
+    def _load_source(self, source: DataSource) -> list[np.ndarray]:
+        """Parse, render and tokenize one source; append kept rows; return their token ids."""
+        rows = load_rows(source)
+        parsed = [parse_row(where, row, self._cfg) for where, row in rows]
+        texts = [render(p, self._tokenizer) for p in parsed]
+        ids_list = self._tokenize(texts)
+        out = []
+        for row_index, ((where, _row), p, text, ids) in enumerate(zip(rows, parsed, texts, ids_list)):
+            fitted = self._fit(where, ids)
+            if fitted is None:
+                continue
+            if len(fitted) < len(ids):
+                text = text_tokenizer(self._tokenizer).decode(fitted.tolist(), skip_special_tokens=False)
+            self._kept.append(_Kept(parsed=p, text=text, source=source.path, row=row_index))
+            out.append(fitted)
+        return out
+
+    def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
+        # A rendered template already holds its special tokens; a raw prompt gets the tokenizer's own (BOS).
+        tok = text_tokenizer(self._tokenizer)
+        add_special = not self._cfg.apply_chat_template
+        out = []
+        for i in range(0, len(texts), _TOKENIZE_CHUNK):
+            enc = tok(texts[i : i + _TOKENIZE_CHUNK], add_special_tokens=add_special)["input_ids"]
+            out.extend(np.asarray(ids, dtype=np.int32) for ids in enc)
+        return out
+
+    def _fit(self, where: str, ids: np.ndarray) -> np.ndarray | None:
+        """Apply ``overlong_prompt``: the ids to keep, or None when the row is dropped."""
+        limit = self._cfg.max_prompt_len
+        if len(ids) <= limit:
+            return ids
+        if self._cfg.overlong_prompt == "error":
+            raise ValueError(
+                f"{where}: prompt has {len(ids)} tokens > data.max_prompt_len={limit} "
+                f"(set data.overlong_prompt to drop or left_truncate)"
+            )
+        if self._cfg.overlong_prompt == "drop":
+            self.num_dropped += 1
+            return None
+        self.num_truncated += 1
+        return ids[-limit:]
+
+
+def _blend(sources: Sequence[DataSource], per_source: list[np.ndarray], seed: int) -> np.ndarray:
+    """The dataset's index list over kept rows, by the rule in the module docstring."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for source, kept in zip(sources, per_source):
+        count = int(round(source.weight * len(kept)))
+        if count == 0:
+            raise ValueError(
+                f"{source.path}: contributes no prompts ({len(kept)} rows kept, weight {source.weight}); "
+                f"raise its weight or check max_prompt_len / overlong_prompt"
+            )
+        full, rest = divmod(count, len(kept))
+        parts.extend([kept] * full)
+        if rest:
+            parts.append(kept[np.sort(rng.choice(len(kept), size=rest, replace=False))])
+    return np.concatenate(parts).astype(np.int64)

@@ -1,0 +1,118 @@
+"""Read the raw rows of one :class:`DataSource` (JSONL, JSON, Parquet, ``save_to_disk`` folders).
+
+Contract: :func:`load_rows` returns every row of the source in file order as ``(where, row)`` pairs,
+``where`` being the human-readable location used in error messages (``file.jsonl:12`` for the
+12th line of a JSONL file, ``file.parquet row 3`` (0-based) for the others). A row that is not a
+JSON object, or a line that is not valid JSON, raises ``ValueError`` naming file and line.
+This module knows nothing about prompts, tokenizers or field mapping.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tidal.data.config import DataSource
+
+Row = dict[str, Any]
+
+
+def resolve_format(source: DataSource) -> str:
+    """The concrete format of ``source`` (``auto`` resolved from the suffix or folder)."""
+    if source.format != "auto":
+        return source.format
+    path = Path(source.path)
+    if path.is_dir():
+        return "hf_disk"
+    by_suffix = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+    if path.suffix.lower() not in by_suffix:
+        raise ValueError(
+            f"{source.path}: cannot tell the format from the suffix '{path.suffix}'; "
+            f"set format to one of jsonl, json, parquet, hf_disk"
+        )
+    return by_suffix[path.suffix.lower()]
+
+
+def load_rows(source: DataSource) -> list[tuple[str, Row]]:
+    """All rows of ``source`` as ``(where, row)``; see the module docstring."""
+    path = Path(source.path)
+    if not path.exists():
+        raise FileNotFoundError(f"data source not found: {source.path}")
+    fmt = resolve_format(source)
+    if fmt == "jsonl":
+        return _load_jsonl(path)
+    if fmt == "json":
+        return _check_objects(path, _load_json(path))
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return _check_objects(path, pq.read_table(path).to_pylist())
+    return _check_objects(path, _load_hf_disk(path))
+
+
+def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
+    rows = []
+    with path.open("r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            rows.append((where, row))
+    return rows
+
+
+def _load_json(path: Path) -> list[Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a .json source must hold a list of rows, got {type(data).__name__}")
+    return data
+
+
+def _check_objects(path: Path, rows: list[Any]) -> list[tuple[str, Row]]:
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
+        out.append((where, row))
+    return out
+
+
+def _load_hf_disk(path: Path) -> list[Row]:
+    """Rows of a ``datasets.Dataset.save_to_disk`` folder, read with pyarrow (``datasets`` not needed).
+
+    The folder holds ``state.json`` (listing the Arrow files in order under ``_data_files``) and
+    Arrow IPC *stream* files. A ``DatasetDict`` folder (``dataset_dict.json``) must be given per split.
+    """
+    import pyarrow as pa
+
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{path} is a DatasetDict folder; set path to one split folder, one of {[str(path / s) for s in splits]}")
+    state_file = path / "state.json"
+    if state_file.exists():
+        files = [path / f["filename"] for f in json.loads(state_file.read_text())["_data_files"]]
+    else:
+        files = sorted(path.glob("*.arrow"))
+    if not files:
+        raise ValueError(f"{path}: not a save_to_disk folder (no state.json and no .arrow files)")
+    rows: list[Row] = []
+    for file in files:
+        with pa.memory_map(str(file), "r") as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:  # Arrow IPC file format (not what datasets writes, but accept it)
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+        rows.extend(table.to_pylist())
+    return rows

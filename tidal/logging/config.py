@@ -1,0 +1,42 @@
+"""Configuration of metrics logging (``logging.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tidal.config_base import check
+
+Backend = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    """Where step metrics go (``logging.*``); only the main rank writes.
+
+    backends: any of ``console`` (rich progress bar and a per-step table), ``jsonl``
+        (``RUN_DIR/metrics.jsonl``, one object per logged step), ``tensorboard`` (``RUN_DIR/tb``),
+        ``wandb`` (needs ``pip install wandb``).
+    wandb_project: W&B project name. wandb_mode: ``offline`` (files under ``RUN_DIR/wandb``, sync
+        later with ``wandb sync``) or ``online``.
+    log_every: write every N-th step (and the last); each written value is the mean of that
+        key over the steps since the previous write, so sparse keys (eval/*) are never lost.
+    trajectories_every: save prompts, responses, rewards and logprobs to
+        ``RUN_DIR/trajectories/step_XXXXXX.jsonl`` every N steps (0: never).
+    """
+
+    backends: list[Backend] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
+    wandb_project: str = "tidal"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    log_every: int = 1
+    trajectories_every: int = 0
+
+    def __post_init__(self):
+        check(len(set(self.backends)) == len(self.backends), "backends", f"lists a backend twice: {self.backends}")
+        check(self.log_every >= 1, "log_every", f"must be >= 1, got {self.log_every}")
+        check(self.trajectories_every >= 0, "trajectories_every", f"must be >= 0 (0: off), got {self.trajectories_every}")
+        check("wandb" not in self.backends or bool(self.wandb_project), "wandb_project", "must be set for the wandb backend")
+
+    def trajectories_due(self, step: int) -> bool:
+        """Whether trajectories of ``step`` (1-based) are to be saved."""
+        return self.trajectories_every > 0 and step % self.trajectories_every == 0

@@ -1,0 +1,86 @@
+"""MetricsLogger: the one object the trainer hands step metrics to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tidal.logging import console as _console  # noqa: F401  (registers the console backend)
+from tidal.logging.backends import make_backend, require_wandb
+from tidal.logging.config import LoggingConfig
+
+
+def _to_float(key: str, value: Any) -> float:
+    if hasattr(value, "item"):  # 0-d tensors / numpy scalars
+        value = value.item()
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    raise TypeError(f"metric '{key}' must be a number, got {type(value).__name__}")
+
+
+class MetricsLogger:
+    """Sends step metrics to the configured backends (main rank only).
+
+    ``log(step, metrics)`` takes 1-based steps in increasing order and values already reduced over
+    ranks. With ``log_every = N`` the backends are written at steps divisible by N and at
+    ``total_steps``; each written value is the mean of that key over the steps since the previous
+    write (keys logged on one step only, such as eval/*, pass through unchanged). ``start_step`` is
+    the last step completed before this process started (resume): backends discard what they had
+    recorded after it, and the progress bar starts there. ``hparams`` (the run config as a dict) is
+    given to W&B and TensorBoard. On other ranks every call is a no-op, but a missing wandb package
+    still raises at construction on every rank.
+    """
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        *,
+        is_main: bool,
+        total_steps: int,
+        start_step: int = 0,
+        hparams: dict | None = None,
+    ):
+        if "wandb" in cfg.backends:
+            require_wandb()
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.total_steps = total_steps
+        self._last_step = start_step
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._backends = []
+        if is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            kwargs = dict(total_steps=total_steps, start_step=start_step, hparams=hparams)
+            self._backends = [make_backend(name, cfg, self.run_dir, **kwargs) for name in cfg.backends]
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if step <= self._last_step:
+            raise ValueError(f"step {step} logged after step {self._last_step}; steps must increase")
+        self._last_step = step
+        if not self.is_main:
+            return
+        for key, value in metrics.items():
+            v = _to_float(key, value)
+            self._sums[key] = self._sums.get(key, 0.0) + v
+            self._counts[key] = self._counts.get(key, 0) + 1
+        if step % self.cfg.log_every == 0 or step >= self.total_steps:
+            self._flush(step)
+
+    def _flush(self, step: int) -> None:
+        if not self._sums:
+            return
+        means = {k: self._sums[k] / self._counts[k] for k in self._sums}
+        self._sums, self._counts = {}, {}
+        for backend in self._backends:
+            backend.write(step, means)
+
+    def close(self) -> None:
+        """Write any pending window at the last logged step, then close every backend."""
+        if self.is_main:
+            self._flush(self._last_step)
+        for backend in self._backends:
+            backend.close()
+        self._backends = []
