@@ -40,9 +40,12 @@ class RewardOutput:
     total_B: weighted total reward (fp32). components: each named component's score [B].
     valid_B: False for samples dropped by a configured, counted skip (their total is 0 and must be
         excluded from training). metrics: scalar summaries (component means, counts of skips).
+    component_masks: each component's bool [B], True where it produced a score (False where the
+        sample's recipe does not use it or it failed); ``components[c]`` is 0 where this is False.
     """
 
     total_B: torch.Tensor
     components: dict[str, torch.Tensor]
     valid_B: torch.Tensor
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    component_masks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,230 @@
+"""RewardEngine: computes every configured reward component for a batch and the weighted total.
+
+Contract:
+- ``score(samples)`` returns a :class:`~tidal.rewards.types.RewardOutput` for exactly those samples.
+  Each sample's recipe is ``reward.recipes[sample.label]`` (``default_recipe`` when the label is
+  empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
+- Rules and local reward models run on the calling thread; functions and remote services run
+  concurrently on the engine's own event loop (a daemon thread), overlapping with them.
+- A component error on a sample raises :class:`RewardError` naming the component and the sample
+  (``on_error: raise``), or marks the sample invalid and counts it (``on_error: drop``).
+- No collectives: every rank calls ``score`` for its own samples. Local reward models score every
+  sample of every call (fixed forward count per batch size), so ranks stay in step if a strategy's
+  placement shards them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from typing import Any, Coroutine
+
+import torch
+
+from tidal.config_base import check
+from tidal.rewards.base import AsyncComponent, ComponentResult, RewardError, SyncComponent
+from tidal.rewards.config import ComponentSpec, RewardConfig
+from tidal.rewards.placement import LocalPlacement, ModelPlacement
+from tidal.rewards.types import RewardOutput, RewardSample
+
+
+def build_component(spec: ComponentSpec, *, device: torch.device, placement: ModelPlacement, key: str):
+    """The component object of one validated spec (imports functions, loads models)."""
+    if spec.type == "rule":
+        from tidal.rewards.rules import RULES, RuleComponent
+
+        return RuleComponent(RULES.get(spec.rule, f"{key}.rule")(spec.settings))
+    if spec.type == "function":
+        from tidal.rewards.function import FunctionReward
+
+        return FunctionReward(spec.settings, key=key)
+    if spec.type == "model":
+        from tidal.rewards.model import ModelReward
+
+        return ModelReward(spec.settings, device=device, placement=placement, key=key)
+    if spec.type == "remote":
+        from tidal.rewards.remote import RemoteReward
+
+        return RemoteReward(spec.settings, key=key)
+    raise AssertionError(f"unhandled component type {spec.type}")  # parse_component admits no other
+
+
+class _LoopThread:
+    """A private asyncio loop on a daemon thread (works whether or not the caller has a loop)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tidal-rewards-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class RewardEngine:
+    """Scores batches of :class:`RewardSample` under a :class:`RewardConfig` (see module docstring)."""
+
+    def __init__(self, cfg: RewardConfig, *, device: torch.device, placement: ModelPlacement | None = None):
+        check(bool(cfg.specs), "reward.components", "no reward components configured")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.placement = placement if placement is not None else LocalPlacement(self.device)
+        self.components = {
+            name: build_component(spec, device=self.device, placement=self.placement, key=f"reward.components.{name}")
+            for name, spec in cfg.specs.items()
+        }
+        self._loop: _LoopThread | None = None
+
+    # -- recipes ---------------------------------------------------------------------------------
+
+    def _recipe_of(self, i: int, sample: RewardSample) -> list[tuple[str, float]]:
+        label = sample.label or self.cfg.default_recipe
+        if label is None:
+            raise RewardError(f"sample {i} has no label and reward.default_recipe is null")
+        if label not in self.cfg.recipe_weights:
+            raise RewardError(f"sample {i} has label '{label}', which is not a recipe; recipes: {sorted(self.cfg.recipe_weights)}")
+        return self.cfg.recipe_weights[label]
+
+    def _positions(self, recipes: list[list[tuple[str, float]]]) -> dict[str, list[int]]:
+        """Batch positions each component scores (all of them for scores_every_sample components)."""
+        out: dict[str, list[int]] = {}
+        for name, comp in self.components.items():
+            every = isinstance(comp, SyncComponent) and comp.scores_every_sample
+            out[name] = [b for b, r in enumerate(recipes) if every or any(c == name for c, _ in r)]
+        return out
+
+    # -- scoring ---------------------------------------------------------------------------------
+
+    def score(self, samples: list[RewardSample]) -> RewardOutput:
+        recipes = [self._recipe_of(i, s) for i, s in enumerate(samples)]
+        positions = self._positions(recipes)
+        results, seconds = self._run_components(samples, positions)
+        return self._assemble(len(samples), recipes, positions, results, seconds)
+
+    def _run_components(self, samples, positions):
+        async_names = [n for n, c in self.components.items() if isinstance(c, AsyncComponent) and positions[n]]
+        pending = None
+        if async_names:
+            if self._loop is None:
+                self._loop = _LoopThread()
+            pending = self._loop.submit(self._gather(async_names, samples, positions))
+        results: dict[str, ComponentResult] = {}
+        seconds: dict[str, float] = {}
+        try:
+            for name, comp in self.components.items():
+                if isinstance(comp, SyncComponent) and positions[name]:
+                    t0 = time.perf_counter()
+                    results[name] = comp.score([samples[b] for b in positions[name]])
+                    seconds[name] = time.perf_counter() - t0
+        finally:
+            if pending is not None:  # never leave async work running past this call
+                async_results = pending.result()
+        if pending is not None:
+            for name, (res, sec) in async_results.items():
+                results[name], seconds[name] = res, sec
+        return results, seconds
+
+    async def _gather(self, names, samples, positions):
+        async def timed(name):
+            t0 = time.perf_counter()
+            res = await self.components[name].score_async([samples[b] for b in positions[name]])
+            return res, time.perf_counter() - t0
+
+        outs = await asyncio.gather(*(timed(n) for n in names))
+        return dict(zip(names, outs))
+
+    def _weights(self, recipes: list[list[tuple[str, float]]]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(w, uses): w[c][b] is the weight of component c in sample b's recipe (0 where the recipe
+        lacks c); uses[c][b] says whether the recipe has c (a weight may be 0: logged, not trained on)."""
+        w = {n: torch.zeros(len(recipes), dtype=torch.float32) for n in self.components}
+        uses = {n: torch.zeros(len(recipes), dtype=torch.bool) for n in self.components}
+        for b, recipe in enumerate(recipes):
+            for c, weight in recipe:
+                w[c][b] = weight
+                uses[c][b] = True
+        return w, uses
+
+    def _assemble(self, B, recipes, positions, results, seconds) -> RewardOutput:
+        weights, uses = self._weights(recipes)
+        components = {n: torch.zeros(B, dtype=torch.float32) for n in self.components}
+        masks = {n: torch.zeros(B, dtype=torch.bool) for n in self.components}
+        valid_B = torch.ones(B, dtype=torch.bool)
+        metrics: dict[str, float] = {}
+        for name, comp in self.components.items():
+            metrics[f"reward/{name}/errors"] = 0.0
+            metrics[f"reward/{name}/seconds"] = seconds.get(name, 0.0)
+            for k in comp.counter_names:
+                metrics[f"reward/{name}/{k}"] = 0.0
+        for name, res in results.items():
+            pos = positions[name]
+            if len(res.scores) != len(pos):
+                raise RewardError(f"reward component '{name}' returned {len(res.scores)} scores for {len(pos)} samples")
+            self._apply_errors(name, pos, res, valid_B, uses[name])
+            ok = [j for j in range(len(pos)) if j not in res.errors and uses[name][pos[j]]]
+            if ok:
+                idx = torch.tensor([pos[j] for j in ok], dtype=torch.long)
+                components[name][idx] = torch.tensor([res.scores[j] for j in ok], dtype=torch.float32)
+                masks[name][idx] = True
+            metrics[f"reward/{name}/errors"] = float(len(res.errors))
+            for k, v in res.counters.items():
+                metrics[f"reward/{name}/{k}"] = float(v)
+        # total_B = sum_c w_c * r_c over each sample's recipe; dropped samples get 0.
+        total_B = torch.zeros(B, dtype=torch.float32)
+        for name in self.components:
+            total_B += weights[name] * components[name]
+        total_B = torch.where(valid_B, total_B, torch.zeros_like(total_B))
+        self._summaries(metrics, components, masks, uses, valid_B, total_B)
+        return RewardOutput(total_B=total_B, components=components, valid_B=valid_B, metrics=metrics, component_masks=masks)
+
+    def _apply_errors(self, name, pos, res: ComponentResult, valid_B, uses_B) -> None:
+        for j, msg in sorted(res.errors.items()):
+            b = pos[j]
+            if not uses_B[b]:
+                continue  # scored only to keep ranks in step; this sample's recipe does not use it
+            if self.cfg.on_error == "raise":
+                more = f" ({len(res.errors) - 1} more samples failed)" if len(res.errors) > 1 else ""
+                raise RewardError(f"reward component '{name}' failed on sample {b}: {msg}{more}")
+            valid_B[b] = False
+
+    @staticmethod
+    def _summaries(metrics, components, masks, uses, valid_B, total_B) -> None:
+        """Means over the valid samples whose recipe uses each component, with their counts (to
+        combine ranks: sum(mean * count) / sum(count)); NaN when the count is 0."""
+        for name, score_B in components.items():
+            keep = masks[name] & valid_B
+            metrics[f"reward/{name}"] = score_B[keep].mean().item() if keep.any() else math.nan
+            metrics[f"reward/{name}/count"] = float(keep.sum())
+        metrics["reward/total"] = total_B[valid_B].mean().item() if valid_B.any() else math.nan
+        metrics["reward/valid"] = float(valid_B.sum())
+        metrics["reward/dropped"] = float((~valid_B).sum())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close HTTP sessions and the event loop (idempotent)."""
+        if self._loop is not None:
+            aclosers = [c.aclose() for c in self.components.values() if isinstance(c, AsyncComponent)]
+
+            async def _all():
+                await asyncio.gather(*aclosers)
+
+            self._loop.submit(_all()).result(timeout=10)
+            self._loop.close()
+            self._loop = None
+        for c in self.components.values():
+            if isinstance(c, SyncComponent):
+                c.close()
+
+    def __enter__(self) -> "RewardEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

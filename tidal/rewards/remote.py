@@ -1,0 +1,126 @@
+"""HTTP client of a reward service speaking API v1 (see :mod:`tidal.rewards.protocol`).
+
+Samples go out in batches of ``batch_size``, at most ``concurrency`` requests in flight. A request
+attempt that times out, cannot connect, or gets HTTP 408/429/5xx is retried up to ``max_retries``
+times with exponential backoff; after that every sample of the batch has an error (never a score of
+0). A reply that breaks the protocol (malformed JSON, wrong number of scores, non-numbers) is an
+error of the whole batch without retries. 401/403 mean the token is wrong or missing: that is a
+configuration error and raises at once, whatever ``on_error`` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import aiohttp
+
+from tidal.config_base import check
+from tidal.rewards import protocol
+from tidal.rewards.base import AsyncComponent, ComponentResult, RewardError
+from tidal.rewards.config import RemoteRewardConfig
+from tidal.rewards.types import RewardSample
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _retry_after(headers) -> float | None:
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
+class RemoteReward(AsyncComponent):
+    """A remote reward service as a component. The HTTP session lives on the engine's event loop."""
+
+    counter_names = ("retries", "failed_requests")
+
+    def __init__(self, cfg: RemoteRewardConfig, *, key: str):
+        self.cfg = cfg
+        self.headers = {"Content-Type": "application/json"}
+        if cfg.token_env is not None:
+            token = os.environ.get(cfg.token_env, "")
+            check(bool(token), f"{key}.token_env", f"environment variable '{cfg.token_env}' is unset or empty")
+            self.headers["Authorization"] = f"Bearer {token}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.cfg.concurrency)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def score_async(self, samples: list[RewardSample]) -> ComponentResult:
+        if not samples:
+            return ComponentResult(scores=[])
+        sem = asyncio.Semaphore(self.cfg.concurrency)
+        bs = self.cfg.batch_size
+        parts = await asyncio.gather(*(self._score_batch(sem, samples[i : i + bs]) for i in range(0, len(samples), bs)))
+        result = ComponentResult(scores=[], counters={"retries": 0.0, "failed_requests": 0.0})
+        for part in parts:
+            offset = len(result.scores)
+            result.scores.extend(part.scores)
+            result.errors.update({offset + i: msg for i, msg in part.errors.items()})
+            for k, v in part.counters.items():
+                result.counters[k] += v
+        return result
+
+    async def _score_batch(self, sem: asyncio.Semaphore, batch: list[RewardSample]) -> ComponentResult:
+        try:
+            payload = protocol.encode_request(batch)
+        except protocol.ProtocolError as e:
+            raise RewardError(f"remote reward {self.cfg.url}: {e}") from None
+        last = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                async with sem:  # a slot per attempt: backoff waits do not hold one
+                    scores, errors = await self._post(payload, len(batch))
+                return ComponentResult(scores=scores, errors=errors, counters={"retries": float(attempt)})
+            except protocol.ProtocolError as e:
+                msg = f"remote reward {self.cfg.score_url}: bad reply: {e}"
+                return ComponentResult.failed(len(batch), msg, retries=float(attempt), failed_requests=1.0)
+            except _Retryable as e:
+                last = str(e)
+                if attempt < self.cfg.max_retries:
+                    await asyncio.sleep(self._backoff(attempt, e.retry_after))
+        msg = f"remote reward {self.cfg.score_url}: failed after {self.cfg.max_retries + 1} attempts; last: {last}"
+        return ComponentResult.failed(len(batch), msg, retries=float(self.cfg.max_retries), failed_requests=1.0)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(self.cfg.max_backoff_s, retry_after)
+        delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2**attempt)
+        return delay * random.uniform(0.5, 1.0)
+
+    async def _post(self, payload: bytes, n: int) -> tuple[list[float], dict[int, str]]:
+        """One attempt: (scores, errors), or _Retryable / ProtocolError / RewardError."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        try:
+            async with self._get_session().post(self.cfg.score_url, data=payload, timeout=timeout) as resp:
+                body = await resp.read()
+                status, headers = resp.status, resp.headers
+        except asyncio.TimeoutError:
+            raise _Retryable(f"timed out after {self.cfg.timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        if status == 200:
+            return protocol.decode_response(body, n)
+        detail = body[:200].decode(errors="replace")
+        if status in RETRY_STATUSES:
+            raise _Retryable(f"HTTP {status}: {detail}", _retry_after(headers))
+        if status in (401, 403):
+            raise RewardError(f"remote reward {self.cfg.score_url}: HTTP {status} (bearer token missing or wrong; see token_env): {detail}")
+        raise protocol.ProtocolError(f"HTTP {status}: {detail}")

@@ -1,0 +1,149 @@
+"""Rule rewards: deterministic scores computed from the response (and the reference) in-process.
+
+Each rule is a small registered class with its own kw-only ``Config``; ``score(sample)`` sees the
+response text / ids, the reference and metadata, and never the prompt mixed into the response.
+Rules do not raise on bad model output: an answer that cannot be found or parsed is a wrong answer.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import re
+
+from tidal.config_base import check
+from tidal.registry import Registry
+from tidal.rewards import math_answer
+from tidal.rewards.base import ComponentResult, SyncComponent, as_score
+from tidal.rewards.types import RewardSample
+
+
+class RuleReward(abc.ABC):
+    """A rule. ``Config`` is its settings dataclass (the keys next to ``type`` in the YAML)."""
+
+    Config: type = object
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def score(self, sample: RewardSample) -> float:
+        """The reward of one sample (a finite float)."""
+
+
+RULES: Registry[RuleReward] = Registry("reward rule")
+
+
+@dataclasses.dataclass(kw_only=True)
+class MathAnswerConfig:
+    """correct / incorrect: rewards of a right / wrong (or missing) answer.
+    fallback_last_number: when the response has no ``\\boxed{}``, ``####`` or ``<answer>`` answer,
+        take its last number (GSM8K "flexible" extraction); off means such a response is wrong.
+    timeout_s: math-verify's own parse/compare time limit (applied when scoring on the main thread,
+        where its signal-based timer works; elsewhere no limit applies)."""
+
+    correct: float = 1.0
+    incorrect: float = 0.0
+    fallback_last_number: bool = False
+    timeout_s: int = 5
+
+    def __post_init__(self):
+        check(self.timeout_s >= 1, "timeout_s", "must be >= 1 (seconds, integer)")
+
+
+@RULES.register("math_answer")
+class MathAnswer(RuleReward):
+    """Final-answer verification: the response's answer (last ``\\boxed{}``, else ``#### x``, else
+    ``<answer>x</answer>``) against the reference (a GSM8K solution ending in ``#### x``, a
+    ``\\boxed{}`` solution, a bare answer, a number, or a list of acceptable answers), compared
+    numerically and then symbolically with math-verify."""
+
+    Config = MathAnswerConfig
+
+    def score(self, sample: RewardSample) -> float:
+        golds = math_answer.reference_answers(sample.reference)
+        pred = math_answer.response_answer(sample.response, fallback_last_number=self.cfg.fallback_last_number)
+        if pred is None or not golds:
+            return self.cfg.incorrect
+        ok = any(math_answer.answers_match(g, pred, timeout_s=self.cfg.timeout_s) for g in golds)
+        return self.cfg.correct if ok else self.cfg.incorrect
+
+
+@dataclasses.dataclass(kw_only=True)
+class ThinkAnswerFormatConfig:
+    """The response must be exactly ``<think>...</think>`` then ``<answer>...</answer>`` (whitespace
+    around them allowed, one of each, nothing else). think_tag / answer_tag: the tag names;
+    require_think: off accepts a response that is only the answer block. matched / unmatched: rewards."""
+
+    think_tag: str = "think"
+    answer_tag: str = "answer"
+    require_think: bool = True
+    matched: float = 1.0
+    unmatched: float = 0.0
+
+    def __post_init__(self):
+        for name in ("think_tag", "answer_tag"):
+            check(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", getattr(self, name))), name, "must be a tag name")
+
+
+@RULES.register("think_answer_format")
+class ThinkAnswerFormat(RuleReward):
+    """Template check on the response only."""
+
+    Config = ThinkAnswerFormatConfig
+
+    def __init__(self, cfg: ThinkAnswerFormatConfig):
+        super().__init__(cfg)
+        t, a = re.escape(cfg.think_tag), re.escape(cfg.answer_tag)
+        think = rf"<{t}>(?:(?!</?{t}>).)*</{t}>\s*"
+        answer = rf"<{a}>(?:(?!</?{a}>).)*</{a}>"
+        self._re = re.compile(rf"\s*{think if cfg.require_think else f'(?:{think})?'}{answer}\s*", re.DOTALL)
+
+    def score(self, sample: RewardSample) -> float:
+        return self.cfg.matched if self._re.fullmatch(sample.response) else self.cfg.unmatched
+
+
+@dataclasses.dataclass(kw_only=True)
+class LengthPenaltyConfig:
+    """Linear penalty on the response length L (tokens): 0 while L <= target_tokens, falling to
+    ``-penalty`` at L = max_tokens and staying there (DAPO's soft overlong punishment when
+    target_tokens = max_new_tokens - buffer)."""
+
+    max_tokens: int
+    target_tokens: int = 0
+    penalty: float = 1.0
+
+    def __post_init__(self):
+        check(self.target_tokens >= 0, "target_tokens", "must be >= 0")
+        check(self.max_tokens > self.target_tokens, "max_tokens", "must be > target_tokens")
+        check(self.penalty >= 0, "penalty", "must be >= 0 (the score is -penalty at worst)")
+
+
+@RULES.register("length_penalty")
+class LengthPenalty(RuleReward):
+    """score = -penalty * clip((L - target) / (max - target), 0, 1) with L = len(response_ids)."""
+
+    Config = LengthPenaltyConfig
+
+    def score(self, sample: RewardSample) -> float:
+        c = self.cfg
+        frac = (len(sample.response_ids) - c.target_tokens) / (c.max_tokens - c.target_tokens)
+        return 0.0 - c.penalty * min(1.0, max(0.0, frac))
+
+
+class RuleComponent(SyncComponent):
+    """A rule as a reward component (scored inline; rules are cheap and do not block)."""
+
+    def __init__(self, rule: RuleReward):
+        self.rule = rule
+
+    def score(self, samples: list[RewardSample]) -> ComponentResult:
+        result = ComponentResult(scores=[])
+        for i, s in enumerate(samples):
+            try:
+                result.scores.append(as_score(self.rule.score(s)))
+            except Exception as e:  # a rule bug is reported per sample like any component error
+                result.scores.append(math.nan)
+                result.errors[i] = f"rule '{self.rule.name}' raised {type(e).__name__}: {e}"
+        return result
