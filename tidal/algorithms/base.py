@@ -2,6 +2,7 @@
 
 Every per-token tensor is aligned with the sequence: ``x_BT[b, t]`` belongs to token ``sequences[b, t]``
 (its logprob is log p(sequences[b,t] | sequences[b,:t])). ``action_mask_BT`` is 1 on response tokens.
+The response tokens of a row are contiguous and followed only by padding.
 """
 
 from __future__ import annotations
@@ -46,11 +47,27 @@ class LossNormalizer:
     """Global counts of one optimizer step (summed over micro-batches and all DP ranks), so that
     summing per-micro-batch losses gives the aggregate of the whole global batch.
 
-    num_tokens: response tokens in the global batch; num_seqs: sequences in the global batch.
+    num_tokens: response tokens in the global batch; num_seqs: sequences in the global batch
+    (those with at least one response token: a fully masked row contributes nothing).
     """
 
     num_tokens: float
     num_seqs: float
+
+    @classmethod
+    def from_mask(cls, mask_BT: torch.Tensor, group=None) -> "LossNormalizer":
+        """Counts of the response mask of ALL micro-batches of one optimizer step on this rank
+        (pass them concatenated, or add the normalisers of the parts with ``+``), summed over the
+        ranks of ``group`` when torch.distributed is initialised and ``group`` is given."""
+        counts = torch.stack([mask_BT.sum(), (mask_BT.sum(-1) > 0).sum()]).to(torch.float64)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        return cls(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
+
+    def __add__(self, other: "LossNormalizer") -> "LossNormalizer":
+        return LossNormalizer(num_tokens=self.num_tokens + other.num_tokens, num_seqs=self.num_seqs + other.num_seqs)
 
 
 class LossAggregator(abc.ABC):
@@ -69,5 +86,12 @@ class PolicyLoss(abc.ABC):
         mask_BT: torch.Tensor,
         agg: LossAggregator,
         norm: LossNormalizer,
+        *,
+        weight_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return (scalar loss share, detached metrics such as clip_frac)."""
+        """Return (scalar loss share, detached metrics such as clip_frac).
+
+        weight_BT: detached per-token weight of the policy-gradient term (truncated importance
+        sampling of the rollout/trainer mismatch), or None for 1. Metrics are shares like the loss:
+        summed over micro-batches and ranks they give the global-batch value.
+        """

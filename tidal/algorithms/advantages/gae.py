@@ -1,0 +1,40 @@
+"""GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation"), the PPO estimator with a critic.
+
+r_t = token reward (KL penalty if in the reward) + the scalar reward at the last response token;
+delta_t = r_t + gamma V_{t+1} - V_t (V = 0 past the last response token);
+A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t (the critic's target).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.algorithms.advantages.common import token_reward_BT
+from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
+from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+class GAE(AdvantageEstimator):
+    needs_critic = True
+
+    def __init__(self, cfg, group=None):
+        self.gamma = cfg.gamma
+        self.lam = cfg.lam
+
+    def compute(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
+        if inp.values_BT is None:
+            raise ValueError("gae needs critic values (AdvantageInput.values_BT)")
+        mask = inp.action_mask_BT.to(torch.float32)
+        values = inp.values_BT.to(torch.float32) * mask
+        rewards = token_reward_BT(inp.rewards_B, mask, inp.token_rewards_BT)
+        adv = torch.zeros_like(values)
+        next_adv = torch.zeros_like(values[:, 0])
+        next_value = torch.zeros_like(values[:, 0])
+        for t in range(values.shape[1] - 1, -1, -1):
+            delta = rewards[:, t] + self.gamma * next_value - values[:, t]
+            next_adv = (delta + self.gamma * self.lam * next_adv) * mask[:, t]
+            adv[:, t] = next_adv
+            next_value = values[:, t]
+        return adv, (adv + values) * mask

@@ -1,0 +1,73 @@
+"""Loss aggregation modes: how per-token losses of a micro-batch become its share of the global loss.
+
+Every mode divides by a count of the WHOLE global batch (``LossNormalizer``), never of the
+micro-batch, so the shares of all micro-batches and ranks sum to the global aggregate:
+
+- token_mean:           sum_{b,t} m l / N_tokens                               (DAPO token-level)
+- seq_mean_token_mean:  sum_b [sum_t m l / sum_t m] / N_seqs                   (GRPO paper, GSPO)
+- seq_mean_token_sum:   sum_b sum_t m l / N_seqs
+- constant:             sum_b sum_t m l / (N_seqs * C)                         (Dr.GRPO, C = budget)
+
+Rows without response tokens contribute 0 in every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.algorithms.base import LossAggregator, LossNormalizer
+from tidal.algorithms.registry import LOSS_AGGREGATORS
+
+
+def _masked_sum_B(loss_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return (loss_BT * mask_BT).sum(-1)
+
+
+@LOSS_AGGREGATORS.register("token_mean")
+class TokenMean(LossAggregator):
+    def __init__(self, cfg=None):
+        pass
+
+    def __call__(self, loss_BT, mask_BT, norm: LossNormalizer):
+        return _masked_sum_B(loss_BT, mask_BT).sum() / max(norm.num_tokens, 1.0)
+
+
+@LOSS_AGGREGATORS.register("seq_mean_token_mean")
+class SeqMeanTokenMean(LossAggregator):
+    def __init__(self, cfg=None):
+        pass
+
+    def __call__(self, loss_BT, mask_BT, norm: LossNormalizer):
+        len_B = mask_BT.sum(-1)
+        seq_B = _masked_sum_B(loss_BT, mask_BT) / len_B.clamp(min=1)
+        return seq_B.sum() / max(norm.num_seqs, 1.0)
+
+
+@LOSS_AGGREGATORS.register("seq_mean_token_sum")
+class SeqMeanTokenSum(LossAggregator):
+    def __init__(self, cfg=None):
+        pass
+
+    def __call__(self, loss_BT, mask_BT, norm: LossNormalizer):
+        return _masked_sum_B(loss_BT, mask_BT).sum() / max(norm.num_seqs, 1.0)
+
+
+@LOSS_AGGREGATORS.register("constant")
+class ConstantNormalizer(LossAggregator):
+    """Dr.GRPO: divide the token sum by a constant (the generation budget) instead of the length."""
+
+    def __init__(self, cfg):
+        self.constant = float(cfg.loss_agg_constant)
+
+    def __call__(self, loss_BT, mask_BT, norm: LossNormalizer):
+        return _masked_sum_B(loss_BT, mask_BT).sum() / (max(norm.num_seqs, 1.0) * self.constant)
+
+
+def token_share(x_BT: torch.Tensor, mask_BT: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Detached token-mean share of a metric: sums over micro-batches/ranks to the global mean."""
+    return ((x_BT.detach() * mask_BT).sum() / max(norm.num_tokens, 1.0)).float()
+
+
+def seq_share(x_B: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Detached per-sequence share of a metric (x_B must be 0 on rows without response tokens)."""
+    return (x_B.detach().sum() / max(norm.num_seqs, 1.0)).float()

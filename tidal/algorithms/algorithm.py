@@ -1,0 +1,240 @@
+"""``Algorithm``: the one object the trainer talks to; it wires the configured variants together.
+
+What the trainer calls, in order, per iteration (see docs/algorithms.md, "Trainer contract"):
+ 1. after scoring:     rewards_B, m = algo.process_rewards(rewards_B, group_ids_B, response_len_B, truncated_B)
+ 2. dynamic sampling:  keep_B = algo.keep_groups(rewards_B, group_ids_B) (all True when off); the
+                       trainer regenerates up to ``cfg.dynamic_sampling.max_tries`` rounds.
+ 3. KL in reward:      token_rewards_BT = algo.kl_reward_BT(old_logp_BT, ref_logp_BT, mask_BT)
+ 4. advantages:        adv_BT, ret_BT = algo.compute_advantages(AdvantageInput(...))
+ 5. truncation mask:   mask_BT = mask_BT * algo.loss_mask_B(truncated_B)[:, None] (before counting
+                       the LossNormalizer of each optimizer step)
+ 6. per micro-batch:   loss, m = algo.policy_loss(...); loss_v, m_v = algo.value_loss(...)
+ 7. after the updates of the iteration: algo.update_after_step(metrics_with_kl)
+It does not know models, devices or the data layout beyond the [B, T] tensors it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from tidal.algorithms import registry
+from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.base import AdvantageInput, LossNormalizer
+from tidal.algorithms.config import AlgorithmConfig
+from tidal.algorithms.entropy import top_entropy_mask_BT
+from tidal.algorithms.kl import make_kl_controller
+from tidal.algorithms.mismatch import mismatch_weights
+from tidal.algorithms.normalization import RunningMoments, masked_whiten
+from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty_B
+
+
+class Algorithm:
+    """The configured RL algorithm.
+
+    group: process group over which batch statistics (running moments, batch whitening) are
+        all-reduced; None keeps them local to this process's batch. Prompt groups (group_ids_B)
+        must never be split across ranks.
+    """
+
+    def __init__(self, cfg: AlgorithmConfig, *, group=None):
+        self.cfg = cfg
+        self.group = group
+        self.estimator = registry.ADVANTAGE_ESTIMATORS.get(cfg.advantage, "algorithm.advantage")(cfg, group)
+        self.pg_loss = registry.POLICY_LOSSES.get(cfg.policy_loss, "algorithm.policy_loss")(cfg)
+        self.agg = registry.LOSS_AGGREGATORS.get(cfg.loss_agg, "algorithm.loss_agg")(cfg)
+        self.kl = registry.KL_ESTIMATORS.get(cfg.kl_estimator, "algorithm.kl_estimator")()
+        self.kl_ctl = make_kl_controller(cfg)
+        self.reward_moments = RunningMoments()
+        self.adv_moments = RunningMoments()
+
+    # ---- what to build -------------------------------------------------------------------
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator.needs_critic
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """policy_loss needs entropy_BT (the trainer may pass it anyway, for the metric)."""
+        return self.cfg.entropy_coef > 0 or self.cfg.entropy_top_q < 1
+
+    @property
+    def kl_coef(self) -> float:
+        """The current KL coefficient beta (changes under the adaptive controller)."""
+        return self.kl_ctl.value
+
+    # ---- rollout side --------------------------------------------------------------------
+    def process_rewards(
+        self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor, response_len_B: torch.Tensor, truncated_B: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Overlong shaping, then running normalisation, then clipping, each only when configured.
+
+        Metrics are means over this batch: reward_raw, overlong_penalty, truncated_frac, and
+        reward_clip_frac when clipping. group_ids_B is accepted for symmetry with keep_groups.
+        """
+        del group_ids_B
+        rewards_B = rewards_B.to(torch.float32)
+        metrics = {"reward_raw": rewards_B.mean(), "truncated_frac": truncated_B.float().mean()}
+        cfg = self.cfg
+        if cfg.overlong.shaping:
+            penalty_B = overlong_penalty_B(response_len_B, cfg.overlong)
+            rewards_B = rewards_B + penalty_B
+            metrics["overlong_penalty"] = penalty_B.mean()
+        if cfg.reward_norm == "running":
+            self.reward_moments.update(rewards_B, group=self.group)
+            rewards_B = self.reward_moments.normalize(rewards_B)
+        if cfg.reward_clip > 0:
+            metrics["reward_clip_frac"] = (rewards_B.abs() > cfg.reward_clip).float().mean()
+            rewards_B = rewards_B.clamp(-cfg.reward_clip, cfg.reward_clip)
+        return rewards_B, metrics
+
+    def keep_groups(self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> torch.Tensor:
+        """DAPO dynamic sampling: False for every sample of a group whose rewards are all equal."""
+        if not self.cfg.dynamic_sampling.enabled:
+            return torch.ones_like(rewards_B, dtype=torch.bool)
+        return nonzero_variance_groups_B(rewards_B, group_ids_B)
+
+    def loss_mask_B(self, truncated_B: torch.Tensor) -> torch.Tensor:
+        """1.0 for samples that enter the loss; 0.0 for truncated ones when overlong.mask_truncated."""
+        keep_B = torch.ones_like(truncated_B, dtype=torch.float32)
+        if self.cfg.overlong.mask_truncated:
+            keep_B = keep_B * (~truncated_B.bool()).float()
+        return keep_B
+
+    def token_kl(self, logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+        return self.kl(logp_BT, ref_logp_BT)
+
+    def kl_reward_BT(self, logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """-beta * KL_t on response tokens: AdvantageInput.token_rewards_BT when kl_in_reward."""
+        return -self.kl_coef * self.token_kl(logp_BT.detach(), ref_logp_BT.detach()) * mask_BT
+
+    def compute_advantages(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator's (adv_BT, ret_BT), then advantage normalisation and clipping when configured
+        (returns are left as the estimator made them)."""
+        adv_BT, ret_BT = self.estimator.compute(inp)
+        mask = inp.action_mask_BT.to(adv_BT.dtype)
+        if self.cfg.adv_norm == "batch":
+            adv_BT = masked_whiten(adv_BT, mask, self.group)
+        elif self.cfg.adv_norm == "running":
+            self.adv_moments.update(adv_BT, mask, group=self.group)
+            adv_BT = self.adv_moments.normalize(adv_BT) * mask
+        if self.cfg.adv_clip > 0:
+            adv_BT = adv_BT.clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
+        return adv_BT, ret_BT
+
+    # ---- training side -------------------------------------------------------------------
+    def policy_loss(
+        self,
+        logp_BT: torch.Tensor,
+        old_logp_BT: torch.Tensor,
+        adv_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        norm: LossNormalizer,
+        *,
+        ref_logp_BT: torch.Tensor | None = None,
+        rollout_logp_BT: torch.Tensor | None = None,
+        entropy_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The actor's loss share of one micro-batch and its metric shares.
+
+        loss = policy term (IS-weighted; weight 0 off the top-entropy tokens when entropy_top_q < 1)
+             + beta * agg(KL) (kl_coef > 0 and not kl_in_reward) - entropy_coef * agg(H).
+        Every metric is a detached share: summed over the micro-batches of a step and all-reduced
+        (SUM) over ranks it is the step's global value. Keys: loss, pg_loss, clip_frac, approx_kl,
+        kl (ref given), kl_loss, entropy (entropy given), mismatch_* (rollout logprobs given).
+        """
+        mask = mask_BT.to(logp_BT.dtype)
+        weight_BT, metrics = None, {}
+        if rollout_logp_BT is not None:
+            weight_BT, metrics = mismatch_weights(old_logp_BT, rollout_logp_BT, mask, self.cfg.mismatch, norm)
+        elif self.cfg.mismatch.enabled:
+            raise ValueError("algorithm.mismatch is on: policy_loss needs rollout_logp_BT")
+        if self.cfg.entropy_top_q < 1:
+            if entropy_BT is None:
+                raise ValueError("algorithm.entropy_top_q < 1: policy_loss needs entropy_BT")
+            # A 0/1 weight, not a smaller mask: the aggregators keep counting all response tokens.
+            selected_BT = top_entropy_mask_BT(entropy_BT, mask, self.cfg.entropy_top_q).to(mask.dtype)
+            metrics["entropy_selected_frac"] = token_share(selected_BT, mask, norm)
+            weight_BT = selected_BT if weight_BT is None else weight_BT * selected_BT
+        loss, pg_metrics = self.pg_loss(logp_BT, old_logp_BT, adv_BT, mask, self.agg, norm, weight_BT=weight_BT)
+        metrics.update(pg_metrics)
+        loss = loss + self._kl_term(logp_BT, ref_logp_BT, mask, norm, metrics)
+        loss = loss + self._entropy_term(entropy_BT, mask, norm, metrics)
+        metrics["loss"] = loss.detach().float()
+        return loss, metrics
+
+    def _kl_term(self, logp_BT, ref_logp_BT, mask, norm, metrics) -> torch.Tensor | float:
+        kl_as_loss = self.cfg.kl_coef > 0 and not self.cfg.kl_in_reward
+        if ref_logp_BT is None:
+            if kl_as_loss:
+                raise ValueError("algorithm.kl_coef > 0 (KL as a loss): policy_loss needs ref_logp_BT")
+            return 0.0
+        kl_BT = self.token_kl(logp_BT, ref_logp_BT.detach())
+        metrics["kl"] = token_share(kl_BT, mask, norm)
+        if not kl_as_loss:
+            return 0.0
+        kl_loss = self.kl_coef * self.agg(kl_BT, mask, norm)
+        metrics["kl_loss"] = kl_loss.detach().float()
+        return kl_loss
+
+    def _entropy_term(self, entropy_BT, mask, norm, metrics) -> torch.Tensor | float:
+        if entropy_BT is None:
+            if self.cfg.entropy_coef > 0:
+                raise ValueError("algorithm.entropy_coef > 0: policy_loss needs entropy_BT")
+            return 0.0
+        metrics["entropy"] = token_share(entropy_BT, mask, norm)
+        if self.cfg.entropy_coef == 0:
+            return 0.0
+        return -self.cfg.entropy_coef * self.agg(entropy_BT, mask, norm)
+
+    def value_loss(
+        self,
+        values_BT: torch.Tensor,
+        old_values_BT: torch.Tensor,
+        returns_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        norm: LossNormalizer,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """value_loss_coef * agg(0.5 max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, +-value_clip)
+        (unclipped when value_clip = 0). Metrics (shares): value_loss (before the coefficient),
+        value_clip_frac, values."""
+        mask = mask_BT.to(values_BT.dtype)
+        returns = returns_BT.detach()
+        err = (values_BT - returns) ** 2
+        metrics = {"values": token_share(values_BT, mask, norm)}
+        if self.cfg.value_clip > 0:
+            old = old_values_BT.detach()
+            v_clip = old + (values_BT - old).clamp(-self.cfg.value_clip, self.cfg.value_clip)
+            err_clip = (v_clip - returns) ** 2
+            metrics["value_clip_frac"] = token_share((err_clip > err).float(), mask, norm)
+            err = torch.maximum(err, err_clip)
+        loss = self.agg(0.5 * err, mask, norm)
+        metrics["value_loss"] = loss.detach().float()
+        return self.cfg.value_loss_coef * loss, metrics
+
+    # ---- state ---------------------------------------------------------------------------
+    def update_after_step(self, metrics: Mapping[str, float]) -> None:
+        """Feed the adaptive KL controller the iteration's mean per-token KL (``metrics["kl"]``).
+        Call once per training iteration; a no-op for the fixed controller."""
+        if self.cfg.kl_controller != "adaptive":
+            return
+        if "kl" not in metrics:
+            raise KeyError("update_after_step: the adaptive KL controller needs metrics['kl'] (pass ref_logp_BT to policy_loss)")
+        self.kl_ctl.update(float(metrics["kl"]))
+
+    def state_dict(self) -> dict:
+        return {
+            "kl_coef": self.kl_ctl.value,
+            "reward_moments": self.reward_moments.state_dict(),
+            "adv_moments": self.adv_moments.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_ctl.value = float(state["kl_coef"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+        self.adv_moments.load_state_dict(state["adv_moments"])

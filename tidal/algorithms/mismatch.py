@@ -1,0 +1,54 @@
+"""Rollout/trainer mismatch: metrics and truncated importance sampling.
+
+The engine samples with pi_rollout (its own kernels, maybe lower precision); the loss treats the
+trainer's pi_old as the behaviour policy. rho = pi_old / pi_rollout corrects the difference
+(Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"):
+    token_truncate: w_t = min(rho_t, C)                       (TIS)
+    token_mask:     w_t = rho_t if lower <= rho_t <= C else 0 (masked IS)
+    seq_truncate / seq_mask: the same with rho_i = prod_t rho_t, given to every token of i.
+Metrics (every step, whatever the mode): mismatch_kl = k3 estimate of KL(pi_rollout || pi_old),
+mismatch_abs_logp_diff = mean |log pi_old - log pi_rollout|, mismatch_is_weight = mean applied
+weight, mismatch_corrected_frac = fraction of tokens (token modes) or sequences (sequence modes)
+truncated or masked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.algorithms.aggregation import seq_share, token_share
+from tidal.algorithms.base import LossNormalizer
+
+# rho beyond exp(20) is truncated or masked anyway; the bound keeps exp() finite.
+_LOG_RHO_BOUND = 20.0
+
+
+def mismatch_weights(
+    old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, cfg, norm: LossNormalizer
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """(w_BT or None when mode is ``none``, metrics as shares of the global batch)."""
+    mask = mask_BT.to(torch.float32)
+    log_rho = (old_logp_BT.detach() - rollout_logp_BT.detach()).float() * mask
+    metrics = {
+        "mismatch_kl": token_share(torch.exp(log_rho.clamp(max=_LOG_RHO_BOUND)) - 1.0 - log_rho, mask, norm),
+        "mismatch_abs_logp_diff": token_share(log_rho.abs(), mask, norm),
+    }
+    if cfg.mode == "none":
+        return None, metrics
+    if cfg.mode.startswith("seq_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
+    rho = torch.exp(log_rho.clamp(-_LOG_RHO_BOUND, _LOG_RHO_BOUND))
+    if cfg.mode.endswith("_truncate"):
+        corrected = rho > cfg.cap
+        w = rho.clamp(max=cfg.cap)
+    else:
+        corrected = (rho > cfg.cap) | (rho < cfg.lower)
+        w = torch.where(corrected, torch.zeros_like(rho), rho)
+    w = w * mask
+    metrics["mismatch_is_weight"] = token_share(w, mask, norm)
+    if cfg.mode.startswith("seq_"):
+        has_tokens_B = mask.sum(-1) > 0
+        metrics["mismatch_corrected_frac"] = seq_share((corrected[:, 0] & has_tokens_B).float(), norm)
+    else:
+        metrics["mismatch_corrected_frac"] = token_share(corrected.float(), mask, norm)
+    return w, metrics
