@@ -54,13 +54,18 @@ class ModelReward(SyncComponent):
 
     scores_every_sample = True
 
-    def __init__(self, cfg: ModelRewardConfig, *, device: torch.device, placement: ModelPlacement, key: str):
+    def __init__(
+        self, cfg: ModelRewardConfig, *, device: torch.device, placement: ModelPlacement, key: str, resident: bool = False
+    ):
+        """``resident``: keep the model on its device between calls (a dedicated reward server)
+        instead of reloading it before and offloading it after each call."""
         self.cfg = cfg
+        self.device = device
         self.placement = placement
+        self.resident = resident
         model, self.tokenizer, self.pad_id = load_reward_model(cfg, device=device, key=key)
         self.tokenizer.truncation_side = "left"  # keep the response, cut the prompt's start
-        self.model = placement.prepare_frozen(model)
-        placement.offload_model(self.model)
+        self.model = placement.prepare_frozen(model, offload=not resident)
 
     def _encode(self, samples: list[RewardSample]) -> list[list[int]]:
         texts = [s.prompt + self.cfg.separator + s.response for s in samples]
@@ -85,14 +90,15 @@ class ModelReward(SyncComponent):
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
         scores_B = torch.empty(len(encoded))
         mb = self.cfg.micro_batch_size
-        self.placement.reload_model(self.model)
+        if not self.resident:
+            self.placement.reload_model(self.model)
         try:
-            device = next(self.model.parameters()).device
             for start in range(0, len(order), mb):
                 idx = order[start : start + mb]
-                scores_B[idx] = self._forward([encoded[i] for i in idx], device)
+                scores_B[idx] = self._forward([encoded[i] for i in idx], self.device)
         finally:
-            self.placement.offload_model(self.model)
+            if not self.resident:
+                self.placement.offload_model(self.model)
         return _checked(scores_B.tolist())
 
 

@@ -1,7 +1,8 @@
 """Where local reward models live between scoring calls.
 
-The reward layer never moves models itself: it asks a :class:`ModelPlacement`, which the training
-strategy provides (so FSDP2, DeepSpeed or a single process each place frozen models their own way).
+The reward layer never moves models itself: it asks a :class:`ModelPlacement`. A training strategy
+(:class:`tidal.strategy.base.Strategy`) is one: pass it as ``RewardEngine(..., placement=strategy)``
+so that FSDP2, DeepSpeed or a single process place frozen models their own way.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import torch
 
 @runtime_checkable
 class ModelPlacement(Protocol):
-    """What the reward layer needs from the strategy for a frozen model.
+    """What the reward layer needs for a frozen model.
 
-    prepare_frozen(model) -> model: called once after loading (on CPU); returns the model to use
-        (eval mode, no grads; possibly wrapped). Its result is what reload/offload receive.
-    reload_model(model): put the model where it computes (its device) before a scoring call.
+    prepare_frozen(model, offload=...) -> model: called once after loading (model on CPU); returns
+        the model to use (eval mode, no grads; possibly sharded/wrapped), offloaded if asked. Its
+        result is what reload/offload receive.
+    reload_model(model): put the model where it computes before a scoring call.
     offload_model(model): release its device memory after the call.
 
-    Reward scoring calls these the same number of times on every rank for every ``score`` call,
-    so an implementation may use collectives if the model is sharded.
+    Reward scoring makes these calls, and the model's forward passes, the same number of times on
+    every rank for equal batch sizes, so an implementation may shard the model (collectives).
     """
 
-    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module: ...
 
     def reload_model(self, model: torch.nn.Module) -> None: ...
 
@@ -32,17 +34,15 @@ class ModelPlacement(Protocol):
 
 
 class LocalPlacement:
-    """Single-process placement: the model computes on ``device`` and waits on the CPU between
-    calls (``offload=False`` keeps it on ``device``, e.g. in a dedicated reward server)."""
+    """Single-process placement: the model computes on ``device``; offloaded means on the CPU."""
 
-    def __init__(self, device: torch.device | str, *, offload: bool = True):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.offload = offload
 
-    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module:
         model.eval()
         model.requires_grad_(False)
-        if not self.offload:
+        if not offload:
             model.to(self.device)
         return model
 
@@ -50,8 +50,8 @@ class LocalPlacement:
         model.to(self.device)
 
     def offload_model(self, model: torch.nn.Module) -> None:
-        if not self.offload or self.device.type == "cpu":
+        if self.device.type == "cpu":
             return
         model.to("cpu")
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the freed blocks back for the engine's KV cache
+            torch.cuda.empty_cache()  # give the freed blocks back (e.g. to the engine's KV cache)
