@@ -70,9 +70,10 @@ class PromptDataset:
         require_chat_template(tokenizer, cfg)
         self._tokenizer = tokenizer
         self._cfg = cfg
-        self._gen_len = generation_prompt_len(tokenizer) if cfg.apply_chat_template else 0
-        if cfg.overlong_prompt == "left_truncate" and cfg.max_prompt_len <= self._gen_len:
-            raise ConfigError("data.max_prompt_len", f"must exceed the {self._gen_len} tokens of the generation prompt to left-truncate")
+        if cfg.overlong_prompt == "left_truncate" and cfg.apply_chat_template:
+            gen_len = generation_prompt_len(tokenizer)
+            if cfg.max_prompt_len <= gen_len:
+                raise ConfigError("data.max_prompt_len", f"must exceed the {gen_len} tokens of the generation prompt to left-truncate")
         self.num_dropped = 0
         self.num_truncated = 0
         self._kept: list[_Kept] = []
