@@ -26,6 +26,9 @@ class EngineConfig:
     enable_prefix_caching: share KV blocks of identical prompt prefixes (GRPO groups prefill once).
     cuda_graphs: capture decode steps in CUDA graphs at bucketed batch sizes (CUDA only).
     sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights.
+    kernel_backend: kernels of the native engine: ``triton`` (CUDA: fused norm/RoPE/KV-store, paged
+        attention; needed for CUDA graphs), ``torch`` (plain PyTorch, any device), ``auto`` (triton on
+        CUDA when importable, else torch).
     """
 
     backend: Literal["native", "hf", "vllm", "sglang"] = "native"
@@ -39,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     sleep_level: int = 1
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
 
     def __post_init__(self):
         check(self.tp_size >= 1, "tp_size", "must be >= 1")

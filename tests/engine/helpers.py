@@ -1,0 +1,52 @@
+"""Tiny random HF models (Qwen2, Qwen3, Llama) and a NativeEngine loaded with the same weights."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tidal.engine.config import EngineConfig
+from tidal.engine.native import NativeEngine
+
+COMMON = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+    vocab_size=128, max_position_embeddings=256, initializer_range=0.2,
+)
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16, tie_word_embeddings=False)),
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )),
+}
+
+
+def tiny_hf(family: str = "qwen2", seed: int = 0, **overrides):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    config = cfg_cls(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if family == "qwen2":  # HF initialises biases to zero: make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    return model
+
+
+def engine_for(hf_model, **cfg) -> NativeEngine:
+    engine = NativeEngine(hf_model.config, EngineConfig(**{"block_size": 4, **cfg}), device=torch.device("cpu"),
+                          dtype=torch.float32)
+    engine.load_weights(hf_model.state_dict().items())
+    return engine
+
+
+def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
+    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                            eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[3, 17, 99, 5, 42, 8, 61], [11, 12], list(range(20, 41)), [7]]

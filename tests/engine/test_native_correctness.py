@@ -1,0 +1,117 @@
+"""The native engine against Hugging Face on tiny random models (CPU, fp32)."""
+
+import math
+
+import pytest
+import torch
+
+from tidal.engine.base import SamplingParams
+from tidal.engine.sampler import process_logits
+
+from .helpers import PROMPTS, engine_for, hf_greedy, tiny_hf
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_greedy_equals_hf_generate(family):
+    hf = tiny_hf(family)
+    # small blocks and token budget: paging, chunked prefill and mixed lengths all take part
+    engine = engine_for(hf, block_size=4, max_num_batched_tokens=16)
+    n_new = 10
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True))
+    assert [o.prompt_ids for o in out] == PROMPTS
+    for prompt, completion in zip(PROMPTS, out):
+        assert completion.token_ids == hf_greedy(hf, prompt, n_new)
+        assert completion.finish_reason == "length"
+    # greedy logprobs are those of the untempered softmax
+    ref = torch.log_softmax(hf(torch.tensor([PROMPTS[0] + out[0].token_ids])).logits[0].double(), -1)
+    expect = ref[len(PROMPTS[0]) - 1 : -1].gather(-1, torch.tensor(out[0].token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(out[0].logprobs, dtype=torch.float64), expect, atol=1e-4)
+
+
+def _reference_logprobs(hf, prompt, tokens, temperature, top_k, top_p):
+    logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    logp = process_logits(logits, temperature, top_k, top_p)
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_sampled_logprobs_equal_reference_forward(temperature, top_k, top_p):
+    hf = tiny_hf("qwen2")
+    engine = engine_for(hf)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, n=3, seed=1,
+                            ignore_eos=True)
+    out = engine.generate(PROMPTS[:2], params)
+    assert len(out) == 6 and [o.prompt_ids for o in out] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    for c in out:
+        ref = _reference_logprobs(hf, c.prompt_ids, c.token_ids, temperature, top_k, top_p)
+        assert torch.isfinite(ref).all()  # every sampled token lies in the processed support
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_seed_reproducible_and_samples_differ():
+    engine = engine_for(tiny_hf("qwen2"))
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=4, seed=3, ignore_eos=True)
+    a = engine.generate([PROMPTS[0]], params)
+    b = engine.generate([PROMPTS[0]], params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert len({tuple(c.token_ids) for c in a}) > 1
+
+
+def test_stop_token_ends_sequence_like_hf():
+    hf = tiny_hf("qwen2")
+    free = hf_greedy(hf, PROMPTS[0], 10)
+    stop = free[4]
+    first = free.index(stop)
+    engine = engine_for(hf)
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop,)))
+    assert c.token_ids == free[: first + 1] and c.finish_reason == "stop"
+    # ignore_eos keeps the model's EOS from stopping, explicit stop ids still stop
+    hf.config.eos_token_id = stop
+    engine = engine_for(hf)
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10))
+    assert c.token_ids == free[: first + 1] and c.finish_reason == "stop"
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    assert c.token_ids == free and c.finish_reason == "length"
+
+
+def test_preemption_keeps_outputs_exact():
+    hf = tiny_hf("llama")
+    n_new = 12
+    # 12 blocks of 4 tokens cannot hold 4 sequences of ~20 tokens: the scheduler must preempt
+    engine = engine_for(hf, block_size=4, kv_cache_max_tokens=48)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:5], [9, 8, 7, 6]]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True))
+    assert engine.stats["preemptions"] > 0
+    for p, c in zip(prompts, out):
+        assert c.token_ids == hf_greedy(hf, p, n_new)
+        ref = _reference_logprobs(hf, p, c.token_ids, 0, 0, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_n_samples_share_the_prompt_prefill():
+    engine = engine_for(tiny_hf("qwen2"), block_size=4)
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks precede the last token
+    engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=3, n=4, seed=0, ignore_eos=True))
+    # sample 0 computes all 17 prompt tokens; samples 1-3 reuse 4 blocks (16 tokens) and compute 1
+    assert engine.stats["prefix_hit_tokens"] == 3 * 16
+    assert engine.stats["prefill_tokens"] == 17 + 3 * 1
+    assert engine.stats["prefill_steps"] == 1
+
+
+def test_from_pretrained_reads_safetensors(tmp_path):
+    hf = tiny_hf("qwen3")
+    hf.save_pretrained(tmp_path)
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.native import NativeEngine
+
+    engine = NativeEngine.from_pretrained(str(tmp_path), EngineConfig(block_size=8), device=torch.device("cpu"),
+                                          dtype=torch.float32)
+    (c,) = engine.generate([PROMPTS[2]], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    assert c.token_ids == hf_greedy(hf, PROMPTS[2], 6)
+
+
+def test_unknown_weight_name_is_rejected():
+    engine = engine_for(tiny_hf("qwen2"))
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.qkv.weight"):
+        engine.load_weights([("model.layers.0.self_attn.qkv.weight", torch.zeros(1))])
+    assert math.isfinite(engine.generate([[1, 2]], SamplingParams(temperature=0, max_new_tokens=1))[0].logprobs[0])

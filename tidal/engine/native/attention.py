@@ -1,0 +1,60 @@
+"""Paged attention: the per-step metadata and the layer module that writes K/V into the cache and attends.
+
+The KV cache of one layer is ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, H_kv, D]``;
+token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+Every step first writes the new tokens' (rotated) K and V into their slots, then attends over the
+cache only, so prefill with a cached prefix, chunked prefill and decode are one code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class AttnMetadata:
+    """What attention needs to know about one batched step (B sequences, T new tokens).
+
+    slot_mapping_T: cache slot of each new token (int64).
+    block_tables_BN: block ids of each sequence, padded (int32).
+    context_lens_B: KV length of each sequence after this step, new tokens included (int32).
+    cu_seqlens_q_B1: prefill only: offsets of each sequence's new tokens in the flat batch (int32).
+    query_lens / context_lens: the same lengths as Python ints (prefill; avoids device syncs).
+    max_query_len / max_context_len: maxima of the above.
+    """
+
+    is_prefill: bool
+    slot_mapping_T: torch.Tensor
+    block_tables_BN: torch.Tensor
+    context_lens_B: torch.Tensor
+    cu_seqlens_q_B1: torch.Tensor | None = None
+    query_lens: list[int] | None = None
+    context_lens: list[int] | None = None
+    max_query_len: int = 1
+    max_context_len: int = 1
+
+
+class PagedAttention(nn.Module):
+    """Writes K/V of the new tokens into this layer's cache slots, then attends over the cache.
+
+    Holds no parameters; ``k_cache``/``v_cache`` are views into the runner's cache tensor
+    (empty while the engine sleeps). ``ops`` is the kernel backend (torch or triton).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.ops = ops
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q_THD: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        if meta.is_prefill:
+            return self.ops.prefill_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale)
+        return self.ops.decode_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,93 @@
+"""Reference kernels in plain PyTorch: run on any device, define the semantics the Triton ones match.
+
+Numerics follow the Hugging Face Qwen2/Llama modules (RMSNorm in fp32, cast back before the weight;
+rotate-half RoPE in the activation dtype; softmax in fp32), so fp32 outputs match HF to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tidal.engine.native.attention import AttnMetadata
+from tidal.engine.native.kernels import KERNELS
+
+
+def _flat_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of token positions ``0..length-1`` of one sequence (int64)."""
+    nblocks = (length + block_size - 1) // block_size
+    base = block_table[:nblocks].long()[:, None] * block_size
+    return (base + torch.arange(block_size, device=block_table.device)).reshape(-1)[:length]
+
+
+@KERNELS.register("torch")
+class TorchOps:
+    def rms_norm(self, x_TH, weight_H, eps: float, residual_TH=None):
+        """``y = weight * normalize(x + residual)``; returns (y, x + residual) (residual None: (y, x))."""
+        if residual_TH is not None:
+            x_TH = residual_TH + x_TH
+        residual_TH = x_TH
+        x32 = x_TH.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight_H * y.to(x_TH.dtype), residual_TH
+
+    def silu_mul(self, x_T2I):
+        """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
+        gate, up = x_T2I.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_store(self, q_THD, k_TKD, v_TKD, positions_T, cos_sin_PD, k_cache, v_cache, slot_mapping_T):
+        """Rotate q and k (rotate-half RoPE; ``cos_sin_PD = [cos | sin]`` per position), write the rotated
+        k and v into their cache slots, return the rotated q."""
+        half = q_THD.shape[-1] // 2
+        cs = cos_sin_PD[positions_T]
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+        def rot(x):
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+        q_THD, k_TKD = rot(q_THD), rot(k_TKD)
+        if k_cache.numel():
+            flat_k = k_cache.view(-1, *k_cache.shape[2:])
+            flat_v = v_cache.view(-1, *v_cache.shape[2:])
+            flat_k.index_copy_(0, slot_mapping_T, k_TKD.to(k_cache.dtype))
+            flat_v.index_copy_(0, slot_mapping_T, v_TKD.to(v_cache.dtype))
+        return q_THD
+
+    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        """Causal attention of each sequence's new tokens over its whole cached context."""
+        out = torch.empty_like(q_THD)
+        block_size = k_cache.shape[1]
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        start = 0
+        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            slots = _flat_slots(meta.block_tables_BN[i], ctx, block_size)
+            q = q_THD[start : start + qlen].transpose(0, 1)  # [H, L, D]
+            k = flat_k[slots].transpose(0, 1)  # [Hkv, ctx, D]
+            v = flat_v[slots].transpose(0, 1)
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+            mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start : start + qlen] = o.transpose(0, 1)
+            start += qlen
+        return out
+
+    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        """One query per sequence over its ``context_lens_B`` cached tokens (batched gather)."""
+        B, H, D = q_BHD.shape
+        block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+        n = meta.max_context_len
+        nblocks = (n + block_size - 1) // block_size
+        bt = meta.block_tables_BN[:, :nblocks].long()
+        slots = (bt[:, :, None] * block_size + torch.arange(block_size, device=bt.device)).reshape(B, -1)[:, :n]
+        k = k_cache.view(-1, Hkv, D)[slots]  # [B, n, Hkv, D]
+        v = v_cache.view(-1, Hkv, D)[slots]
+        q = q_BHD.view(B, Hkv, H // Hkv, D)
+        s = torch.einsum("bhgd,bnhd->bhgn", q.float(), k.float()) * scale
+        valid = torch.arange(n, device=q.device)[None, :] < meta.context_lens_B[:, None]
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        p = s.softmax(-1)
+        o = torch.einsum("bhgn,bnhd->bhgd", p, v.float())
+        return o.reshape(B, H, D).to(q_BHD.dtype)

@@ -1,0 +1,163 @@
+"""Runs one scheduled step on the device: builds the flat inputs and attention metadata, runs the model
+(eagerly, or by replaying a captured decode graph), samples on TP rank 0 and shares the result.
+
+Owns the KV-cache tensor ``[layers, 2, num_blocks + 1, block_size, H_kv, D]``; the extra last block
+is a scratch block that padded rows of a CUDA-graph batch write into. Knows nothing about requests
+or the scheduling policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from tidal.engine.native.attention import AttnMetadata
+from tidal.engine.native.cuda_graphs import DecodeGraphs
+from tidal.engine.native.models import DecoderLM, head_dim_of
+from tidal.engine.native.parallel import TPGroup
+from tidal.engine.native.scheduler import Batch
+from tidal.engine.sampler import sample
+
+
+@dataclasses.dataclass
+class SamplingState:
+    """The processed distribution of one generate call, and its random stream (TP rank 0 only)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, tp: TPGroup, *, block_size: int, device: torch.device, use_graphs: bool,
+                 max_num_seqs: int):
+        self.model = model
+        self.tp = tp
+        self.block_size = block_size
+        self.device = device
+        cfg = model.config
+        attn = model.layer_attentions()[0]
+        self.kv_shape_tail = (block_size, attn.num_kv_heads, head_dim_of(cfg))
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_dtype = model.cos_sin_PD.dtype
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
+        self.graphs = DecodeGraphs(model, max_num_seqs, self.max_blocks_per_seq, device) if use_graphs else None
+        self._pin = device.type == "cuda"
+
+    # ---- KV cache -------------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        """Device bytes of one KV block over all layers (K and V)."""
+        b, h, d = self.kv_shape_tail
+        return self.num_layers * 2 * b * h * d * self.kv_dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        assert self.kv_cache is None
+        self.kv_cache = torch.zeros(
+            self.num_layers, 2, num_blocks + 1, *self.kv_shape_tail, dtype=self.kv_dtype, device=self.device
+        )
+        self.num_blocks = num_blocks
+        for i, attn in enumerate(self.model.layer_attentions()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def free_kv_cache(self) -> int:
+        """Drop the KV cache and the graphs that point into it. Returns device bytes released."""
+        freed = self.graphs.free() if self.graphs is not None else 0
+        if self.kv_cache is not None:
+            freed += self.kv_cache.numel() * self.kv_cache.element_size()
+            for attn in self.model.layer_attentions():
+                attn.k_cache = attn.v_cache = torch.empty(0)
+            self.kv_cache = None
+            self.num_blocks = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin) if not isinstance(data, np.ndarray) else (
+            torch.from_numpy(data).pin_memory() if self._pin else torch.from_numpy(data))
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs) -> np.ndarray:
+        width = max(len(s.block_table) for s in seqs)
+        bt = np.full((len(seqs), width), self.num_blocks, dtype=np.int32)  # pad with the scratch block
+        for i, s in enumerate(seqs):
+            bt[i, : len(s.block_table)] = s.block_table
+        return bt
+
+    def _prefill_inputs(self, batch: Batch):
+        bs = self.block_size
+        ids, pos, slots, qlens, ctxs = [], [], [], [], []
+        for seq in batch.seqs:
+            s, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+            ids.extend(seq.token_ids[s : s + n])
+            pos.extend(range(s, s + n))
+            bt = seq.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(s, s + n))
+            qlens.append(n)
+            ctxs.append(s + n)
+        cu = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        meta = AttnMetadata(
+            is_prefill=True,
+            slot_mapping_T=self._tensor(slots, torch.int64),
+            block_tables_BN=self._tensor(self._block_tables(batch.seqs), torch.int32),
+            context_lens_B=self._tensor(ctxs, torch.int32),
+            cu_seqlens_q_B1=self._tensor(cu, torch.int32),
+            query_lens=qlens,
+            context_lens=ctxs,
+            max_query_len=max(qlens),
+            max_context_len=max(ctxs),
+        )
+        rows = [int(cu[i + 1]) - 1 for i, samples in enumerate(batch.sampling) if samples]
+        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, rows
+
+    def _decode_inputs(self, batch: Batch):
+        bs = self.block_size
+        ctxs = [len(s) for s in batch.seqs]
+        ids = [s.token_ids[-1] for s in batch.seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, ctxs)]
+        pos = [n - 1 for n in ctxs]
+        return ids, pos, slots, ctxs, self._block_tables(batch.seqs)
+
+    # ---- step -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: Batch, sampling: SamplingState) -> tuple[list[int], list[float]]:
+        """Run ``batch``; returns (token ids, logprobs) of its sampling rows, identical on every TP rank."""
+        if batch.is_prefill:
+            ids, pos, meta, rows = self._prefill_inputs(batch)
+            hidden = self.model(ids, pos, meta)
+            logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
+            n = len(rows)
+        else:
+            ids, pos, slots, ctxs, bt = self._decode_inputs(batch)
+            n = len(ids)
+            if self.graphs is not None and self.graphs.fits(n):
+                hidden = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks)
+            else:
+                meta = AttnMetadata(
+                    is_prefill=False,
+                    slot_mapping_T=self._tensor(slots, torch.int64),
+                    block_tables_BN=self._tensor(bt, torch.int32),
+                    context_lens_B=self._tensor(ctxs, torch.int32),
+                    max_context_len=max(ctxs),
+                )
+                hidden = self.model(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta)
+            logits = self.model.compute_logits(hidden)
+        if n == 0:
+            return [], []
+        return self._sample(logits, n, sampling)
+
+    def _sample(self, logits_BV, n: int, sampling: SamplingState) -> tuple[list[int], list[float]]:
+        out = torch.empty(2, n, dtype=torch.float64, device=self.device)
+        if self.tp.is_first:
+            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
+            out[0], out[1] = token_B, logp_B
+        self.tp.broadcast_from_first(out)
+        host = out.cpu()
+        return host[0].long().tolist(), host[1].tolist()

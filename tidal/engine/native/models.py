@@ -1,0 +1,209 @@
+"""Decoder-only LMs of the Qwen2 / Qwen2.5 / Qwen3 / Llama families, tensor-parallel, on paged KV.
+
+The families differ only in biases and per-head q/k RMSNorm; one module covers them and a small
+registered subclass per HF ``model_type`` states the differences. The model owns its weight-name
+mapping: HF names (``model.layers.0.self_attn.q_proj.weight``) are mapped onto packed parameters
+(``qkv_proj``, ``gate_up_proj``) by :attr:`DecoderLM.packed_modules_mapping`.
+
+``forward(ids_T, positions_T, meta)`` runs the flat batch of new tokens; ``compute_logits`` applies
+the LM head to the rows that sample.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tidal.engine.native.attention import AttnMetadata, PagedAttention
+from tidal.engine.native.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rope_cos_sin,
+)
+from tidal.engine.native.parallel import TPGroup
+from tidal.registry import Registry
+
+MODELS: Registry = Registry("model architecture")
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg, tp: TPGroup, ops, dtype, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        d = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, tp, dtype
+        )
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, tp, dtype)
+        self.nh, self.nkv, self.d = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.attn = PagedAttention(self.nh, self.nkv, d, ops)
+        self.ops = ops
+
+    def forward(self, positions_T, x_TH, cos_sin_PD, meta: AttnMetadata):
+        T = x_TH.shape[0]
+        q, k, v = self.qkv_proj(x_TH).split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q, k, v = q.view(T, self.nh, self.d), k.view(T, self.nkv, self.d), v.view(T, self.nkv, self.d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nh, self.d)
+            k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
+        q = self.ops.rope_store(
+            q, k, v, positions_T, cos_sin_PD, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping_T
+        )
+        o = self.attn(q, meta)
+        return self.o_proj(o.reshape(T, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TPGroup, ops, dtype, bias: bool):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg.hidden_act!r}: only silu is supported")
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias, tp, dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias, tp, dtype)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, tp, ops, dtype, biases: dict[str, bool], qk_norm: bool):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, tp, ops, dtype, biases["qkv"], biases["o"], qk_norm)
+        self.mlp = MLP(cfg, tp, ops, dtype, biases["mlp"])
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+
+    def forward(self, positions_T, x_TH, residual_TH, cos_sin_PD, meta):
+        x_TH, residual_TH = self.input_layernorm(x_TH, residual_TH)
+        x_TH = self.self_attn(positions_T, x_TH, cos_sin_PD, meta)
+        x_TH, residual_TH = self.post_attention_layernorm(x_TH, residual_TH)
+        return self.mlp(x_TH), residual_TH
+
+
+class DecoderBody(nn.Module):
+    """``model.*`` of the HF checkpoint: embedding, layers, final norm."""
+
+    def __init__(self, cfg, tp, ops, dtype, biases, qk_norm):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, ops, dtype, biases, qk_norm) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+
+
+class DecoderLM(nn.Module):
+    """A causal LM whose parameters are named like the HF checkpoint, with q/k/v and gate/up packed."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    @staticmethod
+    def biases(cfg) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+        super().__init__()
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported by the native engine")
+        self.config = cfg
+        self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
+        tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
+        self.max_positions = cfg.max_position_embeddings
+        self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
+
+    def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x, residual = self.model.embed_tokens(ids_T), None
+        for layer in self.model.layers:
+            x, residual = layer(positions_T, x, residual, self.cos_sin_PD, meta)
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` on TP rank 0, None on the others."""
+        return self.lm_head(hidden_BH)
+
+    def layer_attentions(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named full tensors into the (sharded, packed) parameters in place. Returns the
+        names loaded. Raises KeyError on a name this model has no place for."""
+        loaded = set()
+        for name, full in named_tensors:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head.tied):
+                continue
+            target, shard_id = name, None
+            for hf_part, (ours, sid) in self.packed_modules_mapping.items():
+                if f".{hf_part}." in name:
+                    target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
+                    break
+            module_name, _, param_name = target.rpartition(".")
+            try:
+                module = self.get_submodule(module_name)
+                param = getattr(module, param_name)
+            except AttributeError:
+                raise KeyError(f"weight {name!r} has no place in {type(self).__name__}") from None
+            if not isinstance(param, nn.Parameter) or not hasattr(module, "weight_loader"):
+                raise KeyError(f"weight {name!r} has no place in {type(self).__name__}")
+            with torch.no_grad():
+                module.weight_loader(param, full, shard_id)
+            loaded.add(name)
+        return loaded
+
+
+@MODELS.register("qwen2")
+class Qwen2ForCausalLM(DecoderLM):
+    """Qwen2 / Qwen2.5: bias on q/k/v only."""
+
+    @staticmethod
+    def biases(cfg):
+        return {"qkv": True, "o": False, "mlp": False}
+
+
+@MODELS.register("qwen3")
+class Qwen3ForCausalLM(DecoderLM):
+    """Qwen3: per-head RMSNorm on q and k before RoPE; biases only if ``attention_bias``."""
+
+    qk_norm = True
+
+    @staticmethod
+    def biases(cfg):
+        b = bool(getattr(cfg, "attention_bias", False))
+        return {"qkv": b, "o": b, "mlp": False}
+
+
+@MODELS.register("llama")
+class LlamaForCausalLM(DecoderLM):
+    """Llama 2/3: ``attention_bias`` on q/k/v/o, ``mlp_bias`` on the MLP."""
+
+    @staticmethod
+    def biases(cfg):
+        b = bool(getattr(cfg, "attention_bias", False))
+        return {"qkv": b, "o": b, "mlp": bool(getattr(cfg, "mlp_bias", False))}
+
+
+def build_model(hf_config, tp: TPGroup, ops, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    """The model for ``hf_config.model_type`` on ``device`` with zero weights (load them next)."""
+    cls = MODELS.get(hf_config.model_type, "model_type")
+    with torch.device(device):
+        return cls(hf_config, tp, ops, dtype).eval()
