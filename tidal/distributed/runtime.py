@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(kw_only=True)
 class Runtime:
-    """This rank's place in the world. ``tp_group``/``dp_group`` are the rollout groups it belongs to."""
+    """This rank's place in the world. ``tp_group``/``dp_group`` are the rollout groups it belongs to;
+    ``cpu_group`` spans the world over gloo, for collectives on CPU tensors and Python objects
+    (statistics, control flow) whatever the device backend."""
 
     rank: int
     world_size: int
@@ -34,6 +36,7 @@ class Runtime:
     dp_rank: int
     dp_size: int
     dp_group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
 
     @property
     def is_main(self) -> bool:
@@ -96,6 +99,7 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             dp_group = group
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return Runtime(
         rank=rank,
         world_size=world_size,
@@ -108,6 +112,7 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
         dp_rank=rank // tp_size,
         dp_size=world_size // tp_size,
         dp_group=dp_group,
+        cpu_group=cpu_group,
     )
 
 

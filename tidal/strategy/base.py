@@ -76,7 +76,7 @@ class Strategy(abc.ABC):
         """Shard ``model`` (fp32 master weights), build AdamW and the LR schedule."""
 
     @abc.abstractmethod
-    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module:
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool = True) -> torch.nn.Module:
         """Shard a frozen model (reference, reward model) for inference; offloaded to CPU if asked."""
 
     @abc.abstractmethod
@@ -124,6 +124,10 @@ class Strategy(abc.ABC):
         every rank, in the same order everywhere. A tied parameter is yielded once, under its first name."""
 
     @abc.abstractmethod
+    def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU state dict, for HF export; a collective on every rank."""
+
+    @abc.abstractmethod
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         """Sharded (DCP-ready) state of model + optimizer; scheduler state under 'scheduler'."""
 
@@ -160,12 +164,18 @@ class Strategy(abc.ABC):
 
     # ---- collectives used by the trainer ------------------------------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.runtime.backend == "nccl" else "cpu")
-        torch.distributed.all_reduce(t)
+        """Sum of each value over all ranks (on CPU, over the gloo group: no device sync)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.runtime.cpu_group)
+        return t.tolist()
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.runtime.cpu_group)
         return t.tolist()
 
     def barrier(self) -> None:
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=self.runtime.cpu_group)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -65,7 +65,7 @@ class FSDP2Strategy(Strategy):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
         return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm)
 
-    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool) -> torch.nn.Module:
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool = True) -> torch.nn.Module:
         model.requires_grad_(False)
         model.eval()
         self._shard(model.to(self.device, dtype=torch.float32), reshard_after_forward=True)

@@ -1,0 +1,121 @@
+"""The ``tidal`` command: train, eval, export, serve-reward, report.
+
+    tidal train CONFIG [key.sub=value ...]        # CONFIG: a shipped name (quickstart) or a YAML path
+    tidal eval CONFIG --checkpoint DIR [overrides]
+    tidal export CONFIG --checkpoint DIR --out OUT [overrides]
+    tidal serve-reward ...                         # see `tidal serve-reward --help`
+    tidal report RUN_DIR
+
+Run under ``torchrun --nproc_per_node N`` for several ranks; every rank runs the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tidal.config_base import ConfigError
+
+
+def _load(args):
+    from tidal.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    cfg = _load(args)
+    from tidal.distributed import shutdown
+    from tidal.trainer.setup import build_trainer
+
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}", "run.steps=1"]
+    cfg = _load(args)
+    from tidal.distributed import shutdown
+    from tidal.trainer.setup import build_trainer
+
+    trainer = build_trainer(cfg)
+    try:
+        step = trainer.maybe_resume()
+        metrics = trainer.evaluate(step)
+        if trainer.rt.is_main:
+            import json
+
+            print(json.dumps({"checkpoint": args.checkpoint, "step": step, **metrics}))
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_export(args) -> int:
+    args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}"]
+    cfg = _load(args)
+    from tidal.distributed import shutdown
+    from tidal.trainer.export import export_hf
+    from tidal.trainer.setup import build_trainer
+
+    trainer = build_trainer(cfg)
+    try:
+        trainer.maybe_resume()
+        export_hf(trainer, args.out)
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_serve_reward(argv: list[str]) -> int:
+    from tidal.rewards.server import main as serve_main
+
+    return serve_main(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from tidal.report import main as report_main
+
+    return report_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidal", description="Colocated RL fine-tuning of language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run RL training")
+    t.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")
+    e.add_argument("config")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("overrides", nargs="*")
+    x = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint")
+    x.add_argument("config")
+    x.add_argument("--checkpoint", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("overrides", nargs="*")
+    sub.add_parser("serve-reward", help="serve a reward model or function over HTTP", add_help=False)
+    sub.add_parser("report", help="draw a run's metric curves (PNG + HTML)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve-reward":
+        return cmd_serve_reward(argv[1:])
+    if argv and argv[0] == "report":
+        return cmd_report(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command](args)
+    except ConfigError as e:
+        print(f"tidal: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The root configuration of a Tidal run: one section per component, loaded from YAML.
+
+``load_config("quickstart")`` loads a named config shipped in ``tidal/configs``; any other string is
+a YAML path. CLI overrides are ``key.sub=value`` (values parsed as YAML). Unknown keys, wrong
+types and impossible values raise :class:`~tidal.config_base.ConfigError` naming the key; checks
+that need the world size (``WORLD_SIZE % engine.tp_size``, batch divisibility) are in
+:meth:`TidalConfig.check_world`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import yaml
+
+from tidal.algorithms.config import AlgorithmConfig
+from tidal.config_base import ConfigError, apply_overrides, build, check, to_dict
+from tidal.data.config import DataConfig
+from tidal.engine.config import EngineConfig
+from tidal.logging.config import LoggingConfig
+from tidal.models.config import ModelConfig
+from tidal.rewards.config import RewardConfig
+from tidal.strategy.config import OptimConfig, StrategyConfig
+from tidal.tasks.config import TaskConfig
+from tidal.trainer.config import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig, TrainConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclasses.dataclass(kw_only=True)
+class TidalConfig:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        if self.task.name:
+            check(not self.model.path, "model.path", f"must be empty with task.name={self.task.name!r}: the task builds the model")
+            check(not self.data.train, "data.train", f"must be empty with task.name={self.task.name!r}: the task builds the data")
+        else:
+            check(bool(self.model.path), "model.path", "must be a local Hugging Face model folder (or set task.name)")
+            check(bool(self.data.train), "data.train", "needs at least one prompt source (or set task.name)")
+        check(
+            self.rollout.prompts_per_step % self.train.mini_batches == 0,
+            "train.mini_batches",
+            f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must divide into {self.train.mini_batches} mini-batches",
+        )
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that depend on the number of ranks."""
+        check(
+            world_size % self.engine.tp_size == 0,
+            "engine.tp_size",
+            f"WORLD_SIZE % engine.tp_size != 0 ({world_size} % {self.engine.tp_size}); pick a tp_size that divides the number of ranks",
+        )
+        check(
+            self.rollout.prompts_per_step % (world_size * self.train.mini_batches) == 0,
+            "rollout.prompts_per_step",
+            f"({self.rollout.prompts_per_step}) must be divisible by WORLD_SIZE x train.mini_batches "
+            f"({world_size} x {self.train.mini_batches}) so every rank gets whole groups in every mini-batch",
+        )
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A shipped config name (``quickstart``) or a YAML file path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.is_file():
+            raise ConfigError("<config>", f"config file {name_or_path!r} not found")
+        return path
+    shipped = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError("<config>", f"no config file {name_or_path!r} and no shipped config of that name (shipped: {names})")
+    return shipped
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalConfig:
+    path = resolve_config_path(name_or_path)
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("<config>", f"{path} must hold a mapping of sections")
+    return build(TidalConfig, apply_overrides(data, overrides or []))

@@ -1,0 +1,129 @@
+"""Atomic, rotated, sharded checkpoints (torch.distributed.checkpoint) and exact resume.
+
+Layout: ``<output_dir>/checkpoints/step_000010/`` holding the DCP shards of every trained model and
+its optimizer + scheduler, ``trainer.json`` (step, sampler and algorithm state) and ``rng_rank<R>.pt``
+(every RNG of each rank). A checkpoint is written into ``step_000010.tmp`` and renamed only when
+every rank has finished: a crash mid-save leaves the previous checkpoint as the newest complete
+one, and the partial ``.tmp`` directory is removed at the next save or resume. With several nodes
+``output_dir`` must be on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+COMPLETE_MARKER = "trainer.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(output_dir: str) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and (p / COMPLETE_MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def clean_partial(root: Path) -> list[str]:
+    """Remove ``*.tmp`` directories left by an interrupted save (rank 0 only). Returns their names."""
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.endswith(".tmp") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+    return removed
+
+
+def rng_state() -> dict[str, Any]:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path, step: int, *, model_states: dict[str, Any], trainer_state: dict[str, Any], rank: int, keep: int
+) -> Path:
+    """Collective: every rank calls it with its shards. Returns the final directory."""
+    final = root / f"step_{step:06d}"
+    tmp = root / f"step_{step:06d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        clean_partial(root)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace atomically below
+            shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(model_states, checkpoint_id=str(tmp / "models"))
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        with open(tmp / COMPLETE_MARKER, "w") as f:
+            json.dump(trainer_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            final.rename(final.with_name(final.name + ".old"))
+        tmp.rename(final)
+        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        _fsync_dir(root)
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def resolve_resume(resume: str, root: Path) -> Path | None:
+    """The checkpoint to resume from: ``auto`` -> newest complete one (or None), ``never`` -> None,
+    else the given directory (which must be complete)."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(f"checkpoint.resume: {resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
+    return path
+
+
+def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Load shards into ``model_states`` in place (collective); restore this rank's RNG; return trainer state."""
+    dcp.load(model_states, checkpoint_id=str(path / "models"))
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    with open(path / COMPLETE_MARKER) as f:
+        return json.load(f)

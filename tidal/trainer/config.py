@@ -1,0 +1,118 @@
+"""Configuration of the run, rollout, training loop, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tidal.config_base import check
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """output_dir: the run directory (metrics, checkpoints, trajectories, report).
+    steps: RL iterations (rollout + update) to run. seed: seeds data order, sampling and init.
+    device: ``auto`` (CUDA if available), ``cuda`` or ``cpu``.
+    collective_timeout_s: how long a rank waits in a collective before the run fails with the stage named.
+    """
+
+    output_dir: str = "runs/default"
+    steps: int = 100
+    seed: int = 1
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    collective_timeout_s: float = 1800.0
+
+    def __post_init__(self):
+        check(bool(self.output_dir), "output_dir", "must be set")
+        check(self.steps >= 1, "steps", "must be >= 1")
+        check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """prompts_per_step: prompts per iteration over ALL ranks (must divide by WORLD_SIZE).
+    n_samples: responses per prompt (the group size of GRPO-family estimators).
+    temperature/top_p/top_k: sampling; the actor's logprobs use the same temperature.
+    max_new_tokens: response length limit (longer responses are truncated, finish_reason=length).
+    """
+
+    prompts_per_step: int = 16
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+    def __post_init__(self):
+        check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        check(self.n_samples >= 1, "n_samples", "must be >= 1")
+        check(self.temperature > 0, "temperature", "must be > 0 for RL sampling (use eval.greedy for greedy evaluation)")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "top_k", "must be >= 0")
+        check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """epochs: passes over each rollout batch. mini_batches: optimizer steps per epoch (the rollout
+    is split into this many equal mini-batches of whole prompt groups).
+    micro_batch_tokens / micro_batch_max_seqs: token budget of one forward/backward (padded tokens).
+    max_skipped_steps_in_a_row: optimizer steps with a non-finite gradient norm are skipped on all
+        ranks and counted; this many in a row stops the run with an error.
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_tokens: int = 16384
+    micro_batch_max_seqs: int = 64
+    max_skipped_steps_in_a_row: int = 3
+
+    def __post_init__(self):
+        check(self.epochs >= 1, "epochs", "must be >= 1")
+        check(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
+        check(self.micro_batch_max_seqs >= 1, "micro_batch_max_seqs", "must be >= 1")
+        check(self.max_skipped_steps_in_a_row >= 1, "max_skipped_steps_in_a_row", "must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    """every: evaluate every N steps (0: never during training) and at the end when > 0 or at_end.
+    greedy: one greedy response per prompt (accuracy); n_samples > 0 adds sampled pass@k / mean@k.
+    max_prompts: evaluate on at most this many eval prompts (0: all).
+    correct_threshold: a response counts as correct when its total reward is >= this.
+    """
+
+    every: int = 0
+    at_end: bool = True
+    at_start: bool = True
+    greedy: bool = True
+    n_samples: int = 0
+    temperature: float = 1.0
+    max_prompts: int = 0
+    correct_threshold: float = 1.0
+
+    def __post_init__(self):
+        check(self.every >= 0, "every", "must be >= 0")
+        check(self.n_samples >= 0, "n_samples", "must be >= 0")
+        check(self.greedy or self.n_samples > 0, "greedy", "evaluation needs greedy: true or n_samples > 0")
+        check(self.temperature > 0, "temperature", "must be > 0")
+        check(self.max_prompts >= 0, "max_prompts", "must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """every: save every N steps (0: only at the end if at_end). keep: newest checkpoints kept.
+    resume: ``auto`` (continue from the newest complete checkpoint in output_dir, if any),
+    ``never``, or a checkpoint directory path.
+    """
+
+    every: int = 0
+    at_end: bool = True
+    keep: int = 2
+    resume: str = "auto"
+
+    def __post_init__(self):
+        check(self.every >= 0, "every", "must be >= 0")
+        check(self.keep >= 1, "keep", "must be >= 1")
+        check(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")

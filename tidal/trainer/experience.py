@@ -1,0 +1,139 @@
+"""Experience: one rollout batch as batched tensors, and the replay buffer that holds it on CPU.
+
+Layout (B sequences, T positions, right-padded): ``sequences_BT`` = prompt tokens, response tokens,
+padding. Every per-token tensor is aligned with ``sequences_BT``: ``x_BT[b, t]`` belongs to the
+token ``sequences_BT[b, t]`` (a logprob is log p(token t | tokens < t)). ``action_mask_BT`` is 1
+exactly on response tokens, so prompt and padding never enter a loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclasses.dataclass(kw_only=True)
+class Experience:
+    """A batch of B sequences.
+
+    sequences_BT: token ids. attention_mask_BT: 1 on real tokens. action_mask_BT: 1 on response tokens.
+    old_logp_BT: the actor's logprobs before this update (the PPO ratio's denominator).
+    rollout_logp_BT: the engine's sampling logprobs (rollout/training mismatch).
+    ref_logp_BT: reference-model logprobs (KL on), else None.
+    values_BT: critic values (estimators with a critic), else None.
+    advantages_BT / returns_BT: from the advantage estimator.
+    rewards_B: scalar rewards (after shaping). group_ids_B: prompt index, shared by a group's samples.
+    loss_mask_B: 1 for sequences that enter the loss (0: e.g. dropped reward, masked truncation).
+    info: per-sequence extras for metrics (lists / tensors of length B).
+    """
+
+    sequences_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    action_mask_BT: torch.Tensor
+    old_logp_BT: torch.Tensor
+    rollout_logp_BT: torch.Tensor
+    advantages_BT: torch.Tensor
+    returns_BT: torch.Tensor
+    rewards_B: torch.Tensor
+    group_ids_B: torch.Tensor
+    loss_mask_B: torch.Tensor
+    ref_logp_BT: torch.Tensor | None = None
+    values_BT: torch.Tensor | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.sequences_BT.shape[0]
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def to(self, device: torch.device) -> "Experience":
+        out = dataclasses.replace(self)
+        for name in self._tensor_fields():
+            setattr(out, name, getattr(self, name).to(device, non_blocking=True))
+        return out
+
+    def select(self, idx: torch.Tensor | list[int]) -> "Experience":
+        """Rows ``idx``, trimmed to the longest remaining sequence (less padding per micro-batch)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        out = dataclasses.replace(self, info={k: [v[i] for i in idx_t.tolist()] for k, v in self.info.items()})
+        T = int(self.attention_mask_BT[idx_t].sum(-1).max()) if len(idx_t) else 0
+        for name in self._tensor_fields():
+            t = getattr(self, name)[idx_t]
+            setattr(out, name, t[:, :T] if t.dim() == 2 else t)
+        return out
+
+    @property
+    def response_len_B(self) -> torch.Tensor:
+        return self.action_mask_BT.sum(-1)
+
+
+class ReplayBuffer:
+    """Holds the experiences of one rollout on CPU (pinned when CUDA is used) and yields
+    micro-batches on the device. Micro-batches are formed by a token budget over sequences sorted by
+    length, so short sequences pack together and padding stays small."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.items: list[Experience] = []
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def add(self, exp: Experience) -> None:
+        exp = exp.to(torch.device("cpu"))
+        if self.device.type == "cuda":
+            for name in exp._tensor_fields():
+                setattr(exp, name, getattr(exp, name).pin_memory())
+        self.items.append(exp)
+
+    def merged(self) -> Experience:
+        if len(self.items) == 1:
+            return self.items[0]
+        return concat_experiences(self.items)
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self.items)
+
+
+def concat_experiences(items: list[Experience]) -> Experience:
+    """Concatenate along B, right-padding all [B, T] tensors to the longest T."""
+    T = max(e.sequences_BT.shape[1] for e in items)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Experience):
+        vals = [getattr(e, f.name) for e in items]
+        if f.name == "info":
+            out["info"] = {k: [x for e in items for x in e.info[k]] for k in items[0].info}
+        elif vals[0] is None:
+            out[f.name] = None
+        elif vals[0].dim() == 2:
+            out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in vals])
+        else:
+            out[f.name] = torch.cat(vals)
+    return Experience(**out)
+
+
+def token_budget_batches(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Split indices into micro-batches whose padded size (rows x longest row) stays within
+    ``max_tokens`` and ``max_seqs`` rows, taking sequences in order of length. Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if cur and ((len(cur) + 1) * new_longest > max_tokens or len(cur) >= max_seqs):
+            batches.append(cur)
+            cur, new_longest = [], lengths[i]
+        cur.append(i)
+        longest = new_longest
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def iter_micro_batches(exp: Experience, batches: list[list[int]], device: torch.device) -> Iterator[Experience]:
+    for idx in batches:
+        yield exp.select(idx).to(device)

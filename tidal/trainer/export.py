@@ -1,0 +1,25 @@
+"""Export the trained actor as a Hugging Face folder (safetensors + config + tokenizer)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def export_hf(trainer, out_dir: str) -> Path:
+    """Gather the actor's full weights (collective) and write ``out_dir`` on rank 0, atomically
+    (written to ``out_dir.tmp`` then renamed). Loadable with ``AutoModelForCausalLM.from_pretrained``."""
+    out = Path(out_dir)
+    full_sd = trainer.strategy.full_model_state_dict(trainer.actor.model)
+    if trainer.rt.is_main:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = trainer.actor.model
+        model.save_pretrained(tmp, state_dict=full_sd, safe_serialization=True)
+        trainer.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    trainer.strategy.barrier()
+    return out

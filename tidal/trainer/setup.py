@@ -1,0 +1,131 @@
+"""Wiring a run from its config: runtime, strategy, models, engine, rewards, data, logging.
+
+Each function builds one thing; ``build_trainer`` only calls them in order (spec §7 "initialise":
+ranks and process groups, wrapped models, engine, first weight sync, engine to sleep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tidal.algorithms import Algorithm
+from tidal.config import TidalConfig
+from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
+from tidal.distributed import Runtime, init_runtime
+from tidal.engine.factory import create_engine, engine_dtype
+from tidal.logging import MetricsLogger, PhaseTimer
+from tidal.models import load_causal_lm, load_critic, load_tokenizer
+from tidal.rewards import RewardEngine
+from tidal.strategy import get_strategy
+from tidal.trainer.ppo_trainer import PPOTrainer
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResolvedPaths:
+    """Where the model and data come from: the config's paths, or a built-in task's assets."""
+
+    model: str
+    tokenizer: str
+    critic: str
+    reference: str
+    train: list[DataSource]
+    eval: list[DataSource]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def resolve_paths(cfg: TidalConfig, runtime: Runtime) -> ResolvedPaths:
+    """Build the task's assets on rank 0 (others wait) when ``task.name`` is set."""
+    m = cfg.model
+    if not cfg.task.name:
+        return ResolvedPaths(
+            model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
+            reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval),
+        )
+    from tidal.tasks import prepare
+
+    if runtime.is_main:
+        prepare(cfg.task)
+    torch.distributed.barrier()
+    assets = prepare(cfg.task)  # idempotent: returns the paths of what rank 0 built
+    return ResolvedPaths(
+        model=assets.model_path, tokenizer=assets.model_path, critic=assets.model_path, reference=assets.model_path,
+        train=[DataSource(path=assets.train_path)], eval=[DataSource(path=assets.eval_path)],
+    )
+
+
+def total_optimizer_steps(cfg: TidalConfig) -> int:
+    return cfg.run.steps * cfg.train.epochs * cfg.train.mini_batches
+
+
+def build_trainer(cfg: TidalConfig) -> PPOTrainer:
+    runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
+    cfg.check_world(runtime.world_size)
+    seed_everything(cfg.run.seed)
+    paths = resolve_paths(cfg, runtime)
+    strategy = get_strategy(cfg.strategy, runtime)
+    algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
+    tokenizer = load_tokenizer(paths.tokenizer)
+
+    actor_model = load_causal_lm(paths.model)
+    if cfg.model.gradient_checkpointing:
+        actor_model.gradient_checkpointing_enable()
+    hf_config = actor_model.config
+    actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=total_optimizer_steps(cfg))
+    critic = None
+    if algorithm.needs_critic:
+        critic = strategy.prepare_trainable(load_critic(paths.critic), cfg.optim, lr=cfg.optim.critic_lr, total_steps=total_optimizer_steps(cfg))
+    reference = None
+    if algorithm.needs_reference:
+        reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=cfg.strategy.offload_reference)
+    if cfg.strategy.offload_critic and critic is not None:
+        strategy.offload_model(critic.model)
+
+    engine = create_engine(hf_config, cfg.engine, device=runtime.device, tp_group=runtime.tp_group)
+    dtype = engine_dtype(cfg.engine, runtime.device)
+    strategy.update_engine_weights(actor.model, engine, dtype=dtype)
+    strategy.sleep(engine, cfg.engine.sleep_level)
+
+    reward_engine = RewardEngine(cfg.reward, device=runtime.device, placement=strategy)
+    train_data = PromptDataset(paths.train, tokenizer, cfg.data, seed=cfg.run.seed)
+    eval_items = []
+    if paths.eval:
+        eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
+        n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
+        eval_items = [eval_data[i] for i in range(n)]
+    sampler = StatefulDistributedSampler(
+        len(train_data), rank=runtime.rank, world_size=runtime.world_size,
+        batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+    )
+    start_step = _resume_step_hint(cfg)
+    logger = MetricsLogger(
+        cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
+        start_step=start_step, hparams=cfg.to_dict(),
+    )
+    return PPOTrainer(
+        cfg=cfg, strategy=strategy, tokenizer=tokenizer, actor=actor, critic=critic, reference=reference,
+        engine=engine, engine_dtype=dtype, reward_engine=reward_engine, algorithm=algorithm, train_data=train_data,
+        eval_items=eval_items, sampler=sampler, logger=logger, timer=PhaseTimer(),
+    )
+
+
+def _resume_step_hint(cfg: TidalConfig) -> int:
+    """The step a resume will continue from (for the logger), without loading anything."""
+    from tidal.trainer import checkpoint as ckpt
+
+    path = ckpt.resolve_resume(cfg.checkpoint.resume, ckpt.checkpoint_root(cfg.run.output_dir))
+    if path is None:
+        return 0
+    import json
+
+    with open(path / ckpt.COMPLETE_MARKER) as f:
+        return int(json.load(f)["step"])
