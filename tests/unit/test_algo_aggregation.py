@@ -79,8 +79,19 @@ def test_full_actor_loss_shares_sum_to_whole_batch(loss_agg):
     (g_parts,) = torch.autograd.grad(total, logp)
     assert total.item() == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)
     assert torch.allclose(g_parts, g_whole, atol=1e-6)
-    for key in ("pg_loss", "clip_frac", "kl", "kl_loss", "entropy", "mismatch_kl", "mismatch_is_weight", "loss"):
-        assert sum(p[1][key] for p in parts).item() == pytest.approx(whole_m[key].item(), rel=1e-5, abs=1e-7), key
+    # metrics are micro-batch means: weighted by the micro-batch's response tokens (per-token
+    # metrics; loss metrics of token_mean) or sequences (loss metrics of the seq modes) they give
+    # the whole-batch metric
+    rows = [(0, 1), (1, 3), (3, 5), (5, 6)]
+    tokens = [mask[a:b].sum().item() for a, b in rows]
+    seqs = [(mask[a:b].sum(-1) > 0).sum().item() for a, b in rows]
+    loss_w = tokens if loss_agg == "token_mean" else seqs
+    per_token = ("clip_frac", "approx_kl", "kl", "entropy", "mismatch_kl", "mismatch_is_weight", "mismatch_abs_logp_diff")
+    for key in per_token + ("pg_loss", "kl_loss", "loss"):
+        w = tokens if key in per_token else loss_w
+        mean = sum(p[1][key].item() * wi for p, wi in zip(parts, w)) / sum(w)
+        assert mean == pytest.approx(whole_m[key].item(), rel=1e-5, abs=1e-7), key
+    assert whole_m["loss"].item() == pytest.approx(whole.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])

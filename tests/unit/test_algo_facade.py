@@ -61,7 +61,7 @@ def test_sequence_level_truncated_is(mode, w1):
     loss, m = _pg_only(algo, old, rollout, torch.ones(2, 2), mask)
     w0 = math.exp(0.3)
     assert loss.item() == pytest.approx(-(2 * w0 + w1) / 3, rel=1e-5)
-    assert m["mismatch_corrected_frac"].item() == pytest.approx(0.5)  # one sequence of two
+    assert m["mismatch_corrected_frac"].item() == pytest.approx(1 / 3)  # the 1 token of row 1, of 3
 
 
 def test_mismatch_correction_requires_rollout_logprobs():

@@ -34,6 +34,8 @@ class TokenMean(LossAggregator):
 
 @LOSS_AGGREGATORS.register("seq_mean_token_mean")
 class SeqMeanTokenMean(LossAggregator):
+    counts = "seqs"
+
     def __init__(self, cfg=None):
         pass
 
@@ -45,6 +47,8 @@ class SeqMeanTokenMean(LossAggregator):
 
 @LOSS_AGGREGATORS.register("seq_mean_token_sum")
 class SeqMeanTokenSum(LossAggregator):
+    counts = "seqs"
+
     def __init__(self, cfg=None):
         pass
 
@@ -56,6 +60,8 @@ class SeqMeanTokenSum(LossAggregator):
 class ConstantNormalizer(LossAggregator):
     """Dr.GRPO: divide the token sum by a constant (the generation budget) instead of the length."""
 
+    counts = "seqs"
+
     def __init__(self, cfg):
         self.constant = float(cfg.loss_agg_constant)
 
@@ -63,11 +69,11 @@ class ConstantNormalizer(LossAggregator):
         return _masked_sum_B(loss_BT, mask_BT).sum() / (max(norm.num_seqs, 1.0) * self.constant)
 
 
-def token_share(x_BT: torch.Tensor, mask_BT: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
-    """Detached token-mean share of a metric: sums over micro-batches/ranks to the global mean."""
-    return ((x_BT.detach() * mask_BT).sum() / max(norm.num_tokens, 1.0)).float()
+def token_mean_metric(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Detached mean of a per-token metric over the micro-batch's response tokens."""
+    return ((x_BT.detach() * mask_BT).sum() / mask_BT.sum().clamp(min=1)).float()
 
 
-def seq_share(x_B: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
-    """Detached per-sequence share of a metric (x_B must be 0 on rows without response tokens)."""
-    return (x_B.detach().sum() / max(norm.num_seqs, 1.0)).float()
+def local_loss_metric(share: torch.Tensor, agg: LossAggregator, mask_BT: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """A loss share as a metric: the micro-batch's own aggregate (detached)."""
+    return (share.detach() * agg.local_scale(mask_BT, norm)).float()

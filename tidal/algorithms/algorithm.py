@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 
 from tidal.algorithms import registry
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import AdvantageInput, LossNormalizer
 from tidal.algorithms.config import AlgorithmConfig
 from tidal.algorithms.entropy import top_entropy_mask_BT
@@ -144,14 +144,17 @@ class Algorithm:
 
         loss = policy term (IS-weighted; weight 0 off the top-entropy tokens when entropy_top_q < 1)
              + beta * agg(KL) (kl_coef > 0 and not kl_in_reward) - entropy_coef * agg(H).
-        Every metric is a detached share: summed over the micro-batches of a step and all-reduced
-        (SUM) over ranks it is the step's global value. Keys: loss, pg_loss, clip_frac, approx_kl,
-        kl (ref given), kl_loss, entropy (entropy given), mismatch_* (rollout logprobs given).
+        Metrics are detached means over THIS micro-batch (per-token ones over its response tokens;
+        loss, pg_loss and kl_loss are the micro-batch's own aggregate, as if it were the whole
+        batch): their mean over micro-batches and ranks weighted by response-token count is the
+        global value (exactly, for per-token metrics and token_mean). Keys: loss, pg_loss,
+        clip_frac, approx_kl, kl (ref given), kl_loss, entropy (entropy given), mismatch_*
+        (rollout logprobs given), entropy_selected_frac (entropy_top_q < 1), dual_clip_frac.
         """
         mask = mask_BT.to(logp_BT.dtype)
         weight_BT, metrics = None, {}
         if rollout_logp_BT is not None:
-            weight_BT, metrics = mismatch_weights(old_logp_BT, rollout_logp_BT, mask, self.cfg.mismatch, norm)
+            weight_BT, metrics = mismatch_weights(old_logp_BT, rollout_logp_BT, mask, self.cfg.mismatch)
         elif self.cfg.mismatch.enabled:
             raise ValueError("algorithm.mismatch is on: policy_loss needs rollout_logp_BT")
         if self.cfg.entropy_top_q < 1:
@@ -159,13 +162,13 @@ class Algorithm:
                 raise ValueError("algorithm.entropy_top_q < 1: policy_loss needs entropy_BT")
             # A 0/1 weight, not a smaller mask: the aggregators keep counting all response tokens.
             selected_BT = top_entropy_mask_BT(entropy_BT, mask, self.cfg.entropy_top_q).to(mask.dtype)
-            metrics["entropy_selected_frac"] = token_share(selected_BT, mask, norm)
+            metrics["entropy_selected_frac"] = token_mean_metric(selected_BT, mask)
             weight_BT = selected_BT if weight_BT is None else weight_BT * selected_BT
         loss, pg_metrics = self.pg_loss(logp_BT, old_logp_BT, adv_BT, mask, self.agg, norm, weight_BT=weight_BT)
         metrics.update(pg_metrics)
         loss = loss + self._kl_term(logp_BT, ref_logp_BT, mask, norm, metrics)
         loss = loss + self._entropy_term(entropy_BT, mask, norm, metrics)
-        metrics["loss"] = loss.detach().float()
+        metrics["loss"] = local_loss_metric(loss, self.agg, mask, norm)
         return loss, metrics
 
     def _kl_term(self, logp_BT, ref_logp_BT, mask, norm, metrics) -> torch.Tensor | float:
@@ -175,11 +178,11 @@ class Algorithm:
                 raise ValueError("algorithm.kl_coef > 0 (KL as a loss): policy_loss needs ref_logp_BT")
             return 0.0
         kl_BT = self.token_kl(logp_BT, ref_logp_BT.detach())
-        metrics["kl"] = token_share(kl_BT, mask, norm)
+        metrics["kl"] = token_mean_metric(kl_BT, mask)
         if not kl_as_loss:
             return 0.0
         kl_loss = self.kl_coef * self.agg(kl_BT, mask, norm)
-        metrics["kl_loss"] = kl_loss.detach().float()
+        metrics["kl_loss"] = local_loss_metric(kl_loss, self.agg, mask, norm)
         return kl_loss
 
     def _entropy_term(self, entropy_BT, mask, norm, metrics) -> torch.Tensor | float:
@@ -187,7 +190,7 @@ class Algorithm:
             if self.cfg.entropy_coef > 0:
                 raise ValueError("algorithm.entropy_coef > 0: policy_loss needs entropy_BT")
             return 0.0
-        metrics["entropy"] = token_share(entropy_BT, mask, norm)
+        metrics["entropy"] = token_mean_metric(entropy_BT, mask)
         if self.cfg.entropy_coef == 0:
             return 0.0
         return -self.cfg.entropy_coef * self.agg(entropy_BT, mask, norm)
@@ -201,20 +204,20 @@ class Algorithm:
         norm: LossNormalizer,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """value_loss_coef * agg(0.5 max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, +-value_clip)
-        (unclipped when value_clip = 0). Metrics (shares): value_loss (before the coefficient),
-        value_clip_frac, values."""
+        (unclipped when value_clip = 0). Metrics (micro-batch means, as in policy_loss): value_loss
+        (before the coefficient), value_clip_frac, values."""
         mask = mask_BT.to(values_BT.dtype)
         returns = returns_BT.detach()
         err = (values_BT - returns) ** 2
-        metrics = {"values": token_share(values_BT, mask, norm)}
+        metrics = {"values": token_mean_metric(values_BT, mask)}
         if self.cfg.value_clip > 0:
             old = old_values_BT.detach()
             v_clip = old + (values_BT - old).clamp(-self.cfg.value_clip, self.cfg.value_clip)
             err_clip = (v_clip - returns) ** 2
-            metrics["value_clip_frac"] = token_share((err_clip > err).float(), mask, norm)
+            metrics["value_clip_frac"] = token_mean_metric((err_clip > err).float(), mask)
             err = torch.maximum(err, err_clip)
         loss = self.agg(0.5 * err, mask, norm)
-        metrics["value_loss"] = loss.detach().float()
+        metrics["value_loss"] = local_loss_metric(loss, self.agg, mask, norm)
         return self.cfg.value_loss_coef * loss, metrics
 
     # ---- state ---------------------------------------------------------------------------

@@ -71,9 +71,20 @@ class LossNormalizer:
 
 
 class LossAggregator(abc.ABC):
+    # Which global count the shares divide by: "tokens" (num_tokens) or "seqs" (num_seqs).
+    counts: str = "tokens"
+
     @abc.abstractmethod
     def __call__(self, loss_BT: torch.Tensor, mask_BT: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
         """Reduce per-token losses of one micro-batch to its share of the global-batch loss."""
+
+    def local_scale(self, mask_BT: torch.Tensor, norm: LossNormalizer) -> float:
+        """Factor turning a share into the micro-batch's own aggregate (as if it were the whole
+        batch): global count / micro-batch count. Used for loss METRICS only."""
+        local = LossNormalizer.from_mask(mask_BT)
+        if self.counts == "tokens":
+            return max(norm.num_tokens, 1.0) / max(local.num_tokens, 1.0)
+        return max(norm.num_seqs, 1.0) / max(local.num_seqs, 1.0)
 
 
 class PolicyLoss(abc.ABC):
@@ -92,6 +103,8 @@ class PolicyLoss(abc.ABC):
         """Return (scalar loss share, detached metrics such as clip_frac).
 
         weight_BT: detached per-token weight of the policy-gradient term (truncated importance
-        sampling of the rollout/trainer mismatch), or None for 1. Metrics are shares like the loss:
-        summed over micro-batches and ranks they give the global-batch value.
+        sampling of the rollout/trainer mismatch, token selection), or None for 1. Metrics are
+        means over this micro-batch (token metrics over its response tokens; pg_loss is the
+        micro-batch's own aggregate), so their response-token-weighted mean over micro-batches
+        and ranks is the global value.
         """

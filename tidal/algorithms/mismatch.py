@@ -8,30 +8,29 @@ trainer's pi_old as the behaviour policy. rho = pi_old / pi_rollout corrects the
     seq_truncate / seq_mask: the same with rho_i = prod_t rho_t, given to every token of i.
 Metrics (every step, whatever the mode): mismatch_kl = k3 estimate of KL(pi_rollout || pi_old),
 mismatch_abs_logp_diff = mean |log pi_old - log pi_rollout|, mismatch_is_weight = mean applied
-weight, mismatch_corrected_frac = fraction of tokens (token modes) or sequences (sequence modes)
-truncated or masked.
+weight, mismatch_corrected_frac = fraction of response tokens truncated or masked (in the
+sequence modes: tokens of sequences whose ratio was truncated or masked).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tidal.algorithms.aggregation import seq_share, token_share
-from tidal.algorithms.base import LossNormalizer
+from tidal.algorithms.aggregation import token_mean_metric
 
 # rho beyond exp(20) is truncated or masked anyway; the bound keeps exp() finite.
 _LOG_RHO_BOUND = 20.0
 
 
 def mismatch_weights(
-    old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, cfg, norm: LossNormalizer
+    old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, cfg
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """(w_BT or None when mode is ``none``, metrics as shares of the global batch)."""
+    """(w_BT or None when mode is ``none``, metrics as means over the micro-batch's response tokens)."""
     mask = mask_BT.to(torch.float32)
     log_rho = (old_logp_BT.detach() - rollout_logp_BT.detach()).float() * mask
     metrics = {
-        "mismatch_kl": token_share(torch.exp(log_rho.clamp(max=_LOG_RHO_BOUND)) - 1.0 - log_rho, mask, norm),
-        "mismatch_abs_logp_diff": token_share(log_rho.abs(), mask, norm),
+        "mismatch_kl": token_mean_metric(torch.exp(log_rho.clamp(max=_LOG_RHO_BOUND)) - 1.0 - log_rho, mask),
+        "mismatch_abs_logp_diff": token_mean_metric(log_rho.abs(), mask),
     }
     if cfg.mode == "none":
         return None, metrics
@@ -45,10 +44,6 @@ def mismatch_weights(
         corrected = (rho > cfg.cap) | (rho < cfg.lower)
         w = torch.where(corrected, torch.zeros_like(rho), rho)
     w = w * mask
-    metrics["mismatch_is_weight"] = token_share(w, mask, norm)
-    if cfg.mode.startswith("seq_"):
-        has_tokens_B = mask.sum(-1) > 0
-        metrics["mismatch_corrected_frac"] = seq_share((corrected[:, 0] & has_tokens_B).float(), norm)
-    else:
-        metrics["mismatch_corrected_frac"] = token_share(corrected.float(), mask, norm)
+    metrics["mismatch_is_weight"] = token_mean_metric(w, mask)
+    metrics["mismatch_corrected_frac"] = token_mean_metric(corrected.float(), mask)
     return w, metrics

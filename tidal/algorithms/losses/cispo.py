@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
@@ -31,8 +31,8 @@ class CISPO(PolicyLoss):
         loss = agg(weighted(loss_BT, weight_BT), mask_BT, norm)
         clipped = (ratio < self.low) | (ratio > self.high)
         metrics = {
-            "pg_loss": loss.detach().float(),
-            "clip_frac": token_share(clipped.float(), mask_BT, norm),
-            "approx_kl": token_share(approx_kl_BT(lr), mask_BT, norm),
+            "pg_loss": local_loss_metric(loss, agg, mask_BT, norm),
+            "clip_frac": token_mean_metric(clipped.float(), mask_BT),
+            "approx_kl": token_mean_metric(approx_kl_BT(lr), mask_BT),
         }
         return loss, metrics

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
@@ -37,8 +37,8 @@ class CPGDLoss(PolicyLoss):
         pg = agg(weighted(pg_BT, weight_BT), mask_BT, norm)
         loss = pg + self.drift_coef * agg(drift_BT, mask_BT, norm) if self.drift_coef > 0 else pg
         metrics = {
-            "pg_loss": pg.detach().float(),
-            "clip_frac": token_share((surr2 > surr1).float(), mask_BT, norm),
-            "approx_kl": token_share(approx_kl_BT(lr), mask_BT, norm),  # = the drift term's KL
+            "pg_loss": local_loss_metric(pg, agg, mask_BT, norm),
+            "clip_frac": token_mean_metric((surr2 > surr1).float(), mask_BT),
+            "approx_kl": token_mean_metric(approx_kl_BT(lr), mask_BT),  # = the drift term's KL
         }
         return loss, metrics

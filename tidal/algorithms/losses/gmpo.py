@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
@@ -36,8 +36,8 @@ class GMPO(PolicyLoss):
         loss_BT = (-adv_B * ratio_B)[:, None].expand_as(logp_BT)
         loss = agg(weighted(loss_BT, weight_BT), mask_BT, norm)
         metrics = {
-            "pg_loss": loss.detach().float(),
-            "clip_frac": token_share((sgn * lr_clip < sgn * lr).float(), mask_BT, norm),
-            "approx_kl": token_share(approx_kl_BT(lr), mask_BT, norm),
+            "pg_loss": local_loss_metric(loss, agg, mask_BT, norm),
+            "clip_frac": token_mean_metric((sgn * lr_clip < sgn * lr).float(), mask_BT),
+            "approx_kl": token_mean_metric(approx_kl_BT(lr), mask_BT),
         }
         return loss, metrics

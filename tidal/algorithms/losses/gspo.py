@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import LOG_RATIO_BOUND, approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
@@ -35,8 +35,8 @@ class GSPO(PolicyLoss):
         loss_BT = torch.maximum(surr1, surr2)
         loss = agg(weighted(loss_BT, weight_BT), mask_BT, norm)
         metrics = {
-            "pg_loss": loss.detach().float(),
-            "clip_frac": token_share((surr2 > surr1).float(), mask_BT, norm),
-            "approx_kl": token_share(approx_kl_BT(lr), mask_BT, norm),
+            "pg_loss": local_loss_metric(loss, agg, mask_BT, norm),
+            "clip_frac": token_mean_metric((surr2 > surr1).float(), mask_BT),
+            "approx_kl": token_mean_metric(approx_kl_BT(lr), mask_BT),
         }
         return loss, metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms.aggregation import token_share
+from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
@@ -29,13 +29,13 @@ class PPOClip(PolicyLoss):
         surr1 = -adv * ratio
         surr2 = -adv * ratio.clamp(self.low, self.high)
         loss_BT = torch.maximum(surr1, surr2)
-        metrics = {"clip_frac": token_share((surr2 > surr1).float(), mask_BT, norm)}
+        metrics = {"clip_frac": token_mean_metric((surr2 > surr1).float(), mask_BT)}
         if self.dual_clip > 0:
             surr3 = -adv * self.dual_clip
             dual = (adv < 0) & (loss_BT > surr3)
             loss_BT = torch.where(dual, surr3, loss_BT)
-            metrics["dual_clip_frac"] = token_share(dual.float(), mask_BT, norm)
+            metrics["dual_clip_frac"] = token_mean_metric(dual.float(), mask_BT)
         loss = agg(weighted(loss_BT, weight_BT), mask_BT, norm)
-        metrics["pg_loss"] = loss.detach().float()
-        metrics["approx_kl"] = token_share(approx_kl_BT(lr), mask_BT, norm)
+        metrics["pg_loss"] = local_loss_metric(loss, agg, mask_BT, norm)
+        metrics["approx_kl"] = token_mean_metric(approx_kl_BT(lr), mask_BT)
         return loss, metrics
