@@ -88,25 +88,26 @@ class FunctionReward(AsyncComponent):
             return await self._score_batched(samples)
         sem = asyncio.Semaphore(self.cfg.concurrency)
         outcomes = await asyncio.gather(*(self._score_one(sem, s) for s in samples))
-        result = ComponentResult(scores=[score for score, _ in outcomes], counters={"timeouts": 0.0})
-        for i, (_score, err) in enumerate(outcomes):
+        result = ComponentResult(scores=[score for score, _, _ in outcomes], counters={"timeouts": 0.0})
+        for i, (_score, err, timed_out) in enumerate(outcomes):
             if err is not None:
                 result.errors[i] = err
-                result.counters["timeouts"] += err.startswith("timed out")
+            result.counters["timeouts"] += timed_out
         return result
 
-    async def _score_one(self, sem: asyncio.Semaphore, sample: RewardSample) -> tuple[float, str | None]:
+    async def _score_one(self, sem: asyncio.Semaphore, sample: RewardSample) -> tuple[float, str | None, bool]:
+        """(score, error or None, whether it timed out)."""
         async with sem:  # the time limit starts when the call starts, not while it queues
             try:
                 value = await self._call(sample)
             except asyncio.TimeoutError:
-                return math.nan, f"timed out after {self.cfg.timeout_s:g} s in function '{self.label}'"
+                return math.nan, f"timed out after {self.cfg.timeout_s:g} s in function '{self.label}'", True
             except Exception as e:
-                return math.nan, f"function '{self.label}' raised {type(e).__name__}: {e}"
+                return math.nan, f"function '{self.label}' raised {type(e).__name__}: {e}", False
         try:
-            return as_score(value), None
+            return as_score(value), None, False
         except (TypeError, ValueError) as e:
-            return math.nan, f"function '{self.label}' {e}"
+            return math.nan, f"function '{self.label}' {e}", False
 
     async def _score_batched(self, samples: list[RewardSample]) -> ComponentResult:
         n = len(samples)
