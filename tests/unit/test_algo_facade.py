@@ -110,7 +110,7 @@ def test_process_rewards_is_identity_by_default():
     r = torch.tensor([1.0, -2.0, 0.5])
     out, m = algo.process_rewards(r, torch.tensor([0, 0, 1]), torch.tensor([3, 12, 7]), torch.tensor([False, True, False]))
     assert torch.equal(out, r)
-    assert m["truncated_frac"].item() == pytest.approx(1 / 3)
+    assert m["truncated_frac"] == pytest.approx(1 / 3)
 
 
 def test_overlong_soft_penalty_by_hand():
@@ -118,7 +118,7 @@ def test_overlong_soft_penalty_by_hand():
     algo = Algorithm(AlgorithmConfig(overlong=OverlongConfig(buffer_len=4, max_len=10, penalty_factor=0.5)))
     out, m = algo.process_rewards(torch.ones(4), torch.arange(4), torch.tensor([5, 8, 10, 12]), torch.zeros(4, dtype=torch.bool))
     assert out.tolist() == pytest.approx([1.0, 0.75, 0.5, 0.5])
-    assert m["overlong_penalty"].item() == pytest.approx((0 - 0.25 - 0.5 - 0.5) / 4)
+    assert m["overlong_penalty"] == pytest.approx((0 - 0.25 - 0.5 - 0.5) / 4)
 
 
 def test_running_reward_normalisation_and_clip():
@@ -127,7 +127,7 @@ def test_running_reward_normalisation_and_clip():
     out, m = algo.process_rewards(torch.tensor([1.0, 2.0, 3.0]), g, n, t)  # mean 2, var 2/3
     z = 1 / math.sqrt(2 / 3)
     assert out.tolist() == pytest.approx([-1.0, 0.0, 1.0])  # +-1.2247 clipped to +-1
-    assert m["reward_clip_frac"].item() == pytest.approx(2 / 3)
+    assert m["reward_clip_frac"] == pytest.approx(2 / 3)
     assert z > 1
     out, _ = algo.process_rewards(torch.tensor([4.0, 5.0]), g[:2], n[:2], t[:2])  # moments of 1..5: mean 3, var 2
     assert out.tolist() == pytest.approx([1 / math.sqrt(2), 1.0])

@@ -33,8 +33,9 @@ from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty
 class Algorithm:
     """The configured RL algorithm.
 
-    group: process group over which batch statistics (running moments, batch whitening) are
-        all-reduced; None keeps them local to this process's batch. Prompt groups (group_ids_B)
+    group: process group (reducing CPU tensors, e.g. gloo) over which batch statistics (running
+        moments, batch whitening) are all-reduced; None keeps them local to this process's batch.
+        With a group, every rank must make the same calls (process_rewards, compute_advantages). Prompt groups (group_ids_B)
         must never be split across ranks.
     """
 
@@ -71,25 +72,26 @@ class Algorithm:
     # ---- rollout side --------------------------------------------------------------------
     def process_rewards(
         self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor, response_len_B: torch.Tensor, truncated_B: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Overlong shaping, then running normalisation, then clipping, each only when configured.
 
-        Metrics are means over this batch: reward_raw, overlong_penalty, truncated_frac, and
-        reward_clip_frac when clipping. group_ids_B is accepted for symmetry with keep_groups.
+        Metrics (Python floats) are means over this batch: reward_raw, truncated_frac,
+        overlong_penalty (shaping on), reward_clip_frac (clipping on). group_ids_B is accepted for
+        symmetry with keep_groups.
         """
         del group_ids_B
         rewards_B = rewards_B.to(torch.float32)
-        metrics = {"reward_raw": rewards_B.mean(), "truncated_frac": truncated_B.float().mean()}
+        metrics = {"reward_raw": float(rewards_B.mean()), "truncated_frac": float(truncated_B.float().mean())}
         cfg = self.cfg
         if cfg.overlong.shaping:
             penalty_B = overlong_penalty_B(response_len_B, cfg.overlong)
             rewards_B = rewards_B + penalty_B
-            metrics["overlong_penalty"] = penalty_B.mean()
+            metrics["overlong_penalty"] = float(penalty_B.mean())
         if cfg.reward_norm == "running":
             self.reward_moments.update(rewards_B, group=self.group)
             rewards_B = self.reward_moments.normalize(rewards_B)
         if cfg.reward_clip > 0:
-            metrics["reward_clip_frac"] = (rewards_B.abs() > cfg.reward_clip).float().mean()
+            metrics["reward_clip_frac"] = float((rewards_B.abs() > cfg.reward_clip).float().mean())
             rewards_B = rewards_B.clamp(-cfg.reward_clip, cfg.reward_clip)
         return rewards_B, metrics
 

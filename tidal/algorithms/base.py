@@ -58,8 +58,8 @@ class LossNormalizer:
     def from_mask(cls, mask_BT: torch.Tensor, group=None) -> "LossNormalizer":
         """Counts of the response mask of ALL micro-batches of one optimizer step on this rank
         (pass them concatenated, or add the normalisers of the parts with ``+``), summed over the
-        ranks of ``group`` when torch.distributed is initialised and ``group`` is given."""
-        counts = torch.stack([mask_BT.sum(), (mask_BT.sum(-1) > 0).sum()]).to(torch.float64)
+        ranks of ``group`` when given (a group that reduces CPU tensors, e.g. gloo)."""
+        counts = torch.stack([mask_BT.sum(), (mask_BT.sum(-1) > 0).sum()]).to(torch.float64).cpu()
         if group is not None:
             import torch.distributed as dist
 

@@ -1,7 +1,8 @@
 """Batch whitening and running moments (for reward and advantage normalisation).
 
 Statistics are population moments over the selected elements; with a process ``group`` the
-sums are all-reduced first, so every rank normalises with the statistics of the global batch.
+sums are all-reduced first (as a CPU tensor: the group must reduce CPU tensors, e.g. gloo), so
+every rank normalises with the statistics of the global batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ def _global_sums(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[float, flo
     """(count, sum, sum of squares) of x where mask, over the ranks of ``group`` if given."""
     x64 = x.detach().to(torch.float64)
     m64 = mask.to(torch.float64)
-    sums = torch.stack([m64.sum(), (x64 * m64).sum(), (x64 * x64 * m64).sum()])
+    sums = torch.stack([m64.sum(), (x64 * m64).sum(), (x64 * x64 * m64).sum()]).cpu()
     if group is not None:
         import torch.distributed as dist
 
