@@ -1,7 +1,10 @@
 """Token sampling from logits, returning the logprob of each sampled token under the processed
 distribution (temperature, then top-k, then top-p, renormalised).
 
-Shared by every in-process engine so all of them sample the same distribution.
+Shared by every in-process engine so all of them sample the same distribution. On CUDA, when no
+top-k/top-p filter is set, :func:`sample` runs one fused Triton pass (temperature, log-sum-exp and a
+Gumbel-max draw) instead of materialising the fp32 distribution; the distribution and the returned
+logprobs are the same, only the random stream differs from the PyTorch path.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (token_B int64, logp_B fp32)."""
+    if logits_BV.is_cuda and top_k == 0 and top_p >= 1.0 and _triton_available():
+        from tidal.engine.native.kernels.triton_sampling import fused_sample
+
+        return fused_sample(logits_BV, temperature, generator)
     logp_BV = process_logits(logits_BV, temperature, top_k, top_p)
     if temperature == 0:
         token_B = logp_BV.argmax(-1)
@@ -47,3 +54,11 @@ def sample(
         gumbel_BV = -torch.log(-torch.log(u_BV.clamp_min(1e-20)))
         token_B = (logp_BV + gumbel_BV).argmax(-1)
     return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

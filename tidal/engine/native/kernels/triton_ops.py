@@ -1,0 +1,232 @@
+"""Triton kernels for the CUDA fast path; same contracts as :class:`TorchOps`.
+
+- ``rms_norm``: residual add + RMSNorm in one pass (one program per token).
+- ``silu_mul``: ``silu(gate) * up``.
+- ``rope_store``: RoPE on q and k, and the K/V cache write, for all heads of a token in one program.
+- ``decode_attention``: paged attention, one program per (sequence, KV head) computing all the
+  query heads of that KV head's group (GQA), online softmax over ``BLOCK_N`` cached tokens at a time.
+  Reads the context lengths from device memory, so it can be captured in a CUDA graph.
+- ``prefill_attention``: paged causal attention of a varlen batch of new tokens over each
+  sequence's cache (prefix included), flash-attention style, one program per (query block, seq, head).
+
+Head dims must be powers of two (64, 128 in the supported families).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal.engine.native.attention import AttnMetadata
+from tidal.engine.native.kernels import KERNELS
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, stride_x, stride_r, stride_y, H, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(y_ptr.dtype.element_ty)
+        tl.store(r_out_ptr + t * H + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    normed = (xf * tl.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + t * stride_y + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, I, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + t * I + offs, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr,
+                       stride_q, stride_k, stride_v, HQ, HKV,
+                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr):
+    t = tl.program_id(0)
+    D: tl.constexpr = 2 * HALF
+    pos = tl.load(pos_ptr + t)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + pos * D + offs).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * D + HALF + offs).to(tl.float32)[None, :]
+    hq = tl.arange(0, HQ_P)
+    mq = (hq < HQ)[:, None]
+    src = q_ptr + t * stride_q + hq[:, None] * D + offs[None, :]
+    x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mq, other=0.0).to(tl.float32)
+    dst = qo_ptr + t * HQ * D + hq[:, None] * D + offs[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(qo_ptr.dtype.element_ty), mask=mq)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        hk = tl.arange(0, HKV_P)
+        mk = (hk < HKV)[:, None]
+        src = k_ptr + t * stride_k + hk[:, None] * D + offs[None, :]
+        x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mk, other=0.0).to(tl.float32)
+        dst = kc_ptr + slot * HKV * D + hk[:, None] * D + offs[None, :]
+        tl.store(dst, (x1 * cos - x2 * sin).to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(kc_ptr.dtype.element_ty), mask=mk)
+        dd = tl.arange(0, D)
+        v = tl.load(v_ptr + t * stride_v + hk[:, None] * D + dd[None, :], mask=mk, other=0.0)
+        tl.store(vc_ptr + slot * HKV * D + hk[:, None] * D + dd[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, scale, stride_bt, HKV,
+                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    g = tl.arange(0, GROUP_P)
+    mg = (g < GROUP)[:, None]
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + (b * HKV * GROUP + heads)[:, None] * D + d[None, :], mask=mg, other=0.0)
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        mn = n < ctx
+        page = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=mn, other=0).to(tl.int64)
+        off = (page * PAGE + n % PAGE) * (HKV * D) + kvh * D
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        s = tl.where(mn[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (b * HKV * GROUP + heads)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=mg)
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, o_ptr, scale, stride_bt, HQ, HKV,
+                          GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    mblk = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    if mblk * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + b)
+    prefix = ctx - q_len
+    m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = m < q_len
+    d = tl.arange(0, D)
+    kvh = h // GROUP
+    q = tl.load(q_ptr + ((q_start + m) * HQ + h)[:, None] * D + d[None, :], mask=mm[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = tl.minimum(ctx, prefix + (mblk + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        mn = n < end
+        page = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=mn, other=0).to(tl.int64)
+        off = (page * PAGE + n % PAGE) * (HKV * D) + kvh * D
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        allowed = ((prefix + m)[:, None] >= n[None, :]) & mn[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + ((q_start + m) * HQ + h)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mm[:, None])
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+@KERNELS.register("triton")
+class TritonOps:
+    graph_safe = True
+
+    def rms_norm(self, x_TH, weight_H, eps: float, residual_TH=None):
+        T, H = x_TH.shape
+        y = torch.empty((T, H), dtype=x_TH.dtype, device=x_TH.device)
+        r_out = torch.empty_like(y) if residual_TH is not None else x_TH
+        r = residual_TH if residual_TH is not None else x_TH
+        _rms_norm_kernel[(T,)](x_TH, r, weight_H, y, r_out, x_TH.stride(0), r.stride(0), H, H, eps,
+                               HAS_RES=residual_TH is not None, BLOCK=_p2(H), num_warps=4 if H >= 1024 else 2)
+        return y, r_out
+
+    def silu_mul(self, x_T2I):
+        T, I2 = x_T2I.shape
+        I = I2 // 2
+        y = torch.empty((T, I), dtype=x_T2I.dtype, device=x_T2I.device)
+        block = min(1024, _p2(I))
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](x_T2I, y, x_T2I.stride(0), I, BLOCK=block, num_warps=4)
+        return y
+
+    def rope_store(self, q_THD, k_TKD, v_TKD, positions_T, cos_sin_PD, k_cache, v_cache, slot_mapping_T):
+        T, HQ, D = q_THD.shape
+        HKV = k_TKD.shape[1]
+        assert q_THD.stride(2) == 1 and q_THD.stride(1) == D and k_TKD.stride(1) == D and v_TKD.stride(1) == D
+        q_out = torch.empty((T, HQ, D), dtype=q_THD.dtype, device=q_THD.device)
+        store = k_cache.numel() > 0
+        kc, vc = (k_cache, v_cache) if store else (q_out, q_out)
+        _rope_store_kernel[(T,)](q_THD, k_TKD, v_TKD, positions_T, cos_sin_PD, kc, vc, slot_mapping_T, q_out,
+                                 q_THD.stride(0), k_TKD.stride(0), v_TKD.stride(0), HQ, HKV,
+                                 HQ_P=_p2(HQ), HKV_P=_p2(HKV), HALF=D // 2, STORE=store, num_warps=1)
+        return q_out
+
+    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        B, HQ, D = q_BHD.shape
+        HKV, page = k_cache.shape[2], k_cache.shape[1]
+        group = HQ // HKV
+        o = torch.empty_like(q_BHD)
+        bt = meta.block_tables_BN
+        _paged_decode_kernel[(B, HKV)](q_BHD.contiguous(), k_cache, v_cache, bt, meta.context_lens_B, o, scale,
+                                       bt.stride(0), HKV, GROUP=group, GROUP_P=max(16, _p2(group)), D=D, PAGE=page,
+                                       BLOCK_N=64, IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2)
+        return o
+
+    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        T, HQ, D = q_THD.shape
+        HKV, page = k_cache.shape[2], k_cache.shape[1]
+        o = torch.empty_like(q_THD)
+        bt = meta.block_tables_BN
+        B = bt.shape[0]
+        block_m = 64 if meta.max_query_len > 32 else 16
+        grid = (triton.cdiv(meta.max_query_len, block_m), B, HQ)
+        _paged_prefill_kernel[grid](q_THD.contiguous(), k_cache, v_cache, bt, meta.cu_seqlens_q_B1,
+                                    meta.context_lens_B, o, scale, bt.stride(0), HQ, HKV, GROUP=HQ // HKV, D=D,
+                                    PAGE=page, BLOCK_M=block_m, BLOCK_N=64, IEEE=q_THD.dtype == torch.float32,
+                                    num_warps=4, num_stages=2)
+        return o
