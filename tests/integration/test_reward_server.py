@@ -14,7 +14,6 @@ from aiohttp import web
 
 from tidal.config_base import ConfigError
 from tidal.rewards import RewardConfig, RewardEngine, RewardError, RewardSample
-from tidal.rewards.base import ComponentResult
 from tidal.rewards.function import FunctionReward
 from tidal.rewards.config import FunctionRewardConfig
 from tidal.rewards.server import build_app, serve
