@@ -141,3 +141,14 @@ def test_rule_configs_validate():
         ThinkAnswerFormatConfig(think_tag="a b")
     with pytest.raises(ValueError):
         LengthPenaltyConfig(max_tokens=10, penalty=-1)
+
+
+def test_math_answer_works_off_the_main_thread():
+    # math-verify's own timer is signal-based (main thread only); elsewhere it must still answer
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(ma.answers_match("\\frac{1}{2}", "0.5")))
+    t.start()
+    t.join(30)
+    assert out == [True]
