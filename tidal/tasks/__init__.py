@@ -1,0 +1,11 @@
+"""Built-in tasks whose assets Tidal builds locally, with no download (``task.*`` config).
+
+``prepare(TaskConfig(name="arithmetic"))`` returns the paths of a train/eval JSONL pair, and of a
+directory with a trained tokenizer and a warm-started tiny Qwen2 model; the reward is
+``tidal.tasks.quickstart:arithmetic_reward``.
+"""
+
+from tidal.tasks.config import TaskConfig
+from tidal.tasks.prepare import TaskAssets, prepare
+
+__all__ = ["TaskAssets", "TaskConfig", "prepare"]

@@ -1,0 +1,129 @@
+"""Build (once) the assets of a built-in task: train/eval JSONL, tokenizer and warm-started model.
+
+Layout under ``{workdir}/{name}-{hash of the settings}/``::
+
+    model/        tokenizer + Qwen2 model (safetensors), loadable with from_pretrained
+    train.jsonl   {"prompt", "reference", "label"} rows
+    eval.jsonl    held-out rows, disjoint from train
+    task.json     completion marker: the settings and SFT results (written last)
+
+Assets are built in a sibling temporary directory and renamed into place, so a directory that
+exists is complete. Concurrent builders (e.g. every rank of a torchrun job) each build and the
+first rename wins; call it on one rank and barrier to avoid duplicate work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.config_base import ConfigError, check, to_dict
+from tidal.tasks.arithmetic import sft_rows, split_problems
+from tidal.tasks.config import TaskConfig
+from tidal.tasks.model import build_model
+from tidal.tasks.sft import evaluate_greedy, supervised_finetune
+from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
+
+MARKER = "task.json"
+_NOT_SETTINGS = ("workdir", "sft_threads")  # where and how fast to build do not change the assets
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TaskAssets:
+    """Paths of a built task. model_path holds both tokenizer and model; sft_accuracy is the greedy
+    held-out accuracy of the warm-started model (fraction of eval rows correct)."""
+
+    model_path: str
+    train_path: str
+    eval_path: str
+    sft_accuracy: float
+
+
+def settings_hash(cfg: TaskConfig) -> str:
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def asset_dir(cfg: TaskConfig) -> Path:
+    return Path(cfg.workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
+
+
+def prepare(cfg: TaskConfig) -> TaskAssets:
+    """Return the task's assets, building them first unless a complete build exists."""
+    check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
+    root = asset_dir(cfg)
+    if not (root / MARKER).is_file():
+        if root.exists():
+            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
+        _build_atomically(cfg, root)
+    return _assets(root)
+
+
+def _assets(root: Path) -> TaskAssets:
+    marker = json.loads((root / MARKER).read_text())
+    return TaskAssets(
+        model_path=str(root / "model"),
+        train_path=str(root / "train.jsonl"),
+        eval_path=str(root / "eval.jsonl"),
+        sft_accuracy=marker["sft_accuracy"],
+    )
+
+
+def _build_atomically(cfg: TaskConfig, root: Path) -> None:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the assets are meant to be shared
+    try:
+        _build(cfg, tmp)
+        os.rename(tmp, root)
+    except OSError:
+        if not (root / MARKER).is_file():  # not a lost race with another builder
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _build(cfg: TaskConfig, out: Path) -> None:
+    start = time.perf_counter()
+    train, held_out = split_problems(
+        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed
+    )
+    train_rows, eval_rows = [p.row() for p in train], [p.row() for p in held_out]
+    _write_jsonl(out / "train.jsonl", train_rows)
+    _write_jsonl(out / "eval.jsonl", eval_rows)
+    tokenizer = train_tokenizer(r["prompt"] + " " + r["reference"] for r in train_rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.sft_threads)
+    try:
+        model = build_model(cfg, tokenizer)
+        losses = supervised_finetune(
+            model, tokenizer, sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed), steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed
+        )
+        accuracy = evaluate_greedy(model, tokenizer, eval_rows)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out / "model")
+    save_tokenizer(tokenizer, str(out / "model"))
+    seconds = time.perf_counter() - start
+    print(
+        f"[tidal.tasks] built '{cfg.name}' in {seconds:.1f}s: {sum(p.numel() for p in model.parameters())} params, "
+        f"{cfg.sft_steps} SFT steps (final loss {losses[-1] if losses else float('nan'):.3f}), "
+        f"held-out greedy accuracy {accuracy:.3f}",
+        flush=True,
+    )
+    marker = {"settings": to_dict(cfg), "sft_accuracy": accuracy, "sft_final_loss": losses[-1] if losses else None, "build_seconds": seconds}
+    (out / MARKER).write_text(json.dumps(marker, indent=2))
