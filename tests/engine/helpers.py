@@ -36,15 +36,15 @@ def tiny_hf(family: str = "qwen2", seed: int = 0, **overrides):
     return model
 
 
-def engine_for(hf_model, **cfg) -> NativeEngine:
-    engine = NativeEngine(hf_model.config, EngineConfig(**{"block_size": 4, **cfg}), device=torch.device("cpu"),
+def engine_for(hf_model, device: str = "cpu", **cfg) -> NativeEngine:
+    engine = NativeEngine(hf_model.config, EngineConfig(**{"block_size": 4, **cfg}), device=torch.device(device),
                           dtype=torch.float32)
     engine.load_weights(hf_model.state_dict().items())
     return engine
 
 
 def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+    out = hf_model.generate(torch.tensor([prompt], device=hf_model.device), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
                             eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

@@ -55,9 +55,9 @@ def _silu_mul_kernel(x_ptr, y_ptr, stride_x, I, BLOCK: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr,
                        stride_q, stride_k, stride_v, HQ, HKV,
-                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr):
+                       HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                       STORE: tl.constexpr):
     t = tl.program_id(0)
-    D: tl.constexpr = 2 * HALF
     pos = tl.load(pos_ptr + t)
     offs = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + pos * D + offs).to(tl.float32)[None, :]
@@ -88,8 +88,10 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
 
 
 @triton.jit
@@ -203,7 +205,7 @@ class TritonOps:
         kc, vc = (k_cache, v_cache) if store else (q_out, q_out)
         _rope_store_kernel[(T,)](q_THD, k_TKD, v_TKD, positions_T, cos_sin_PD, kc, vc, slot_mapping_T, q_out,
                                  q_THD.stride(0), k_TKD.stride(0), v_TKD.stride(0), HQ, HKV,
-                                 HQ_P=_p2(HQ), HKV_P=_p2(HKV), HALF=D // 2, STORE=store, num_warps=1)
+                                 HQ_P=_p2(HQ), HKV_P=_p2(HKV), HALF=D // 2, D=D, STORE=store, num_warps=1)
         return q_out
 
     def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float):

@@ -17,35 +17,39 @@ import triton.language as tl
 @triton.jit
 def _sample_kernel(logits_ptr, stride, V, inv_temp, seed_ptr, tok_ptr, logp_ptr,
                    GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    # per-lane running max / sum-exp / best score, combined across lanes at the end
     row = tl.program_id(0)
     seed = tl.load(seed_ptr)
-    m = float("-inf")
-    l = 0.0
-    best = float("-inf")
-    best_x = 0.0
-    best_i = 0
+    lane = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_x = tl.zeros([BLOCK], tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + lane
         mask = offs < V
         x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_new = tl.maximum(m, x)
+        seen = m_new > float("-inf")
+        l = tl.where(seen, l * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
         m = m_new
         if GREEDY:
             score = x
         else:
             u = tl.rand(seed, row * V + offs)
             score = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
-        score = tl.where(mask, score, float("-inf"))
-        s_best = tl.max(score, axis=0)
-        s_idx = tl.argmax(score, axis=0)
-        s_x = tl.sum(tl.where(offs == start + s_idx, x, 0.0), axis=0)
-        take = s_best > best
-        best = tl.where(take, s_best, best)
-        best_x = tl.where(take, s_x, best_x)
-        best_i = tl.where(take, start + s_idx, best_i)
-    tl.store(tok_ptr + row, best_i.to(tl.int64))
-    tl.store(logp_ptr + row, best_x - m - tl.log(l))
+        take = mask & (score > best)
+        best = tl.where(take, score, best)
+        best_x = tl.where(take, x, best_x)
+        best_i = tl.where(take, offs, best_i)
+    m_all = tl.max(m, axis=0)
+    l_all = tl.sum(tl.where(m > float("-inf"), l * tl.exp(m - m_all), 0.0), axis=0)
+    win = tl.argmax(best, axis=0)
+    tok = tl.sum(tl.where(lane == win, best_i, 0), axis=0)
+    x_win = tl.sum(tl.where(lane == win, best_x, 0.0), axis=0)
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(logp_ptr + row, x_win - m_all - tl.log(l_all))
 
 
 def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.Generator | None = None):

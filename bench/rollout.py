@@ -1,0 +1,338 @@
+"""Rollout-engine benchmark on one GPU (issue 3). Prints one JSON line per figure and appends them to
+``--out`` (default ``bench/results/rollout.jsonl``) with the commit, device and settings.
+
+Model: a random-initialised Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
+- ``main``: 16 prompts x 8 samples = 128 sequences, prompt 128 tokens, 256 new tokens forced
+  (ignore EOS), temperature 1.0; also HF ``generate`` (dynamic cache) on the same model and prompts.
+- ``mixed``: 32 prompts x 8 samples, prompt lengths uniform in 64-512, up to 1024 new tokens ended
+  by stop tokens (a random model's EOS is never sampled, so ``--stop-ids`` token ids act as EOS:
+  each step stops with probability ~stop_ids/vocab, a geometric length capped at 1024).
+- ``512``: 64 prompts x 8 samples, otherwise like ``main``.
+
+Roofline: bytes every decode step must read (all weights once, LM head included, plus the KV of
+every running sequence) over the measured device copy bandwidth (bytes read + written per second).
+``--check`` first verifies the CUDA engine: exact greedy equality with HF on tiny fp32 models
+(Qwen2, Qwen3, Llama; Triton kernels and CUDA graphs), and bf16 logprob agreement on the 0.5B model.
+
+Usage: python bench/rollout.py [--check] [--cases main,mixed,512] [--hf-new-tokens 256] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from tidal.engine.base import SamplingParams  # noqa: E402
+from tidal.engine.config import EngineConfig  # noqa: E402
+from tidal.engine.native import NativeEngine  # noqa: E402
+
+QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
+
+
+def emit(record: dict, sink: list) -> None:
+    print(json.dumps(record), flush=True)
+    sink.append(record)
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of 20)."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def make_hf_model(dtype=torch.bfloat16):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(dtype).eval()
+    return model
+
+
+def make_engine(hf_model, **cfg) -> NativeEngine:
+    engine = NativeEngine(hf_model.config, EngineConfig(**cfg), device=torch.device("cuda"), dtype=torch.bfloat16)
+    engine.load_weights((n, p.detach()) for n, p in hf_model.state_dict().items())
+    engine.wake_up()
+    return engine
+
+
+def prompts_of(n_prompts: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths[:n_prompts]]
+
+
+def kv_bytes_per_token(cfg) -> int:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
+
+
+def roofline(completions, engine, decode_steps: int, bw: float) -> dict:
+    """Ideal decode time: each step reads all weights once plus the KV of each running sequence."""
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    per_tok = kv_bytes_per_token(engine.model.config)
+    kv = 0
+    for c in completions:
+        p, o = len(c.prompt_ids), len(c.token_ids)
+        kv += per_tok * ((p + o - 1) * (p + o) // 2 - p * (p + 1) // 2)  # contexts p+1 .. p+o-1
+    total = decode_steps * weights + kv
+    return {"roofline_s": total / bw, "bytes_read": total, "weight_bytes": weights, "kv_bytes_read": kv}
+
+
+def time_engine(engine, prompts, params, repeats: int = 2):
+    """Generate ``repeats`` times (the first compiles kernels and captures graphs); stats of the last."""
+    for _ in range(repeats):
+        before = dict(engine.stats)
+        t0 = sync_time()
+        out = engine.generate(prompts, params)
+        wall = sync_time() - t0
+    steps = {k: engine.stats[k] - before[k] for k in engine.stats}
+    return out, wall, steps
+
+
+def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, settings) -> None:
+    out, wall, steps = time_engine(engine, prompts, params)
+    gen = sum(len(c.token_ids) for c in out)
+    lens = sorted(len(c.token_ids) for c in out)
+    rl = roofline(out, engine, steps["decode_steps"], bw)
+    emit({"case": case, "engine": "native", "variant": variant, "seqs": len(out), "generated_tokens": gen,
+          "wall_s": round(wall, 4), "gen_tokens_per_s": round(gen / wall, 1),
+          "decode_steps": steps["decode_steps"], "prefill_steps": steps["prefill_steps"],
+          "prefill_tokens": steps["prefill_tokens"], "prefix_hit_tokens": steps["prefix_hit_tokens"],
+          "preemptions": steps["preemptions"], "out_len_min_med_max": [lens[0], lens[len(lens) // 2], lens[-1]],
+          "roofline_tokens_per_s": round(gen / rl["roofline_s"], 1), "roofline_fraction": round(rl["roofline_s"] / wall, 4),
+          "bytes_read_per_decode_step_MB": round(rl["bytes_read"] / max(1, steps["decode_steps"]) / 1e6, 1),
+          **settings}, sink)
+
+
+def bench_hf(model, prompts, n: int, new_tokens: int, sink, settings) -> None:
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n, pad_token_id=0,
+              max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    with torch.inference_mode():
+        model.generate(ids[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = sync_time()
+        out = model.generate(ids, **kw)
+        wall = sync_time() - t0
+    gen = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    emit({"case": "main", "engine": "hf_generate", "variant": "dynamic_cache", "seqs": out.shape[0],
+          "generated_tokens": gen, "new_tokens_per_seq": new_tokens, "wall_s": round(wall, 3),
+          "gen_tokens_per_s": round(gen / wall, 1), **settings}, sink)
+
+
+def step_breakdown(engine, bs: int, sink, settings) -> None:
+    """GPU time of one decode graph replay (model forward) and of LM head + sampling at ``bs`` rows."""
+    graphs = engine.runner.graphs
+    if graphs is None or bs not in graphs.graphs:
+        return
+    g = graphs.graphs[bs]
+
+    def timed(fn, n=50):
+        fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / n * 1e3  # us
+
+    from tidal.engine.sampler import sample
+
+    hidden = graphs.bufs["hidden"][:bs]
+    fwd = timed(g.replay)
+    head = timed(lambda: engine.model.compute_logits(hidden))
+    logits = engine.model.compute_logits(hidden)
+    samp = timed(lambda: sample(logits, 1.0))
+    emit({"case": "main", "figure": "decode_step_breakdown_us", "batch": bs, "graph_forward_us": round(fwd, 1),
+          "lm_head_us": round(head, 1), "sample_us": round(samp, 1), **settings}, sink)
+
+
+def check_tiny_exact(sink, settings) -> None:
+    """Greedy tokens equal HF on tiny fp32 models with Triton kernels + CUDA graphs on the GPU."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "engine"))
+    from helpers import PROMPTS, tiny_hf  # type: ignore
+
+    for family in ("qwen2", "qwen3", "llama"):
+        hf = tiny_hf(family).cuda()
+        engine = NativeEngine(hf.config, EngineConfig(block_size=4, max_num_batched_tokens=16, kv_cache_max_tokens=4096),
+                              device=torch.device("cuda"), dtype=torch.float32)
+        engine.load_weights(hf.state_dict().items())
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+        equal = []
+        for p, c in zip(PROMPTS, out):
+            ref = hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=16,
+                              min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            equal.append(c.token_ids == ref)
+        emit({"check": "greedy_equals_hf_fp32_cuda", "family": family, "graphs": engine.runner.graphs is not None,
+              "kernels": type(engine.ops).__name__, "all_equal": all(equal), "per_prompt": equal, **settings}, sink)
+        del engine, hf
+    torch.cuda.empty_cache()
+
+
+def check_05b_logprobs(hf_model, engine, sink, settings) -> None:
+    """Engine (bf16) sampled logprobs vs an fp32 reference forward, next to HF bf16's own error."""
+    prompts = prompts_of(4, [128] * 4, QWEN2_05B["vocab_size"], seed=7)
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, n=2, seed=0, ignore_eos=True))
+    ref32 = make_hf_model(torch.float32)
+    errs_engine, errs_hf = [], []
+    with torch.inference_mode():
+        for c in out:
+            seq = torch.tensor([c.prompt_ids + c.token_ids], device="cuda")
+            toks = seq[0, len(c.prompt_ids):, None]
+            sl = slice(len(c.prompt_ids) - 1, -1)
+            lp32 = torch.log_softmax(ref32(seq).logits[0, sl].float(), -1).gather(-1, toks).squeeze(-1)
+            lp16 = torch.log_softmax(hf_model(seq).logits[0, sl].float(), -1).gather(-1, toks).squeeze(-1)
+            errs_engine.append((torch.tensor(c.logprobs, device="cuda") - lp32).abs())
+            errs_hf.append((lp16 - lp32).abs())
+    e, h = torch.cat(errs_engine), torch.cat(errs_hf)
+    del ref32
+    torch.cuda.empty_cache()
+    emit({"check": "logprobs_vs_fp32_reference_0.5B", "engine_bf16_mean_abs": round(e.mean().item(), 5),
+          "engine_bf16_max_abs": round(e.max().item(), 5), "hf_bf16_mean_abs": round(h.mean().item(), 5),
+          "hf_bf16_max_abs": round(h.max().item(), 5), "tokens": e.numel(), **settings}, sink)
+
+
+class guard:
+    """Run one section; on failure record the error and carry on with the next section."""
+
+    def __init__(self, name: str, sink: list):
+        self.name, self.sink = name, sink
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None:
+            import traceback
+
+            traceback.print_exception(exc_type, exc, tb)
+            emit({"error": self.name, "exception": repr(exc)[:500]}, self.sink)
+        return True
+
+
+def profile_decode(hf_model, path: str) -> None:
+    """Kernel-time table of an eager (no graphs) decode-heavy run: where a step's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = make_engine(hf_model, cuda_graphs=False, max_num_seqs=256)
+    prompts = prompts_of(16, [128] * 16, QWEN2_05B["vocab_size"], seed=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, n=8, ignore_eos=True, seed=0)
+    engine.generate(prompts, params)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    engine.sleep(1)
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        return subprocess.check_output(["git", "-C", root, "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("TIDAL_COMMIT", "unknown")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--cases", default="main,mixed,512")
+    ap.add_argument("--hf-new-tokens", type=int, default=256)
+    ap.add_argument("--no-graph-variant", action="store_true", help="also time main without CUDA graphs")
+    ap.add_argument("--stop-ids", type=int, default=400)
+    ap.add_argument("--profile", default="", help="write a kernel-time table of eager decode to this path")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.jsonl"))
+    args = ap.parse_args()
+    sink: list[dict] = []
+    base = {"commit": os.environ.get("TIDAL_COMMIT") or git_commit(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    bw = copy_bandwidth()
+    emit({"figure": "copy_bandwidth_GBps", "value": round(bw / 1e9, 1), **base}, sink)
+    if args.check:
+        with guard("check_tiny_exact", sink):
+            check_tiny_exact(sink, base)
+    hf_model = make_hf_model()
+    cases = args.cases.split(",")
+    V = QWEN2_05B["vocab_size"]
+    engine = make_engine(hf_model, max_num_seqs=512 if "512" in cases else 256)
+    if args.check:
+        with guard("check_05b_logprobs", sink):
+            check_05b_logprobs(hf_model, engine, sink, base)
+    if "main" in cases:
+        prompts = prompts_of(16, [128] * 16, V, seed=1)
+        params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, ignore_eos=True, seed=0)
+        settings = {**base, "prompts": 16, "n": 8, "prompt_len": 128, "new_tokens": 256, "block_size": 16}
+        with guard("main_native", sink):
+            bench_native("main", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+            step_breakdown(engine, 128, sink, base)
+        if args.no_graph_variant:
+            with guard("main_eager", sink):
+                eager = make_engine(hf_model, cuda_graphs=False, max_num_seqs=256)
+                bench_native("main", eager, prompts, params, bw, "triton_eager", sink, settings)
+                eager.sleep(1)
+                del eager
+        if args.hf_new_tokens > 0:
+            with guard("main_hf", sink):
+                engine.sleep(1)
+                bench_hf(hf_model, prompts, 8, args.hf_new_tokens, sink, settings)
+            torch.cuda.empty_cache()
+            engine.wake_up()
+    if "mixed" in cases:
+        g = torch.Generator().manual_seed(3)
+        lengths = torch.randint(64, 513, (32,), generator=g).tolist()
+        prompts = prompts_of(32, lengths, V, seed=2)
+        stop = tuple(range(V - args.stop_ids, V))
+        params = SamplingParams(temperature=1.0, max_new_tokens=1024, n=8, stop_token_ids=stop, seed=0)
+        settings = {**base, "prompts": 32, "n": 8, "prompt_len": "64-512", "new_tokens": "stop or 1024",
+                    "stop_ids": len(stop)}
+        with guard("mixed", sink):
+            bench_native("mixed", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+    if "512" in cases:
+        prompts = prompts_of(64, [128] * 64, V, seed=4)
+        params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, ignore_eos=True, seed=0)
+        settings = {**base, "prompts": 64, "n": 8, "prompt_len": 128, "new_tokens": 256}
+        with guard("512", sink):
+            bench_native("512", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+    mem = engine.memory_report()
+    emit({"figure": "engine_memory_bytes", **mem, "sleep1_freed": engine.sleep(1), **base}, sink)
+    if args.profile:
+        with guard("profile", sink):
+            profile_decode(hf_model, args.profile)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        for r in sink:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Triton kernels against the torch reference ops, and the whole engine on the Triton backend.
+
+Run by ``test_triton_kernels.py`` in a fresh process: without CUDA the kernels run in Triton's
+interpreter, which must be switched on (``TRITON_INTERPRET=1``) before anything imports Triton.
+Direct use: ``python -m pytest tests/engine/triton_kernel_checks.py``.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from tidal.engine.base import SamplingParams  # noqa: E402
+from tidal.engine.native.attention import AttnMetadata  # noqa: E402
+from tidal.engine.native.kernels import get_ops  # noqa: E402
+
+from tests.engine.helpers import PROMPTS, engine_for, hf_greedy, tiny_hf  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalar_index(monkeypatch):
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4 refuses to turn
+    into a loop bound; index them explicitly (interpreter only)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def dtype(request):
+    return request.param
+
+
+def ops():
+    return get_ops("torch", DEVICE), get_ops("triton", DEVICE)
+
+
+def test_norm_silu_rope_store(dtype):
+    ref, tri = ops()
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    x, r, w = rnd(5, 96), rnd(5, 96), rnd(96)
+    for res in (None, r):
+        (ya, ra), (yb, rb) = tri.rms_norm(x, w, 1e-6, res), ref.rms_norm(x, w, 1e-6, res)
+        assert rel(ya, yb) < TOL[dtype] and rel(ra, rb) < TOL[dtype]
+    gu = rnd(5, 160)
+    assert rel(tri.silu_mul(gu), ref.silu_mul(gu)) < TOL[dtype]
+    T, HQ, HKV, D, page, nb = 6, 6, 2, 16, 4, 10
+    q, k, v = rnd(T, (HQ + 2 * HKV) * D).split([HQ * D, HKV * D, HKV * D], -1)
+    q, k, v = q.view(T, HQ, D), k.view(T, HKV, D), v.view(T, HKV, D)
+    pos = torch.tensor([0, 3, 49, 7, 8, 20], device=DEVICE)
+    cs = rnd(64, D)
+    slots = torch.tensor([5, 0, 39, 12, 13, 22], device=DEVICE)
+    caches = [torch.full((nb, page, HKV, D), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    qa = tri.rope_store(q, k, v, pos, cs, caches[0], caches[1], slots)
+    qb = ref.rope_store(q, k, v, pos, cs, caches[2], caches[3], slots)
+    assert rel(qa, qb) < TOL[dtype]
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        a, b = a.view(-1, HKV, D), b.view(-1, HKV, D)
+        assert rel(a[slots], b[slots]) < TOL[dtype]
+        assert torch.isnan(a.view(-1)).sum() == (nb * page - T) * HKV * D  # nothing else written
+
+
+def _paged_setup(dtype, g):
+    B, HQ, HKV, D, page, nb = 3, 8, 2, 16, 4, 12
+    kc = torch.randn(nb, page, HKV, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(nb, page, HKV, D, generator=g).to(DEVICE, dtype)
+    bt = torch.stack([torch.randperm(nb, generator=g)[:6] for _ in range(B)]).int().to(DEVICE)
+    return kc, vc, bt, HQ, D
+
+
+def test_paged_decode_and_prefill_attention(dtype):
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot on the raw bits; checked on the GPU only")
+    ref, tri = ops()
+    g = torch.Generator().manual_seed(1)
+    kc, vc, bt, HQ, D = _paged_setup(dtype, g)
+    ctx = [7, 23, 1]
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    meta = AttnMetadata(is_prefill=False, slot_mapping_T=None, block_tables_BN=bt, context_lens_B=ctx_t,
+                        max_context_len=max(ctx))
+    qd = torch.randn(3, HQ, D, generator=g).to(DEVICE, dtype)
+    assert rel(tri.decode_attention(qd, kc, vc, meta, 0.25), ref.decode_attention(qd, kc, vc, meta, 0.25)) < TOL[dtype]
+    ql = [3, 20, 1]  # sequence 0 and 1 have a cached prefix (4 and 3 tokens), sequence 2 has none
+    meta = AttnMetadata(is_prefill=True, slot_mapping_T=None, block_tables_BN=bt, context_lens_B=ctx_t,
+                        cu_seqlens_q_B1=torch.tensor([0, 3, 23, 24], dtype=torch.int32, device=DEVICE),
+                        query_lens=ql, context_lens=ctx, max_query_len=max(ql), max_context_len=max(ctx))
+    qp = torch.randn(24, HQ, D, generator=g).to(DEVICE, dtype)
+    assert rel(tri.prefill_attention(qp, kc, vc, meta, 0.25), ref.prefill_attention(qp, kc, vc, meta, 0.25)) < TOL[dtype]
+
+
+def test_engine_on_triton_kernels_equals_hf_greedy():
+    hf = tiny_hf("qwen2").to(DEVICE)
+    engine = engine_for(hf, device=DEVICE.type, kernel_backend="triton", max_num_batched_tokens=16)
+    prompts = PROMPTS[:3]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
+    for p, c in zip(prompts, out):
+        assert c.token_ids == hf_greedy(hf, p, 5)
+
+
+def test_fused_sampler_logprobs_and_distribution():
+    from tidal.engine.native.kernels.triton_sampling import fused_sample
+    from tidal.engine.sampler import process_logits
+
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, 300, generator=g) * 3).to(DEVICE)
+    for temperature in (0.0, 0.7, 1.0):
+        tok, logp = fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))
+        ref = process_logits(logits, temperature, 0, 1.0)
+        assert torch.allclose(logp, ref.gather(-1, tok[:, None]).squeeze(-1), atol=1e-5)
+        if temperature == 0:
+            assert torch.equal(tok, logits.argmax(-1))
+        else:  # the same seed gives the same draws
+            assert torch.equal(tok, fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))[0])
+    # 800 draws from one 5-way distribution: frequencies match softmax(logits / T) (3.5 sigma)
+    row = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]], device=DEVICE).expand(800, 5)
+    tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
+    freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
+    assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)
