@@ -125,7 +125,7 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Full (unsharded) CPU state dict, for HF export; a collective on every rank."""
+        """Full (unsharded) CPU state dict on rank 0 (other ranks get {}), for HF export; a collective."""
 
     @abc.abstractmethod
     def state_dict(self, state: TrainState) -> dict[str, Any]:

@@ -113,5 +113,5 @@ class FSDP2Strategy(Strategy):
         state.scheduler.load_state_dict(sd["scheduler"])
 
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Full CPU state dict on every rank (for HF export)."""
+        """Full CPU state dict on rank 0, {} elsewhere (for HF export); a collective."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

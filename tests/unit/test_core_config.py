@@ -1,0 +1,75 @@
+"""Root config: YAML + overrides, unknown keys and bad values named by their dotted key."""
+
+import pytest
+
+from tidal.config import TidalConfig, load_config
+from tidal.config_base import ConfigError, apply_overrides, build, parse_override
+
+BASE = {
+    "model": {"path": "/m"},
+    "data": {"train": [{"path": "/d.jsonl"}]},
+    "reward": {"components": {"c": {"type": "function", "path": "tidal.tasks.quickstart:arithmetic_reward"}}, "recipes": {"default": [["c", 1.0]]}},
+}
+
+
+def test_builds_and_round_trips():
+    cfg = build(TidalConfig, BASE)
+    assert cfg.model.path == "/m" and cfg.data.train[0].path == "/d.jsonl"
+    again = build(TidalConfig, cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("engine.tp_sise=2", "engine.tp_sise"),
+        ("rollout.n_samples=0", "rollout.n_samples"),
+        ("rollout.n_samples=two", "rollout.n_samples"),
+        ("optim.lr=-1", "optim.lr"),
+        ("engine.block_size=12", "engine.block_size"),
+        ("algorithm.advantage=nope", "algorithm.advantage"),
+        ("train.mini_batches=3", "train.mini_batches"),
+        ("nosection.x=1", "nosection"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        build(TidalConfig, apply_overrides(BASE, [override]))
+    assert e.value.key == key, str(e.value)
+
+
+def test_world_checks():
+    cfg = build(TidalConfig, apply_overrides(BASE, ["engine.tp_size=4", "rollout.prompts_per_step=8"]))
+    with pytest.raises(ConfigError, match="WORLD_SIZE % engine.tp_size") as e:
+        cfg.check_world(6)
+    assert e.value.key == "engine.tp_size"
+    cfg.check_world(8)
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(16)  # 8 prompts over 16 ranks
+    assert e.value.key == "rollout.prompts_per_step"
+
+
+def test_task_excludes_model_path():
+    with pytest.raises(ConfigError) as e:
+        build(TidalConfig, apply_overrides(BASE, ["task.name=arithmetic"]))
+    assert e.value.key == "model.path"
+    with pytest.raises(ConfigError) as e:
+        build(TidalConfig, {"data": BASE["data"]})
+    assert e.value.key == "model.path"
+
+
+def test_override_parsing():
+    assert parse_override("a.b=1.5") == (["a", "b"], 1.5)
+    assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+    assert parse_override("a=true") == (["a"], True)
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
+    with pytest.raises(ConfigError):
+        apply_overrides({"a": 1}, ["a.b=2"])
+
+
+def test_shipped_quickstart_loads():
+    cfg = load_config("quickstart", ["run.steps=2"])
+    assert cfg.task.name == "arithmetic" and cfg.run.steps == 2
+    with pytest.raises(ConfigError, match="shipped"):
+        load_config("no_such_config")
