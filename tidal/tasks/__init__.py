@@ -6,6 +6,6 @@ directory with a trained tokenizer and a warm-started tiny Qwen2 model; the rewa
 """
 
 from tidal.tasks.config import TaskConfig
-from tidal.tasks.prepare import TaskAssets, prepare
+from tidal.tasks.assets import TaskAssets, prepare
 
 __all__ = ["TaskAssets", "TaskConfig", "prepare"]
