@@ -84,6 +84,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         k_tp, v_tp = get_args(tp) or (Any, Any)
         return {_coerce(k, k_tp, key): _coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a number, got {value!r}") from None
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"expected a number, got {value!r}")
         return float(value)
     if tp is int:

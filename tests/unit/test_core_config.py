@@ -62,6 +62,8 @@ def test_override_parsing():
     assert parse_override("a.b=1.5") == (["a", "b"], 1.5)
     assert parse_override("a=[1, 2]") == (["a"], [1, 2])
     assert parse_override("a=true") == (["a"], True)
+    cfg = build(TidalConfig, apply_overrides(BASE, ["optim.lr=1e-3"]))  # YAML reads 1e-3 as a string
+    assert cfg.optim.lr == 1e-3
     with pytest.raises(ConfigError):
         parse_override("novalue")
     with pytest.raises(ConfigError):

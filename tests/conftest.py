@@ -1,0 +1,24 @@
+"""Shared fixtures: a tiny built-in-task config (assets built once per test session)."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+TINY_TASK = [
+    "task.name=arithmetic", "task.digits=1", "task.operations=[+]", "task.num_train=80", "task.num_eval=16",
+    "task.hidden_size=32", "task.num_layers=1", "task.num_heads=2", "task.num_kv_heads=1",
+    "task.intermediate_size=64", "task.sft_steps=30", "task.sft_batch_size=32",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_task_overrides(tmp_path_factory):
+    """Overrides for `tidal train quickstart` that make a seconds-long run on a tiny task."""
+    workdir = tmp_path_factory.mktemp("tasks")
+    return TINY_TASK + [
+        f"task.workdir={workdir}", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+        "engine.kv_cache_max_tokens=1024", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
+        "logging.backends=[jsonl]",
+    ]
