@@ -101,3 +101,53 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalC
     if not isinstance(data, dict):
         raise ConfigError("<config>", f"{path} must hold a mapping of sections")
     return build(TidalConfig, apply_overrides(data, overrides or []))
+
+
+def _type_label(tp) -> str:
+    import typing
+
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "").replace("|", "\\|")
+
+
+def config_reference_rows(cls=TidalConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, type, default) of every user-settable config field, depth first."""
+    import typing
+
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(config_reference_rows(tp, key + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        default = to_dict(default)
+        rows.append((key, _type_label(tp), "`" + json_default(default) + "`"))
+    return rows
+
+
+def json_default(value) -> str:
+    import json
+
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def config_reference_markdown() -> str:
+    lines = ["| key | type | default |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | {t} | {d} |" for k, t, d in config_reference_rows()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown())

@@ -34,6 +34,7 @@ class RolloutConfig:
     n_samples: responses per prompt (the group size of GRPO-family estimators).
     temperature/top_p/top_k: sampling; the actor's logprobs use the same temperature.
     max_new_tokens: response length limit (longer responses are truncated, finish_reason=length).
+    ignore_eos: never stop at EOS, always generate max_new_tokens (benchmarks with random models).
     """
 
     prompts_per_step: int = 16
@@ -42,6 +43,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
+    ignore_eos: bool = False
 
     def __post_init__(self):
         check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")

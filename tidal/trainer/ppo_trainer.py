@@ -92,7 +92,7 @@ class PPOTrainer:
         r = self.cfg.rollout
         return SamplingParams(
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, n=r.n_samples,
-            seed=step_seed(self.cfg.run.seed, step, self.rt.rank, attempt),
+            ignore_eos=r.ignore_eos, seed=step_seed(self.cfg.run.seed, step, self.rt.rank, attempt),
         )
 
     def _next_items(self) -> tuple[list[PromptItem], int]:
