@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tidal.trainer import faults
+
 COMPLETE_MARKER = "trainer.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -40,12 +42,21 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def clean_partial(root: Path) -> list[str]:
-    """Remove ``*.tmp`` directories left by an interrupted save (rank 0 only). Returns their names."""
+    """Settle what an interrupted save left (rank 0 only): remove ``*.tmp`` directories; a
+    ``step_N.old`` (an interrupted re-save of step N) is put back when ``step_N`` is missing,
+    else removed. Returns the names removed or put back."""
     removed = []
     if root.is_dir():
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
             if p.name.endswith(".tmp") and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+            elif p.name.endswith(".old") and p.is_dir():
+                final = p.with_name(p.name[: -len(".old")])
+                if final.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.rename(final)
                 removed.append(p.name)
     return removed
 
@@ -86,7 +97,9 @@ def save_checkpoint(
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    faults.hit("checkpoint/begin", step=step, rank=rank)
     dcp.save(model_states, checkpoint_id=str(tmp / "models"))
+    faults.hit("checkpoint/shards", step=step, rank=rank)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -94,9 +107,12 @@ def save_checkpoint(
             json.dump(trainer_state, f)
             f.flush()
             os.fsync(f.fileno())
+        faults.hit("checkpoint/marker", step=step, rank=rank)
         if final.exists():
             final.rename(final.with_name(final.name + ".old"))
+            faults.hit("checkpoint/swapped", step=step, rank=rank)
         tmp.rename(final)
+        faults.hit("checkpoint/renamed", step=step, rank=rank)
         shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         _fsync_dir(root)
         for old in complete_checkpoints(root)[:-keep]:
