@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tidal.config_base import ConfigError
 from tidal.trainer import faults
 
 COMPLETE_MARKER = "trainer.json"
@@ -59,6 +60,38 @@ def clean_partial(root: Path) -> list[str]:
                     p.rename(final)
                 removed.append(p.name)
     return removed
+
+
+def check_writable(directory: Path, *, rank: int, key: str = "run.output_dir") -> None:
+    """Create ``directory`` and write, fsync and remove a probe file in it, so that an unwritable
+    run or checkpoint directory fails at start (ConfigError at ``key`` naming it), not at the first
+    save hours later. Every rank probes (each writes its own shards)."""
+    probe = directory / f".write_probe_rank{rank}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"tidal")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(key, f"cannot write to {directory}: {type(e).__name__}: {e.strerror or e}") from None
+
+
+def checkpoint_bytes(models: list[torch.nn.Module]) -> int:
+    """About what one checkpoint takes: fp32 trainable weights plus AdamW's two fp32 moments."""
+    return sum(12 * p.numel() for m in models for p in m.parameters() if p.requires_grad)
+
+
+def check_free_space(directory: Path, need_bytes: int, *, key: str = "run.output_dir") -> None:
+    """ConfigError at ``key`` when ``directory``'s filesystem has less than ``need_bytes`` free
+    (a new checkpoint is written before the oldest is rotated out)."""
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes:
+        raise ConfigError(
+            key, f"{directory} has {free / 2**30:.2f} GiB free but a checkpoint needs about {need_bytes / 2**30:.2f} GiB; "
+            "free disk space, point run.output_dir elsewhere or disable checkpoints (checkpoint.every=0, checkpoint.at_end=false)",
+        )
 
 
 def rng_state() -> dict[str, Any]:

@@ -20,10 +20,12 @@ from tidal.engine.base import RolloutEngine, SamplingParams
 from tidal.logging import MetricsLogger, PhaseTimer, TrajectoryWriter
 from tidal.strategy.base import Strategy, TrainState
 from tidal.trainer import checkpoint as ckpt
+from tidal.trainer import faults
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker, Rollout
 from tidal.trainer.update import Updater
+from tidal.trainer.watchdog import Watchdog
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -56,7 +58,7 @@ class PPOTrainer:
         self, *, cfg, strategy: Strategy, tokenizer, actor: TrainState, critic: TrainState | None,
         reference: torch.nn.Module | None, engine: RolloutEngine, engine_dtype: torch.dtype, reward_engine,
         algorithm: Algorithm, train_data: PromptDataset, eval_items: list[PromptItem], sampler: StatefulDistributedSampler,
-        logger: MetricsLogger, timer: PhaseTimer,
+        logger: MetricsLogger, timer: PhaseTimer, watchdog: Watchdog,
     ):
         self.cfg = cfg
         self.strategy = strategy
@@ -70,6 +72,7 @@ class PPOTrainer:
         self.sampler = sampler
         self.logger = logger
         self.timer = timer
+        self.watchdog = watchdog
         self.state = TrainerState()
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
@@ -97,6 +100,7 @@ class PPOTrainer:
 
     def _next_items(self) -> tuple[list[PromptItem], int]:
         idx = self.sampler.next_batch()
+        faults.hit("sampled", rank=self.rt.rank, data=idx)
         return [self.train_data[i] for i in idx], idx
 
     def collect(self, step: int) -> tuple[Experience, dict[str, float], list]:
@@ -228,7 +232,8 @@ class PPOTrainer:
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Run to ``run.steps``; returns the final metrics (with start/end eval when configured)."""
-        start = self.maybe_resume()
+        with self.watchdog.stage("resume"):
+            start = self.maybe_resume()
         cfg = self.cfg
         if start == 0 and cfg.eval.at_start and self.eval_items:
             self.state.initial_eval = self.evaluate(0)
@@ -236,6 +241,7 @@ class PPOTrainer:
             self._announce("start", self.state.initial_eval)
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.run.steps + 1):
+            self.watchdog.set_step(step)
             metrics = self.train_step(step)
             final = step == cfg.run.steps
             if self.eval_items and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
@@ -249,6 +255,7 @@ class PPOTrainer:
         if self.state.initial_eval and any(k.startswith("eval/") for k in last):
             self._announce("end", {k: v for k, v in last.items() if k.startswith("eval/")})
         self.logger.close()
+        self.watchdog.close()
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:

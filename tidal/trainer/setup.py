@@ -7,6 +7,7 @@ ranks and process groups, wrapped models, engine, first weight sync, engine to s
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from pathlib import Path
 
@@ -15,14 +16,17 @@ import torch
 
 from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig
+from tidal.config_base import check
 from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
 from tidal.distributed import Runtime, init_runtime
 from tidal.engine.factory import create_engine, engine_dtype
-from tidal.logging import MetricsLogger, PhaseTimer
+from tidal.logging import MetricsLogger
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.rewards import RewardEngine
 from tidal.strategy import get_strategy
+from tidal.trainer import checkpoint as ckpt
 from tidal.trainer.ppo_trainer import PPOTrainer
+from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -67,13 +71,43 @@ def total_optimizer_steps(cfg: TidalConfig) -> int:
     return cfg.run.steps * cfg.train.epochs * cfg.train.mini_batches
 
 
+def checkpoints_enabled(cfg: TidalConfig) -> bool:
+    return cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
+
+
+def check_run_dirs(cfg: TidalConfig, runtime: Runtime) -> None:
+    """The run directory (and the checkpoint directory, when checkpoints are saved) is writable: fail at start."""
+    ckpt.check_writable(Path(cfg.run.output_dir), rank=runtime.rank)
+    if checkpoints_enabled(cfg):
+        ckpt.check_writable(ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank)
+
+
+def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -> None:
+    """Every local path the run reads exists, before anything is loaded (ConfigError naming the key)."""
+    m = cfg.model
+    folders = [("model.path", paths.model), ("model.tokenizer_path", m.tokenizer_path)]
+    if algorithm.needs_critic:
+        folders.append(("model.critic_path", m.critic_path))
+    if algorithm.needs_reference:
+        folders.append(("model.reference_path", m.reference_path))
+    for key, path in folders:
+        check(not path or os.path.isdir(path), key, f"{path!r} is not a local directory (Tidal never downloads; pass a local Hugging Face folder)")
+    for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
+        for i, source in enumerate(sources):
+            check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
+
+
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
+    check_run_dirs(cfg, runtime)
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     strategy = get_strategy(cfg.strategy, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
+    check_inputs(cfg, paths, algorithm)
     tokenizer = load_tokenizer(paths.tokenizer)
 
     actor_model = load_causal_lm(paths.model)
@@ -89,6 +123,9 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=cfg.strategy.offload_reference)
     if cfg.strategy.offload_critic and critic is not None:
         strategy.offload_model(critic.model)
+    if checkpoints_enabled(cfg):
+        trained = [actor.model] + ([critic.model] if critic is not None else [])
+        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained))
 
     engine = create_engine(hf_config, cfg.engine, device=runtime.device, tp_group=runtime.tp_group)
     dtype = engine_dtype(cfg.engine, runtime.device)
@@ -114,7 +151,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     return PPOTrainer(
         cfg=cfg, strategy=strategy, tokenizer=tokenizer, actor=actor, critic=critic, reference=reference,
         engine=engine, engine_dtype=dtype, reward_engine=reward_engine, algorithm=algorithm, train_data=train_data,
-        eval_items=eval_items, sampler=sampler, logger=logger, timer=PhaseTimer(),
+        eval_items=eval_items, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog,
     )
 
 

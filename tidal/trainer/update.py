@@ -18,6 +18,7 @@ from tidal.algorithms.base import LossNormalizer
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
 from tidal.strategy.base import Strategy, TrainState
+from tidal.trainer import faults
 from tidal.trainer.experience import Experience, token_budget_batches
 
 
@@ -105,6 +106,7 @@ class Updater:
             self.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.temperature, with_entropy=True, chunk_tokens=self.chunk,
         )
+        logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
         return self.algo.policy_loss(
             logp_BT, mb.old_logp_BT, mb.advantages_BT, mask_BT, norm,
             ref_logp_BT=mb.ref_logp_BT, rollout_logp_BT=mb.rollout_logp_BT, entropy_BT=entropy_BT,
