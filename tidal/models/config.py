@@ -6,6 +6,37 @@ import dataclasses
 
 from tidal.config_base import check
 
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the actor (``model.lora.*``, PEFT); on when ``rank > 0``.
+
+    rank: adapter rank r (0: no LoRA, the whole actor trains).
+    alpha: scaling numerator; the update is ``W + (alpha / rank) * B @ A``.
+    dropout: dropout on the adapter input during training forwards. The actor stays in train mode
+        for its old-logprob forward too, so anything but 0 makes old logprobs noisy; keep 0 for RL.
+    target_modules: names (last path component) of the ``nn.Linear`` modules that get adapters.
+        The default covers the attention and MLP projections of Qwen2/Qwen3/Llama-style decoders
+        (a vision tower's ``qkv``/``fc1`` are not matched).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+    def __post_init__(self):
+        check(self.rank >= 0, "rank", "must be >= 0 (0 disables LoRA)")
+        check(self.alpha > 0, "alpha", "must be > 0")
+        check(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        check(not self.enabled or bool(self.target_modules), "target_modules", "must name at least one module when rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
@@ -19,6 +50,8 @@ class ModelConfig:
     reference_path: frozen KL anchor; default ``path``. Created only when KL is on.
     gradient_checkpointing: recompute decoder activations in backward.
     logprob_chunk_tokens: tokens per LM-head chunk when computing logprobs (bounds fp32 logits memory).
+    lora: LoRA adapters on the actor (see :class:`LoraConfig`). With LoRA the reference model is the
+        actor with its adapters disabled (no second copy), so ``reference_path`` must stay empty.
     """
 
     path: str = ""
@@ -27,6 +60,12 @@ class ModelConfig:
     reference_path: str = ""
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = 2048
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self):
         check(self.logprob_chunk_tokens >= 1, "logprob_chunk_tokens", "must be >= 1")
+        check(
+            not self.lora.enabled or self.reference_path in ("", self.path),
+            "reference_path",
+            "must be empty with model.lora.rank > 0: the reference is the actor's base model with adapters disabled",
+        )

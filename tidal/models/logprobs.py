@@ -8,7 +8,7 @@ recomputed in the backward pass (activation checkpointing), so peak extra memory
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -68,34 +68,61 @@ def lm_head_logprobs(
     return logp_BT, entropy_BT
 
 
-def _token_logprobs_method(
-    self,
+def body_hidden_states(
+    hf_model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, mm_inputs: dict | None = None
+) -> torch.Tensor:
+    """Last hidden states [B, T, H] of an HF causal LM's body (no LM head).
+
+    Text: the decoder with positions counted from the attention mask (any padding side).
+    ``mm_inputs`` (``pixel_values``, ``image_grid_thw`` of the batch's images, row order): the
+    multimodal body (vision tower + decoder) with the model's multimodal (M-RoPE) positions.
+    """
+    if mm_inputs:
+        from tidal.models.vision import multimodal_position_ids
+
+        position_ids = multimodal_position_ids(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
+        body, extra = hf_model.model, mm_inputs
+    else:
+        position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
+        body, extra = hf_model.get_decoder(), {}
+    out = body(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False, **extra)
+    return out.last_hidden_state
+
+
+def _token_logprobs(
+    hf_model: torch.nn.Module,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
+    mm_inputs: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
-    out = self.get_decoder()(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
+    hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
-        out.last_hidden_state, self.get_output_embeddings(), input_ids_BT,
+        hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
         temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
     )
 
 
-def attach_logprob_method(model: torch.nn.Module) -> None:
-    """Give an HF causal LM a ``tidal_token_logprobs(input_ids, attention_mask, ...)`` method.
+def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | None = None) -> None:
+    """Give ``model`` a ``tidal_token_logprobs(input_ids, attention_mask, ...)`` method computed
+    with the HF causal LM ``hf_model`` (default: ``model`` itself; a wrapper such as a PEFT model
+    passes the HF model it wraps).
 
     It is a method of the model itself (not a wrapper module) so parameter names stay the HF names;
-    FSDP2 strategies register it with ``register_fsdp_forward_method`` so it unshards like forward.
+    FSDP2 strategies register it with ``register_fsdp_forward_method`` on ``model`` (the sharded
+    root) so it unshards like forward.
     """
-    setattr(model, LOGPROB_METHOD, types.MethodType(_token_logprobs_method, model))
+    target = model if hf_model is None else hf_model
+    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, target))
 
 
-def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048):
-    """Call the model's attached logprob method (see :func:`attach_logprob_method`)."""
-    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens)
+def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None):
+    """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
+    the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
+    None/{} for text."""
+    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None)
 
 
 def reference_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

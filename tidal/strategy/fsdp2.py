@@ -2,7 +2,9 @@
 
 Parameters are sharded over all ranks (a 1-D mesh of the world). Master weights are fp32; on CUDA
 the compute (unsharded) dtype is bf16 with fp32 gradient reduction (MixedPrecisionPolicy). Names of
-parameters are untouched (fully_shard does not wrap modules), so ``full_weights`` yields HF names.
+parameters are untouched (fully_shard does not wrap modules), so ``full_weights`` yields HF names;
+a LoRA (PEFT) actor's weights are merged and named by :func:`tidal.models.lora.hf_weights`.
+Checkpoints hold the trainable parameters only (a LoRA actor's adapters; its base is ``model.path``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.models.logprobs import LOGPROB_METHOD
+from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, lr_lambda
 from tidal.strategy.config import OptimConfig
 
@@ -99,19 +102,36 @@ class FSDP2Strategy(Strategy):
             model.to(self.device)
 
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        # named_parameters yields a shared (tied) parameter once, under its first name, identically on every rank.
-        for name, p in model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            yield name, full.to(self.device, dtype=dtype)
+        # hf_weights walks named_parameters (a tied parameter once, under its first name) identically on
+        # every rank; LoRA targets are merged in fp32 before the cast.
+        def full(p: torch.Tensor) -> torch.Tensor:
+            return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(self.device)
+
+        for name, t in hf_weights(model, full):
+            yield name, t.to(dtype)
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        frozen = _frozen_names(state.model)
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": state.scheduler.state_dict()}
 
     def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
-        set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        frozen = _frozen_names(state.model)
+        keys = set_state_dict(
+            state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
+            options=StateDictOptions(strict=not frozen),
+        )
+        missing = set(keys.missing_keys) - frozen if keys is not None else set()
+        if missing or (keys is not None and keys.unexpected_keys):
+            raise RuntimeError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(keys.unexpected_keys)[:5]}")
         state.scheduler.load_state_dict(sd["scheduler"])
 
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0, {} elsewhere (for HF export); a collective."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _frozen_names(model: torch.nn.Module) -> set[str]:
+    """Every name (tied aliases included) of a parameter that does not train: left out of checkpoints."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}

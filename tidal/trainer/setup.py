@@ -22,6 +22,7 @@ from tidal.distributed import Runtime, init_runtime
 from tidal.engine.factory import create_engine, engine_dtype
 from tidal.logging import MetricsLogger
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
+from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.rewards import RewardEngine
 from tidal.strategy import get_strategy
 from tidal.trainer import checkpoint as ckpt
@@ -114,12 +115,15 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     if cfg.model.gradient_checkpointing:
         actor_model.gradient_checkpointing_enable()
     hf_config = actor_model.config
+    actor_model = apply_lora(actor_model, cfg.model.lora, seed=cfg.run.seed)  # unchanged when model.lora.rank == 0
     actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=total_optimizer_steps(cfg))
     critic = None
     if algorithm.needs_critic:
         critic = strategy.prepare_trainable(load_critic(paths.critic), cfg.optim, lr=cfg.optim.critic_lr, total_steps=total_optimizer_steps(cfg))
     reference = None
-    if algorithm.needs_reference:
+    if algorithm.needs_reference and cfg.model.lora.enabled:
+        reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
+    elif algorithm.needs_reference:
         reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=cfg.strategy.offload_reference)
     if cfg.strategy.offload_critic and critic is not None:
         strategy.offload_model(critic.model)
