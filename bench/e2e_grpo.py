@@ -1,0 +1,1028 @@
+"""End-to-end GRPO iteration benchmark on one GPU: Tidal against TRL's ``GRPOTrainer`` (issue 8).
+
+Both frameworks train the same random-initialised model folder (saved once, bf16 on disk, loaded as
+fp32 master weights with bf16 compute by both) on the same batch: 16 prompts x 8 samples, prompt 128
+tokens, 256 completion tokens forced (Tidal ``rollout.ignore_eos``; TRL ``min_new_tokens``), KL off,
+one optimizer step per rollout, the same deterministic reward (:func:`bench_score` of the completion
+token ids, so reward time is not the figure). Each (framework, size, KL) case runs in its own
+subprocess so its peak-memory figures are its own. Cases:
+
+- sizes ``0.5b`` (Qwen2-0.5B shape: hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab
+  151936) and ``1.5b`` (hidden 1536, 28 layers, 12/2 heads, intermediate 8960); tied embeddings.
+- KL ``off`` (no reference model) and ``on`` (Tidal ``algorithm.kl_coef`` = TRL ``beta`` = 0.04,
+  k3 estimator, a reference model).
+- TRL 1.16 without vLLM (HF ``generate``), ``gradient_checkpointing=False`` (TRL defaults to True;
+  off is its faster setting, and Tidal's default), micro-batches of ``--trl-micro-batch``
+  completions with ``gradient_accumulation_steps = 128 / micro-batch``, so one generation of 128
+  completions feeds exactly one optimizer step (``steps_per_generation`` = accumulation steps).
+
+Figures (one JSON line each on stdout): the ceilings (device copy bandwidth, counting bytes read plus
+written, and the bf16 matmul rate, both measured here); per case the steady-state seconds per
+iteration (median after warm-up) and the whole-process peak GPU memory; for Tidal each phase
+(``time/<phase>`` of ``PPOTrainer.train_step``) against its own lower bound, the iteration's bound,
+the weight-sync bandwidth, and the memory timeline of the last iteration (allocated/reserved bytes at
+every phase boundary and around every sleep/wake/offload/reload/weight-sync call, recorded by wrapping
+those methods from outside Tidal); TRL's ``generate`` time (wrapped likewise); TRL/Tidal ratios.
+
+Bounds (all lower bounds, from the measured ceilings; N = parameters with tied embeddings counted once,
+which is also the number of weights in matmuls since the LM head is the embedding):
+- generate: prefill ``2 N x unique prompt tokens / matmul`` plus, per decode step k = 1..R-1,
+  ``max((2 N + seqs x (P + k) x kv_bytes) / copy_bw, 2 N seqs / matmul)`` (bf16 weights and KV read
+  once per step).
+- actor/reference logprobs: ``2 N x tokens / matmul``; train: ``6 N x tokens / matmul`` plus the
+  AdamW update (28 bytes per parameter read+written in fp32) over copy_bw; tokens = seqs x (P + R).
+- weight sync: ``6 N / copy_bw`` (read fp32 master, write bf16 engine copy).
+
+Usage (GPU; TRL comes from wheels, see bench/prepare_wheels.sh):
+    python bench/e2e_grpo.py [--only tidal|trl] [--sizes 0.5b,1.5b] [--kl off|on|both]
+        [--time-budget-s 480] [--record [PATH]] [--out-dir DIR] [--tidal-set key=value ...]
+    python bench/e2e_grpo.py --tiny          # CPU smoke run: tiny model, 2 prompts x 2, 8 tokens
+Cases run in priority order (cheapest first: 0.5b off, then KL on / 1.5b, TRL after Tidal at each
+level); a case that cannot start inside the budget is reported as skipped, one that runs out of time
+stops after its current step and reports the steps it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEFAULT_RECORD = os.path.join(HERE, "results", "e2e_grpo.jsonl")
+GIB = 2**30
+
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1024),
+}
+SIZE_ORDER = ["0.5b", "1.5b"]
+KL_COEF = 0.04
+# Seconds a case is allowed at most (it stops after the step that would overrun) and needs at least to start.
+CASE_CAP_S = {("tidal", "0.5b"): 150, ("tidal", "1.5b"): 180, ("trl", "0.5b"): 150, ("trl", "1.5b"): 220}
+CASE_MIN_S = 45
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchSettings:
+    """What every case of one run shares.
+
+    prompts x samples sequences per iteration, prompt_len tokens each (exactly), new_tokens completion
+    tokens forced. warmup iterations are run and not counted; steps are timed (per framework, since a
+    TRL iteration takes ~10x longer). trl_micro_batch: completions per TRL forward/backward.
+    """
+
+    prompts: int = 16
+    samples: int = 8
+    prompt_len: int = 128
+    new_tokens: int = 256
+    tidal_warmup: int = 2
+    tidal_steps: int = 5
+    trl_warmup: int = 1
+    trl_steps: int = 3
+    trl_micro_batch: int = 32
+    trl_dtype: str = "float32"
+    lr: float = 1e-6
+    seed: int = 1
+
+    def __post_init__(self):
+        for name in ("prompts", "prompt_len", "new_tokens", "tidal_steps", "trl_steps", "trl_micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples < 2:
+            raise ValueError(f"samples must be >= 2 (GRPO groups), got {self.samples}")
+        if (self.prompts * self.samples) % self.trl_micro_batch:
+            raise ValueError(f"trl_micro_batch ({self.trl_micro_batch}) must divide prompts x samples ({self.prompts * self.samples})")
+        if self.trl_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"trl_dtype must be float32 or bfloat16, got {self.trl_dtype!r}")
+
+    @property
+    def seqs(self) -> int:
+        return self.prompts * self.samples
+
+
+TINY = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, tidal_warmup=1, tidal_steps=2, trl_warmup=1,
+            trl_steps=2, trl_micro_batch=2)
+
+
+# ---- the reward (both frameworks) ------------------------------------------------------------------
+def bench_score(completion_ids) -> float:
+    """A deterministic score in [0, 1) of a completion's token ids (varies within a group, costs ~nothing)."""
+    return (sum(int(t) for t in completion_ids) % 997) / 997.0
+
+
+def tidal_reward(samples) -> list[float]:
+    """Tidal batched reward function (``e2e_grpo:tidal_reward``): one RewardSample list in, scores out."""
+    return [bench_score(s.response_ids) for s in samples]
+
+
+tidal_reward.batched = True
+
+
+def trl_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """TRL reward function: same score from the completion token ids."""
+    return [bench_score(ids) for ids in completion_ids]
+
+
+# ---- model shape and bounds (pure) -----------------------------------------------------------------
+def param_count(shape: dict) -> int:
+    """Parameters of a Qwen2 model with tied embeddings (q/k/v biases, no o bias, 2 norms per layer)."""
+    h, layers, inter, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    attn = (h * h + h) + 2 * (h * kv + kv) + h * h
+    per_layer = attn + 3 * h * inter + 2 * h
+    return layers * per_layer + vocab * h + h
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def generation_bound_s(*, n_params: int, kv_bytes: int, seqs: int, unique_prompts: int, prompt_len: int,
+                       new_tokens: int, copy_bw: float, matmul_flops: float) -> float:
+    """Prefill of the unique prompts at the matmul rate, then R-1 decode steps, each bounded by reading
+    the bf16 weights and every sequence's KV once (copy_bw) or by its matmul flops, whichever is larger."""
+    total = 2.0 * n_params * unique_prompts * prompt_len / matmul_flops
+    for k in range(1, new_tokens):
+        read = 2.0 * n_params + seqs * (prompt_len + k) * kv_bytes
+        total += max(read / copy_bw, 2.0 * n_params * seqs / matmul_flops)
+    return total
+
+
+def forward_bound_s(*, n_params: int, tokens: int, matmul_flops: float) -> float:
+    return 2.0 * n_params * tokens / matmul_flops
+
+
+def train_bound_s(*, n_params: int, tokens: int, matmul_flops: float, copy_bw: float) -> float:
+    """Forward + backward (6 N flops per token) plus one fp32 AdamW update (28 bytes/param moved)."""
+    return 6.0 * n_params * tokens / matmul_flops + 28.0 * n_params / copy_bw
+
+
+def weight_sync_bound_s(*, n_params: int, copy_bw: float) -> float:
+    return 6.0 * n_params / copy_bw
+
+
+def phase_bounds(*, n_params: int, shape: dict, s: BenchSettings, kl: bool, copy_bw: float, matmul_flops: float) -> dict[str, float]:
+    """Lower bound in seconds of each Tidal phase that has one (see the module docstring)."""
+    tokens = s.seqs * (s.prompt_len + s.new_tokens)
+    fwd = forward_bound_s(n_params=n_params, tokens=tokens, matmul_flops=matmul_flops)
+    out = {
+        "generate": generation_bound_s(n_params=n_params, kv_bytes=kv_bytes_per_token(shape), seqs=s.seqs,
+                                       unique_prompts=s.prompts, prompt_len=s.prompt_len, new_tokens=s.new_tokens,
+                                       copy_bw=copy_bw, matmul_flops=matmul_flops),
+        "actor_logprobs": fwd,
+        "train": train_bound_s(n_params=n_params, tokens=tokens, matmul_flops=matmul_flops, copy_bw=copy_bw),
+        "weight_sync": weight_sync_bound_s(n_params=n_params, copy_bw=copy_bw),
+    }
+    if kl:
+        out["reference_logprobs"] = fwd
+    return out
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# ---- assets ----------------------------------------------------------------------------------------
+def build_tokenizer(vocab_size: int):
+    """A WordLevel tokenizer covering the whole vocabulary: ids 0..V-3 are "t0".."t{V-3}", V-2 is
+    ``<eos>``, V-1 is ``<pad>``; whitespace split, no special tokens added, no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
+    vocab["<eos>"], vocab["<pad>"] = vocab_size - 2, vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<eos>")
+
+
+def build_model_dir(path: str, shape: dict, device: str) -> int:
+    """Save a random-initialised Qwen2 model (bf16 weights) into ``path``; returns N. (The tokenizer
+    lives in its own folder: next to a qwen2 config.json, transformers 5 would load the WordLevel files
+    as a Qwen2Tokenizer, which encodes these prompts to nothing.)"""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    v = shape["vocab_size"]
+    cfg = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=v - 2, pad_token_id=v - 1)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    return n
+
+
+def write_prompts(path: str, *, rows: int, prompt_len: int, vocab_size: int, seed: int = 0) -> None:
+    """JSONL of ``{"prompt": "t.. t.. ..."}``: each prompt is ``prompt_len`` random vocabulary words."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(vocab_size - 2)}" for _ in range(prompt_len))}) + "\n")
+
+
+# ---- ceilings --------------------------------------------------------------------------------------
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s counting bytes read plus written (median of 20 after 5 warm-ups)."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = _event_times(lambda: dst.copy_(src), 25, 5)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 n x n x n matmul flop/s on random data (median of 10 after 3 warm-ups)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = _event_times(lambda: a @ b, 13, 3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2.0 * n**3 / statistics.median(times)
+
+
+def _event_times(fn, total: int, skip: int) -> list[float]:
+    import torch
+
+    out = []
+    for i in range(total):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= skip:
+            out.append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+# ---- worker plumbing ---------------------------------------------------------------------------------
+class Sink:
+    """Append-only JSON-lines file, flushed per record (a killed worker leaves every finished record)."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+
+def read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by a kill
+    return out
+
+
+def worker_setup(spec: dict, sink: Sink) -> None:
+    """Build (or reuse) the model folders and prompts; on CUDA measure the ceilings."""
+    import torch
+    import transformers
+
+    device = "cuda" if spec["device"] == "cuda" else "cpu"
+    env = {"kind": "env", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]}
+    for name in ("trl", "datasets", "pyarrow", "accelerate"):
+        env[name] = _version_of(name)
+    sink.write(env)
+    s = BenchSettings(**spec["settings"])
+    for size in spec["sizes"]:
+        shape = SHAPES[size]
+        model_dir = os.path.join(spec["work_dir"], f"model-{size}")
+        marker = os.path.join(model_dir, "bench_shape.json")
+        if os.path.exists(marker) and json.load(open(marker)) == shape:
+            n = param_count(shape)
+        else:
+            n = build_model_dir(model_dir, shape, device)
+            json.dump(shape, open(marker, "w"))
+        tok_dir = os.path.join(spec["work_dir"], f"tokenizer-{shape['vocab_size']}")
+        if not os.path.exists(os.path.join(tok_dir, "config.json")):
+            build_tokenizer(shape["vocab_size"]).save_pretrained(tok_dir)
+            # Tidal's load_tokenizer wants a config.json; one without a model_type keeps the class as saved.
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, open(os.path.join(tok_dir, "config.json"), "w"))
+        data = os.path.join(spec["work_dir"], f"prompts-{size}.jsonl")
+        write_prompts(data, rows=max(64, s.prompts * 16), prompt_len=s.prompt_len, vocab_size=shape["vocab_size"])
+        sink.write({"kind": "model", "size": size, "model_dir": model_dir, "tokenizer_dir": tok_dir, "data": data, "params": n,
+                    "params_formula": param_count(shape), "shape": shape})
+    if device == "cuda":
+        sink.write({"kind": "ceilings", "copy_bw": copy_bandwidth(), "matmul_flops": matmul_rate()})
+
+
+def _version_of(name: str) -> str | None:
+    try:
+        import importlib.metadata as md
+
+        return md.version(name)
+    except Exception:
+        return None
+
+
+# ---- Tidal worker ----------------------------------------------------------------------------------
+class MemoryRecorder:
+    """Points of (label, allocated, reserved) bytes around Tidal's phases and engine/model moves.
+
+    ``wrap_timer`` replaces the PhaseTimer's ``phase`` on the instance (the ExperienceMaker shares the
+    object) so each phase records its boundaries and its own peak (peak stats are reset at its start);
+    ``wrap_calls`` does the same around named Strategy methods, keeping their integer return (bytes
+    freed, restored or sent). Without CUDA the labels are recorded with None bytes.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.points: list[dict] = []
+        self.calls: list[dict] = []
+
+    def _mem(self) -> tuple[int | None, int | None]:
+        import torch
+
+        if not self.cuda:
+            return None, None
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    def mark(self, label: str, **extra) -> None:
+        a, r = self._mem()
+        self.points.append({"label": label, "allocated": a, "reserved": r, **extra})
+
+    def peak(self) -> int | None:
+        import torch
+
+        return torch.cuda.max_memory_allocated() if self.cuda else None
+
+    def peak_reserved(self) -> int | None:
+        import torch
+
+        return torch.cuda.max_memory_reserved() if self.cuda else None
+
+    def wrap_timer(self, timer) -> None:
+        import contextlib
+        import torch
+
+        orig = timer.phase
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            self.mark(f"{name}:start")
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            with orig(name):
+                yield
+            self.mark(f"{name}:end", peak=self.peak(), peak_reserved=self.peak_reserved())
+
+        timer.phase = phase
+
+    def wrap_calls(self, obj, names: list[str]) -> None:
+        for name in names:
+            setattr(obj, name, self._wrapped(getattr(obj, name), name))
+
+    def _wrapped(self, fn, name: str):
+        import torch
+
+        def call(*args, **kwargs):
+            self.mark(f"{name}:before")
+            if self.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            self.mark(f"{name}:after", returned=out if isinstance(out, int) else None)
+            self.calls.append({"name": name, "seconds": seconds, "returned": out if isinstance(out, int) else None})
+            return out
+
+        return call
+
+    def pop(self) -> tuple[list[dict], list[dict]]:
+        points, calls = self.points, self.calls
+        self.points, self.calls = [], []
+        return points, calls
+
+
+def tidal_config_dict(spec: dict) -> dict:
+    """The Tidal run config of a case (before ``--tidal-set`` overrides)."""
+    s = BenchSettings(**spec["settings"])
+    cuda = spec["device"] == "cuda"
+    kv_tokens = 1 << math.ceil(math.log2(s.seqs * (s.prompt_len + s.new_tokens + 16)))
+    return {
+        "run": {"output_dir": spec["run_dir"], "steps": s.tidal_warmup + s.tidal_steps, "seed": s.seed,
+                "device": "cuda" if cuda else "cpu"},
+        "model": {"path": spec["model_dir"], "tokenizer_path": spec["tokenizer_dir"]},
+        "data": {"train": [{"path": spec["data"]}], "apply_chat_template": False, "max_prompt_len": s.prompt_len},
+        "rollout": {"prompts_per_step": s.prompts, "n_samples": s.samples, "max_new_tokens": s.new_tokens,
+                    "ignore_eos": True, "temperature": 1.0},
+        "engine": {"kv_cache_max_tokens": kv_tokens},
+        "optim": {"lr": s.lr, "max_grad_norm": 1.0},
+        "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean",
+                      "kl_coef": KL_COEF if spec["kl"] else 0.0, "kl_estimator": "k3"},
+        "reward": {"components": {"score": {"type": "function", "path": "e2e_grpo:tidal_reward"}},
+                   "recipes": {"default": [["score", 1.0]]}, "default_recipe": "default"},
+        "eval": {"at_start": False, "at_end": False, "every": 0},
+        "checkpoint": {"every": 0, "at_end": False, "resume": "never"},
+        "logging": {"backends": []},
+    }
+
+
+def worker_tidal(spec: dict, sink: Sink) -> None:
+    """Build Tidal's trainer from the case config and time ``train_step`` iterations until done or the deadline."""
+    import torch
+    from tidal.config import TidalConfig
+    from tidal.config_base import apply_overrides, build
+    from tidal.trainer.setup import build_trainer
+
+    cuda = spec["device"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    s = BenchSettings(**spec["settings"])
+    cfg = build(TidalConfig, apply_overrides(tidal_config_dict(spec), spec["tidal_set"]))
+    t0 = time.perf_counter()
+    trainer = build_trainer(cfg)
+    init_s = time.perf_counter() - t0
+    rec = MemoryRecorder(cuda)
+    gen_log: list[dict] = []
+    _wrap_generate_check(trainer.strategy, gen_log)
+    rec.wrap_timer(trainer.timer)
+    rec.wrap_calls(trainer.strategy, ["wake_up", "sleep", "offload_model", "reload_model", "update_engine_weights",
+                                      "offload_optimizer", "reload_optimizer"])
+    prompt_lens = sorted({len(trainer.train_data[i].prompt_ids) for i in range(len(trainer.train_data))})
+    sink.write({"kind": "init", "init_s": init_s, "prompt_lens": prompt_lens, "peak_allocated": rec.peak(),
+                "peak_reserved": rec.peak_reserved(),
+                "config": cfg.to_dict(), "engine_memory": trainer.engine.memory_report()})
+    _tidal_loop(trainer, rec, gen_log, s.tidal_warmup + s.tidal_steps, spec["deadline"], cuda, sink)
+
+
+def _wrap_generate_check(strategy, gen_log: list[dict]) -> None:
+    """Record how many completions each rollout returned and their lengths (the batch the case promises)."""
+    orig = strategy.generate
+
+    def generate(engine, prompts, params):
+        out = orig(engine, prompts, params)
+        lens = [len(c.token_ids) for c in out]
+        gen_log.append({"prompts": len(prompts), "completions": len(out), "min_len": min(lens), "max_len": max(lens)})
+        return out
+
+    strategy.generate = generate
+
+
+def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, deadline: float, cuda: bool, sink: Sink) -> None:
+    import torch
+
+    last = 0.0
+    for step in range(1, total + 1):
+        if step > 1 and time.time() + 1.3 * last > deadline:
+            sink.write({"kind": "stopped", "reason": "deadline", "after_step": step - 1})
+            return
+        rec.mark("iteration:start")
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(step)
+        if cuda:
+            torch.cuda.synchronize()
+        last = time.perf_counter() - t0
+        rec.mark("iteration:end")
+        points, calls = rec.pop()
+        peaks = [p["peak"] for p in points if p.get("peak") is not None]
+        peaks_r = [p["peak_reserved"] for p in points if p.get("peak_reserved") is not None]
+        sink.write({
+            "kind": "step", "step": step, "wall_s": last, "metrics": {k: float(v) for k, v in metrics.items()},
+            "peak_allocated": max(peaks) if peaks else None, "peak_reserved": max(peaks_r) if peaks_r else None,
+            "timeline": points, "calls": calls, "generate": gen_log[-1] if gen_log else None,
+        })
+
+
+# ---- TRL worker ------------------------------------------------------------------------------------
+def worker_trl(spec: dict, sink: Sink) -> None:
+    """Run TRL's GRPOTrainer for warm-up + timed steps; a callback times each optimizer step."""
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as e:
+        sink.write({"kind": "error", "message": f"TRL not importable ({e}); bring it with bench/prepare_wheels.sh (carry .whl)"})
+        return
+    import torch
+    from transformers import AutoTokenizer
+
+    cuda = spec["device"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    s = BenchSettings(**spec["settings"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    t0 = time.perf_counter()
+    trainer, gen_log = _build_trl(spec, s, tokenizer, cuda, sink)
+    sink.write({"kind": "init", "init_s": time.perf_counter() - t0,
+                "config": {k: v for k, v in trainer.args.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}})
+    trainer.train()
+    sink.write({"kind": "done", "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+                "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None, "generate_calls": len(gen_log)})
+
+
+def _build_trl(spec: dict, s: BenchSettings, tokenizer, cuda: bool, sink: Sink):
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in open(spec["data"])]
+    ga = s.seqs // s.trl_micro_batch
+    args = GRPOConfig(
+        output_dir=spec["run_dir"], report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        max_steps=s.trl_warmup + s.trl_steps, seed=s.seed, learning_rate=s.lr, max_grad_norm=1.0,
+        per_device_train_batch_size=s.trl_micro_batch, gradient_accumulation_steps=ga, steps_per_generation=ga,
+        num_generations=s.samples, num_iterations=1, max_completion_length=s.new_tokens, temperature=1.0,
+        generation_kwargs={"min_new_tokens": s.new_tokens}, beta=KL_COEF if spec["kl"] else 0.0,
+        gradient_checkpointing=False, bf16=cuda, use_cpu=not cuda, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": s.trl_dtype},
+    )
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=trl_reward, args=args,
+                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    gen_log: list[dict] = []
+    _wrap_hf_generate(trainer.model, gen_log, cuda)
+    trainer.add_callback(_trl_step_callback(sink, gen_log, spec["deadline"], cuda))
+    return trainer, gen_log
+
+
+def _wrap_hf_generate(model, gen_log: list[dict], cuda: bool) -> None:
+    import torch
+
+    orig = model.generate
+
+    def generate(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = orig(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        gen_log.append({"seconds": time.perf_counter() - t0, "batch": int(out.shape[0]),
+                        "prompt_len": int(ids.shape[1]) if ids is not None else None,
+                        "new_tokens": int(out.shape[1] - ids.shape[1]) if ids is not None else None})
+        return out
+
+    model.generate = generate
+
+
+def _trl_step_callback(sink: Sink, gen_log: list[dict], deadline: float, cuda: bool):
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall time between consecutive optimizer-step ends (everything the loop does per iteration)."""
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t_last, self.n_gen = time.perf_counter(), 0
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            wall, self.t_last = now - self.t_last, now
+            gens = gen_log[self.n_gen:]
+            self.n_gen = len(gen_log)
+            sink.write({"kind": "step", "step": state.global_step, "wall_s": wall,
+                        "generate_s": sum(g["seconds"] for g in gens), "generate": gens,
+                        "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None})
+            if time.time() + 1.3 * wall > deadline and state.global_step < state.max_steps:
+                sink.write({"kind": "stopped", "reason": "deadline", "after_step": state.global_step})
+                control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            keep = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            sink.write({"kind": "log", "step": state.global_step, "logs": keep})
+
+    return StepTimer()
+
+
+WORKERS = {"setup": worker_setup, "tidal": worker_tidal, "trl": worker_trl}
+
+
+def run_worker(name: str, spec_path: str) -> int:
+    """Entry of a worker subprocess: read its spec, write records to the spec's result file."""
+    spec = json.load(open(spec_path))
+    sink = Sink(spec["result_file"])
+    try:
+        WORKERS[name](spec, sink)
+    except BaseException as e:  # the parent reports it as an error figure
+        import traceback
+
+        sink.write({"kind": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+        return 1
+    return 0
+
+
+# ---- parent: cases, subprocesses, figures ----------------------------------------------------------
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Case:
+    framework: str
+    size: str
+    kl: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{self.size}-kl{'on' if self.kl else 'off'}"
+
+
+def plan_cases(frameworks: list[str], sizes: list[str], kls: list[bool]) -> list[Case]:
+    """Cases in priority order: by level (size index + KL on), Tidal before TRL within a level, then
+    the first size first: 0.5b off (tidal, trl), then tidal 0.5b on, tidal 1.5b off, trl 0.5b on, ..."""
+    cases = [Case(framework=f, size=z, kl=k) for f in frameworks for z in sizes for k in kls]
+    rank = {z: i for i, z in enumerate(sizes)}
+    return sorted(cases, key=lambda c: (rank[c.size] + int(c.kl), c.framework != "tidal", rank[c.size], c.kl))
+
+
+class Run:
+    """The parent: owns the deadline, the work dir, the printed figures and the raw records."""
+
+    def __init__(self, args, settings: BenchSettings):
+        self.args = args
+        self.settings = settings
+        self.t_start = time.time()
+        self.deadline = self.t_start + args.time_budget_s
+        self.work_dir = args.work_dir or os.path.join(tempfile.gettempdir(), "tidal-e2e-grpo")
+        os.makedirs(self.work_dir, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.figures: list[dict] = []
+        self.raw: list[dict] = []
+        self.models: dict[str, dict] = {}
+        self.ceilings: dict | None = None
+        self.env: dict = {}
+        self.results: dict[Case, dict] = {}
+
+    def emit(self, figure: str, **fields) -> None:
+        rec = _rounded({"figure": figure, **fields})
+        print(json.dumps(rec, default=_json_default), flush=True)
+        self.figures.append(rec)
+
+    def spawn(self, worker: str, spec: dict, timeout_s: float, tag: str) -> tuple[list[dict], int | None, str]:
+        """Run a worker to completion or ``timeout_s`` (then killed); returns its records, rc and log tail."""
+        result_file = os.path.join(self.work_dir, f"{tag}-{self.run_id}.jsonl")
+        log_file = os.path.join(self.work_dir, f"{tag}-{self.run_id}.log")
+        spec = {**spec, "result_file": result_file, "device": self.args.device, "work_dir": self.work_dir,
+                "settings": dataclasses.asdict(self.settings)}
+        spec_file = os.path.join(self.work_dir, f"{tag}-{self.run_id}.spec.json")
+        json.dump(spec, open(spec_file, "w"))
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")])}
+        if self.args.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        rc = None
+        with open(log_file, "w") as log:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", worker, spec_file],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=max(1.0, timeout_s))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        tail = _tail(log_file, 1500)
+        self._keep_log(tag, log_file)
+        records = read_records(result_file)
+        self.raw.extend({"case": tag, **r} for r in records)
+        return records, rc, tail
+
+    def _keep_log(self, tag: str, log_file: str) -> None:
+        if self.args.out_dir:
+            with open(os.path.join(self.args.out_dir, "logs.txt"), "a") as out, open(log_file) as src:
+                out.write(f"===== {tag} =====\n{src.read()}\n")
+
+    # ---- stages ------------------------------------------------------------------------------------
+    def setup(self, sizes: list[str]) -> bool:
+        records, rc, tail = self.spawn("setup", {"sizes": sizes}, self.remaining(), "setup")
+        for r in records:
+            if r["kind"] == "env":
+                self.env = {k: v for k, v in r.items() if k != "kind"}
+                self.emit("env", commit=self.args.commit, **self.env, settings=dataclasses.asdict(self.settings),
+                          tidal_set=self.args.tidal_set, time_budget_s=self.args.time_budget_s)
+            elif r["kind"] == "model":
+                self.models[r["size"]] = r
+                self.emit("model", size=r["size"], params=r["params"], params_formula=r["params_formula"],
+                          kv_bytes_per_token=kv_bytes_per_token(r["shape"]))
+            elif r["kind"] == "ceilings":
+                self.ceilings = r
+                self.emit("ceilings", copy_bw_GBps=r["copy_bw"] / 1e9, bf16_matmul_TFLOPs=r["matmul_flops"] / 1e12)
+        errors = [r for r in records if r["kind"] == "error"]
+        if errors or rc != 0 or len(self.models) != len(sizes):
+            self.emit("error", stage="setup", rc=rc, message=errors[0]["message"] if errors else "setup did not finish",
+                      log_tail=tail)
+            return False
+        return True
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    def run_case(self, case: Case) -> None:
+        cap = CASE_CAP_S.get((case.framework, case.size), 600)
+        budget = min(self.remaining(), cap)
+        if budget < (CASE_MIN_S if not self.args.tiny else 5):
+            self.emit("skipped", case=case.name, reason=f"time budget: {self.remaining():.0f} s left")
+            return
+        model = self.models[case.size]
+        spec = {"framework": case.framework, "size": case.size, "kl": case.kl, "model_dir": model["model_dir"],
+                "tokenizer_dir": model["tokenizer_dir"], "data": model["data"], "run_dir": os.path.join(self.work_dir, f"run-{case.name}-{self.run_id}"),
+                "deadline": time.time() + budget - 10, "tidal_set": self.args.tidal_set}
+        records, rc, tail = self.spawn(case.framework, spec, budget, case.name)
+        summary = summarize_tidal(records, self.settings) if case.framework == "tidal" else summarize_trl(records, self.settings)
+        summary.update(rc=rc)
+        self.results[case] = summary
+        self.report_case(case, summary, tail)
+
+    # ---- figures -----------------------------------------------------------------------------------
+    def report_case(self, case: Case, sm: dict, tail: str) -> None:
+        base = {"framework": case.framework, "size": case.size, "kl": case.kl}
+        if sm.get("error") or not sm["steady_s"]:
+            self.emit("error", **base, rc=sm["rc"], message=sm.get("error") or "no timed iteration finished",
+                      steps_s=sm["steps_s"], log_tail=tail)
+            if not sm["steady_s"]:
+                return
+        self.emit("iteration", **base, median_s=median_or_none(sm["steady_s"]), steady_s=sm["steady_s"],
+                  warmup_s=sm["warmup_s"], init_s=sm.get("init_s"), stopped_early=sm["stopped_early"],
+                  checks_ok=all(sm["checks"].values()), checks=sm["checks"])
+        self.emit("peak_memory", **base, allocated_gib=_gib(sm["peak_allocated"]), reserved_gib=_gib(sm["peak_reserved"]))
+        bounds = self.bounds(case)
+        for phase, seconds in sm["phases"].items():
+            bound = bounds.get(phase)
+            self.emit("phase", **base, phase=phase, median_s=seconds, bound_s=bound,
+                      bound_over_measured=(bound / seconds) if bound and seconds else None)
+        if case.framework == "tidal":
+            self.report_tidal_extras(case, base, sm, bounds)
+        self.report_ratio(case)
+
+    def bounds(self, case: Case) -> dict[str, float]:
+        if self.ceilings is None:
+            return {}
+        m = self.models[case.size]
+        return phase_bounds(n_params=m["params"], shape=m["shape"], s=self.settings, kl=case.kl,
+                            copy_bw=self.ceilings["copy_bw"], matmul_flops=self.ceilings["matmul_flops"])
+
+    def report_tidal_extras(self, case: Case, base: dict, sm: dict, bounds: dict) -> None:
+        measured = median_or_none(sm["steady_s"])
+        if bounds:
+            total = sum(bounds.values())
+            self.emit("iteration_bound", **base, bound_s=total, parts_s=bounds, measured_s=measured,
+                      bound_over_measured=total / measured if measured else None)
+        ws = sm["weight_sync"]
+        if ws["seconds"]:
+            copy_bw = self.ceilings["copy_bw"] if self.ceilings else None
+            t = statistics.median(ws["seconds"])
+            self.emit("weight_sync", **base, bytes=ws["bytes"], median_s=t, GBps=ws["bytes"] / t / 1e9 if ws["bytes"] else None,
+                      copy_bw_GBps=copy_bw / 1e9 if copy_bw else None, bound_s=bounds.get("weight_sync"),
+                      bound_over_measured=bounds["weight_sync"] / t if bounds else None)
+        if sm["timeline"]:
+            self.emit("memory_timeline", **base, step=sm["timeline_step"], unit="GiB allocated, GiB reserved",
+                      points=[[p["label"], _gib(p["allocated"]), _gib(p["reserved"])] + ([_gib(p["peak"])] if p.get("peak") else [])
+                              for p in sm["timeline"]],
+                      returned_bytes={c["name"]: c["returned"] for c in sm["timeline_calls"] if c["returned"] is not None})
+
+    def report_ratio(self, case: Case) -> None:
+        tidal = self.results.get(Case(framework="tidal", size=case.size, kl=case.kl))
+        trl = self.results.get(Case(framework="trl", size=case.size, kl=case.kl))
+        if not (tidal and trl and tidal["steady_s"] and trl["steady_s"]):
+            return
+        a, b = median_or_none(trl["steady_s"]), median_or_none(tidal["steady_s"])
+        mem_a, mem_b = trl["peak_allocated"], tidal["peak_allocated"]
+        self.emit("ratio", size=case.size, kl=case.kl, trl_s=a, tidal_s=b, trl_over_tidal=a / b,
+                  trl_peak_gib=_gib(mem_a), tidal_peak_gib=_gib(mem_b),
+                  memory_trl_over_tidal=(mem_a / mem_b) if mem_a and mem_b else None)
+
+    def finish(self, cases: list[Case]) -> None:
+        main_tidal = self.results.get(Case(framework="tidal", size="0.5b", kl=False))
+        main_trl = self.results.get(Case(framework="trl", size="0.5b", kl=False))
+        t = median_or_none(main_tidal["steady_s"]) if main_tidal else None
+        r = median_or_none(main_trl["steady_s"]) if main_trl else None
+        self.emit("summary", elapsed_s=time.time() - self.t_start, cases_run=[c.name for c in cases if c in self.results],
+                  cases_planned=[c.name for c in cases], tidal_main_s=t, trl_main_s=r,
+                  target_tidal_le_1s=(t <= 1.0) if t is not None else None,
+                  target_ratio_ge_8=(r / t >= 8) if (t and r) else None)
+        self.write_outputs()
+
+    def write_outputs(self) -> None:
+        stamp = {"run_id": self.run_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": self.args.commit,
+                 "device": self.env.get("device"), "settings": dataclasses.asdict(self.settings), "tidal_set": self.args.tidal_set}
+        if self.args.record:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.record)), exist_ok=True)
+            with open(self.args.record, "a") as f:
+                for rec in self.figures:
+                    f.write(json.dumps({**stamp, **rec}, default=_json_default) + "\n")
+        if self.args.out_dir:
+            with open(os.path.join(self.args.out_dir, "raw.jsonl"), "a") as f:
+                for rec in self.raw:
+                    f.write(json.dumps({"run_id": self.run_id, **rec}, default=_json_default) + "\n")
+
+
+def _steps_split(steps: list[dict], warmup: int) -> tuple[list[dict], list[dict]]:
+    steps = sorted(steps, key=lambda r: r["step"])
+    return steps[:warmup], steps[warmup:]
+
+
+def summarize_tidal(records: list[dict], s: BenchSettings) -> dict:
+    """Aggregate a Tidal worker's records: steady iterations, phase medians, peaks, timeline, checks."""
+    init = next((r for r in records if r["kind"] == "init"), {})
+    warm, steady = _steps_split([r for r in records if r["kind"] == "step"], s.tidal_warmup)
+    phase_names = sorted({k[5:] for r in steady for k in r["metrics"] if k.startswith("time/") and k != "time/step"})
+    phases = {p: statistics.median([r["metrics"].get(f"time/{p}", 0.0) for r in steady]) for p in phase_names}
+    all_steps = warm + steady
+    peaks = [init.get("peak_allocated")] + [r["peak_allocated"] for r in all_steps]
+    peaks_r = [init.get("peak_reserved")] + [r["peak_reserved"] for r in all_steps]
+    syncs = [c for r in steady for c in r["calls"] if c["name"] == "update_engine_weights"]
+    checks = {
+        "prompt_len": init.get("prompt_lens") == [s.prompt_len],
+        "completions_per_rollout": all(r["generate"] and r["generate"]["completions"] == s.seqs for r in all_steps),
+        "completion_tokens_forced": all(r["generate"] and r["generate"]["min_len"] == s.new_tokens == r["generate"]["max_len"]
+                                        for r in all_steps),
+        "response_length_metric": all(abs(r["metrics"].get("response/length_mean", -1) - s.new_tokens) < 1e-6 for r in all_steps),
+        "finite_rewards": all(math.isfinite(r["metrics"].get("reward/mean", math.nan)) for r in all_steps),
+        "one_optimizer_step": all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in all_steps),
+    }
+    last = steady[-1] if steady else (warm[-1] if warm else None)
+    return {
+        "error": _first_error(records), "init_s": init.get("init_s"),
+        "warmup_s": [r["wall_s"] for r in warm], "steady_s": [r["wall_s"] for r in steady],
+        "steps_s": [r["wall_s"] for r in all_steps], "phases": phases, "checks": checks,
+        "stopped_early": any(r["kind"] == "stopped" for r in records),
+        "peak_allocated": max((p for p in peaks if p is not None), default=None),
+        "peak_reserved": max((p for p in peaks_r if p is not None), default=None),
+        "weight_sync": {"bytes": syncs[-1]["returned"] if syncs else None, "seconds": [c["seconds"] for c in syncs]},
+        "timeline": last["timeline"] if last else [], "timeline_calls": last["calls"] if last else [],
+        "timeline_step": last["step"] if last else None,
+    }
+
+
+def summarize_trl(records: list[dict], s: BenchSettings) -> dict:
+    """Aggregate a TRL worker's records: steady optimizer steps, generate time, peaks, checks."""
+    init = next((r for r in records if r["kind"] == "init"), {})
+    done = next((r for r in records if r["kind"] == "done"), {})
+    warm, steady = _steps_split([r for r in records if r["kind"] == "step"], s.trl_warmup)
+    all_steps = warm + steady
+    logs = [r["logs"] for r in records if r["kind"] == "log" and "completions/mean_length" in r["logs"]]
+    gens = [g for r in all_steps for g in r["generate"]]
+    checks = {
+        "one_generation_per_step": all(len(r["generate"]) == 1 for r in all_steps) if all_steps else False,
+        "completions_per_generation": bool(gens) and all(g["batch"] == s.seqs for g in gens),
+        "prompt_len": bool(gens) and all(g["prompt_len"] == s.prompt_len for g in gens),
+        "completion_tokens_forced": bool(logs) and all(
+            lg.get("completions/min_length") == lg.get("completions/max_length") == s.new_tokens for lg in logs),
+    }
+    peak = done.get("peak_allocated") or max((r["peak_allocated"] for r in all_steps if r["peak_allocated"]), default=None)
+    return {
+        "error": _first_error(records), "init_s": init.get("init_s"),
+        "warmup_s": [r["wall_s"] for r in warm], "steady_s": [r["wall_s"] for r in steady],
+        "steps_s": [r["wall_s"] for r in all_steps], "checks": checks,
+        "phases": {"generate": statistics.median([r["generate_s"] for r in steady])} if steady else {},
+        "stopped_early": any(r["kind"] == "stopped" for r in records),
+        "peak_allocated": peak, "peak_reserved": done.get("peak_reserved"),
+    }
+
+
+def _first_error(records: list[dict]) -> str | None:
+    """The first error's message and the end of its traceback (the whole one is in raw.jsonl)."""
+    err = next((r for r in records if r["kind"] == "error"), None)
+    if err is None:
+        return None
+    return err["message"] + ("\n..." + err["traceback"][-900:] if err.get("traceback") else "")
+
+
+def _rounded(x, digits: int = 4):
+    """Floats to ``digits`` significant digits, recursively (keeps the printed lines short)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v, digits) for v in x]
+    return x
+
+
+def _gib(x):
+    return None if x is None else round(x / GIB, 3)
+
+
+def _json_default(o):
+    return str(o)
+
+
+def _tail(path: str, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def git_commit() -> str:
+    if os.environ.get("TIDAL_COMMIT"):
+        return os.environ["TIDAL_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=["tidal", "trl"], help="run one framework only")
+    p.add_argument("--sizes", default="0.5b,1.5b", help="comma list of 0.5b,1.5b (first = main)")
+    p.add_argument("--kl", choices=["off", "on", "both"], default="both", help="KL-off cases, KL-on cases, or both")
+    p.add_argument("--time-budget-s", type=float, default=480.0, help="the whole run stops cleanly within this")
+    p.add_argument("--record", nargs="?", const=DEFAULT_RECORD, default=None,
+                   help=f"append the figures (with commit, device, settings) to PATH (default {DEFAULT_RECORD})")
+    p.add_argument("--out-dir", default=None, help="also write raw.jsonl (every worker record) and logs.txt (worker output) here")
+    p.add_argument("--work-dir", default=None, help="model folders, prompts, worker files (default: $TMPDIR/tidal-e2e-grpo)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 2 prompts x 2 samples, 8 tokens")
+    p.add_argument("--tidal-set", action="append", default=[], metavar="KEY=VALUE", help="override a Tidal config key")
+    p.add_argument("--trl-micro-batch", type=int, default=None, help="completions per TRL forward/backward (default 32)")
+    p.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="TRL model_init dtype (float32 = fp32 master weights + bf16 autocast, like Tidal)")
+    p.add_argument("--steps", type=int, default=None, help="timed iterations of each case (default Tidal 5, TRL 3)")
+    p.add_argument("--commit", default=None, help="commit recorded with the results (default: git or $TIDAL_COMMIT)")
+    p.add_argument("--worker", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.worker:
+        args.commit = args.commit or git_commit()
+    return args
+
+
+def settings_of(args) -> BenchSettings:
+    kw = dict(TINY) if args.tiny else {}
+    if args.trl_micro_batch:
+        kw["trl_micro_batch"] = args.trl_micro_batch
+    if args.steps:
+        kw["tidal_steps"] = kw["trl_steps"] = args.steps
+    kw["trl_dtype"] = args.trl_dtype
+    return BenchSettings(**kw)
+
+
+def resolve_device(pref: str, tiny: bool) -> str:
+    if pref != "auto":
+        return pref
+    if tiny:
+        return "cpu"
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                             capture_output=True, text=True, timeout=120)
+        return "cuda" if out.stdout.strip() == "True" else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(*args.worker)
+    settings = settings_of(args)
+    args.device = resolve_device(args.device, args.tiny)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+    sizes = ["tiny"] if args.tiny else [z.strip() for z in args.sizes.split(",") if z.strip()]
+    bad = [z for z in sizes if z not in SHAPES]
+    if bad:
+        raise SystemExit(f"--sizes: unknown {bad}; known: {SIZE_ORDER}")
+    frameworks = [args.only] if args.only else ["tidal", "trl"]
+    run = Run(args, settings)
+    if "trl" in frameworks and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
+        run.emit("error", framework="trl", message="trl/datasets are not installed: run bench/prepare_wheels.sh where pip "
+                 "works, carry .whl, install with pip --target and PYTHONPATH (bench/README.md); TRL cases skipped")
+        frameworks.remove("trl")
+    kls = {"off": [False], "on": [True], "both": [False, True]}[args.kl]
+    cases = plan_cases(frameworks, sizes, kls)
+    if cases and run.setup(sizes):
+        for case in cases:
+            run.run_case(case)
+    run.finish(cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
