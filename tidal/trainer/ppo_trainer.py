@@ -150,7 +150,8 @@ class PPOTrainer:
             metrics.update(self.updater.train(exp, epochs=self.cfg.train.epochs, mini_batches=self.cfg.train.mini_batches, generator=gen))
         with self.timer.phase("weight_sync"):
             self.strategy.update_engine_weights(self.actor.model, self.engine, dtype=self.engine_dtype)
-        self.algo.update_after_step({k.split('/', 1)[1]: v for k, v in metrics.items() if k.startswith('actor/')})
+        if metrics.get("actor/skipped", 0.0) == 0.0:  # a skipped step changed nothing; its statistics may be NaN
+            self.algo.update_after_step({k.split('/', 1)[1]: v for k, v in metrics.items() if k.startswith('actor/')})
         self._track_skips(metrics)
         metrics.update(self.timer.pop())
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")

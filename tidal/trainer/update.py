@@ -9,6 +9,7 @@ micro-batches (padding with zero-weight passes) because FSDP2 forward/backward a
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -41,6 +42,16 @@ class MetricMeans:
         vals = strategy.all_reduce_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
         n = len(keys)
         return {k: vals[i] / vals[n + i] if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
+
+
+def poison_gradients(model: torch.nn.Module) -> None:
+    """Set this rank's gradients (its shards) to NaN. Called when a loss share of the step was not
+    finite: clamps in the losses can turn a NaN loss into finite (zero) gradients, and the step must be
+    skipped all the same. The global gradient norm then is NaN, so ``Strategy.optimizer_step`` skips
+    the step on every rank alike -- no extra collective."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.fill_(math.nan)
 
 
 def mini_batch_rows(exp: Experience, num_mini_batches: int, generator: torch.Generator) -> list[list[int]]:
@@ -86,16 +97,20 @@ class Updater:
         batches, total = self._micro_batches(exp)
         if self.offload_optimizer:
             self.strategy.reload_optimizer(state)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.strategy.device)
         for i in range(total):
             real = i < len(batches)
             mb = exp.select(batches[i] if real else batches[0]).to(self.strategy.device)
             mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
             loss, metrics = loss_fn(mb, mb_mask_BT, norm)
+            nonfinite |= ~torch.isfinite(loss.detach())
             if real:
                 means.add({f"{prefix}/{k}": v for k, v in metrics.items()}, float(mb_mask_BT.sum()))
             else:
                 loss = loss * 0.0
             self.strategy.backward(loss, state, sync_grads=i == total - 1)
+        if nonfinite:
+            poison_gradients(state.model)
         step_metrics = self.strategy.optimizer_step(state)
         if self.offload_optimizer:
             self.strategy.offload_optimizer(state)
