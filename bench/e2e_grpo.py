@@ -84,7 +84,9 @@ class BenchSettings:
 
     prompts x samples sequences per iteration, prompt_len tokens each (exactly), new_tokens completion
     tokens forced. warmup iterations are run and not counted; steps are timed (per framework, since a
-    TRL iteration takes ~10x longer). trl_micro_batch: completions per TRL forward/backward.
+    TRL iteration takes ~10x longer). trl_micro_batch: completions per TRL forward/backward;
+    trl_dtype: TRL's model_init dtype; trl_gradient_checkpointing: TRL's own default is True, the
+    benchmark's False (faster, and Tidal's default).
     """
 
     prompts: int = 16
@@ -97,6 +99,7 @@ class BenchSettings:
     trl_steps: int = 3
     trl_micro_batch: int = 32
     trl_dtype: str = "float32"
+    trl_gradient_checkpointing: bool = False
     lr: float = 1e-6
     seed: int = 1
 
@@ -560,7 +563,7 @@ def _build_trl(spec: dict, s: BenchSettings, tokenizer, cuda: bool, sink: Sink):
         per_device_train_batch_size=s.trl_micro_batch, gradient_accumulation_steps=ga, steps_per_generation=ga,
         num_generations=s.samples, num_iterations=1, max_completion_length=s.new_tokens, temperature=1.0,
         generation_kwargs={"min_new_tokens": s.new_tokens}, beta=KL_COEF if spec["kl"] else 0.0,
-        gradient_checkpointing=False, bf16=cuda, use_cpu=not cuda, dataloader_num_workers=0,
+        gradient_checkpointing=s.trl_gradient_checkpointing, bf16=cuda, use_cpu=not cuda, dataloader_num_workers=0,
         model_init_kwargs={"dtype": s.trl_dtype},
     )
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=trl_reward, args=args,
@@ -751,7 +754,8 @@ class Run:
                 "tokenizer_dir": model["tokenizer_dir"], "data": model["data"], "run_dir": os.path.join(self.work_dir, f"run-{case.name}-{self.run_id}"),
                 "deadline": time.time() + budget - 10, "tidal_set": self.args.tidal_set}
         records, rc, tail = self.spawn(case.framework, spec, budget, case.name)
-        summary = summarize_tidal(records, self.settings) if case.framework == "tidal" else summarize_trl(records, self.settings)
+        summarize = summarize_tidal if case.framework == "tidal" else summarize_trl
+        summary = summarize(records, self.settings, kl=case.kl)
         summary.update(rc=rc)
         self.results[case] = summary
         self.report_case(case, summary, tail)
@@ -819,8 +823,11 @@ class Run:
         main_trl = self.results.get(Case(framework="trl", size="0.5b", kl=False))
         t = median_or_none(main_tidal["steady_s"]) if main_tidal else None
         r = median_or_none(main_trl["steady_s"]) if main_trl else None
+        table = {c.name: {"median_s": median_or_none(sm["steady_s"]), "n": len(sm["steady_s"]),
+                          "peak_gib": _gib(sm["peak_allocated"]), "checks_ok": all(sm["checks"].values()),
+                          "error": bool(sm.get("error"))} for c, sm in self.results.items()}
         self.emit("summary", elapsed_s=time.time() - self.t_start, cases_run=[c.name for c in cases if c in self.results],
-                  cases_planned=[c.name for c in cases], tidal_main_s=t, trl_main_s=r,
+                  cases_planned=[c.name for c in cases], cases=table, tidal_main_s=t, trl_main_s=r,
                   target_tidal_le_1s=(t <= 1.0) if t is not None else None,
                   target_ratio_ge_8=(r / t >= 8) if (t and r) else None)
         self.write_outputs()
@@ -844,7 +851,7 @@ def _steps_split(steps: list[dict], warmup: int) -> tuple[list[dict], list[dict]
     return steps[:warmup], steps[warmup:]
 
 
-def summarize_tidal(records: list[dict], s: BenchSettings) -> dict:
+def summarize_tidal(records: list[dict], s: BenchSettings, kl: bool = False) -> dict:
     """Aggregate a Tidal worker's records: steady iterations, phase medians, peaks, timeline, checks."""
     init = next((r for r in records if r["kind"] == "init"), {})
     warm, steady = _steps_split([r for r in records if r["kind"] == "step"], s.tidal_warmup)
@@ -862,6 +869,7 @@ def summarize_tidal(records: list[dict], s: BenchSettings) -> dict:
         "response_length_metric": all(abs(r["metrics"].get("response/length_mean", -1) - s.new_tokens) < 1e-6 for r in all_steps),
         "finite_rewards": all(math.isfinite(r["metrics"].get("reward/mean", math.nan)) for r in all_steps),
         "one_optimizer_step": all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in all_steps),
+        "reference_model_iff_kl": bool(all_steps) and all(("kl/rollout" in r["metrics"]) == kl for r in all_steps),
     }
     last = steady[-1] if steady else (warm[-1] if warm else None)
     return {
@@ -877,7 +885,7 @@ def summarize_tidal(records: list[dict], s: BenchSettings) -> dict:
     }
 
 
-def summarize_trl(records: list[dict], s: BenchSettings) -> dict:
+def summarize_trl(records: list[dict], s: BenchSettings, kl: bool = False) -> dict:
     """Aggregate a TRL worker's records: steady optimizer steps, generate time, peaks, checks."""
     init = next((r for r in records if r["kind"] == "init"), {})
     done = next((r for r in records if r["kind"] == "done"), {})
@@ -891,6 +899,7 @@ def summarize_trl(records: list[dict], s: BenchSettings) -> dict:
         "prompt_len": bool(gens) and all(g["prompt_len"] == s.prompt_len for g in gens),
         "completion_tokens_forced": bool(logs) and all(
             lg.get("completions/min_length") == lg.get("completions/max_length") == s.new_tokens for lg in logs),
+        "reference_model_iff_kl": bool(logs) and all(("kl" in lg) == kl for lg in logs),
     }
     peak = done.get("peak_allocated") or max((r["peak_allocated"] for r in all_steps if r["peak_allocated"]), default=None)
     return {
@@ -965,6 +974,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--trl-micro-batch", type=int, default=None, help="completions per TRL forward/backward (default 32)")
     p.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="TRL model_init dtype (float32 = fp32 master weights + bf16 autocast, like Tidal)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL with gradient checkpointing (its default)")
     p.add_argument("--steps", type=int, default=None, help="timed iterations of each case (default Tidal 5, TRL 3)")
     p.add_argument("--commit", default=None, help="commit recorded with the results (default: git or $TIDAL_COMMIT)")
     p.add_argument("--worker", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)
@@ -981,6 +991,7 @@ def settings_of(args) -> BenchSettings:
     if args.steps:
         kw["tidal_steps"] = kw["trl_steps"] = args.steps
     kw["trl_dtype"] = args.trl_dtype
+    kw["trl_gradient_checkpointing"] = args.trl_gradient_checkpointing
     return BenchSettings(**kw)
 
 

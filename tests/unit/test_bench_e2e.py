@@ -122,6 +122,7 @@ def test_summarize_tidal_medians_peaks_and_checks():
     assert sm["weight_sync"] == {"bytes": 64, "seconds": [pytest.approx(0.2), pytest.approx(0.3)]}
     assert sm["timeline_step"] == 3 and sm["timeline"][0]["label"] == "s3"
     assert all(sm["checks"].values()) and sm["error"] is None
+    assert e2e.summarize_tidal(records, s, kl=True)["checks"]["reference_model_iff_kl"] is False  # no kl/rollout metric
 
 
 def test_summarize_tidal_flags_a_short_completion():
@@ -207,3 +208,43 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(recorded) == len(figs) and all(r["run_id"] == recorded[0]["run_id"] and "commit" in r for r in recorded)
     assert (tmp_path / "o" / "raw.jsonl").exists() and (tmp_path / "o" / "logs.txt").exists()
+
+
+def test_report_with_ceilings_bounds_ratio_and_record(tmp_path, capsys):
+    """The GPU-only branches of the parent (bounds from ceilings, weight-sync bandwidth, ratio) on synthetic summaries."""
+    args = e2e.parse_args(["--work-dir", str(tmp_path), "--record", str(tmp_path / "rec.jsonl"), "--commit", "abc"])
+    s = e2e.BenchSettings()
+    run = e2e.Run(args, s)
+    shape = e2e.SHAPES["0.5b"]
+    n = e2e.param_count(shape)
+    run.models["0.5b"] = {"params": n, "shape": shape}
+    run.ceilings = {"copy_bw": 4e12, "matmul_flops": 8e14}
+    tidal = {"steady_s": [0.9, 1.0, 1.1], "warmup_s": [5.0], "init_s": 10.0, "stopped_early": False, "checks": {"a": True},
+             "peak_allocated": 20 * 2**30, "peak_reserved": 30 * 2**30, "rc": 0, "error": None,
+             "phases": {"generate": 0.4, "train": 0.3, "reward": 0.01},
+             "weight_sync": {"bytes": 2 * n, "seconds": [0.01, 0.02, 0.03]},
+             "timeline": [{"label": "train:end", "allocated": 2**30, "reserved": 2**31, "peak": 3 * 2**30}],
+             "timeline_calls": [{"name": "sleep", "returned": 123}], "timeline_step": 7}
+    trl = {**tidal, "steady_s": [9.0, 10.0, 11.0], "phases": {"generate": 6.0}, "peak_allocated": 40 * 2**30}
+    run.results[e2e.Case(framework="tidal", size="0.5b", kl=False)] = tidal
+    run.report_case(e2e.Case(framework="tidal", size="0.5b", kl=False), tidal, "")
+    run.results[e2e.Case(framework="trl", size="0.5b", kl=False)] = trl
+    run.report_case(e2e.Case(framework="trl", size="0.5b", kl=False), trl, "")
+    run.finish(list(run.results))
+    figs = _figures(capsys.readouterr().out)
+    phase = {(f["framework"], f["phase"]): f for f in figs if f["figure"] == "phase"}
+    tokens = 128 * 384
+    assert phase[("tidal", "train")]["bound_s"] == pytest.approx(6 * n * tokens / 8e14 + 28 * n / 4e12, rel=1e-3)
+    assert phase[("tidal", "reward")]["bound_s"] is None
+    assert phase[("trl", "generate")]["bound_s"] == phase[("tidal", "generate")]["bound_s"] > 0
+    ws = next(f for f in figs if f["figure"] == "weight_sync")
+    assert ws["median_s"] == 0.02 and ws["GBps"] == pytest.approx(2 * n / 0.02 / 1e9, rel=1e-3)
+    assert ws["bound_s"] == pytest.approx(6 * n / 4e12, rel=1e-3)
+    ratio = next(f for f in figs if f["figure"] == "ratio")
+    assert ratio["trl_over_tidal"] == 10.0 and ratio["memory_trl_over_tidal"] == 2.0
+    summary = figs[-1]
+    assert summary["target_tidal_le_1s"] is True and summary["target_ratio_ge_8"] is True
+    timeline = next(f for f in figs if f["figure"] == "memory_timeline")
+    assert timeline["points"] == [["train:end", 1.0, 2.0, 3.0]] and timeline["returned_bytes"] == {"sleep": 123}
+    recorded = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text().splitlines()]
+    assert len(recorded) == len(figs) and {r["commit"] for r in recorded} == {"abc"}
