@@ -9,12 +9,13 @@ same stages in the same order (SPMD), so ranks in step have equal positions.
 With several ranks, a daemon thread on every rank writes its position to
 ``<run_dir>/heartbeat/rank<R>.json`` whenever it changed (checked every ``poll_s``, so the training
 thread never waits on the filesystem), and rank 0's thread reads every rank's file. When positions
-differ and the most advanced ranks have been at theirs for more than ``timeout_s``
-(``run.collective_timeout_s``) -- they wait in a collective the others never entered -- it prints a
+differ and the most advanced ranks have been at theirs for ``timeout_s`` (``run.collective_timeout_s``)
+less three polls -- they wait in a collective the others never entered -- it prints a
 report naming every rank's step and stage and the ranks that are behind, writes it to
 ``<run_dir>/heartbeat/divergence.json`` and ends the process with :data:`EXIT_CODE`, so torchrun
 stops (or, with ``--max-restarts``, restarts) the job instead of it hanging until the backend's own
-timeout. A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
+timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
+length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
 An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note.
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
@@ -45,7 +46,8 @@ class Watchdog:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self.poll_s = min(10.0, max(0.2, self.timeout_s / 10))
+        self.poll_s = min(10.0, max(0.05, self.timeout_s / 20))
+        self.deadline_s = self.timeout_s - 3 * self.poll_s  # heartbeat lag + poll lag stay within timeout_s
         self.dir = Path(run_dir) / "heartbeat"
         self.session = ""
         self.step = 0
@@ -153,7 +155,7 @@ class Watchdog:
             return None  # the run is ending
         missing = [r for r, b in beats.items() if b is None]
         if missing:
-            if now - self._started <= self.timeout_s:
+            if now - self._started <= self.deadline_s:
                 return None
             return self._report(beats, now, behind=missing, why=f"ranks {missing} wrote no heartbeat")
         pos = {r: (b["step"], b["k"]) for r, b in beats.items()}
@@ -162,7 +164,7 @@ class Watchdog:
         if len(ahead) == self.world_size:
             return None
         waited = now - max(beats[r]["entered"] for r in ahead)
-        if waited <= self.timeout_s:
+        if waited <= self.deadline_s:
             return None
         behind = [r for r in pos if r not in ahead]
         return self._report(beats, now, behind=behind, why=f"ranks {ahead} waited {waited:.1f} s for ranks {behind}")
