@@ -83,9 +83,11 @@ class Strategy(abc.ABC):
     def backward(self, loss: torch.Tensor, state: TrainState, *, sync_grads: bool) -> None:
         """Accumulate gradients of a loss share; ``sync_grads`` is False for all but the last micro-batch."""
 
-    @abc.abstractmethod
     def clip_and_norm(self, state: TrainState) -> float:
-        """Global gradient norm (all ranks), clipped in place to ``state.max_grad_norm`` when > 0."""
+        """Global gradient norm (all ranks), clipped in place to ``state.max_grad_norm`` when > 0.
+        Used by the default :meth:`optimizer_step`; a backend whose optimizer clips inside its own
+        step (DeepSpeed ZeRO) overrides ``optimizer_step`` instead and has no separate clip."""
+        raise NotImplementedError(f"{type(self).__name__} clips inside optimizer_step")
 
     def optimizer_step(self, state: TrainState) -> dict[str, float]:
         """Clip, step, zero grads, advance the LR schedule. A non-finite gradient norm skips the step

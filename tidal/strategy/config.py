@@ -16,12 +16,17 @@ class StrategyConfig:
     param_dtype: compute dtype of sharded models (``auto``: bf16 on CUDA, fp32 on CPU); master
         weights, gradients reduction and optimizer state stay fp32.
     reshard_after_forward: FSDP2 frees unsharded parameters after each layer's forward (ZeRO-3-like).
+        DeepSpeed has no such switch (ZeRO-3 always re-partitions; ZeRO-1/2 never partition
+        parameters), so with ``backend=deepspeed`` it must stay true.
     offload_optimizer: keep optimizer state on CPU outside optimizer steps (moved to the device for
-        the step, back afterwards).
+        the step, back afterwards). With ``backend=deepspeed`` on CUDA this is ZeRO-Offload: the
+        fp32 master weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam,
+        compiled on first use).
     offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
     offload_critic: keep the critic on CPU outside its forward and update.
     offload_actor_during_rollout: move the actor's parameters to CPU while the engine generates.
     zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); ignored by fsdp2 (error if set to non-default).
+        Stage 1 partitions optimizer state, 2 also gradients, 3 also parameters (frozen models too).
     """
 
     backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
@@ -35,6 +40,10 @@ class StrategyConfig:
 
     def __post_init__(self):
         check(self.zero_stage in (1, 2, 3), "zero_stage", "must be 1, 2 or 3")
+        check(
+            self.backend != "deepspeed" or self.reshard_after_forward, "reshard_after_forward",
+            "is an FSDP2 setting; with backend=deepspeed choose zero_stage instead (3 re-partitions after forward, 1-2 keep full parameters)",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,0 +1,417 @@
+"""DeepSpeed ZeRO backend (stages 1, 2 and 3) behind the Strategy contract.
+
+What the trainer holds:
+- ``TrainState.model`` is the ``DeepSpeedEngine``. It forwards attribute access to the Hugging Face
+  module (``save_pretrained``, ``config``), and calling it runs ``engine.forward``, which DeepSpeed
+  needs for its backward hooks (critic values call the model directly). The HF module's
+  ``tidal_token_logprobs`` is re-bound on the engine so that it too runs as the engine's forward
+  (under ZeRO-3 that gathers the layers' partitions, and the LM head, which the method reads outside
+  of ``lm_head.forward``, is registered as an external parameter of the root module).
+- ``TrainState.optimizer`` is the ZeRO optimizer; ``TrainState.scheduler`` a LambdaLR over the
+  AdamW that ZeRO wraps (DeepSpeed does not step it: a skipped step still advances the schedule,
+  as in FSDP2).
+- A frozen model (reference, reward model) is a ZeRO-3 inference engine (partitioned parameters, no
+  optimizer) at ``zero_stage=3``, and a plain replicated module on the device at stages 1 and 2
+  (those stages partition only optimizer state and gradients, which a frozen model has none of).
+
+Gradient contract (as FSDP2): loss shares sum to the global loss over micro-batches and ranks;
+DeepSpeed averages gradients over ranks, so ``backward`` multiplies by the world size. The DeepSpeed
+config has ``gradient_accumulation_steps=1`` (DeepSpeed divides nothing) and the trainer's
+``sync_grads`` sets the accumulation boundary: ZeRO-1 reduces only at the boundary, ZeRO-2/3 reduce
+every micro-batch (DeepSpeed has no no-sync mode for partitioned gradients) into accumulated
+partitions. Clipping (``gradient_clipping``) and the non-finite-norm skip happen inside the ZeRO
+optimizer step, with torch's formula: ``g *= max_norm / (norm + 1e-6)`` when that is < 1.
+
+Precision: on CUDA (``param_dtype`` auto) parameters are bf16 and the fp32 master weights live in
+the optimizer, loaded from the fp32 checkpoint values (not re-widened from bf16); gradients are
+reduced in fp32 and, at stages 2 and 3, accumulated in fp32. At stage 1 without optimizer offload
+DeepSpeed only offers fp32 accumulation through its BF16_Optimizer, which cannot offload its
+states, so stage 1 accumulates micro-batch gradients in bf16. On CPU everything is fp32.
+
+Checkpoints go through torch.distributed.checkpoint like FSDP2's: each rank's ZeRO optimizer state
+(its fp32 master partition and AdamW moments) is stored under a key naming the rank and world size,
+so a checkpoint loads only into the same world size (DeepSpeed's rigid checkpoints have the same
+limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import deepspeed
+import deepspeed.ops
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+from tidal.distributed.runtime import Runtime
+from tidal.models.logprobs import LOGPROB_METHOD
+from tidal.strategy.base import Strategy, TrainState, _move_optimizer_state, lr_lambda
+from tidal.strategy.config import OptimConfig, StrategyConfig
+
+# ZeRO-3 parameters are all-gathered for full_weights / export in groups of about this many bytes.
+GATHER_BUCKET_BYTES = 256 << 20
+# DeepSpeed state kinds: compute-dtype parameters and gradient partitions, fp32 masters, AdamW moments.
+_LP_STATES = (OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads)
+_HP_STATE = OffloadStateTypeEnum.hp_params
+_OPTIM_STATE = OffloadStateTypeEnum.optim_states
+
+
+def deepspeed_config(
+    *, stage: int, bf16: bool, max_grad_norm: float, offload_optimizer: bool, trainable: bool
+) -> dict[str, Any]:
+    """The DeepSpeed config of one engine. Accumulation and the LR schedule stay with Tidal:
+    ``gradient_accumulation_steps`` is 1 (DeepSpeed never divides the loss) and no scheduler or
+    optimizer section is given (the client AdamW is passed in)."""
+    zero: dict[str, Any] = {"stage": stage, "elastic_checkpoint": False}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if trainable:
+        cfg["gradient_clipping"] = float(max_grad_norm)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+        if trainable:
+            cfg["communication_data_type"] = "fp32"
+            # stage 1 + fp32 accumulation without offload selects BF16_Optimizer (no offload_states)
+            if stage >= 2 or offload_optimizer:
+                cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups as in FSDP2: matrices decay, vectors (norms, biases) do not; empty groups dropped."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Placed:
+    """How a prepared model is held. ``engine`` is None for a replicated frozen module."""
+
+    engine: Any
+    module: torch.nn.Module
+    trainable: bool
+    params_offloaded: bool = False
+    optim_offloaded: bool = False
+
+
+def _is_zero3(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def _route_method_through_engine(engine, name: str) -> None:
+    """Bind ``engine.<name>(...)`` to the HF module's method ``name`` run *as the engine's forward*:
+    DeepSpeed's forward hooks (ZeRO-3 gathering, backward bookkeeping) then see it like ``forward``."""
+    module = engine.module
+    method = getattr(module, name)
+
+    def call(*args, **kwargs):
+        own = module.__dict__.get("forward")
+        module.forward = method
+        try:
+            return engine(*args, **kwargs)
+        finally:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+    setattr(engine, name, call)
+
+
+def _prepare_logprob_method(engine, zero3: bool) -> None:
+    module = engine.module
+    if not hasattr(module, LOGPROB_METHOD):
+        return
+    if zero3:  # the method applies lm_head.weight directly (chunked), outside lm_head.forward
+        head = module.get_output_embeddings()
+        for p in head.parameters(recurse=False):
+            deepspeed.zero.register_external_parameter(module, p)
+    _route_method_through_engine(engine, LOGPROB_METHOD)
+
+
+def _move_buffers(module: torch.nn.Module, device: torch.device | str) -> None:
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)
+
+
+def _gathered_groups(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
+    """Consecutive groups of about ``bucket_bytes`` (by full size), in the given order."""
+    group, size = [], 0
+    for p in params:
+        group.append(p)
+        size += (p.ds_numel if _is_zero3(p) else p.numel()) * p.element_size()
+        if size >= bucket_bytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+class DeepSpeedStrategy(Strategy):
+    def __init__(self, cfg: StrategyConfig, runtime: Runtime):
+        super().__init__(cfg, runtime)
+        accel = get_accelerator().device_name()
+        if accel != runtime.device.type:
+            raise ValueError(
+                f"strategy.backend=deepspeed: DeepSpeed's accelerator is {accel!r} but the run's device is "
+                f"{runtime.device.type!r}; set DS_ACCELERATOR={runtime.device.type} (or run.device) so they agree"
+            )
+        # DeepSpeed's engine asserts LOCAL_RANK is set (torchrun sets it; a plain process does not).
+        os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
+        if runtime.device.type == "cpu":
+            # Its shared-memory CPU all-reduce serves DeepSpeed inference TP only; not compiling it
+            # at the first engine saves minutes of C++ build.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        self._placed: dict[int, _Placed] = {}
+        # CPU optimizer offload is meaningless on a CPU run (the state is there already).
+        self._ds_offload = cfg.offload_optimizer and runtime.device.type != "cpu"
+
+    @property
+    def zero_stage(self) -> int:
+        return self.cfg.zero_stage
+
+    def _rec(self, model: torch.nn.Module) -> _Placed:
+        rec = self._placed.get(id(model))
+        if rec is None:
+            raise ValueError(f"{type(model).__name__} was not prepared by this DeepSpeedStrategy")
+        return rec
+
+    def _initialize(self, module: torch.nn.Module, optimizer, config: dict[str, Any]):
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, dist_init_required=False)
+        return engine
+
+    # ---- models -------------------------------------------------------------------------------
+    def _client_optimizer(self, groups: list[dict[str, Any]], optim: OptimConfig, lr: float):
+        kwargs = dict(lr=lr, betas=tuple(optim.betas), eps=optim.eps)
+        if self._ds_offload:  # ZeRO-Offload steps on the CPU with DeepSpeed's vectorised AdamW
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+    def prepare_trainable(self, model: torch.nn.Module, optim: OptimConfig, *, lr: float, total_steps: int) -> TrainState:
+        model = model.to(dtype=torch.float32)
+        model.train()
+        bf16 = self.param_dtype == torch.bfloat16
+        # DeepSpeed casts the module to bf16 and would seed fp32 masters from it; keep the fp32 values.
+        masters = {n: p.detach() for n, p in model.named_parameters()} if self.param_dtype != torch.float32 else None
+        config = deepspeed_config(
+            stage=self.zero_stage, bf16=bf16, max_grad_norm=optim.max_grad_norm,
+            offload_optimizer=self._ds_offload, trainable=True,
+        )
+        optimizer = self._client_optimizer(param_groups(model, optim.weight_decay), optim, lr)
+        engine = self._initialize(model, optimizer, config)
+        if masters is not None:
+            for name, p in engine.module.named_parameters():
+                safe_set_full_fp32_param(p, masters[name].to(self.device))
+            del masters
+        _prepare_logprob_method(engine, self.zero_stage == 3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(engine.basic_optimizer, lr_lambda(optim, total_steps))
+        self._placed[id(engine)] = _Placed(engine=engine, module=engine.module, trainable=True)
+        return TrainState(
+            model=engine, optimizer=engine.optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm,
+            optimizer_offloaded=self._ds_offload,
+        )
+
+    def prepare_frozen(self, model: torch.nn.Module, *, offload: bool = True) -> torch.nn.Module:
+        model.requires_grad_(False)
+        model.eval()
+        model = model.to(dtype=self.param_dtype)
+        if self.zero_stage == 3:
+            config = deepspeed_config(
+                stage=3, bf16=self.param_dtype == torch.bfloat16, max_grad_norm=0.0, offload_optimizer=False, trainable=False
+            )
+            engine = self._initialize(model, None, config)
+            _prepare_logprob_method(engine, zero3=True)
+            out, rec = engine, _Placed(engine=engine, module=engine.module, trainable=False)
+        else:
+            out, rec = model.to(self.device), _Placed(engine=None, module=model, trainable=False)
+        self._placed[id(out)] = rec
+        if offload:
+            self.offload_model(out)
+        return out
+
+    def backward(self, loss: torch.Tensor, state: TrainState, *, sync_grads: bool) -> None:
+        engine = self._rec(state.model).engine
+        engine.set_gradient_accumulation_boundary(sync_grads)
+        engine.backward(loss * self.runtime.world_size)
+
+    def optimizer_step(self, state: TrainState) -> dict[str, float]:
+        """ZeRO step: global norm, clip, skip on a non-finite norm (every rank alike), zero grads;
+        then the LR schedule advances whether or not the step was applied (as in FSDP2)."""
+        engine = self._rec(state.model).engine
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        skipped = not engine.was_step_applied()
+        lr = state.scheduler.get_last_lr()[0]
+        state.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _place_trainable(self, rec: _Placed) -> None:
+        """Bring a trained engine's states where ``rec`` says. offload_model covers the parameters in
+        both precisions (bf16 compute copy, fp32 masters) and gradient partitions; offload_optimizer
+        the AdamW moments. DeepSpeed's offload_states moves them, except the fp32 masters and moments
+        at ZeRO-3, which it moves only for its own FusedAdam: those are moved here."""
+        engine, zero3 = rec.engine, self.zero_stage == 3
+        want = set()
+        if rec.params_offloaded:
+            want.update(_LP_STATES if zero3 else (*_LP_STATES, _HP_STATE))
+        if rec.optim_offloaded and not zero3:
+            want.add(_OPTIM_STATE)
+        have = set(engine.optimizer.offloaded_states)
+        if have - want:  # DeepSpeed reloads all or nothing
+            engine.reload_states()
+            have = set(engine.optimizer.offloaded_states)
+        if want - have:
+            engine.offload_states(include=want, pin_memory=True)
+        if zero3 and not self._ds_offload:
+            cpu = torch.device("cpu")
+            for flat in engine.optimizer.fp32_partitioned_groups_flat:
+                flat.data = flat.data.to(cpu if rec.params_offloaded else self.device)
+            _move_optimizer_state(engine.basic_optimizer, cpu if rec.optim_offloaded else self.device)
+        _move_buffers(rec.module, "cpu" if rec.params_offloaded else self.device)
+
+    def _place_frozen_zero3(self, rec: _Placed, device: torch.device | str) -> None:
+        rec.engine.empty_partition_cache()  # release every gathered parameter: only partitions hold data
+        for p in rec.module.parameters():
+            p.ds_tensor.data = p.ds_tensor.data.to(device)
+        _move_buffers(rec.module, device)
+
+    def _place_model(self, model: torch.nn.Module, offloaded: bool) -> None:
+        rec = self._rec(model)
+        if rec.params_offloaded == offloaded:
+            return
+        rec.params_offloaded = offloaded
+        device = torch.device("cpu") if offloaded else self.device
+        if rec.trainable:
+            self._place_trainable(rec)
+        elif rec.engine is not None:
+            self._place_frozen_zero3(rec, device)
+        else:
+            rec.module.to(device)
+        if offloaded:
+            self.empty_cache()
+
+    def offload_model(self, model: torch.nn.Module) -> None:
+        self._place_model(model, True)
+
+    def reload_model(self, model: torch.nn.Module) -> None:
+        self._place_model(model, False)
+
+    def offload_optimizer(self, state: TrainState) -> None:
+        """With ``strategy.offload_optimizer`` the ZeRO-Offload state never leaves the CPU (nothing
+        to do); otherwise the AdamW moments are moved to CPU."""
+        rec = self._rec(state.model)
+        if not self._ds_offload and not rec.optim_offloaded:
+            rec.optim_offloaded = True
+            self._place_trainable(rec)
+            self.empty_cache()
+        state.optimizer_offloaded = True
+
+    def reload_optimizer(self, state: TrainState) -> None:
+        rec = self._rec(state.model)
+        if not self._ds_offload and rec.optim_offloaded:
+            rec.optim_offloaded = False
+            self._place_trainable(rec)
+            state.optimizer_offloaded = False
+
+    # ---- weights and checkpoints ----------------------------------------------------------------
+    def _full_tensors(self, rec: _Placed, params: list[torch.nn.Parameter], *, fp32_master: bool) -> Iterator[torch.Tensor]:
+        """Full values of ``params`` in order (a collective): the fp32 masters of a trained model
+        when ``fp32_master``, else the compute-dtype parameters (ZeRO-3: gathered in buckets)."""
+        if fp32_master and rec.trainable:
+            for p in params:
+                yield safe_get_full_fp32_param(p)
+            return
+        for group in _gathered_groups(params, GATHER_BUCKET_BYTES):
+            zero3 = [p for p in group if _is_zero3(p)]
+            with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None, enabled=bool(zero3)):
+                full = [p.detach().clone() if _is_zero3(p) else p.detach() for p in group]
+            yield from full
+
+    def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every parameter, tied ones once, the same order on every rank.
+        Values are the compute-dtype parameters: with bf16 training and ``dtype=bfloat16`` (the rollout
+        engine's) they equal the fp32 masters rounded, as FSDP2's; an fp32 request of a bf16 model
+        gets the bf16 values widened."""
+        rec = self._rec(model)
+        named = list(rec.module.named_parameters())
+        values = self._full_tensors(rec, [p for _, p in named], fp32_master=False)
+        for (name, _), full in zip(named, values):
+            yield name, full.to(self.device, dtype=dtype)
+
+    def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full CPU state dict on rank 0 ({} elsewhere), keys as ``module.state_dict()``; trained
+        parameters are the fp32 masters (as FSDP2 exports), tied keys share one tensor. A collective."""
+        rec = self._rec(model)
+        entries = list(rec.module.state_dict(keep_vars=True).items())
+        unique: dict[int, torch.Tensor] = {}
+        params = []
+        for _, t in entries:
+            if isinstance(t, torch.nn.Parameter) and id(t) not in unique:
+                unique[id(t)] = t
+                params.append(t)
+        full: dict[int, torch.Tensor] = {}
+        for p, value in zip(params, self._full_tensors(rec, params, fp32_master=True)):
+            if self.runtime.is_main:
+                full[id(p)] = value.detach().to("cpu", dtype=torch.float32 if rec.trainable else value.dtype)
+        if not self.runtime.is_main:
+            return {}
+        return {k: full[id(t)] if isinstance(t, torch.nn.Parameter) else t.detach().cpu() for k, t in entries}
+
+    def _rank_key(self) -> str:
+        return f"rank{self.runtime.rank}_of{self.runtime.world_size}"
+
+    def state_dict(self, state: TrainState) -> dict[str, Any]:
+        """This rank's ZeRO optimizer state (fp32 master partition, moments, loss-scaler settings)
+        under a rank key; at stages 1-2 also the replicated compute-dtype weights (ZeRO-3 rebuilds
+        its partitions from the fp32 masters on load). Tensors are the live buffers (DCP loads in place)."""
+        engine = self._rec(state.model).engine
+        sd: dict[str, Any] = {
+            "optimizer": {self._rank_key(): engine.optimizer.state_dict()},
+            "scheduler": state.scheduler.state_dict(),
+            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                       "skipped_steps": engine.skipped_steps},
+        }
+        if self.zero_stage < 3:
+            sd["model"] = engine.module.state_dict()
+        return sd
+
+    def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
+        engine = self._rec(state.model).engine
+        key = self._rank_key()
+        if key not in sd["optimizer"]:
+            raise ValueError(f"DeepSpeed checkpoint has no optimizer state for {key} (saved with {sorted(sd['optimizer'])})")
+        per_rank = [None] * self.runtime.world_size
+        per_rank[self.runtime.rank] = sd["optimizer"][key]
+        if self.zero_stage < 3:
+            engine.module.load_state_dict(sd["model"])
+            engine.optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            engine.optimizer.checkpoint_event_prologue()
+            engine.optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+            engine.optimizer.checkpoint_event_epilogue()
+        state.scheduler.load_state_dict(sd["scheduler"])
+        engine.global_steps = sd["engine"]["global_steps"]
+        engine.global_samples = sd["engine"]["global_samples"]
+        engine.skipped_steps = sd["engine"]["skipped_steps"]
