@@ -255,6 +255,20 @@ def profile_decode(hf_model, path: str) -> None:
     engine.sleep(1)
 
 
+def check_sleep_wake(engine, sink, settings) -> None:
+    """sleep(2) frees weights + KV + graphs, wake_up restores them, greedy outputs are unchanged."""
+    prompts = prompts_of(4, [100] * 4, QWEN2_05B["vocab_size"], seed=9)
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    before = [c.token_ids for c in engine.generate(prompts, params)]
+    report = engine.memory_report()
+    freed = engine.sleep(2)
+    asleep = engine.memory_report()
+    restored = engine.wake_up()
+    after = [c.token_ids for c in engine.generate(prompts, params)]
+    emit({"check": "sleep2_wake_roundtrip", "same_greedy_outputs": before == after, "freed": freed,
+          "restored": restored, "report_before": report, "report_asleep": asleep, **settings}, sink)
+
+
 def git_commit() -> str:
     try:
         root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -288,6 +302,8 @@ def main() -> None:
     if args.check:
         with guard("check_05b_logprobs", sink):
             check_05b_logprobs(hf_model, engine, sink, base)
+        with guard("check_sleep_wake", sink):
+            check_sleep_wake(engine, sink, base)
     if "main" in cases:
         prompts = prompts_of(16, [128] * 16, V, seed=1)
         params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, ignore_eos=True, seed=0)
