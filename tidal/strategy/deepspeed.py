@@ -164,6 +164,36 @@ def _gathered_groups(params: list[torch.nn.Parameter], bucket_bytes: int) -> Ite
         yield group
 
 
+def _materialize_optimizer_state(engine) -> None:
+    """AdamW creates its moments at its first step, but DCP loads into existing tensors: give a
+    never-stepped optimizer the state its first step starts from (zero moments, step 0) by running
+    that step with zero gradients and lr 0 (parameters unchanged), then resetting the step count."""
+    basic, zero = engine.basic_optimizer, engine.optimizer
+    if basic.state:
+        return
+    zero3 = hasattr(zero, "fp32_partitioned_groups_flat")
+    if zero3:  # outside its step ZeRO-3 leaves the AdamW groups empty
+        zero._set_fp32_optimizer_param_groups()
+    lrs = [g["lr"] for g in basic.param_groups]
+    params = [p for g in basic.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    try:
+        for g in basic.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        basic.step()
+    finally:
+        for g, lr in zip(basic.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        if zero3:
+            zero._clear_fp32_optimizer_param_groups()
+    for st in basic.state.values():
+        st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
+
+
 class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         super().__init__(cfg, runtime)
@@ -387,6 +417,7 @@ class DeepSpeedStrategy(Strategy):
         under a rank key; at stages 1-2 also the replicated compute-dtype weights (ZeRO-3 rebuilds
         its partitions from the fp32 masters on load). Tensors are the live buffers (DCP loads in place)."""
         engine = self._rec(state.model).engine
+        _materialize_optimizer_state(engine)
         sd: dict[str, Any] = {
             "optimizer": {self._rank_key(): engine.optimizer.state_dict()},
             "scheduler": state.scheduler.state_dict(),

@@ -45,10 +45,10 @@ def batches(rank: int, step: int):
     return out
 
 
-def train(strategy, state, rt, steps):
+def train(strategy, state, rt, steps, first_step=0):
     """Returns per-step (global loss, step metrics). Loss share = -sum(logp * mask) / global tokens."""
     log = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         mbs = batches(rt.rank, step)
         n_tok = sum(float(m[:, 1:].sum()) for _, m in mbs)
         total = strategy.all_reduce_sum([n_tok])[0]
@@ -83,6 +83,8 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
     model.load_state_dict(base_sd)
     attach_logprob_method(model)
     state = strategy.prepare_trainable(model, OPTIM, lr=OPTIM.lr, total_steps=STEPS + 1)
+    if tag != "fsdp2":  # a checkpoint destination of a fresh DeepSpeed model must not alter training
+        strategy.state_dict(state)
     log = train(strategy, state, rt, STEPS)
     weights = full(strategy, state.model)
     # offload + reload actor parameters and optimizer state, then one more step
@@ -91,7 +93,7 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
     strategy.reload_model(state.model)
     strategy.reload_optimizer(state)
     res[f"{tag}_reload_equal"] = max_diff(full(strategy, state.model), weights) == 0.0
-    log += train(strategy, state, rt, 1)
+    log += train(strategy, state, rt, 1, first_step=STEPS)
     res[f"{tag}_losses"] = [x[0] for x in log]
     res[f"{tag}_grad_norms"] = [x[1]["grad_norm"] for x in log]
     res[f"{tag}_lrs"] = [x[1]["lr"] for x in log]
@@ -117,7 +119,7 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
     final = full(strategy, state.model)
     if rt.rank == 0:
         fresh = Qwen2ForCausalLM(cfg_model)
-        missing, unexpected = fresh.load_state_dict(sd, strict=True), None
+        fresh.load_state_dict(sd, strict=True)
         res[f"{tag}_export_equal"] = max_diff({n: p.detach() for n, p in fresh.named_parameters()}, final) == 0.0
     else:
         res[f"{tag}_export_empty"] = sd == {}
