@@ -489,8 +489,8 @@ def _wrap_generate_check(strategy, gen_log: list[dict]) -> None:
     """Record how many completions each rollout returned and their lengths (the batch the case promises)."""
     orig = strategy.generate
 
-    def generate(engine, prompts, params):
-        out = orig(engine, prompts, params)
+    def generate(engine, prompts, params, *args, **kwargs):
+        out = orig(engine, prompts, params, *args, **kwargs)
         lens = [len(c.token_ids) for c in out]
         gen_log.append({"prompts": len(prompts), "completions": len(out), "min_len": min(lens), "max_len": max(lens)})
         return out
