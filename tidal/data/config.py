@@ -43,7 +43,8 @@ class DataConfig:
     reference_key: row field with the reference answer (any JSON value; None when absent).
     label_key: row field with the recipe label (a string; "" when absent).
     image_key: row field with the images of a vision-language row (a list, or one value; None when
-        absent). Passed through unchanged.
+        absent): paths, bytes or ``{bytes, path}`` dicts. With a vision-language model's tokenizer they
+        become image tokens and pixel inputs (:mod:`tidal.data.vision`); otherwise passed through unchanged.
     system_prompt: a system message put first in every chat whose messages have none.
         Requires ``apply_chat_template``.
     apply_chat_template: render prompts with the tokenizer's chat template and its generation

@@ -20,6 +20,7 @@ from tidal.config_base import ConfigError
 from tidal.data.config import DataConfig, DataSource
 from tidal.data.loaders import load_rows
 from tidal.data.prompts import ParsedRow, generation_prompt_len, parse_row, render, require_chat_template, text_tokenizer
+from tidal.data.vision import expand_image_rows, image_inputs, place_row_images
 
 _TOKENIZE_CHUNK = 1024
 
@@ -35,6 +36,9 @@ class PromptItem:
     metadata: every other field of the row (a fresh copy per access).
     images: the row's images, passed through unchanged, or None.
     source: the path of the source the row came from; row: its 0-based row index in that source.
+    mm_inputs: the pixel inputs of the row's images (``pixel_values``, ``image_grid_thw``; see
+        :mod:`tidal.models.vision`), computed on access, and ``prompt_ids`` then hold each image's
+        tokens; None for a text row, or when the tokenizer is a text tokenizer (no image processor).
     """
 
     prompt_ids: list[int]
@@ -45,6 +49,7 @@ class PromptItem:
     images: list | None
     source: str
     row: int
+    mm_inputs: dict | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -110,14 +115,16 @@ class PromptDataset:
             images=kept.parsed.images,
             source=kept.source,
             row=kept.row,
+            mm_inputs=image_inputs(self._tokenizer, kept.parsed.images, kept.source),
         )
 
     def _load_source(self, source: DataSource) -> list[np.ndarray]:
         """Parse, render and tokenize one source; append kept rows; return their token ids."""
         rows = load_rows(source)
-        parsed = [parse_row(where, row, self._cfg) for where, row in rows]
+        parsed = [place_row_images(where, parse_row(where, row, self._cfg), self._cfg, self._tokenizer) for where, row in rows]
         texts = [render(p, self._tokenizer) for p in parsed]
         ids_list = self._tokenize(texts)
+        ids_list = expand_image_rows(self._tokenizer, self._cfg, source.path, [w for w, _ in rows], parsed, texts, ids_list)
         out = []
         for row_index, ((where, _row), p, text, ids) in enumerate(zip(rows, parsed, texts, ids_list)):
             fitted = self._fit(where, ids)

@@ -12,6 +12,9 @@ from transformers import PretrainedConfig
 
 from tidal.engine.base import RolloutEngine
 from tidal.engine.config import EngineConfig
+from tidal.models.vision import is_vision_language
+
+VL_UNSUPPORTED = ("native", "vllm", "sglang")  # backends whose adapters take no images (yet)
 
 
 def engine_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
@@ -64,6 +67,11 @@ def _installed_version(dists: tuple[str, ...]) -> str | None:
 def create_engine(hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, tp_group=None) -> RolloutEngine:
     """An engine with the model's architecture; its weights are loaded by ``update_engine_weights``."""
     dtype = engine_dtype(cfg, device)
+    if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
+        raise ValueError(
+            f"engine.backend={cfg.backend} cannot generate from image prompts yet ({type(hf_config).__name__} is a "
+            f"vision-language model); set engine.backend=hf"
+        )
     if cfg.backend == "native":
         from tidal.engine.native import NativeEngine
 

@@ -1,7 +1,8 @@
 """A simple reference engine: a sampling loop over a Hugging Face causal LM with its KV cache.
 
 Correct but not fast (no paging, no continuous batching); used as a baseline and where the native
-engine does not support a model. Single-rank only: tensor parallelism needs ``engine.backend=native``.
+engine does not support a model, such as vision-language models (Qwen2-VL style: prompts with
+images, see :mod:`tidal.models.vision`). Single-rank only: tensor parallelism needs ``engine.backend=native``.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.sampler import sample
+from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_position_ids
 
 
 class HFEngine:
@@ -23,7 +25,7 @@ class HFEngine:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device).eval()
+        self.model = auto_model_class(hf_config).from_config(hf_config, dtype=dtype).to(device).eval()
         self.model.requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self.weights_on_cpu = False
@@ -57,20 +59,25 @@ class HFEngine:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, mm_inputs: list[dict | None] | None = None) -> list[Completion]:
+        """``mm_inputs[i]``: the pixel inputs of prompt i's images (None for a text prompt), see
+        :mod:`tidal.models.vision`; the prompt's ids already hold the image tokens."""
         if self.weights_on_cpu:
             raise RuntimeError("HFEngine.generate called while asleep at level 2: call wake_up() first")
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError(f"HFEngine.generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
         expanded = [p for p in prompts for _ in range(params.n)]
+        mm_expanded = [m for m in (mm_inputs or [None] * len(prompts)) for _ in range(params.n)]
         out: list[Completion] = []
         step = max(1, self.cfg.max_num_seqs)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         for s in range(0, len(expanded), step):
-            out.extend(self._generate_batch(expanded[s : s + step], params, gen))
+            out.extend(self._generate_batch(expanded[s : s + step], params, gen, mm_expanded[s : s + step]))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gen) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gen, mm_rows: list) -> list[Completion]:
         B = len(prompts)
         L = max(len(p) for p in prompts)
         pad = 0
@@ -80,17 +87,21 @@ class HFEngine:
             ids_BL[b, L - len(p):] = torch.tensor(p, device=self.device)
             mask_BL[b, L - len(p):] = 1
         eos = set(params.stop_token_ids)
-        if not params.ignore_eos and self.model.config.eos_token_id is not None:
-            e = self.model.config.eos_token_id
+        e = self.model.config.get_text_config().eos_token_id  # a VL config keeps it in its text config
+        if not params.ignore_eos and e is not None:
             eos |= set(e if isinstance(e, list) else [e])
         tokens = [[] for _ in range(B)]
         logps = [[] for _ in range(B)]
         done = [False] * B
         reasons = ["length"] * B
-        pos_BL = (mask_BL.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL, use_cache=True)
+        mm = collate_mm_inputs(mm_rows, self.device)
+        if mm:  # M-RoPE positions [3, B, L]; decode positions continue from each row's largest
+            pos = multimodal_position_ids(self.model, ids_BL, mask_BL, mm)
+        else:
+            pos = (mask_BL.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos, use_cache=True, **mm)
         past, logits_BV = out.past_key_values, out.logits[:, -1]
-        next_pos_B = pos_BL[:, -1] + 1
+        next_pos_B = pos.reshape(-1, B, L).amax(0)[:, -1] + 1
         for _ in range(params.max_new_tokens):
             tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, gen)
             for b in range(B):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
 from tidal.models.logprobs import attach_logprob_method
+from tidal.models.vision import auto_model_class, is_vision_language
 
 
 def _require_dir(path: str, what: str) -> None:
@@ -18,9 +19,10 @@ def _require_dir(path: str, what: str) -> None:
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, what: str = "model.path") -> torch.nn.Module:
-    """Load an HF causal LM on CPU in ``dtype`` with the Tidal logprob method attached."""
+    """Load an HF causal LM (or a vision-language model, e.g. Qwen2-VL) on CPU in ``dtype`` with the
+    Tidal logprob method attached."""
     _require_dir(path, what)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype)
     attach_logprob_method(model)
     return model
 
@@ -29,6 +31,8 @@ def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     """Load a value model: the LM body with a scalar head per token (``score``), freshly initialised
     (zeros) when the checkpoint is a plain causal LM."""
     _require_dir(path, "model.critic_path")
+    if is_vision_language(AutoConfig.from_pretrained(path)):
+        raise ValueError("estimators with a critic (gae) do not support vision-language models yet; use a critic-free one (grpo, rloo, ...)")
     model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     cfg = AutoConfig.from_pretrained(path)
@@ -40,11 +44,17 @@ def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of a model folder; for a folder with an image processor (``preprocessor_config.json``,
+    a vision-language model) a :class:`~tidal.data.vision.VisionProcessor` that behaves as the tokenizer
+    for text and also turns images into image tokens and pixel inputs."""
+    from tidal.data.vision import VisionProcessor, load_image_processor
+
     _require_dir(path, "model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return tok
+    image_processor = load_image_processor(path)
+    return VisionProcessor(tok, image_processor) if image_processor is not None else tok
 
 
 def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

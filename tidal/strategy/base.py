@@ -149,8 +149,11 @@ class Strategy(abc.ABC):
             torch.cuda.synchronize(self.device)
         return sent
 
-    def generate(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return gather_and_generate(engine, prompts, params, self.runtime)
+    def generate(
+        self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs: list[dict | None] | None = None
+    ) -> list[Completion]:
+        """``mm_inputs[i]``: prompt i's image inputs (None for text), see :mod:`tidal.models.vision`."""
+        return gather_and_generate(engine, prompts, params, self.runtime, mm_inputs=mm_inputs)
 
     def sleep(self, engine: RolloutEngine, level: int) -> int:
         freed = engine.sleep(level) if level > 0 else 0

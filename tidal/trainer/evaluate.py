@@ -40,7 +40,7 @@ def evaluate(
     maker.strategy.wake_up(maker.engine)
     if cfg.greedy:
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1)
-        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params)
+        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items])
         if items:
             rollout = _rollout(items, comps)
             _, rew = maker.score(rollout)
@@ -49,7 +49,7 @@ def evaluate(
             s.greedy_length = float(sum(len(c.token_ids) for c in comps))
     if cfg.n_samples > 0:
         params = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, n=cfg.n_samples, seed=seed)
-        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params)
+        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items])
         if items:
             _, rew = maker.score(_rollout(items, comps))
             total_PK = rew.total_B.view(len(items), cfg.n_samples)

@@ -26,6 +26,8 @@ class Experience:
     advantages_BT / returns_BT: from the advantage estimator.
     rewards_B: scalar rewards (after shaping). group_ids_B: prompt index, shared by a group's samples.
     loss_mask_B: 1 for sequences that enter the loss (0: e.g. dropped reward, masked truncation).
+    mm_inputs: per-sequence pixel inputs of the prompt's images (a dict, see :mod:`tidal.models.vision`;
+        None for a text row), kept on CPU and collated per micro-batch; None when no row has images.
     info: per-sequence extras for metrics (lists / tensors of length B).
     """
 
@@ -41,6 +43,7 @@ class Experience:
     loss_mask_B: torch.Tensor
     ref_logp_BT: torch.Tensor | None = None
     values_BT: torch.Tensor | None = None
+    mm_inputs: list[dict | None] | None = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -58,7 +61,11 @@ class Experience:
     def select(self, idx: torch.Tensor | list[int]) -> "Experience":
         """Rows ``idx``, trimmed to the longest remaining sequence (less padding per micro-batch)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
-        out = dataclasses.replace(self, info={k: [v[i] for i in idx_t.tolist()] for k, v in self.info.items()})
+        rows = idx_t.tolist()
+        out = dataclasses.replace(
+            self, info={k: [v[i] for i in rows] for k, v in self.info.items()},
+            mm_inputs=[self.mm_inputs[i] for i in rows] if self.mm_inputs is not None else None,
+        )
         T = int(self.attention_mask_BT[idx_t].sum(-1).max()) if len(idx_t) else 0
         for name in self._tensor_fields():
             t = getattr(self, name)[idx_t]
@@ -106,6 +113,8 @@ def concat_experiences(items: list[Experience]) -> Experience:
         vals = [getattr(e, f.name) for e in items]
         if f.name == "info":
             out["info"] = {k: [x for e in items for x in e.info[k]] for k in items[0].info}
+        elif f.name == "mm_inputs":
+            out[f.name] = None if all(v is None for v in vals) else [m for e, v in zip(items, vals) for m in (v or [None] * len(e))]
         elif vals[0] is None:
             out[f.name] = None
         elif vals[0].dim() == 2:

@@ -21,6 +21,7 @@ from tidal.logging import PhaseTimer
 from tidal.engine.base import Completion, RolloutEngine, SamplingParams
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
+from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.types import RewardSample
 from tidal.strategy.base import Strategy
@@ -93,14 +94,18 @@ class ExperienceMaker:
         with self.timer.phase("engine_wake"):
             self.strategy.wake_up(self.engine)
         with self.timer.phase("generate"):
-            completions = self.strategy.generate(self.engine, [it.prompt_ids for it in items], params)
+            completions = self.strategy.generate(
+                self.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items]
+            )
         with self.timer.phase("engine_sleep"):
             self.strategy.sleep(self.engine, self.sleep_level)
         group_ids = [first_group_id + i for i in range(len(items)) for _ in range(params.n)]
         return Rollout(items=items, completions=completions, group_ids=group_ids)
 
     # ---- tensors ---------------------------------------------------------------------------------
-    def _pack(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+    def _pack(self, rollout: Rollout) -> dict:
+        """Right-padded [B, T] tensors of prompt + response, and ``mm_inputs``: each row's prompt
+        images (None for a text row), or None when no row has images."""
         comps = rollout.completions
         pad = self.tokenizer.pad_token_id or 0
         lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
@@ -116,7 +121,10 @@ class ExperienceMaker:
             attn_BT[b, : P + R] = 1
             act_BT[b, P : P + R] = 1
             rlogp_BT[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return {"sequences_BT": seq_BT, "attention_mask_BT": attn_BT, "action_mask_BT": act_BT, "rollout_logp_BT": rlogp_BT}
+        n = len(comps) // max(1, len(rollout.items))
+        mm = [rollout.items[b // n].mm_inputs for b in range(B)]
+        return {"sequences_BT": seq_BT, "attention_mask_BT": attn_BT, "action_mask_BT": act_BT, "rollout_logp_BT": rlogp_BT,
+                "mm_inputs": mm if any(m is not None for m in mm) else None}
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
@@ -129,7 +137,8 @@ class ExperienceMaker:
             T = int(t["attention_mask_BT"][idx].sum(-1).max())
             ids = t["sequences_BT"][idx, :T].to(dev)
             am = t["attention_mask_BT"][idx, :T].to(dev)
-            logp, _ = token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk)
+            mm = collate_mm_inputs([t["mm_inputs"][i] for i in idx] if t["mm_inputs"] else None, dev)
+            logp, _ = token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm)
             if real:
                 out_BT[idx, :T] = logp.float().cpu()
 
@@ -211,7 +220,7 @@ class ExperienceMaker:
             sequences_BT=t["sequences_BT"], attention_mask_BT=t["attention_mask_BT"], action_mask_BT=action_BT,
             old_logp_BT=old_logp_BT, rollout_logp_BT=t["rollout_logp_BT"], ref_logp_BT=ref_logp_BT,
             values_BT=values_BT, advantages_BT=adv_BT * action_BT, returns_BT=ret_BT * action_BT,
-            rewards_B=rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B,
+            rewards_B=rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=t["mm_inputs"],
         )
         metrics = self._metrics(exp, rew, truncated_B, kl_BT)
         metrics.update(reward_metrics)

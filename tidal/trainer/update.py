@@ -18,6 +18,7 @@ from tidal.algorithms import Algorithm
 from tidal.algorithms.base import LossNormalizer
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
+from tidal.models.vision import collate_mm_inputs
 from tidal.strategy.base import Strategy, TrainState
 from tidal.trainer import faults
 from tidal.trainer.experience import Experience, token_budget_batches
@@ -120,6 +121,7 @@ class Updater:
         logp_BT, entropy_BT = token_logprobs(
             self.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.temperature, with_entropy=True, chunk_tokens=self.chunk,
+            mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device),
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
         return self.algo.policy_loss(

@@ -1,0 +1,63 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL style): model class, M-RoPE positions, batching.
+
+A VL model's forward takes, besides the token ids, the pixel inputs of the images whose
+placeholder tokens (``<|image_pad|>`` x n per image) the ids contain:
+
+- ``pixel_values``: [P, C*t*p*p] the flattened patches of every image, image after image;
+- ``image_grid_thw``: [I, 3] the (time, height, width) patch grid of each image.
+
+One row's inputs are a dict with those two keys (its images in prompt order). A batch's inputs
+(:func:`collate_mm_inputs`) are the rows' concatenated in row order, which is the order the model
+matches placeholders in. Text rows contribute nothing; a batch without images has ``{}``, and
+every caller passes that through the same code path as text.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PretrainedConfig
+
+MM_KEYS = ("pixel_values", "image_grid_thw")
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """True for configs with a vision tower (``vision_config``), e.g. Qwen2VLConfig."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config: PretrainedConfig):
+    """The transformers Auto class that builds ``config``'s generative model (image-text-to-text for VL)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def collate_mm_inputs(rows: list[dict | None] | None, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The batch's multimodal inputs from per-row ones (None: a text row), on ``device``; {} if no image."""
+    present = [r for r in rows or [] if r is not None]
+    if not present:
+        return {}
+    out = {k: torch.cat([r[k] for r in present], dim=0) for k in MM_KEYS}
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+def image_token_id(config: PretrainedConfig) -> int:
+    tid = getattr(config, "image_token_id", None)
+    if tid is None:
+        raise ValueError(f"{type(config).__name__} has no image_token_id: not a supported vision-language config")
+    return int(tid)
+
+
+def multimodal_position_ids(
+    hf_model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, mm_inputs: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """M-RoPE position ids [3, B, T] of a batch (any padding side; padding gets 0): image tokens
+    take (t, h, w) grid positions, text continues after each image's largest position."""
+    body = hf_model.model
+    kwargs = dict(image_grid_thw=mm_inputs["image_grid_thw"], video_grid_thw=None, attention_mask=attention_mask_BT)
+    if "mm_token_type_ids" in inspect.signature(body.get_rope_index).parameters:  # transformers >= 5
+        kwargs["mm_token_type_ids"] = (input_ids_BT == image_token_id(hf_model.config)).int()
+    position_ids_3BT, _ = body.get_rope_index(input_ids_BT, **kwargs)
+    return position_ids_3BT
