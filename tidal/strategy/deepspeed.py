@@ -322,7 +322,9 @@ class DeepSpeedStrategy(Strategy):
         _move_buffers(rec.module, "cpu" if rec.params_offloaded else self.device)
 
     def _place_frozen_zero3(self, rec: _Placed, device: torch.device | str) -> None:
-        rec.engine.empty_partition_cache()  # release every gathered parameter: only partitions hold data
+        # Release every gathered parameter so only partitions hold data (the engine's own
+        # empty_partition_cache adds a full gc.collect(), ~0.3 s, on every call).
+        rec.engine.optimizer.empty_partition_cache()
         for p in rec.module.parameters():
             p.ds_tensor.data = p.ds_tensor.data.to(device)
         _move_buffers(rec.module, device)
