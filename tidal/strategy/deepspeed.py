@@ -369,8 +369,9 @@ class DeepSpeedStrategy(Strategy):
 
     # ---- weights and checkpoints ----------------------------------------------------------------
     def _full_tensors(self, rec: _Placed, params: list[torch.nn.Parameter], *, fp32_master: bool) -> Iterator[torch.Tensor]:
-        """Full values of ``params`` in order (a collective): the fp32 masters of a trained model
-        when ``fp32_master``, else the compute-dtype parameters (ZeRO-3: gathered in buckets)."""
+        """Full values of ``params`` in order (a collective), as new tensors (never views of the live
+        parameters): the fp32 masters of a trained model when ``fp32_master``, else the
+        compute-dtype parameters (ZeRO-3: gathered in buckets)."""
         if fp32_master and rec.trainable:
             for p in params:
                 yield safe_get_full_fp32_param(p)
@@ -378,7 +379,7 @@ class DeepSpeedStrategy(Strategy):
         for group in _gathered_groups(params, GATHER_BUCKET_BYTES):
             zero3 = [p for p in group if _is_zero3(p)]
             with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None, enabled=bool(zero3)):
-                full = [p.detach().clone() if _is_zero3(p) else p.detach() for p in group]
+                full = [p.detach().clone() for p in group]
             yield from full
 
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
