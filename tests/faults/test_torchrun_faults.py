@@ -6,6 +6,7 @@ rank skip the optimizer step on both, are counted, and K in a row stop the run w
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,8 +35,15 @@ def torchrun(out: Path, overrides: list[str], *, fault: str = "", ledger: Path |
         "--max-restarts", str(max_restarts), "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={out}", *overrides,
     ]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    return proc, time.monotonic() - t0
+    # a session of its own: on a timeout the whole tree (torchrun and its workers) is killed
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun hung for 300 s; TIDAL_FAULT={env['TIDAL_FAULT']!r}\n{out[-3000:]}\n{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - t0
 
 
 def metrics(out: Path) -> dict[int, dict]:

@@ -68,6 +68,18 @@ def resolve_device(pref: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _elastic_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's c10d rendezvous the workers share the agent's TCPStore, which outlives a
+    ``--max-restarts`` restart with the previous attempt's keys in it, unprefixed: a restarted rank may
+    read a dead peer's address and fail to connect ("Gloo connectFullMesh failed ... Connection
+    refused"; pytorch/pytorch#135712). Each attempt's keys get their own prefix here. None when
+    torchrun does not share its store (then env:// creates a fresh one)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/tidal/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) -> Runtime:
     """Initialise the default process group (if not yet) and build the rollout TP/DP groups.
 
@@ -84,7 +96,8 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+            store = _elastic_store(world_size, timeout)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
         else:
             if world_size != 1:
                 raise ValueError("WORLD_SIZE > 1 without MASTER_ADDR: launch with torchrun")

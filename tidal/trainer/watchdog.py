@@ -7,8 +7,8 @@ Every rank records where it is: :meth:`Watchdog.set_step` at the start of each s
 same stages in the same order (SPMD), so ranks in step have equal positions.
 
 With several ranks, a daemon thread on every rank writes its position to
-``<run_dir>/heartbeat/rank<R>.json`` whenever it changed (checked every ``poll_s``, so the training
-thread never waits on the filesystem), and rank 0's thread reads every rank's file. When positions
+``<run_dir>/heartbeat/rank<R>.json`` whenever it changed (checked every ``flush_s`` <= 1 s, so the
+training thread never waits on the filesystem), and rank 0's thread reads every rank's file every ``poll_s``. When positions
 differ and the most advanced ranks have been at theirs for ``timeout_s`` (``run.collective_timeout_s``)
 less three polls -- they wait in a collective the others never entered -- it prints a
 report naming every rank's step and stage and the ranks that are behind, writes it to
@@ -47,6 +47,7 @@ class Watchdog:
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.poll_s = min(10.0, max(0.05, self.timeout_s / 20))
+        self.flush_s = min(1.0, self.poll_s)
         self.deadline_s = self.timeout_s - 3 * self.poll_s  # heartbeat lag + poll lag stay within timeout_s
         self.dir = Path(run_dir) / "heartbeat"
         self.session = ""
@@ -118,11 +119,14 @@ class Watchdog:
         self._write({**self._state, "state": "closed"})
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        last_check = time.monotonic()
+        while not self._stop.wait(self.flush_s):
             state = self._state
             if state is not self._written:
-                self._write(state)
-            if self.rank == 0:
+                with contextlib.suppress(OSError):  # a full disk must not end the watchdog
+                    self._write(state)
+            if self.rank == 0 and time.monotonic() - last_check >= self.poll_s:
+                last_check = time.monotonic()
                 report = self.check()
                 if report is not None:
                     self._fire(report)
