@@ -18,6 +18,7 @@ from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig
 from tidal.config_base import check
 from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
+from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.engine.factory import create_engine, engine_dtype
 from tidal.logging import MetricsLogger
@@ -110,6 +111,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
     tokenizer = load_tokenizer(paths.tokenizer)
+    require_chat_template(tokenizer, cfg.data)  # before any model is loaded
 
     actor_model = load_causal_lm(paths.model)
     if cfg.model.gradient_checkpointing:

@@ -1,0 +1,172 @@
+"""Bad input in a world of one: an unwritable run/checkpoint directory, a missing model or data
+path, a tokenizer without a chat template and malformed rows fail at start with an error naming the
+thing (a ConfigError naming the key through ``tidal train``: exit code 2, one line); a reward that
+turns NaN, has the wrong length or whose server is down raises naming the component (``on_error:
+raise``) or drops and counts the samples (``on_error: drop``), and the steps already trained stay."""
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal import cli
+from tidal.config import load_config
+from tidal.config_base import ConfigError
+from tidal.distributed import shutdown
+from tidal.rewards.base import RewardError
+from tidal.trainer import checkpoint as ckpt
+from tidal.trainer.setup import build_trainer
+from tests.faults import rewards
+
+HASH = "reward.components.correct.path=tests.faults.rewards:text_hash_reward"
+
+
+@pytest.fixture(autouse=True)
+def _teardown_process_group():
+    yield
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tiny_task_overrides):
+    from tidal.tasks import prepare
+
+    return prepare(load_config("quickstart", tiny_task_overrides).task)
+
+
+def _own_paths(assets, tmp_path, **changes) -> list[str]:
+    """Overrides for a run on explicit model/data paths (no task), copies of the task's assets."""
+    model = tmp_path / "model"
+    shutil.copytree(assets.model_path, model)
+    train = tmp_path / "train.jsonl"
+    shutil.copy(assets.train_path, train)
+    return ["task.name=", f"model.path={changes.get('model', model)}", f"data.train=[{{path: {changes.get('train', train)}}}]"]
+
+
+def _cli_error(capsys, overrides: list[str], *, loads_models: bool = True) -> str:
+    assert cli.main(["train", "quickstart", *overrides]) == 2
+    text = capsys.readouterr().err
+    err = text.strip().splitlines()[-1]
+    assert err.startswith("tidal: config error at") and "Traceback" not in text, text  # one line, no traceback
+    assert loads_models or "Loading weights" not in text, text  # found before any model was loaded
+    return err
+
+
+def test_unwritable_checkpoint_dir_fails_at_start(tmp_path, tiny_task_overrides, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoint directory should be")
+    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={out}", "checkpoint.every=1"], loads_models=False)
+    assert "'run.output_dir'" in err and f"cannot write to {out / 'checkpoints'}" in err
+    assert not (out / "metrics.jsonl").exists()  # nothing trained, nothing to lose
+
+
+def test_unwritable_run_dir_fails_at_start(tiny_task_overrides, capsys):
+    err = _cli_error(capsys, tiny_task_overrides + ["run.output_dir=/proc/tidal-run"], loads_models=False)  # unwritable even for root
+    assert "'run.output_dir'" in err and "cannot write to /proc/tidal-run" in err
+
+
+def test_too_little_disk_space_for_a_checkpoint(tmp_path):
+    model = torch.nn.Linear(3, 2)  # 8 parameters: weights + two AdamW moments in fp32
+    assert ckpt.checkpoint_bytes([model]) == 8 * 12
+    ckpt.check_free_space(tmp_path, ckpt.checkpoint_bytes([model]))
+    with pytest.raises(ConfigError, match=rf"'run.output_dir'.*{tmp_path} has .* GiB free but a checkpoint needs about"):
+        ckpt.check_free_space(tmp_path, 1 << 62)
+
+
+def test_missing_model_path(tmp_path, assets, tiny_task_overrides, capsys):
+    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, model="/no/such/model"), loads_models=False)
+    assert "'model.path'" in err and "'/no/such/model' is not a local directory" in err
+
+
+def test_missing_data_path(tmp_path, assets, tiny_task_overrides, capsys):
+    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, train="/no/such.jsonl"), loads_models=False)
+    assert "'data.train[0].path'" in err and "'/no/such.jsonl' does not exist" in err
+
+
+def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, capsys):
+    overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    model = tmp_path / "model"
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_file = model / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    tok_cfg.pop("chat_template", None)
+    cfg_file.write_text(json.dumps(tok_cfg))
+    err = _cli_error(capsys, overrides, loads_models=False)
+    assert "'data.apply_chat_template'" in err and "tokenizer has no chat template" in err
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"prompt": "1+1=", "reference": 2', r"train.jsonl:3: invalid JSON"),
+    ('{"question": "1+1="}', r"train.jsonl:3: a row needs exactly one of 'prompt' or 'messages', it has neither"),
+    ('[1, 2]', r"train.jsonl:3: a row must be a JSON object, got list"),
+])
+def test_malformed_row_names_file_and_line(tmp_path, assets, tiny_task_overrides, bad_line, message):
+    overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    train = tmp_path / "train.jsonl"
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join(lines[:2] + [bad_line] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match=message):
+        build_trainer(load_config("quickstart", overrides))
+
+
+def _run(out: Path, tiny, extra: list[str]):
+    cfg = load_config("quickstart", tiny + [f"run.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=5", "optim.lr=1e-3", *extra])
+    return build_trainer(cfg).fit()
+
+
+def _steps(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_reward_turning_nan_raises_and_keeps_trained_steps(tmp_path, tiny_task_overrides, capsys):
+    out = tmp_path / "run"
+    rewards.CALLS["n"] = 0
+    with pytest.raises(RewardError, match=r"component 'correct' failed on sample 0: function '.*nan_from_third_step' returned nan, expected a finite number"):
+        _run(out, tiny_task_overrides, ["run.steps=4", "reward.components.correct.path=tests.faults.rewards:nan_from_third_step"])
+    assert [r["step"] for r in _steps(out)] == [1, 2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    shutdown()
+    capsys.readouterr()
+    _run(out, tiny_task_overrides, ["run.steps=3", HASH])  # fixed reward: the run continues from step 2
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
+    assert [r["step"] for r in _steps(out)] == [1, 2, 3]
+
+
+def test_reward_nan_dropped_and_counted(tmp_path, tiny_task_overrides):
+    out = tmp_path / "run"
+    m = _run(out, tiny_task_overrides, ["run.steps=2", "reward.on_error=drop", "reward.components.correct.path=tests.faults.rewards:nan_on_odd_index"])
+    for row in _steps(out):  # 4 prompts x 4 samples a step, the odd-indexed half is NaN
+        assert (row["reward/dropped"], row["reward/valid"], row["reward/correct/errors"]) == (8.0, 8.0, 8.0)
+        assert row["actor/skipped"] == 0.0 and row["actor/loss"] is not None
+    assert m["actor/grad_norm"] > 0
+
+
+def test_reward_wrong_length_raises(tmp_path, tiny_task_overrides):
+    with pytest.raises(RewardError, match=r"component 'correct' failed on sample 0: batched function '.*wrong_length_batched' returned 15 values for 16 samples"):
+        _run(tmp_path / "run", tiny_task_overrides, ["run.steps=1", "reward.components.correct.path=tests.faults.rewards:wrong_length_batched"])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "drop"])
+def test_reward_server_down(tmp_path, tiny_task_overrides, on_error):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    remote = f"reward.components.correct={{type: remote, url: '{url}', max_retries: 1, backoff_s: 0.01, max_backoff_s: 0.01, timeout_s: 2}}"
+    extra = ["run.steps=1", remote, f"reward.on_error={on_error}"]
+    if on_error == "raise":
+        with pytest.raises(RewardError, match=rf"remote reward {url}/v1/score: failed after 2 attempts; last: Client\w*Error"):
+            _run(tmp_path / "run", tiny_task_overrides, extra)
+        return
+    _run(tmp_path / "run", tiny_task_overrides, extra)
+    (row,) = _steps(tmp_path / "run")
+    assert (row["reward/dropped"], row["reward/valid"]) == (16.0, 0.0)
+    assert row["reward/correct/failed_requests"] == 1.0 and row["reward/correct/retries"] == 1.0
+    assert row["actor/skipped"] == 0.0 and row["actor/grad_norm"] == 0.0  # nothing to learn from, nothing corrupted
