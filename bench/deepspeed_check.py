@@ -88,7 +88,8 @@ class Bench:
         self.rt = init_runtime(tp_size=1, device=args.device)
         self.dev = self.rt.device
         self.cuda = self.dev.type == "cuda"
-        self.dtype = torch.bfloat16 if self.cuda else torch.float32  # the strategies' compute dtype
+        auto = torch.bfloat16 if self.cuda else torch.float32
+        self.dtype = auto if args.param_dtype == "auto" else getattr(torch, args.param_dtype)  # compute dtype
         self.hf_cfg = Qwen2Config(
             vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
             num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256), tie_word_embeddings=False,
@@ -140,7 +141,7 @@ class Bench:
         return log
 
     def trainable(self, backend_kwargs: dict):
-        strategy = get_strategy(StrategyConfig(**backend_kwargs), self.rt)
+        strategy = get_strategy(StrategyConfig(param_dtype=self.args.param_dtype, **backend_kwargs), self.rt)
         return strategy, strategy.prepare_trainable(self.model(), OPTIM, lr=OPTIM.lr, total_steps=self.args.steps + 2)
 
     def masters(self, strategy, model) -> dict[str, torch.Tensor]:
@@ -155,13 +156,20 @@ class Bench:
         strategy, state = self.trainable(dict(backend="deepspeed", **CASES[case]))
         log = self.train(strategy, state, self.args.steps)
         sd = self.masters(strategy, state.model)
-        diff = [max(float((sd[k] - fsdp_sd[k]).abs().max()) for k in fsdp_sd)] if self.rt.is_main else [0.0]
-        diff = strategy.all_reduce_max(diff)[0]
+        diff, upd = [0.0], [0.0]
+        if self.rt.is_main:
+            diff = [max(float((sd[k] - fsdp_sd[k]).abs().max()) for k in fsdp_sd)]
+            # ||W_ds - W_fsdp|| / ||W_fsdp - W_0||: how far apart the two trainings' updates are
+            num = sum(float((sd[k] - fsdp_sd[k]).double().square().sum()) for k in fsdp_sd)
+            den = sum(float((fsdp_sd[k] - self.base_sd[k]).double().square().sum()) for k in fsdp_sd)
+            upd = [math.sqrt(num / den)]
+        diff, upd = strategy.all_reduce_max(diff + upd)
         rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
         out = {
             "ds": log, "loss_rel_diff": [rel(a["loss"], b["loss"]) for a, b in zip(log, fsdp_log)],
             "grad_norm_rel_diff": [rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(log, fsdp_log)],
             "lr_equal": [a["lr"] == b["lr"] for a, b in zip(log, fsdp_log)], "param_max_abs_diff": diff,
+            "update_rel_diff": upd,
             "step_s_mean": sum(x["step_s"] for x in log[1:]) / max(1, len(log) - 1),
         }
         self.res["parity"][case] = out
@@ -170,8 +178,9 @@ class Bench:
         self.check("parity", case, "grad_norm_rel<5e-2", max(out["grad_norm_rel_diff"]) < 5e-2)
         self.check("parity", case, "lr_equal", all(out["lr_equal"]))
         self.check("parity", case, "not_skipped", all(x["skipped"] == 0 for x in log))
-        # params moved by ~steps*lr; bf16 drift should stay well below one step's size
-        self.check("parity", case, "param_diff<lr", diff < OPTIM.lr)
+        # Adam moves near-zero-gradient elements by ~lr whatever their sign noise, so the max
+        # difference is not a criterion; the update as a whole must agree
+        self.check("parity", case, "update_rel<0.1", upd < 0.1)
         return strategy, state
 
     def weight_sync(self, case: str, fsdp_full0: dict):
@@ -271,7 +280,7 @@ class Bench:
             torch.cuda.empty_cache()
 
     def run(self):
-        fsdp = get_strategy(StrategyConfig(), self.rt)
+        fsdp = get_strategy(StrategyConfig(param_dtype=self.args.param_dtype), self.rt)
         state = fsdp.prepare_trainable(self.model(), OPTIM, lr=OPTIM.lr, total_steps=self.args.steps + 2)
         fsdp_full0 = {n: t.clone() for n, t in fsdp.full_weights(state.model, self.dtype)}
         fsdp_log = self.train(fsdp, state, self.args.steps)
@@ -304,6 +313,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no memory checks)")
+    p.add_argument("--param-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)

@@ -24,6 +24,7 @@ def torchrun(script: str, nproc: int, out: Path, **env) -> list[dict]:
 
 def assert_parity(x: dict, stages: list[int]) -> None:
     assert x["moved"] > 1e-2  # training moved the weights well beyond the tolerance below
+    assert x["linear_untouched"]
     assert max(x["fsdp2_grad_norms"]) > 0.5 * 2  # clipping (max_grad_norm=0.5) was active
     for s in stages:
         t = f"z{s}"

@@ -25,7 +25,8 @@ BASE = {
 
 def test_cpu_trainable_config_is_fp32_without_accumulation_scaling():
     cfg = deepspeed_config(stage=3, bf16=False, max_grad_norm=1.0, offload_optimizer=False, trainable=True)
-    assert cfg == {**BASE, "zero_optimization": {"stage": 3, "elastic_checkpoint": False}, "gradient_clipping": 1.0}
+    zero = {"stage": 3, "elastic_checkpoint": False, "memory_efficient_linear": False}
+    assert cfg == {**BASE, "zero_optimization": zero, "gradient_clipping": 1.0}
     ds = DeepSpeedConfig(cfg)
     assert ds.gradient_accumulation_steps == 1 and not ds.bfloat16_config.enabled and ds.zero_config.stage == 3
 
@@ -57,7 +58,8 @@ def test_bf16_stage1_fp32_accumulation_only_with_offload():
 
 def test_frozen_config_has_no_training_settings():
     cfg = deepspeed_config(stage=3, bf16=True, max_grad_norm=1.0, offload_optimizer=False, trainable=False)
-    assert cfg == {**BASE, "zero_optimization": {"stage": 3, "elastic_checkpoint": False}, "bf16": {"enabled": True}}
+    zero = {"stage": 3, "elastic_checkpoint": False, "memory_efficient_linear": False}
+    assert cfg == {**BASE, "zero_optimization": zero, "bf16": {"enabled": True}}
     DeepSpeedConfig(cfg)
 
 

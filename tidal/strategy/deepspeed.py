@@ -67,6 +67,10 @@ def deepspeed_config(
     ``gradient_accumulation_steps`` is 1 (DeepSpeed never divides the loss) and no scheduler or
     optimizer section is given (the client AdamW is passed in)."""
     zero: dict[str, Any] = {"stage": stage, "elastic_checkpoint": False}
+    if stage == 3:
+        # else the first ZeRO-3 engine replaces torch.nn.functional.linear process-wide (every
+        # model, the rollout engine's too) with DeepSpeed's autograd function
+        zero["memory_efficient_linear"] = False
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     cfg: dict[str, Any] = {

@@ -128,6 +128,7 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
 
 def main():
     rt = init_runtime(tp_size=1, device="cpu")
+    linear = torch.nn.functional.linear
     stages = [int(s) for s in os.environ.get("TIDAL_DS_STAGES", "1,2,3").split(",")]
     tied = os.environ.get("TIDAL_DS_TIED", "0") == "1"
     torch.manual_seed(0)
@@ -138,6 +139,7 @@ def main():
     for s in stages:
         weights[f"z{s}"] = run_backend(rt, base_sd, cfg_model, StrategyConfig(backend="deepspeed", zero_stage=s), res, f"z{s}")
         res[f"z{s}_param_diff"] = max_diff(weights[f"z{s}"], weights["fsdp2"])
+    res["linear_untouched"] = torch.nn.functional.linear is linear  # ZeRO-3 patches nothing process-wide
     res["moved"] = max_diff(weights["fsdp2"], {k: v.float() for k, v in base_sd.items() if k in weights["fsdp2"]})
     with open(os.path.join(os.environ["TIDAL_TEST_OUT"], f"rank{rt.rank}.json"), "w") as f:
         json.dump(res, f)
