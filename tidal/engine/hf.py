@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.sampler import sample
-from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_position_ids
+from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_body_inputs
 
 
 class HFEngine:
@@ -96,10 +96,11 @@ class HFEngine:
         reasons = ["length"] * B
         mm = collate_mm_inputs(mm_rows, self.device)
         if mm:  # M-RoPE positions [3, B, L]; decode positions continue from each row's largest
-            pos = multimodal_position_ids(self.model, ids_BL, mask_BL, mm)
+            inputs = multimodal_body_inputs(self.model, ids_BL, mask_BL, mm)
         else:
-            pos = (mask_BL.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos, use_cache=True, **mm)
+            inputs = dict(input_ids=ids_BL, attention_mask=mask_BL, position_ids=(mask_BL.cumsum(-1) - 1).clamp_min(0))
+        pos = inputs["position_ids"]
+        out = self.model(**inputs, use_cache=True)
         past, logits_BV = out.past_key_values, out.logits[:, -1]
         next_pos_B = pos.reshape(-1, B, L).amax(0)[:, -1] + 1
         for _ in range(params.max_new_tokens):

@@ -78,14 +78,11 @@ def body_hidden_states(
     multimodal body (vision tower + decoder) with the model's multimodal (M-RoPE) positions.
     """
     if mm_inputs:
-        from tidal.models.vision import multimodal_position_ids
+        from tidal.models.vision import multimodal_body_inputs
 
-        position_ids = multimodal_position_ids(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
-        body, extra = hf_model.model, mm_inputs
-    else:
-        position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
-        body, extra = hf_model.get_decoder(), {}
-    out = body(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False, **extra)
+        return hf_model.model(**multimodal_body_inputs(hf_model, input_ids_BT, attention_mask_BT, mm_inputs), use_cache=False).last_hidden_state
+    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
+    out = hf_model.get_decoder()(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
 
 

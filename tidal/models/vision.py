@@ -10,6 +10,10 @@ One row's inputs are a dict with those two keys (its images in prompt order). A 
 (:func:`collate_mm_inputs`) are the rows' concatenated in row order, which is the order the model
 matches placeholders in. Text rows contribute nothing; a batch without images has ``{}``, and
 every caller passes that through the same code path as text.
+
+Placeholders are the image tokens right after ``<|vision_start|>`` (what a chat template writes).
+An image token a policy *generates* is text: the engine embedded it as a plain token, so the
+trainer's forward (:func:`multimodal_body_inputs`) does the same, and the logprobs agree.
 """
 
 from __future__ import annotations
@@ -48,6 +52,33 @@ def image_token_id(config: PretrainedConfig) -> int:
     if tid is None:
         raise ValueError(f"{type(config).__name__} has no image_token_id: not a supported vision-language config")
     return int(tid)
+
+
+def placeholder_mask(input_ids_BT: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+    """Bool [B, T]: image tokens in runs that start right after ``<|vision_start|>`` (the prompt's
+    placeholders); any other image token is not one."""
+    is_img_BT = input_ids_BT == image_token_id(config)
+    prev_BT = torch.nn.functional.pad(input_ids_BT[:, :-1], (1, 0), value=-1)
+    starts_BT = is_img_BT & (prev_BT != image_token_id(config))
+    good_start_BT = starts_BT & (prev_BT == int(config.vision_start_token_id))
+    pos_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+    run_start_BT = torch.where(starts_BT, pos_BT, torch.zeros_like(pos_BT)).cummax(dim=1).values
+    return is_img_BT & good_start_BT.gather(1, run_start_BT)
+
+
+def multimodal_body_inputs(
+    hf_model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, mm_inputs: dict[str, torch.Tensor]
+) -> dict:
+    """Keyword inputs of a VL model's body (``hf_model.model``) for a batch with images: embeddings of
+    the ids as they are, the ids the model looks for placeholders in (generated image tokens hidden
+    behind ``<|vision_end|>``), M-RoPE positions and the pixel inputs."""
+    config = hf_model.config
+    stray_BT = (input_ids_BT == image_token_id(config)) & ~placeholder_mask(input_ids_BT, config)
+    ids_BT = torch.where(stray_BT, torch.full_like(input_ids_BT, int(config.vision_end_token_id)), input_ids_BT)
+    return dict(
+        input_ids=ids_BT, inputs_embeds=hf_model.get_input_embeddings()(input_ids_BT), attention_mask=attention_mask_BT,
+        position_ids=multimodal_position_ids(hf_model, ids_BT, attention_mask_BT, mm_inputs), **mm_inputs,
+    )
 
 
 def multimodal_position_ids(

@@ -188,3 +188,12 @@ def build_squares_assets(spec: SquaresSpec) -> SquaresAssets:
     processor.save_pretrained(model_dir)
     (out / "DONE").write_text("ok\n")
     return assets
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m tidal.tasks.squares OUT_DIR")
+    built = build_squares_assets(SquaresSpec(workdir=sys.argv[1]))
+    print(f"model: {built.model_path}\ntrain: {built.train_path}\neval:  {built.eval_path}")
