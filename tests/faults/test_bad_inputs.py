@@ -87,6 +87,11 @@ def test_missing_data_path(tmp_path, assets, tiny_task_overrides, capsys):
     assert "'data.train[0].path'" in err and "'/no/such.jsonl' does not exist" in err
 
 
+def test_resume_from_a_missing_checkpoint(tmp_path, tiny_task_overrides, capsys):
+    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={tmp_path / 'nope'}"], loads_models=False)
+    assert "'checkpoint.resume'" in err and "is not a complete Tidal checkpoint" in err
+
+
 def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, capsys):
     overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
     model = tmp_path / "model"
@@ -131,6 +136,8 @@ def test_reward_turning_nan_raises_and_keeps_trained_steps(tmp_path, tiny_task_o
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     shutdown()
     capsys.readouterr()
+    # and, as if the process had also been killed re-saving step 2 (step_000002 moved aside):
+    (out / "checkpoints" / "step_000002").rename(out / "checkpoints" / "step_000002.old")
     _run(out, tiny_task_overrides, ["run.steps=3", HASH])  # fixed reward: the run continues from step 2
     assert f"resumed from {out / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
     assert [r["step"] for r in _steps(out)] == [1, 2, 3]

@@ -164,7 +164,7 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not (path / COMPLETE_MARKER).is_file():
-        raise ValueError(f"checkpoint.resume: {resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
+        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
     return path
 
 

@@ -103,6 +103,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     check_run_dirs(cfg, runtime)
+    start_step = _resume_step_hint(cfg, runtime)  # a bad checkpoint.resume fails here, before anything is loaded
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
@@ -149,7 +150,6 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         len(train_data), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
     )
-    start_step = _resume_step_hint(cfg)
     logger = MetricsLogger(
         cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
         start_step=start_step, hparams=cfg.to_dict(),
@@ -161,11 +161,15 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     )
 
 
-def _resume_step_hint(cfg: TidalConfig) -> int:
-    """The step a resume will continue from (for the logger), without loading anything."""
-    from tidal.trainer import checkpoint as ckpt
-
-    path = ckpt.resolve_resume(cfg.checkpoint.resume, ckpt.checkpoint_root(cfg.run.output_dir))
+def _resume_step_hint(cfg: TidalConfig, runtime: Runtime) -> int:
+    """The step a resume will continue from (for the logger), without loading anything. What an
+    interrupted save left is settled first (rank 0; the others wait), as the resume itself will: a
+    put-back ``step_N.old`` must be the step the logger keeps its records up to."""
+    root = ckpt.checkpoint_root(cfg.run.output_dir)
+    if runtime.is_main:
+        ckpt.clean_partial(root)
+    torch.distributed.barrier()
+    path = ckpt.resolve_resume(cfg.checkpoint.resume, root)
     if path is None:
         return 0
     import json
