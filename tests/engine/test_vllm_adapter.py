@@ -252,3 +252,9 @@ def test_sleep_refused_when_started_without_sleep_mode(fake):
         engine.sleep(1)
     with pytest.raises(ValueError, match="level"):
         engine.sleep(3)
+
+
+def test_call_seed_differs_by_call_and_replica_in_31_bits():
+    seeds = {adapter.call_seed(r, c) for r in range(4) for c in range(1, 200)}
+    assert len(seeds) == 4 * 199 and max(seeds) < 2**31
+    assert adapter.call_seed(1, 5) == adapter.call_seed(1, 5)

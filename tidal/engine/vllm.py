@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import random
 import tempfile
@@ -176,6 +177,14 @@ def to_completions(outputs) -> list[Completion]:
     return result
 
 
+def call_seed(replica: int, call: int) -> int:
+    """Seed of the generator that unseeded requests of one ``generate`` call sample from: the same on
+    every TP rank of a replica (each rank samples), different across calls and replicas. 31 bits,
+    since the CPU generator keeps only the low 32 bits of a seed."""
+    digest = hashlib.blake2b(f"{replica}:{call}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
 @contextlib.contextmanager
 def _own_rng(device: torch.device, seed: int | None = None):
     """Run a block on forked RNGs (torch CPU and ``device``, Python, NumPy), optionally seeded, and
@@ -268,9 +277,7 @@ class VLLMEngine:
         self._generate_calls += 1
         sp = self._vllm.SamplingParams(**sampling_kwargs(params, self._eos))
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-        # same seed on every TP rank of this replica (each rank samples), a different one per call and replica
-        seed = (self._replica << 32) + self._generate_calls
-        with _own_rng(self.device, seed):
+        with _own_rng(self.device, call_seed(self._replica, self._generate_calls)):
             outputs = self._llm.generate(inputs, sp, use_tqdm=False)
         return to_completions(outputs)
 
