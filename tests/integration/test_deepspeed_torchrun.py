@@ -25,6 +25,7 @@ def torchrun(script: str, nproc: int, out: Path, **env) -> list[dict]:
 def assert_parity(x: dict, stages: list[int]) -> None:
     assert x["moved"] > 1e-2  # training moved the weights well beyond the tolerance below
     assert x["linear_untouched"]
+    assert x["fsdp2_nan_skipped"] and x["fsdp2_nan_unchanged"]
     assert max(x["fsdp2_grad_norms"]) > 0.5 * 2  # clipping (max_grad_norm=0.5) was active
     for s in stages:
         t = f"z{s}"
@@ -34,6 +35,8 @@ def assert_parity(x: dict, stages: list[int]) -> None:
         assert x[f"{t}_skipped"] == [0.0] * len(x["fsdp2_losses"]), t
         assert x[f"{t}_param_diff"] < 1e-4, t
         assert x[f"{t}_reload_equal"], t
+        assert x[f"{t}_nan_skipped"] and x[f"{t}_nan_unchanged"], t
+        assert x[f"{t}_lr_after_nan"] == x["fsdp2_lr_after_nan"] < x["fsdp2_lrs"][-1], t
         assert x[f"{t}_ref_diff"] == 0.0 and x[f"{t}_ref_full_equal"], t
         assert x[f"{t}_export_equal" if x["rank"] == 0 else f"{t}_export_empty"], t
 

@@ -10,6 +10,7 @@ $TIDAL_TEST_OUT/rank<R>.json with losses, grad norms, parameter differences and 
 import copy
 import faulthandler
 import json
+import math
 import os
 
 import torch
@@ -94,6 +95,15 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
     strategy.reload_optimizer(state)
     res[f"{tag}_reload_equal"] = max_diff(full(strategy, state.model), weights) == 0.0
     log += train(strategy, state, rt, 1, first_step=STEPS)
+    # a non-finite gradient skips the step on every rank (weights unchanged), the LR still advances
+    before = full(strategy, state.model)
+    ids, mask = batches(rt.rank, 50)[0]
+    logp, _ = token_logprobs(state.model, ids, mask)
+    strategy.backward(logp.sum() * float("nan"), state, sync_grads=True)
+    nan_step = strategy.optimizer_step(state)
+    res[f"{tag}_nan_skipped"] = nan_step["skipped"] == 1.0 and not math.isfinite(nan_step["grad_norm"])
+    res[f"{tag}_nan_unchanged"] = max_diff(full(strategy, state.model), before) == 0.0
+    res[f"{tag}_lr_after_nan"] = state.scheduler.get_last_lr()[0]
     res[f"{tag}_losses"] = [x[0] for x in log]
     res[f"{tag}_grad_norms"] = [x[1]["grad_norm"] for x in log]
     res[f"{tag}_lrs"] = [x[1]["lr"] for x in log]
