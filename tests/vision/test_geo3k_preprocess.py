@@ -1,0 +1,59 @@
+"""examples/geo3k/preprocess.py on a tiny fake Geometry3K parquet (image structs with PNG bytes),
+and its output read by PromptDataset with a vision-language tokenizer."""
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from tidal.data import DataConfig, DataSource, PromptDataset
+from tidal.models import load_tokenizer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "geo3k" / "preprocess.py"
+
+
+@pytest.fixture(scope="module")
+def preprocess():
+    spec = importlib.util.spec_from_file_location("geo3k_preprocess", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _png(color) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_parquet_to_rows_with_image_files(tmp_path, preprocess, squares_assets):
+    rows = [
+        {"images": [{"bytes": _png((255, 0, 0)), "path": None}], "problem": "<image>Find x.", "answer": "3"},
+        {"images": [{"bytes": _png((0, 0, 255)), "path": "b.png"}], "problem": "What is the area?", "answer": "12.5"},
+    ]
+    src = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    assert preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")]) == 0
+    out = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert out[0] == {"prompt": f"<image>Find x.\n\n{preprocess.INSTRUCTION}", "images": ["images/train/00000-0.png"],
+                      "reference": "3", "label": "geo3k", "index": 0}
+    assert out[1]["prompt"].startswith("<image>What is the area?") and out[1]["reference"] == "12.5"
+    assert Image.open(tmp_path / "out" / out[1]["images"][0]).getpixel((0, 0)) == (0, 0, 255)
+    proc = load_tokenizer(squares_assets.model_path)
+    ds = PromptDataset([DataSource(path=str(tmp_path / "out" / "train.jsonl"))], proc, DataConfig(shuffle=False), seed=0)
+    assert ds[1].prompt_ids.count(proc.image_token_id) == 4 and ds[1].mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+def test_bad_rows_name_the_row(tmp_path, preprocess):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"problem": "<image><image>Find x.", "answer": "1", "images": ["a.png"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 2 '<image>' placeholders but 1 images"):
+        preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")])
+    src.write_text(json.dumps({"problem": "Find x.", "answer": "1", "images": ["missing.png"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: image 0: image not found"):
+        preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")])
