@@ -111,6 +111,7 @@ def roofline(completions, engine, decode_steps: int, bw: float) -> dict:
 def time_engine(engine, prompts, params, repeats: int = 2):
     """Generate ``repeats`` times (the first compiles kernels and captures graphs); stats of the last."""
     for _ in range(repeats):
+        engine.block_manager.reset_prefix_cache()  # no reuse of the previous repeat's prompts
         before = dict(engine.stats)
         t0 = sync_time()
         out = engine.generate(prompts, params)
@@ -131,6 +132,8 @@ def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, set
           "preemptions": steps["preemptions"], "out_len_min_med_max": [lens[0], lens[len(lens) // 2], lens[-1]],
           "roofline_tokens_per_s": round(gen / rl["roofline_s"], 1), "roofline_fraction": round(rl["roofline_s"] / wall, 4),
           "bytes_read_per_decode_step_MB": round(rl["bytes_read"] / max(1, steps["decode_steps"]) / 1e6, 1),
+          "host_ms_per_step": {k[:-2]: round(steps[k] / (steps["decode_steps"] + steps["prefill_steps"]) * 1e3, 3)
+                               for k in steps if k.endswith("_s")},
           **settings}, sink)
 
 
@@ -173,8 +176,20 @@ def step_breakdown(engine, bs: int, sink, settings) -> None:
     head = timed(lambda: engine.model.compute_logits(hidden))
     logits = engine.model.compute_logits(hidden)
     samp = timed(lambda: sample(logits, 1.0))
+
+    def device_step():  # what a step costs with no scheduling: replay, head, sample, read back
+        g.replay()
+        tok, logp = sample(engine.model.compute_logits(hidden), 1.0)
+        torch.stack([tok.double(), logp.double()]).cpu()
+
+    device_step()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        device_step()
+    loop = (time.perf_counter() - t0) / 50 * 1e6
     emit({"case": "main", "figure": "decode_step_breakdown_us", "batch": bs, "graph_forward_us": round(fwd, 1),
-          "lm_head_us": round(head, 1), "sample_us": round(samp, 1), **settings}, sink)
+          "lm_head_us": round(head, 1), "sample_us": round(samp, 1), "synced_device_step_us": round(loop, 1),
+          **settings}, sink)
 
 
 def check_tiny_exact(sink, settings) -> None:
@@ -311,12 +326,29 @@ def main() -> None:
         with guard("main_native", sink):
             bench_native("main", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
             step_breakdown(engine, 128, sink, base)
+        with guard("main_no_overlap", sink):
+            engine.sleep(1)
+            plain = make_engine(hf_model, overlap_scheduling=False, max_num_seqs=256)
+            bench_native("main", plain, prompts, params, bw, "triton+cuda_graphs,no_overlap", sink, settings)
+            plain.sleep(1)
+            del plain
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            lt = make_engine(hf_model, max_num_seqs=256)
+            bench_native("main", lt, prompts, params, bw, "triton+cuda_graphs,cublaslt", sink, settings)
+            lt.sleep(1)
+            del lt
+            torch.backends.cuda.preferred_blas_library("default")
+            torch.cuda.empty_cache()
+            engine.wake_up()
         if args.no_graph_variant:
             with guard("main_eager", sink):
+                engine.sleep(1)
                 eager = make_engine(hf_model, cuda_graphs=False, max_num_seqs=256)
                 bench_native("main", eager, prompts, params, bw, "triton_eager", sink, settings)
                 eager.sleep(1)
                 del eager
+                torch.cuda.empty_cache()
+                engine.wake_up()
         if args.hf_new_tokens > 0:
             with guard("main_hf", sink):
                 engine.sleep(1)

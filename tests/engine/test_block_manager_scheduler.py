@@ -123,3 +123,24 @@ def test_scheduler_respects_max_num_seqs_and_rejects_oversized():
     assert [s.seq_id for s in sched.schedule().seqs] == [0, 1]
     with pytest.raises(ValueError, match="needs more KV blocks"):
         sched.add(seq(9, [1] * 60, max_tokens=8))
+
+
+def test_schedule_ahead_runs_one_token_past_and_voids_stopped_rows():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c = seq(0, [1, 2], max_tokens=8), seq(1, [3], max_tokens=8), seq(2, [4, 5, 6], max_tokens=2)
+    for s in (a, b, c):
+        sched.add(s)
+    assert sched.schedule_ahead(_step(sched)) is None  # never after a prefill
+    batch = sched.schedule()  # decode: lengths 3, 2, 4
+    ahead = sched.schedule_ahead(batch)
+    # c reaches max_tokens with this step's token: not ahead; a needs a block for its 4th token
+    assert ahead.seqs == [a, b] and ahead.src_rows == [0, 1] and len(a.block_table) == 2
+    sched.postprocess(batch, [7, 9, 7], [0.0] * 3, frozenset({9}))  # b stops, c hits its length
+    sched.commit_ahead(ahead)
+    assert b.finish_reason == "stop" and c.finish_reason == "length" and list(sched.running) == [a]
+    assert a.num_scheduled_tokens == 1 and b.num_scheduled_tokens == 0
+    sched.postprocess(ahead, [8, 5], [0.0] * 2, frozenset({9}))  # b's row is void: its token is dropped
+    assert a.completion_ids == [1, 7, 8] and b.completion_ids == [1, 9]
+    sched.add(seq(3, [1]))
+    assert sched.schedule_ahead(sched.schedule()) is None  # a sequence waits: prefill comes first

@@ -115,3 +115,19 @@ def test_unknown_weight_name_is_rejected():
     with pytest.raises(KeyError, match="model.layers.0.self_attn.qkv.weight"):
         engine.load_weights([("model.layers.0.self_attn.qkv.weight", torch.zeros(1))])
     assert math.isfinite(engine.generate([[1, 2]], SamplingParams(temperature=0, max_new_tokens=1))[0].logprobs[0])
+
+
+def test_overlap_scheduling_changes_nothing_but_the_step_order():
+    hf = tiny_hf("qwen3")
+    free = hf_greedy(hf, PROMPTS[0], 12)
+    stops = (free[3], free[7])  # some sequences stop early: the steps ahead carry void rows
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=stops)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=4, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        engine = engine_for(hf, overlap_scheduling=overlap)
+        results[overlap] = [[(c.token_ids, c.logprobs, c.finish_reason) for c in engine.generate(PROMPTS, p)]
+                            for p in (greedy, sampled)]
+        assert (engine.stats["ahead_steps"] > 0) == overlap
+    assert results[True] == results[False]
+    assert {c[2] for c in results[True][0]} == {"stop", "length"}

@@ -124,7 +124,17 @@ def test_fused_sampler_logprobs_and_distribution():
     from tidal.engine.sampler import process_logits
 
     g = torch.Generator().manual_seed(2)
-    logits = (torch.randn(6, 300, generator=g) * 3).to(DEVICE)
+    for logits in ((torch.randn(6, 300, generator=g) * 3).to(DEVICE),  # one program per row
+                   (torch.randn(3, 20000, generator=g) * 3).to(DEVICE).bfloat16()):  # 16 chunks per row
+        _check_fused_rows(fused_sample, process_logits, logits)
+    # 800 draws from one 5-way distribution: frequencies match softmax(logits / T) (3.5 sigma)
+    row = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]], device=DEVICE).expand(800, 5)
+    tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
+    freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
+    assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)
+
+
+def _check_fused_rows(fused_sample, process_logits, logits):
     for temperature in (0.0, 0.7, 1.0):
         tok, logp = fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))
         ref = process_logits(logits, temperature, 0, 1.0)
@@ -133,8 +143,3 @@ def test_fused_sampler_logprobs_and_distribution():
             assert torch.equal(tok, logits.argmax(-1))
         else:  # the same seed gives the same draws
             assert torch.equal(tok, fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))[0])
-    # 800 draws from one 5-way distribution: frequencies match softmax(logits / T) (3.5 sigma)
-    row = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]], device=DEVICE).expand(800, 5)
-    tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
-    freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
-    assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)

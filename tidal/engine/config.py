@@ -29,6 +29,8 @@ class EngineConfig:
     kernel_backend: kernels of the native engine: ``triton`` (CUDA: fused norm/RoPE/KV-store, paged
         attention; needed for CUDA graphs), ``torch`` (plain PyTorch, any device), ``auto`` (triton on
         CUDA when importable, else torch).
+    overlap_scheduling: while a decode step runs on the device, schedule and prepare the next one on
+        the host (its input tokens are fed on the device); off: strictly one step at a time.
     """
 
     backend: Literal["native", "hf", "vllm", "sglang"] = "native"
@@ -43,6 +45,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     sleep_level: int = 1
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    overlap_scheduling: bool = True
 
     def __post_init__(self):
         check(self.tp_size >= 1, "tp_size", "must be >= 1")

@@ -122,8 +122,9 @@ class BlockManager:
         """Whether the next decode step of ``seq`` (KV for its last token) has a slot."""
         return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
 
-    def append_slot(self, seq: Sequence) -> None:
-        if len(seq) > len(seq.block_table) * self.block_size:
+    def append_slot(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Make room for KV of ``num_tokens`` tokens (default ``len(seq)``): at most one new block."""
+        if (len(seq) if num_tokens is None else num_tokens) > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free())
 
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:

@@ -30,7 +30,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.bufs: dict[str, torch.Tensor] | None = None
-        self.host: torch.Tensor | None = None
+        # two pinned staging buffers, alternated: the copy out of one may still be queued behind the
+        # step in flight while the next step's inputs are written into the other
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.parity = 0
         self.bytes = 0
 
     def fits(self, n: int) -> bool:
@@ -42,7 +45,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = None
         self.bufs = None
-        self.host = None
+        self.host = []
         return freed
 
     def _alloc_buffers(self) -> None:
@@ -53,7 +56,8 @@ class DecodeGraphs:
             "bt": z(n, self.max_blocks, dt=torch.int32),
             "hidden": z(n, h, dt=self.model.cos_sin_PD.dtype),
         }
-        self.host = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self.host = [(torch.zeros(4 * n, dtype=torch.int64, pin_memory=True),
+                      torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
 
     def _meta(self, bs: int) -> AttnMetadata:
         inputs = self.bufs["inputs"]
@@ -63,6 +67,9 @@ class DecodeGraphs:
         )
 
     def _capture(self, bs: int) -> torch.cuda.CUDAGraph:
+        # torch.cuda.graph empties the allocator cache on entry: do it first so the reserved-bytes
+        # delta is the graph pool's growth alone
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         inputs, meta = self.bufs["inputs"], self._meta(bs)
         self.bufs["hidden"][:bs] = self.model(inputs[0, :bs], inputs[1, :bs], meta)  # warm-up (JIT, autotune)
@@ -73,29 +80,38 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             self.bufs["hidden"][:bs] = self.model(inputs[0, :bs], inputs[1, :bs], meta)
         torch.cuda.synchronize(self.device)
-        self.bytes += torch.cuda.memory_reserved(self.device) - before
+        self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph
 
-    def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int) -> torch.Tensor:
-        """Replay the bucket for ``len(ids)`` rows; returns the final hidden states ``[B, H]``."""
+    def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int, ids_dev=None) -> torch.Tensor:
+        """Replay the bucket for ``len(ids)`` rows (input tokens ``ids_dev`` on the device if given);
+        returns the final hidden states ``[B, H]``."""
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
         if self.bufs is None:
             before = torch.cuda.memory_reserved(self.device)
             self._alloc_buffers()
-            self.bytes += torch.cuda.memory_reserved(self.device) - before
-        host = self.host
-        host[0, :n] = torch.as_tensor(ids)
-        host[1, :n] = torch.as_tensor(pos)
-        host[2, :n] = torch.as_tensor(slots)
-        host[3, :n] = torch.as_tensor(ctxs)
-        bs_block = self.model.layer_attentions()[0].k_cache.shape[1]
-        host[:, n:bs] = torch.tensor([[0], [0], [scratch_block * bs_block], [1]])
+            self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        host_flat, host_bt = self.host[self.parity]
+        self.parity ^= 1
+        host = host_flat[: 4 * bs].view(4, bs)  # contiguous, so the copy below stays asynchronous
+        staged = host.numpy()
+        staged[0, :n] = ids
+        staged[1, :n] = pos
+        staged[2, :n] = slots
+        staged[3, :n] = ctxs
+        page = self.model.layer_attentions()[0].k_cache.shape[1]
+        staged[:, n:bs] = np.array([[0], [0], [scratch_block * page], [1]])
         inputs = self.bufs["inputs"]
-        inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
+        inputs[:, :bs].copy_(host, non_blocking=True)
+        if ids_dev is not None:
+            inputs[0, :n].copy_(ids_dev)
+        w = bt.shape[1]
+        host_bt.numpy()[: n * w] = bt.reshape(-1)
         bt_dev = self.bufs["bt"]
-        bt_dev[:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
-        bt_dev[n:bs, 0] = scratch_block
+        bt_dev[:n, :w].copy_(host_bt[: n * w].view(n, w), non_blocking=True)
+        if bs > n:
+            bt_dev[n:bs, 0] = scratch_block
         if bs not in self.graphs:
             self.graphs[bs] = self._capture(bs)
         self.graphs[bs].replay()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from typing import Iterable
 
 import torch
@@ -42,7 +43,9 @@ class NativeEngine:
 
     ``stats`` counts, since construction: ``prefill_tokens`` (tokens whose KV was computed by
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
-    ``decode_steps``, ``prefill_steps``.
+    ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host wall seconds spent in ``schedule_s``,
+    ``postprocess_s`` and the runner's ``prepare_s`` (inputs), ``submit_s`` (model + sampling
+    enqueued) and ``wait_s`` (waiting for the sampled tokens).
     """
 
     def __init__(
@@ -70,7 +73,9 @@ class NativeEngine:
         self.sleep_level = 0  # 0 awake; 1 KV freed; 2 KV freed and weights on the host
         self._host_weights: dict[str, torch.Tensor] = {}
         self._seq_ids = itertools.count()
-        self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0)
+        self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
+                          ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
+        self.stats.update(self.runner.timings)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig, *, device, dtype, tp_group=None) -> "NativeEngine":
@@ -195,13 +200,8 @@ class NativeEngine:
             scheduler.add(seq)
         sampling = SamplingState(params.temperature, params.top_k, params.top_p, self._generator(params.seed))
         hits_before = self.block_manager.num_hit_tokens
-        while not scheduler.is_finished():
-            batch = scheduler.schedule()
-            if batch.is_prefill:
-                self.stats["prefill_tokens"] += batch.num_tokens
-            self.stats["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
-            tokens, logprobs = self.runner.run(batch, sampling)
-            scheduler.postprocess(batch, tokens, logprobs, stop_ids)
+        self._loop(scheduler, sampling, stop_ids)
+        self.stats.update(self.runner.timings)
         self.stats["prefix_hit_tokens"] += self.block_manager.num_hit_tokens - hits_before
         self.stats["preemptions"] += scheduler.num_preemptions
         return [
@@ -209,6 +209,38 @@ class NativeEngine:
                        finish_reason=s.finish_reason)
             for s in seqs
         ]
+
+    def _loop(self, scheduler: Scheduler, sampling: SamplingState, stop_ids: frozenset[int]) -> None:
+        """schedule -> launch -> (schedule the next decode step ahead and launch it) -> wait ->
+        postprocess, until every sequence is finished."""
+        stats, runner = self.stats, self.runner
+        pending = None  # a launched batch scheduled ahead, and its handle
+        while pending is not None or not scheduler.is_finished():
+            t0 = time.perf_counter()
+            if pending is None:
+                batch = scheduler.schedule()
+                handle = runner.launch(batch, sampling)
+                self._count(batch)
+            else:
+                batch, handle = pending
+            ahead = scheduler.schedule_ahead(batch) if self.cfg.overlap_scheduling else None
+            stats["schedule_s"] += time.perf_counter() - t0
+            pending = None
+            if ahead is not None:
+                pending = (ahead, runner.launch(ahead, sampling, prev=handle))
+                self._count(ahead)
+                stats["ahead_steps"] += 1
+            tokens, logprobs = runner.wait(handle)
+            t0 = time.perf_counter()
+            scheduler.postprocess(batch, tokens, logprobs, stop_ids)
+            if ahead is not None:
+                scheduler.commit_ahead(ahead)
+            stats["postprocess_s"] += time.perf_counter() - t0
+
+    def _count(self, batch) -> None:
+        if batch.is_prefill:
+            self.stats["prefill_tokens"] += batch.num_tokens
+        self.stats["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None or not self.tp.is_first:

@@ -9,6 +9,7 @@ or the scheduling policy.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ class ModelRunner:
         self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
         self.graphs = DecodeGraphs(model, max_num_seqs, self.max_blocks_per_seq, device) if use_graphs else None
         self._pin = device.type == "cuda"
+        self.timings = {"prepare_s": 0.0, "submit_s": 0.0, "wait_s": 0.0}  # host wall seconds, cumulative
 
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -118,27 +120,46 @@ class ModelRunner:
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, rows
 
     def _decode_inputs(self, batch: Batch):
+        """Per-row input token, position, slot, context length and block table. A batch scheduled
+        ahead runs one token past each sequence's current length (its input token is not known yet:
+        0 here, fed on the device)."""
         bs = self.block_size
-        ctxs = [len(s) for s in batch.seqs]
-        ids = [s.token_ids[-1] for s in batch.seqs]
+        ahead = int(batch.src_rows is not None)
+        ctxs = [len(s) + ahead for s in batch.seqs]
+        ids = [0] * len(ctxs) if ahead else [s.token_ids[-1] for s in batch.seqs]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, ctxs)]
         pos = [n - 1 for n in ctxs]
         return ids, pos, slots, ctxs, self._block_tables(batch.seqs)
 
     # ---- step -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, batch: Batch, sampling: SamplingState) -> tuple[list[int], list[float]]:
         """Run ``batch``; returns (token ids, logprobs) of its sampling rows, identical on every TP rank."""
+        return self.wait(self.launch(batch, sampling))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, sampling: SamplingState, prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue ``batch`` (model, sampling, copy of the results to the host) without waiting.
+        A batch scheduled ahead (``batch.src_rows``) takes its input tokens from ``prev``'s samples
+        on the device."""
+        t0 = time.perf_counter()
         if batch.is_prefill:
             ids, pos, meta, rows = self._prefill_inputs(batch)
+            t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
             n = len(rows)
         else:
             ids, pos, slots, ctxs, bt = self._decode_inputs(batch)
+            ids_dev = None
+            if batch.src_rows is not None:
+                src = prev.out[0]
+                if batch.src_rows != list(range(len(batch.src_rows))):
+                    src = src[self._tensor(batch.src_rows, torch.int64)]
+                ids_dev = src[: len(ids)].long()
+            t1 = time.perf_counter()
             n = len(ids)
             if self.graphs is not None and self.graphs.fits(n):
-                hidden = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks)
+                hidden = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks, ids_dev)
             else:
                 meta = AttnMetadata(
                     is_prefill=False,
@@ -147,17 +168,44 @@ class ModelRunner:
                     context_lens_B=self._tensor(ctxs, torch.int32),
                     max_context_len=max(ctxs),
                 )
-                hidden = self.model(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta)
+                ids_t = ids_dev if ids_dev is not None else self._tensor(ids, torch.int64)
+                hidden = self.model(ids_t, self._tensor(pos, torch.int64), meta)
             logits = self.model.compute_logits(hidden)
-        if n == 0:
-            return [], []
-        return self._sample(logits, n, sampling)
+        self.timings["prepare_s"] += t1 - t0
+        handle = self._sample(logits, n, sampling)
+        self.timings["submit_s"] += time.perf_counter() - t1
+        return handle
 
-    def _sample(self, logits_BV, n: int, sampling: SamplingState) -> tuple[list[int], list[float]]:
+    def _sample(self, logits_BV, n: int, sampling: SamplingState) -> StepHandle:
         out = torch.empty(2, n, dtype=torch.float64, device=self.device)
+        if n == 0:
+            return StepHandle(out, out.cpu(), None)
         if self.tp.is_first:
             token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
             out[0], out[1] = token_B, logp_B
         self.tp.broadcast_from_first(out)
-        host = out.cpu()
-        return host[0].long().tolist(), host[1].tolist()
+        if self.device.type != "cuda":
+            return StepHandle(out, out.cpu(), None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return StepHandle(out, host, done)
+
+    def wait(self, handle: StepHandle) -> tuple[list[int], list[float]]:
+        """Block until ``handle``'s samples are on the host; returns (token ids, logprobs)."""
+        t0 = time.perf_counter()
+        if handle.done is not None:
+            handle.done.synchronize()
+        self.timings["wait_s"] += time.perf_counter() - t0
+        return handle.host[0].long().tolist(), handle.host[1].tolist()
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step: its samples on the device (``out``: row 0 tokens, row 1 logprobs), the
+    host copy being made, and the event that marks it done (None on CPU: already done)."""
+
+    out: torch.Tensor
+    host: torch.Tensor
+    done: "torch.cuda.Event | None"

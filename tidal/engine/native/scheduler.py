@@ -10,6 +10,11 @@ Policy (the nano-vllm shape):
   with the tokens it had generated.
 - Finished sequences (stop token, or ``max_tokens``) release their blocks at once, so waiting ones
   join the next step.
+- Overlap: while a decode step runs on the device, :meth:`schedule_ahead` may schedule the next one
+  before the sampled tokens are known (every running sequence decodes again, its input token fed
+  on the device). It only does so when that is what :meth:`schedule` would do anyway: nothing
+  waits, no block is short. A sequence that the pending step finishes with a stop token then has
+  a void row in the step ahead, whose token is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Batch:
     seqs: list[Sequence]
     is_prefill: bool
     sampling: list[bool]
+    src_rows: list[int] | None = None  # scheduled ahead: row of the previous batch holding each input token
 
     @property
     def num_tokens(self) -> int:
@@ -104,10 +110,35 @@ class Scheduler:
             else:
                 self.bm.append_slot(seq)
                 seq.num_scheduled_tokens = 1
-                self.bm.register_computed(seq, len(seq))
                 seqs.append(seq)
         self.running.extendleft(reversed(seqs))
         return Batch(seqs, False, [True] * len(seqs)) if seqs else None
+
+    def schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The decode step after ``batch`` (still running, tokens unknown), or None when it cannot be
+        known yet: ``batch`` is a prefill, sequences wait, or a block would be short."""
+        live = [s.status is SequenceStatus.RUNNING for s in batch.seqs]
+        if batch.is_prefill or self.waiting or sum(live) != len(self.running):
+            return None
+        rows, seqs, new_blocks = [], [], 0
+        for i, seq in enumerate(batch.seqs):
+            if not live[i] or seq.num_completion_tokens + 1 >= seq.max_tokens:
+                continue  # a void row, or finishes with this token
+            rows.append(i)
+            seqs.append(seq)
+            new_blocks += len(seq) + 1 > len(seq.block_table) * self.bm.block_size
+        if not seqs or new_blocks > self.bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            self.bm.append_slot(seq, len(seq) + 1)
+        return Batch(seqs, False, [True] * len(seqs), src_rows=rows)
+
+    def commit_ahead(self, ahead: Batch) -> None:
+        """After the previous batch's postprocess: the sequences of ``ahead`` that are still running
+        compute one token in it (the others' rows are void)."""
+        for seq in ahead.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_scheduled_tokens = 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -121,8 +152,12 @@ class Scheduler:
         k = 0
         finished = False
         for seq, samples in zip(batch.seqs, batch.sampling):
+            if seq.status is SequenceStatus.FINISHED:  # void row of a batch scheduled ahead
+                k += samples
+                continue
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            self.bm.register_computed(seq, seq.num_cached_tokens)
             if not samples:
                 continue
             tok = token_ids[k]
