@@ -44,6 +44,7 @@ CASES = {
     "marker": (["1:1", "2:2"], (1, 1.0)),
     "swapped": (["1:1", "2:2", "2:3"], (2, 2.0)),  # re-saving step 2: the old step_2 was moved aside
     "renamed": (["1:1", "2:2"], (2, 2.0)),  # renamed into place: the new one is complete
+    "rotating": (["1:1", "2:2"], (2, 2.0)),  # keep=1: step_1 is being deleted
 }
 
 
@@ -51,7 +52,7 @@ CASES = {
 def test_sigkill_during_checkpoint_write(tmp_path, point):
     saves, expected = CASES[point]
     root = tmp_path / "checkpoints"
-    proc = _save(root, saves, fault=f"kill@checkpoint/{point}:step=2")
+    proc = _save(root, saves, fault=f"kill@checkpoint/{point}:step=2", keep=1 if point == "rotating" else 3)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert f"SIGKILL rank 0 at checkpoint/{point} step 2" in proc.stdout
     assert _resume(root) == expected

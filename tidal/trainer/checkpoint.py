@@ -149,7 +149,9 @@ def save_checkpoint(
         shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         _fsync_dir(root)
         for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = old.rename(old.with_name(old.name + ".del.tmp"))  # a half-deleted one never looks complete
+            faults.hit("checkpoint/rotating", step=step, rank=rank)
+            shutil.rmtree(trash, ignore_errors=True)
     dist.barrier()
     return final
 

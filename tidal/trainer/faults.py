@@ -17,7 +17,7 @@ POINT
     ``stage/<name>``: entry of a trainer stage (the watchdog's stages: ``setup``, ``resume``, the
     timed phases ``generate``, ``reward``, ``train``, ``checkpoint``, ...); ``checkpoint/<when>``:
     inside :func:`tidal.trainer.checkpoint.save_checkpoint` (``begin``, ``shards``, ``marker``,
-    ``swapped``, ``renamed``); ``policy_logp``: the actor's logprobs in the update (for ``nan``);
+    ``swapped``, ``renamed``, ``rotating``); ``policy_logp``: the actor's logprobs in the update (for ``nan``);
     ``sampled``: the prompt indices a rank takes for a step (for ``record``).
 keys
     ``rank=R`` (default: every rank), ``step=S`` / ``S-`` / ``S-E`` (default: every step),
