@@ -57,3 +57,11 @@ def test_bad_rows_name_the_row(tmp_path, preprocess):
     src.write_text(json.dumps({"problem": "Find x.", "answer": "1", "images": ["missing.png"]}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: image 0: image not found"):
         preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("name", ["geo3k/geo3k-qwen2.5-vl-3b.yaml", "squares/config.yaml"])
+def test_example_configs_load(name):
+    from tidal.config import load_config
+
+    cfg = load_config(str(SCRIPT.parents[1] / name))
+    assert cfg.engine.backend == "hf" and cfg.data.train
