@@ -191,8 +191,11 @@ def _own_rng(device: torch.device, seed: int | None = None):
     restore the caller's states afterwards."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if seed is not None:
-            torch.manual_seed(seed)
+        if seed is not None:  # this rank's CPU generator and its device's, no other device's
+            torch.random.default_generator.manual_seed(seed)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
         try:
             yield
         finally:
