@@ -12,6 +12,7 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
 
 Roofline: bytes every decode step must read (all weights once, LM head included, plus the KV of
 every running sequence) over the measured device copy bandwidth (bytes read + written per second).
+Variants of ``main``: overlap scheduling off, cuBLASLt preferred (``--no-graph-variant`` adds eager).
 ``--check`` first verifies the CUDA engine: exact greedy equality with HF on tiny fp32 models
 (Qwen2, Qwen3, Llama; Triton kernels and CUDA graphs), and bf16 logprob agreement on the 0.5B model.
 
