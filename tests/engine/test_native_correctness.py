@@ -131,3 +131,13 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
         assert (engine.stats["ahead_steps"] > 0) == overlap
     assert results[True] == results[False]
     assert {c[2] for c in results[True][0]} == {"stop", "length"}
+
+
+def test_prefix_caching_off_recomputes_every_prompt():
+    hf = tiny_hf("qwen2")
+    prompt = list(range(1, 18))
+    params = SamplingParams(temperature=0, max_new_tokens=4, n=3, ignore_eos=True)
+    on, off = engine_for(hf), engine_for(hf, enable_prefix_caching=False)
+    assert [c.token_ids for c in on.generate([prompt], params)] == [c.token_ids for c in off.generate([prompt], params)]
+    assert off.stats["prefix_hit_tokens"] == 0 and off.stats["prefill_tokens"] == 3 * 17
+    assert on.stats["prefix_hit_tokens"] == 2 * 16

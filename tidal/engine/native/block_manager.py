@@ -40,10 +40,12 @@ class BlockManager:
     """Owns ``num_blocks`` blocks of ``block_size`` token slots.
 
     Counters: ``num_hit_tokens`` (prompt tokens served from the cache instead of recomputed).
+    ``prefix_caching=False`` turns hashing off: every sequence computes all its tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -68,7 +70,7 @@ class BlockManager:
         """(hash, block id) of the cached leading full blocks of ``seq``; the block holding the last
         token is never taken from the cache (its logits must be computed)."""
         hits, prev = [], None
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range((len(seq) - 1) // self.block_size if self.prefix_caching else 0):
             tokens = tuple(seq.block(i, self.block_size))
             h = block_hash(prev, tokens)
             bid = self.hash_to_block.get(h)
@@ -130,6 +132,8 @@ class BlockManager:
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (their KV is computed
         in the step being scheduled) so other sequences can share them."""
+        if not self.prefix_caching:
+            return
         prev = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.block(i, self.block_size))

@@ -131,7 +131,7 @@ class NativeEngine:
         if need < 1:
             raise RuntimeError("no memory left for a single KV block")
         nbytes = self.runner.allocate_kv_cache(need)
-        self.block_manager = BlockManager(need, self.cfg.block_size)
+        self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
         return nbytes
 
     def sleep(self, level: int = 1) -> int:
