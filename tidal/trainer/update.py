@@ -45,14 +45,16 @@ class MetricMeans:
         return {k: vals[i] / vals[n + i] if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
 
 
-def poison_gradients(model: torch.nn.Module) -> None:
-    """Set this rank's gradients (its shards) to NaN. Called when a loss share of the step was not
-    finite: clamps in the losses can turn a NaN loss into finite (zero) gradients, and the step must be
-    skipped all the same. The global gradient norm then is NaN, so ``Strategy.optimizer_step`` skips
-    the step on every rank alike -- no extra collective."""
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.fill_(math.nan)
+def nonfinite_guard(loss: torch.Tensor, out_BT: torch.Tensor) -> torch.Tensor:
+    """``loss`` unchanged (value and gradient) when finite; else ``loss + NaN * out_BT.sum()``, whose
+    gradient is NaN for every parameter behind the model output ``out_BT``. The clamps in the losses
+    turn a NaN loss into zero gradients, which would be applied as a normal step; this way the global
+    gradient norm is NaN and every backend's ``optimizer_step`` skips the step on all ranks alike
+    (no extra collective, no device sync). With a finite loss the added term is 0 * out_BT.sum(): exactly
+    nothing, unless out_BT itself holds NaN/Inf that the loss masked out -- non-finite model outputs, also
+    skipped then."""
+    scale = torch.where(torch.isfinite(loss.detach()), 0.0, math.nan)
+    return loss + scale * out_BT.sum()
 
 
 def mini_batch_rows(exp: Experience, num_mini_batches: int, generator: torch.Generator) -> list[list[int]]:
@@ -98,20 +100,16 @@ class Updater:
         batches, total = self._micro_batches(exp)
         if self.offload_optimizer:
             self.strategy.reload_optimizer(state)
-        nonfinite = torch.zeros((), dtype=torch.bool, device=self.strategy.device)
         for i in range(total):
             real = i < len(batches)
             mb = exp.select(batches[i] if real else batches[0]).to(self.strategy.device)
             mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
             loss, metrics = loss_fn(mb, mb_mask_BT, norm)
-            nonfinite |= ~torch.isfinite(loss.detach())
             if real:
                 means.add({f"{prefix}/{k}": v for k, v in metrics.items()}, float(mb_mask_BT.sum()))
             else:
                 loss = loss * 0.0
             self.strategy.backward(loss, state, sync_grads=i == total - 1)
-        if nonfinite:
-            poison_gradients(state.model)
         step_metrics = self.strategy.optimizer_step(state)
         if self.offload_optimizer:
             self.strategy.offload_optimizer(state)
@@ -124,14 +122,16 @@ class Updater:
             mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device),
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
-        return self.algo.policy_loss(
+        loss, metrics = self.algo.policy_loss(
             logp_BT, mb.old_logp_BT, mb.advantages_BT, mask_BT, norm,
             ref_logp_BT=mb.ref_logp_BT, rollout_logp_BT=mb.rollout_logp_BT, entropy_BT=entropy_BT,
         )
+        return nonfinite_guard(loss, logp_BT), metrics
 
     def _critic_loss(self, mb: Experience, mask_BT: torch.Tensor, norm: LossNormalizer):
         values_BT = critic_values(self.critic.model, mb.sequences_BT, mb.attention_mask_BT)
-        return self.algo.value_loss(values_BT, mb.values_BT, mb.returns_BT, mask_BT, norm)
+        loss, metrics = self.algo.value_loss(values_BT, mb.values_BT, mb.returns_BT, mask_BT, norm)
+        return nonfinite_guard(loss, values_BT), metrics
 
     def train(self, exp: Experience, *, epochs: int, mini_batches: int, generator: torch.Generator) -> dict[str, float]:
         means = MetricMeans()
