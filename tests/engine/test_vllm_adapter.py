@@ -258,3 +258,15 @@ def test_call_seed_differs_by_call_and_replica_in_31_bits():
     seeds = {adapter.call_seed(r, c) for r in range(4) for c in range(1, 200)}
     assert len(seeds) == 4 * 199 and max(seeds) < 2**31
     assert adapter.call_seed(1, 5) == adapter.call_seed(1, 5)
+
+
+def test_tied_embeddings_are_loaded_under_their_alias():
+    tied = Qwen2Config(**{**CFG.to_dict(), "tie_word_embeddings": True})
+    aliases = adapter.tied_aliases(tied)
+    assert aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    assert adapter.tied_aliases(Qwen2Config(**{**CFG.to_dict(), "tie_word_embeddings": False})) == {}
+    e, n = torch.zeros(2), torch.ones(1)
+    assert adapter.with_aliases([("model.norm.weight", n), ("model.embed_tokens.weight", e)], aliases) == [
+        ("model.norm.weight", n), ("model.embed_tokens.weight", e), ("lm_head.weight", e)]
+    both = [("model.embed_tokens.weight", e), ("lm_head.weight", n)]
+    assert adapter.with_aliases(both, aliases) == both  # an explicit lm_head.weight is not doubled

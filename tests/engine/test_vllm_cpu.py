@@ -41,8 +41,10 @@ def hf_b():
 
 
 def _buckets(model, size=5):
-    """HF-named tensors in buckets that split layers (q_proj and k_proj of a layer in different buckets)."""
-    items = list(model.state_dict().items())
+    """HF-named tensors as Strategy.full_weights sends them (a tied parameter once, under its first
+    name: no ``lm_head.weight`` here) in buckets that split layers (q_proj and k_proj apart)."""
+    items = [(name, p.detach()) for name, p in model.named_parameters()]
+    assert "lm_head.weight" not in dict(items) and model.config.tie_word_embeddings
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 

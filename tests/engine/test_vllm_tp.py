@@ -52,7 +52,7 @@ def _worker(tp: int) -> None:
                            device=runtime.device, tp_group=runtime.tp_group)
 
     def sync(model):
-        items = list(model.state_dict().items())
+        items = [(name, p.detach()) for name, p in model.named_parameters()]  # tied lm_head not repeated
         for i in range(0, len(items), 5):
             engine.load_weights(items[i:i + 5])
 

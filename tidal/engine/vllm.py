@@ -11,8 +11,9 @@ Weights: the model starts from ``hf_config`` alone (written to a private tempora
 ``load_format="dummy"``); real weights arrive through :meth:`VLLMEngine.load_weights` in buckets of
 (HF name, full tensor). Buckets go through vLLM's layer-wise reload (the path of its own
 ``reload_weights``): a layer is re-processed (repacked, quantised, ...) once all its tensors have
-arrived, so a layer may span buckets. The update is closed (remaining layers finalised, prefix
-cache reset) by the next ``generate``, ``wake_up`` or ``sleep``.
+arrived, so a layer may span buckets; a tied parameter sent once (``model.embed_tokens.weight``) is
+also loaded under its aliases (``lm_head.weight``). The update is closed (remaining layers
+finalised, prefix cache reset) by the next ``generate``, ``wake_up`` or ``sleep``.
 
 Sleep levels are mapped explicitly, never left to vLLM's default:
 
@@ -79,6 +80,28 @@ def weight_bytes_per_rank(hf_config, dtype: torch.dtype, tp_size: int) -> int:
         model = AutoModelForCausalLM.from_config(hf_config)
     n = sum(p.numel() for p in model.parameters())
     return n * torch.empty(0, dtype=dtype).element_size() // tp_size
+
+
+def tied_aliases(hf_config) -> dict[str, list[str]]:
+    """HF names that share a parameter with an earlier one (``lm_head.weight`` of a model with tied
+    embeddings), keyed by that first name. Trainers send a tied parameter once, under its first name
+    (Strategy.full_weights); vLLM's layer-wise reload re-processes each layer on its own, so every
+    alias must be loaded too (e.g. the LM head, repacked separately by vLLM's CPU kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
+
+def with_aliases(bucket: list[tuple[str, torch.Tensor]], aliases: dict[str, list[str]]) -> list[tuple[str, torch.Tensor]]:
+    """``bucket`` plus (alias, tensor) for every tied alias of its names that it does not carry."""
+    present = {name for name, _ in bucket}
+    extra = [(alias, t) for name, t in bucket for alias in aliases.get(name, ()) if alias not in present]
+    return bucket + extra
 
 
 def kv_cache_bytes(hf_config, cfg: EngineConfig, *, dtype: torch.dtype, device: torch.device, free_bytes: int) -> int:
@@ -261,6 +284,7 @@ class VLLMEngine:
             _check_vllm_tp_ranks(tp_group)
         self._replica = dist.get_rank() // cfg.tp_size if world > 1 else 0
         self._eos = eos_ids(hf_config)
+        self._aliases = tied_aliases(hf_config)
         self._kv_bytes = kwargs["kv_cache_memory_bytes"]
         # vLLM's CPU kernels repack weights out of nn.Parameters, so count them from the config
         self._weight_bytes = weight_bytes_per_rank(hf_config, dtype, cfg.tp_size)
@@ -345,7 +369,7 @@ class VLLMEngine:
         at level 2 the weights are woken first (the KV cache stays released)."""
         if "weights" in self._released:
             self._wake("weights")
-        bucket = list(named_tensors)
+        bucket = with_aliases(list(named_tensors), self._aliases)
         if not bucket:
             return
         if not self._update_open:
