@@ -9,15 +9,17 @@ random token data, and trains a few optimizer steps of several micro-batches (lo
 global token count, clipping active, warmup + cosine LR, weight decay). Sections of the JSON:
 
 - ``parity.<case>``: per-step global loss, grad norm and LR for FSDP2 and DeepSpeed (``z1``, ``z2``,
-  ``z3``, ``z2_offload``, ``z3_offload``: ZeRO-Offload of the optimizer), the relative differences,
-  and the largest parameter difference after training (full fp32 masters, ``full_model_state_dict``).
-  Step 0 is computed on identical bf16 weights, so its loss should agree to bf16 kernel noise; later
-  steps drift by bf16 rounding only.
+  ``z3``, ``z2_offload``, ``z3_offload``: ZeRO-Offload of the optimizer), their relative
+  differences, and after training (full fp32 masters, ``full_model_state_dict``) the largest
+  parameter difference and ``update_rel_diff`` = ||W_ds - W_fsdp|| / ||W_fsdp - W_0||. Step 0 runs
+  on identical bf16 weights, so its loss agrees to kernel noise; later steps drift by bf16 rounding
+  (Adam moves near-zero-gradient elements by ~lr whatever the noise, hence the whole-update measure).
 - ``weight_sync.<case>``: ``update_engine_weights`` (ZeRO-3 GatheredParameters buckets) into a bf16
   HF rollout engine: every engine weight equals ``full_weights(bf16)`` and the FSDP2 actor's full
   weights before training (both are the fp32 masters rounded); greedy generations of both engines.
 - ``offload.<case>``: CUDA memory allocated (GiB) around offload_model / offload_optimizer /
-  reload of the trained actor, weights unchanged after the round trip and a further step working;
+  reload of the trained actor against the bytes that must move, weights and this rank's optimizer
+  state (fp32 masters, moments) bit-identical after the round trip, a further step working;
   and for the frozen reference: memory while offloaded and reloaded, logprobs equal to a plain
   bf16 HF copy before and after an offload/reload cycle.
 - ``resume.<case>``: save through tidal.trainer.checkpoint (DCP), load into a fresh strategy, one
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import gc
 import json
 import math
-import os
 import tempfile
 import time
 import traceback
@@ -85,7 +87,7 @@ def offloaded_bytes(case: str, n_params: int, world: int) -> int:
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.rt = init_runtime(tp_size=1, device=args.device)
+        self.rt = init_runtime(tp_size=1, device=args.device, timeout_s=args.hang_s)
         self.dev = self.rt.device
         self.cuda = self.dev.type == "cuda"
         auto = torch.bfloat16 if self.cuda else torch.float32
@@ -204,7 +206,25 @@ class Bench:
         del engine
         return strategy, state
 
+    def optimizer_snapshot(self, state) -> list[torch.Tensor]:
+        """This rank's ZeRO optimizer state (fp32 master partition, AdamW moments), copied to CPU."""
+        out = []
+
+        def walk(x):
+            if isinstance(x, torch.Tensor):
+                out.append(x.detach().to("cpu", copy=True))
+            elif isinstance(x, dict):
+                for k in sorted(x, key=str):
+                    walk(x[k])
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    walk(v)
+
+        walk(state.optimizer.state_dict())
+        return out
+
     def offload(self, case: str, strategy, state):
+        opt_before = self.optimizer_snapshot(state)
         out = {"start": mem(self.dev)}
         before = {n: t.clone() for n, t in strategy.full_weights(state.model, self.dtype)}
         strategy.offload_model(state.model)
@@ -216,6 +236,7 @@ class Bench:
         out["after_reload"] = mem(self.dev)
         after = dict(strategy.full_weights(state.model, self.dtype))
         out["weights_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+        out["masters_and_moments_unchanged"] = all(torch.equal(a, b) for a, b in zip(opt_before, self.optimizer_snapshot(state)))
         log = self.train(strategy, state, 1, first=5)
         out["step_after_reload_ok"] = math.isfinite(log[0]["loss"]) and log[0]["skipped"] == 0
         out["expected_freed_gib"] = gib(offloaded_bytes(case, self.n_params, self.rt.world_size))
@@ -224,6 +245,7 @@ class Bench:
             self.check("offload", case, "actor_freed", out["freed_gib"] >= 0.9 * out["expected_freed_gib"])
             self.check("offload", case, "actor_back", out["after_reload"] >= out["start"] - 0.1 * out["expected_freed_gib"])
         self.check("offload", case, "weights_unchanged", out["weights_unchanged"])
+        self.check("offload", case, "masters_and_moments_unchanged", out["masters_and_moments_unchanged"])
         self.check("offload", case, "step_after_reload_ok", out["step_after_reload_ok"])
         # frozen reference (KL): offload -> reload -> logprobs, twice
         plain = self.model().to(self.dev, dtype=self.dtype)
@@ -270,6 +292,10 @@ class Bench:
 
     # ---- driver ----------------------------------------------------------------------------------
     def guarded(self, name: str, fn, *args):
+        """Run one case; an exception is reported and the next case runs. A rank that fails while
+        the others wait in a collective would hang them: the collective timeout (``--hang-s``)
+        and the faulthandler watchdog end the run then, with the results so far already written."""
+        faulthandler.dump_traceback_later(self.args.hang_s, exit=True)
         try:
             return fn(*args)
         except Exception as e:  # report and go on with the next case
@@ -277,7 +303,14 @@ class Bench:
             self.res["ok"][f"{name}.ran"] = False
             return None
         finally:
+            faulthandler.cancel_dump_traceback_later()
             torch.cuda.empty_cache()
+            self.write()
+
+    def write(self) -> None:
+        if self.rt.is_main and self.args.out:
+            Path(self.args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.args.out).write_text(json.dumps(self.res, indent=1, default=float))
 
     def run(self):
         fsdp = get_strategy(StrategyConfig(param_dtype=self.args.param_dtype), self.rt)
@@ -314,6 +347,7 @@ def main():
     p.add_argument("--out", default="")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (no memory checks)")
     p.add_argument("--param-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--hang-s", type=float, default=300.0, help="collective timeout and per-case watchdog")
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
@@ -323,13 +357,11 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args()
-    res = Bench(args).run()
-    if int(os.environ.get("RANK", "0")) == 0:
-        text = json.dumps(res, indent=1, default=float)
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(text)
+    bench = Bench(args)
+    res = bench.run()
+    bench.write()
+    if bench.rt.is_main:
+        print(json.dumps(res, indent=1, default=float), flush=True)
     torch.distributed.destroy_process_group()
 
 
