@@ -73,7 +73,8 @@ def body_hidden_states(
 ) -> torch.Tensor:
     """Last hidden states [B, T, H] of an HF causal LM's body (no LM head).
 
-    Text: the decoder with positions counted from the attention mask (any padding side).
+    Text: the decoder with positions counted from the attention mask (any padding side); on a VL
+    model the vision tower also runs on a blank image, contributing 0 (keeps sharded ranks in step).
     ``mm_inputs`` (``pixel_values``, ``image_grid_thw`` of the batch's images, row order): the
     multimodal body (vision tower + decoder) with the model's multimodal (M-RoPE) positions.
     """
@@ -81,9 +82,14 @@ def body_hidden_states(
         from tidal.models.vision import multimodal_body_inputs
 
         return hf_model.model(**multimodal_body_inputs(hf_model, input_ids_BT, attention_mask_BT, mm_inputs), use_cache=False).last_hidden_state
+    zero = None
+    if getattr(hf_model.config, "vision_config", None) is not None:  # text batch, VL model: see vision_keepalive
+        from tidal.models.vision import vision_keepalive
+
+        zero = vision_keepalive(hf_model, hf_model.get_input_embeddings().weight)  # tower first, as with images
     position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
     out = hf_model.get_decoder()(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state
+    return out.last_hidden_state if zero is None else out.last_hidden_state + zero
 
 
 def _token_logprobs(

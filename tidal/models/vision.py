@@ -11,6 +11,11 @@ One row's inputs are a dict with those two keys (its images in prompt order). A 
 matches placeholders in. Text rows contribute nothing; a batch without images has ``{}``, and
 every caller passes that through the same code path as text.
 
+A text-only batch on a VL model still runs the vision tower, on one blank image, adding
+``0 * its output`` (:func:`vision_keepalive`): the tower's blocks are sharded units, and every rank
+must enter their collectives (forward all-gathers, backward reduce-scatters) even when its own
+micro-batch has no image while another rank's has.
+
 Placeholders are the image tokens right after ``<|vision_start|>`` (what a chat template writes).
 An image token a policy *generates* is text: the engine embedded it as a plain token, so the
 trainer's forward (:func:`multimodal_body_inputs`) does the same, and the logprobs agree.
@@ -92,3 +97,17 @@ def multimodal_position_ids(
         kwargs["mm_token_type_ids"] = (input_ids_BT == image_token_id(hf_model.config)).int()
     position_ids_3BT, _ = body.get_rope_index(input_ids_BT, **kwargs)
     return position_ids_3BT
+
+
+def vision_keepalive(hf_model: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """0 (a scalar in ``like``'s dtype, attached to the graph) from the vision tower run on one blank
+    image of the smallest grid: keeps ranks in step through the tower's sharded collectives."""
+    vc = hf_model.config.vision_config
+    m = int(vc.spatial_merge_size)
+    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    grid_thw = torch.tensor([[1, m, m]], device=like.device)
+    pixels = torch.zeros(m * m, dim, device=like.device, dtype=like.dtype)
+    out = hf_model.model.get_image_features(pixels, grid_thw)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    total = sum(f.float().sum() for f in feats) if isinstance(feats, (list, tuple)) else feats.float().sum()
+    return (0.0 * total).to(like.dtype)
