@@ -40,7 +40,7 @@ def test_weight_bytes_counts_parameters_per_rank():
 def _kwargs(device="cpu", world=1, **cfg):
     base = dict(block_size=32, kv_cache_max_tokens=1000)
     return adapter.llm_kwargs(CFG, EngineConfig(**{**base, **cfg}), model_dir="/m", device=torch.device(device),
-                              dtype=torch.float32, world_size=world, free_bytes=0)
+                              dtype=torch.float32, world_size=world, free_bytes=50, total_bytes=100)
 
 
 def test_llm_kwargs_single_process_cpu():
@@ -52,12 +52,14 @@ def test_llm_kwargs_single_process_cpu():
     assert kw["max_model_len"] == 1000  # capped by the KV cache, below max_position_embeddings=4096
     assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["enable_prefix_caching"]) == (7, 300, False)
     assert kw["enforce_eager"] and not kw["enable_sleep_mode"]  # CPU: no CUDA graphs, no sleep mode
+    assert "gpu_memory_utilization" not in kw
 
 
 def test_llm_kwargs_torchrun_world_cuda():
     kw = _kwargs("cuda", world=4, tp_size=2, block_size=16, cuda_graphs=True, sleep_level=2)
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["data_parallel_size"] == 2
     assert kw["tensor_parallel_size"] == 2 and not kw["enforce_eager"] and kw["enable_sleep_mode"]
+    assert kw["gpu_memory_utilization"] == 0.49  # vLLM's start-up check asks for what is free (50 of 100)
     assert not _kwargs("cuda", sleep_level=0, block_size=16)["enable_sleep_mode"]
 
 
@@ -191,6 +193,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(adapter, "check_backend_installed", lambda backend: "0.32.0")
     monkeypatch.setattr(adapter, "_own_rng", lambda device, seed=None: contextlib.nullcontext())
     monkeypatch.setattr(adapter, "device_free_bytes", lambda device: 10_000 - holder["llm"].used() if "llm" in holder else 10_000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 20_000))
 
     def build(**cfg):
         engine = adapter.VLLMEngine(CFG, EngineConfig(**{"kv_cache_max_tokens": 64, **cfg}), device=torch.device("cuda"),

@@ -124,8 +124,9 @@ def kv_cache_bytes(hf_config, cfg: EngineConfig, *, dtype: torch.dtype, device: 
 
 
 def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.device, dtype: torch.dtype,
-               world_size: int, free_bytes: int = 0) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for this engine config (every choice explicit)."""
+               world_size: int, free_bytes: int = 0, total_bytes: int = 0) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for this engine config (every choice explicit).
+    ``free_bytes`` / ``total_bytes``: the device's memory at start-up (CUDA only)."""
     if device.type == "cpu" and cfg.block_size % _CPU_BLOCK_MULTIPLE:
         raise ConfigError("engine.block_size", f"vLLM on CPU needs a multiple of {_CPU_BLOCK_MULTIPLE}, got {cfg.block_size}")
     if world_size % cfg.tp_size:
@@ -154,6 +155,10 @@ def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.de
     )
     if world_size > cfg.tp_size:
         kwargs["data_parallel_size"] = world_size // cfg.tp_size
+    if device.type == "cuda":
+        # vLLM refuses to start unless total * gpu_memory_utilization is free; the trainer holds the
+        # rest, and kv_cache_memory_bytes (not this) sizes the KV cache
+        kwargs["gpu_memory_utilization"] = round(0.98 * free_bytes / total_bytes, 4)
     return kwargs
 
 
@@ -276,8 +281,9 @@ class VLLMEngine:
         _check_tp_group(cfg.tp_size, tp_group)
         self._model_dir = tempfile.TemporaryDirectory(prefix="tidal-vllm-")
         hf_config.save_pretrained(self._model_dir.name)
+        free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
         kwargs = llm_kwargs(hf_config, cfg, model_dir=self._model_dir.name, device=self.device, dtype=dtype,
-                            world_size=world, free_bytes=device_free_bytes(self.device))
+                            world_size=world, free_bytes=free, total_bytes=total)
         with _own_rng(self.device), _in_process_engine_core():
             self._llm = vllm.LLM(**kwargs)
         if world > 1:
