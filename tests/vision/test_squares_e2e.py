@@ -35,3 +35,47 @@ def test_squares_reward_rises(squares_assets, tmp_path):
     assert last > first + 0.15, rewards
     assert final["eval/greedy_accuracy"] > final["initial_eval/greedy_accuracy"], final
     assert final["mismatch/abs_logp_diff_mean"] < 1e-4  # engine and trainer agree on image prompts
+
+
+@pytest.mark.slow
+def test_squares_lora_with_kl_and_export(squares_assets, tmp_path):
+    """LoRA + KL on a VL model: the reference (adapters disabled) sees the images too (KL is 0 before
+    the first update), only adapters change, and the export is a VL folder with its image processor."""
+    import torch
+
+    from tidal.models import load_causal_lm, load_tokenizer
+    from tidal.models.logprobs import token_logprobs
+    from tidal.models.lora import AdapterDisabledReference
+    from tidal.models.vision import collate_mm_inputs
+    from tidal.trainer.export import export_hf
+
+    cfg = load_config(str(CONFIG), _overrides(squares_assets, tmp_path, "run.steps=2", "eval.at_start=false", "eval.at_end=false",
+                                              "model.lora.rank=4", "optim.lr=1e-2", "algorithm.kl_coef=0.05"))
+    trainer = build_trainer(cfg)
+    try:
+        assert isinstance(trainer.reference, AdapterDisabledReference)
+        before = {n: p.detach().full_tensor().clone() for n, p in trainer.actor.model.named_parameters()}
+        trainer.fit()
+        changed = [n for n, p in trainer.actor.model.named_parameters() if not torch.equal(p.detach().full_tensor(), before[n])]
+        assert changed and all(".lora_" in n for n in changed)
+        export_hf(trainer, str(tmp_path / "export"))
+        item = trainer.train_data[0]
+        ids = torch.tensor([item.prompt_ids])
+        mm = collate_mm_inputs([item.mm_inputs])
+        with torch.no_grad():
+            want, _ = token_logprobs(trainer.actor.model, ids, torch.ones_like(ids), mm_inputs=mm)
+    finally:
+        shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kl/rollout"] == 0.0 and rows[1]["kl/rollout"] > 0.0
+    proc = load_tokenizer(str(tmp_path / "export"))  # tokenizer + image processor were exported
+    assert proc.prompt_ids(item.prompt_text, [_image(item)]) == item.prompt_ids
+    with torch.no_grad():
+        got, _ = token_logprobs(load_causal_lm(str(tmp_path / "export")), ids, torch.ones_like(ids), mm_inputs=mm)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _image(item):
+    from tidal.data.vision import load_image
+
+    return load_image(item.images[0], Path(item.source).parent)

@@ -4,7 +4,6 @@ import io
 import json
 
 import pytest
-import torch
 from PIL import Image
 
 from tidal.data import DataConfig, DataSource, PromptDataset

@@ -19,13 +19,12 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 from pathlib import Path
 from typing import Any
-
-import dataclasses
 
 import numpy as np
 import torch
