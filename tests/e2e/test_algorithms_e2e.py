@@ -12,7 +12,7 @@ from tidal.distributed import shutdown
 from tidal.trainer.setup import build_trainer
 
 CASES = {
-    "grpo": ["algorithm.advantage=grpo"],
+    "grpo": ["algorithm.advantage=grpo", "engine.sleep_level=2"],
     "dr_grpo_kl_loss": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=constant", "algorithm.loss_agg_constant=4.0", "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k3"],
     "rloo_kl_reward": ["algorithm.advantage=rloo", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_estimator=k1"],
     "gae_ppo_critic": ["algorithm.advantage=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95", "optim.critic_lr=1e-3"],

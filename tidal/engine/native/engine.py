@@ -154,19 +154,24 @@ class NativeEngine:
 
     def wake_up(self) -> int:
         """Restore the weights (if level 2) and allocate the KV cache. Returns device bytes restored."""
+        restored = self._restore_weights()
+        self.sleep_level = 0
+        return restored + self._ensure_kv()
+
+    def _restore_weights(self) -> int:
         restored = 0
         if self._host_weights:
             for name, p in self.model.named_parameters():
                 p.data = self._host_weights.pop(name).to(self.device, non_blocking=True)
                 restored += p.numel() * p.element_size()
-        self.sleep_level = 0
-        return restored + self._ensure_kv()
+            self.sleep_level = min(self.sleep_level, 1)
+        return restored
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors into the weights in place (one tensor at a time, so the peak
-        is one tensor). Forgets the prefix cache. Not allowed while the weights are on the host."""
-        if self._host_weights:
-            raise RuntimeError("load_weights while asleep at level 2: call wake_up() first")
+        is one tensor). Forgets the prefix cache. Asleep at level 2, the weights come back to the
+        device first (a staged wake-up: the KV cache stays freed until ``wake_up``)."""
+        self._restore_weights()
         self.model.load_weights(named_tensors)
         if self.block_manager is not None:
             self.block_manager.reset_prefix_cache()
