@@ -126,3 +126,26 @@ def test_lora_config_errors():
 def test_unknown_target_module_names_the_key():
     with pytest.raises(ValueError, match="model.lora.target_modules"):
         apply_lora(tiny_lm(), LoraConfig(rank=2, target_modules=["no_such_proj"]))
+
+
+def test_adapters_get_gradients_under_gradient_checkpointing():
+    base = tiny_lm()
+    base.gradient_checkpointing_enable()
+    model = apply_lora(base, LoraConfig(rank=2), seed=0)
+    model.train()
+    ids, am = batch()
+    logp, _ = token_logprobs(model, ids, am)
+    (-(logp * am).sum()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    assert any(float(g.abs().sum()) > 0 for n, g in grads.items() if "lora_A" in n or "lora_B" in n)
+
+
+def test_adapter_init_depends_on_seed_only():
+    def adapters(global_seed, seed):
+        model = tiny_lm()
+        torch.manual_seed(global_seed)  # whatever ran before in the process
+        return {n: p.detach().clone() for n, p in apply_lora(model, LoraConfig(rank=2), seed=seed).named_parameters() if "lora_A" in n}
+
+    a, b, c = adapters(123, 5), adapters(456, 5), adapters(123, 6)
+    assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)
