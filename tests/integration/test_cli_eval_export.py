@@ -20,7 +20,8 @@ def _cli(*args):
 @pytest.mark.slow
 def test_eval_and_export_from_checkpoint(tmp_path, tiny_task_overrides):
     run = tmp_path / "run"
-    common = ["quickstart", *tiny_task_overrides, f"run.output_dir={run}", "optim.lr=1e-2"]
+    common = ["quickstart", *tiny_task_overrides, f"run.output_dir={run}", "optim.lr=1e-2",
+              "reward.components.correct.path=tests.e2e.rewards:text_hash_reward"]  # varied rewards: a real update
     _cli("train", *common, "run.steps=1")
     ckpt = run / "checkpoints" / "step_000001"
     assert (ckpt / "trainer.json").is_file()
