@@ -127,7 +127,9 @@ class ExperienceMaker:
                 "mm_inputs": mm if any(m is not None for m in mm) else None}
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+    def _per_token(self, forward, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+        """Run ``forward(ids_BT, mask_BT, mm_inputs) -> x_BT`` over the micro-batches (equal pass
+        counts on every rank) and scatter the results into one [B, T] tensor, zero off the actions."""
         out_BT = torch.zeros_like(t["rollout_logp_BT"])
         dev = self.strategy.device
 
@@ -138,28 +140,21 @@ class ExperienceMaker:
             ids = t["sequences_BT"][idx, :T].to(dev)
             am = t["attention_mask_BT"][idx, :T].to(dev)
             mm = collate_mm_inputs([t["mm_inputs"][i] for i in idx] if t["mm_inputs"] else None, dev)
-            logp, _ = token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm)
+            x_BT = forward(ids, am, mm)
             if real:
-                out_BT[idx, :T] = logp.float().cpu()
+                out_BT[idx, :T] = x_BT.float().cpu()
 
         run_forward_passes(self.strategy, batches, fn)
         return out_BT * t["action_mask_BT"]
 
-    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+        def forward(ids, am, mm):
+            return token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm)[0]
+
+        return self._per_token(forward, t, batches)
+
     def _values(self, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        out_BT = torch.zeros_like(t["rollout_logp_BT"])
-        dev = self.strategy.device
-
-        def fn(idx):
-            real = idx is not None
-            idx = idx if real else batches[0]
-            T = int(t["attention_mask_BT"][idx].sum(-1).max())
-            v = critic_values(self.critic, t["sequences_BT"][idx, :T].to(dev), t["attention_mask_BT"][idx, :T].to(dev))
-            if real:
-                out_BT[idx, :T] = v.cpu()
-
-        run_forward_passes(self.strategy, batches, fn)
-        return out_BT * t["action_mask_BT"]
+        return self._per_token(lambda ids, am, mm: critic_values(self.critic, ids, am), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
     def score(self, rollout: Rollout):
