@@ -50,6 +50,7 @@ def test_deepspeed_matches_fsdp2_two_ranks(tmp_path):
     assert res[0]["z3_grad_norms"] == res[1]["z3_grad_norms"]
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_tied_embeddings_one_process(tmp_path):
     (x,) = torchrun("ds_parity.py", 1, tmp_path, TIDAL_DS_STAGES="3", TIDAL_DS_TIED="1")
     assert_parity(x, [3])
