@@ -54,3 +54,35 @@ def test_estimator_family_trains(name, tmp_path, tiny_task_overrides):
             assert 1 <= metrics["dynamic_sampling/tries"] <= 2
     finally:
         shutdown()
+
+
+@pytest.mark.slow
+def test_offloaded_models_are_on_the_device_when_used(tmp_path, tiny_task_overrides):
+    """With every offload on, each model is reloaded before it computes and offloaded after
+    (the calls are no-ops on CPU, so their order is what is checked)."""
+    cfg = load_config("quickstart", tiny_task_overrides + [
+        f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "algorithm.advantage=gae",
+        "algorithm.kl_coef=0.05", "strategy.offload_critic=true", "strategy.offload_reference=true",
+        "strategy.offload_actor_during_rollout=true", "strategy.offload_optimizer=true",
+    ])
+    trainer = build_trainer(cfg)
+    try:
+        events = []
+        names = {id(trainer.actor.model): "actor", id(trainer.critic.model): "critic", id(trainer.reference): "reference"}
+        s = trainer.strategy
+        for meth in ("offload_model", "reload_model"):
+            orig = getattr(s, meth)
+            setattr(s, meth, lambda m, _o=orig, _n=meth: (events.append((_n, names.get(id(m), "?"))), _o(m))[1])
+        for meth in ("generate", "offload_optimizer", "reload_optimizer"):
+            orig = getattr(s, meth)
+            setattr(s, meth, lambda *a, _o=orig, _n=meth, **k: (events.append((_n,)), _o(*a, **k))[1])
+        trainer.fit()
+    finally:
+        shutdown()
+    gen = events.index(("generate",))
+    assert events[gen - 1] == ("offload_model", "actor") and events[gen + 1] == ("reload_model", "actor")
+    assert events[gen + 2 : gen + 4] == [("reload_model", "reference"), ("offload_model", "reference")]
+    assert events[gen + 4 : gen + 6] == [("reload_model", "critic"), ("offload_model", "critic")]
+    tail = events[gen + 6 :]
+    assert tail[:3] == [("reload_optimizer",), ("offload_optimizer",), ("reload_model", "critic")]
+    assert tail[3:6] == [("reload_optimizer",), ("offload_optimizer",), ("offload_model", "critic")]

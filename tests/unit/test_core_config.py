@@ -30,6 +30,7 @@ def test_builds_and_round_trips():
         ("algorithm.advantage=nope", "algorithm.advantage"),
         ("train.mini_batches=3", "train.mini_batches"),
         ("nosection.x=1", "nosection"),
+        ("strategy.zero_stage=2", "strategy.zero_stage"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

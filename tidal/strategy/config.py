@@ -25,7 +25,7 @@ class StrategyConfig:
     offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
     offload_critic: keep the critic on CPU outside its forward and update.
     offload_actor_during_rollout: move the actor's parameters to CPU while the engine generates.
-    zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); ignored by fsdp2 (error if set to non-default).
+    zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); with fsdp2 it must stay at its default.
         Stage 1 partitions optimizer state, 2 also gradients, 3 also parameters (frozen models too).
     """
 
@@ -40,6 +40,8 @@ class StrategyConfig:
 
     def __post_init__(self):
         check(self.zero_stage in (1, 2, 3), "zero_stage", "must be 1, 2 or 3")
+        check(self.backend == "deepspeed" or self.zero_stage == 3, "zero_stage",
+              "only applies to strategy.backend=deepspeed (FSDP2 always shards parameters, gradients and optimizer state)")
         check(
             self.backend != "deepspeed" or self.reshard_after_forward, "reshard_after_forward",
             "is an FSDP2 setting; with backend=deepspeed choose zero_stage instead (3 re-partitions after forward, 1-2 keep full parameters)",

@@ -70,6 +70,7 @@ class ExperienceMaker:
         engine_sleep_level: int,
         offload_reference: bool,
         offload_critic: bool,
+        offload_actor: bool,
         timer: PhaseTimer,
     ):
         self.strategy = strategy
@@ -87,10 +88,16 @@ class ExperienceMaker:
         self.sleep_level = engine_sleep_level
         self.offload_reference = offload_reference
         self.offload_critic = offload_critic
+        self.offload_actor = offload_actor
         self.timer = timer
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
+        """Wake the engine, generate, put it back to sleep. With ``offload_actor`` the actor's
+        parameters wait on the CPU meanwhile and are back on the device when this returns."""
+        if self.offload_actor:
+            with self.timer.phase("actor_offload"):
+                self.strategy.offload_model(self.actor)
         with self.timer.phase("engine_wake"):
             self.strategy.wake_up(self.engine)
         with self.timer.phase("generate"):
@@ -99,6 +106,9 @@ class ExperienceMaker:
             )
         with self.timer.phase("engine_sleep"):
             self.strategy.sleep(self.engine, self.sleep_level)
+        if self.offload_actor:
+            with self.timer.phase("actor_reload"):
+                self.strategy.reload_model(self.actor)
         group_ids = [first_group_id + i for i in range(len(items)) for _ in range(params.n)]
         return Rollout(items=items, completions=completions, group_ids=group_ids)
 

@@ -82,12 +82,14 @@ class PPOTrainer:
             temperature=cfg.rollout.temperature, micro_batch_tokens=cfg.train.micro_batch_tokens,
             micro_batch_max_seqs=cfg.train.micro_batch_max_seqs, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
             engine_sleep_level=cfg.engine.sleep_level, offload_reference=cfg.strategy.offload_reference,
-            offload_critic=cfg.strategy.offload_critic, timer=timer,
+            offload_critic=cfg.strategy.offload_critic,
+            offload_actor=cfg.strategy.offload_actor_during_rollout, timer=timer,
         )
         self.updater = Updater(
             strategy=strategy, actor=actor, critic=critic, algorithm=algorithm, temperature=cfg.rollout.temperature,
             micro_batch_tokens=cfg.train.micro_batch_tokens, micro_batch_max_seqs=cfg.train.micro_batch_max_seqs,
             logprob_chunk_tokens=cfg.model.logprob_chunk_tokens, offload_optimizer=cfg.strategy.offload_optimizer,
+            offload_critic=cfg.strategy.offload_critic,
         )
 
     # ---- one iteration ---------------------------------------------------------------------------
@@ -141,8 +143,6 @@ class PPOTrainer:
         return concat_experiences(kept) if len(kept) > 1 else kept[0], metrics, samples_all
 
     def train_step(self, step: int) -> dict[str, float]:
-        if self.cfg.strategy.offload_actor_during_rollout:
-            self.strategy.offload_model(self.actor.model)
         exp, rollout_metrics, samples = self.collect(step)
         metrics = reduce_rollout_metrics(self.strategy, rollout_metrics)
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 0, salt=7))

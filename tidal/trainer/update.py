@@ -74,6 +74,7 @@ class Updater:
         self, *, strategy: Strategy, actor: TrainState, critic: TrainState | None, algorithm: Algorithm,
         temperature: float, micro_batch_tokens: int, micro_batch_max_seqs: int, logprob_chunk_tokens: int,
         offload_optimizer: bool,
+        offload_critic: bool,
     ):
         self.strategy = strategy
         self.actor = actor
@@ -84,6 +85,7 @@ class Updater:
         self.mb_seqs = micro_batch_max_seqs
         self.chunk = logprob_chunk_tokens
         self.offload_optimizer = offload_optimizer
+        self.offload_critic = offload_critic
 
     def _norm(self, mask_BT: torch.Tensor) -> LossNormalizer:
         tokens, seqs = self.strategy.all_reduce_sum([float(mask_BT.sum()), float((mask_BT.sum(-1) > 0).sum())])
@@ -133,6 +135,14 @@ class Updater:
         loss, metrics = self.algo.value_loss(values_BT, mb.values_BT, mb.returns_BT, mask_BT, norm)
         return nonfinite_guard(loss, values_BT), metrics
 
+    def _critic_step(self, part: Experience, means: MetricMeans) -> None:
+        """The critic's update; with ``offload_critic`` it is on the device only for the step."""
+        if self.offload_critic:
+            self.strategy.reload_model(self.critic.model)
+        self._step(self.critic, part, self._critic_loss, means, "critic")
+        if self.offload_critic:
+            self.strategy.offload_model(self.critic.model)
+
     def train(self, exp: Experience, *, epochs: int, mini_batches: int, generator: torch.Generator) -> dict[str, float]:
         means = MetricMeans()
         for _ in range(epochs):
@@ -140,5 +150,5 @@ class Updater:
                 part = exp.select(rows)
                 self._step(self.actor, part, self._actor_loss, means, "actor")
                 if self.critic is not None:
-                    self._step(self.critic, part, self._critic_loss, means, "critic")
+                    self._critic_step(part, means)
         return means.result(self.strategy)
