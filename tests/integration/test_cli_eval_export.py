@@ -1,4 +1,4 @@
-"""`tidal eval` and `tidal export` on a real checkpoint of a tiny run."""
+"""`tidal report`, `tidal eval` and `tidal export` on a real run directory and checkpoint of a tiny run."""
 
 import json
 import os
@@ -25,6 +25,9 @@ def test_eval_and_export_from_checkpoint(tmp_path, tiny_task_overrides):
     _cli("train", *common, "run.steps=1")
     ckpt = run / "checkpoints" / "step_000001"
     assert (ckpt / "trainer.json").is_file()
+    _cli("report", str(run))  # the report renders from a real run directory
+    assert (run / "report.png").stat().st_size > 1000
+    assert "data:image/png;base64," in (run / "report.html").read_text()
     out = _cli("eval", *common, "--checkpoint", str(ckpt))
     res = json.loads(out.strip().splitlines()[-1])
     assert res["step"] == 1 and res["eval/prompts"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
