@@ -42,9 +42,19 @@ def test_rows_hand_checked():
     assert Problem(0, "-", 0).row()["reference"] == "0"
 
 
+def test_fixed_width_format():
+    p = Problem(7, "+", 85, width=2)
+    assert p.row() == {"prompt": "Calculate 07+85", "reference": "92", "label": LABEL}  # the reference stays plain
+    assert (p.format(92), p.format(-48), p.format(5), p.format(198)) == ("092", "-048", "005", "198")
+    assert Problem(7, "+", 85).format(-48) == "-48"
+    train, held_out = _split(fixed_width=True)
+    assert all(len(p.prompt) == len("Calculate 00+00") for p in train + held_out)
+    assert [(p.a, p.op, p.b) for p in train] == [(p.a, p.op, p.b) for p in _split()[0]]
+
+
 @pytest.mark.parametrize(
     "a,op,b,slip",
-    [(37, "+", 85, 12), (99, "+", 1, 90), (12, "+", 34, 46), (52, "-", 38, 26), (38, "-", 52, -26), (5, "-", 9, -4), (90, "-", 9, 99)],
+    [(37, "+", 85, 12), (99, "+", 1, 90), (12, "+", 34, 46), (52, "-", 38, 26), (38, "-", 52, 26), (5, "-", 9, 4), (34, "-", 12, 22), (90, "-", 9, 99)],
 )
 def test_mistaken_answer_hand_checked(a, op, b, slip):
     assert Problem(a, op, b).mistaken_answer == slip
@@ -54,6 +64,8 @@ def test_sft_rows_mistake_rate():
     train, _ = _split()
     clean = sft_rows(train, mistake_rate=0.0, seed=0)
     assert clean == [p.row() for p in train]
+    padded, _ = _split(fixed_width=True)
+    assert [r["reference"] for r in sft_rows(padded, mistake_rate=0.0, seed=0)] == [p.format(p.answer) for p in padded]
     slipped = sft_rows(train, mistake_rate=1.0, seed=0)
     assert [r["reference"] for r in slipped] == [str(p.mistaken_answer) for p in train]
     half = sft_rows(train, mistake_rate=0.5, seed=0)

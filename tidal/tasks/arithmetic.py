@@ -20,6 +20,13 @@ class Problem:
     a: int
     op: str
     b: int
+    width: int = 0  # fixed-width format: operands zero-padded to `width` digits, answers to width + 1
+
+    def format(self, value: int) -> str:
+        """How an answer is written in demonstrations: ``-48`` or, fixed-width, ``-048``."""
+        if not self.width:
+            return str(value)
+        return ("-" if value < 0 else "") + f"{abs(value):0{self.width + 1}d}"
 
     @property
     def answer(self) -> int:
@@ -27,25 +34,26 @@ class Problem:
 
     @property
     def prompt(self) -> str:
-        return f"Calculate {self.a}{self.op}{self.b}"
+        return f"Calculate {self.a:0{self.width}d}{self.op}{self.b:0{self.width}d}"
 
     @property
     def mistaken_answer(self) -> int:
-        """The classic slip: carries dropped (``37+85 -> 12``) or, for subtraction, each digit's smaller
-        taken from its larger (``52-38 -> 26``; ``38-52 -> -26``). Equals ``answer`` when no carry or
-        borrow occurs."""
+        """The classic slips: carries dropped (``37+85 -> 12``), or in subtraction each digit's smaller
+        taken from its larger, which never borrows and never goes negative (``52-38 -> 26``,
+        ``38-52 -> 26``, ``12-34 -> 22``). Equals ``answer`` exactly when no carry, borrow or sign
+        is needed."""
         if self.op == "+":
             return _digitwise(self.a, self.b, lambda x, y: (x + y) % 10)
-        if self.a >= self.b:
-            return _digitwise(self.a, self.b, lambda x, y: abs(x - y))
-        return -_digitwise(self.b, self.a, lambda x, y: abs(x - y))
+        return _digitwise(self.a, self.b, lambda x, y: abs(x - y))
 
     def row(self) -> dict:
         """The JSONL row the trainer reads: prompt, reference answer, reward label."""
         return {"prompt": self.prompt, "reference": str(self.answer), "label": LABEL}
 
 
-def split_problems(*, digits: int, operations: list[str], num_train: int, num_eval: int, seed: int) -> tuple[list[Problem], list[Problem]]:
+def split_problems(
+    *, digits: int, operations: list[str], num_train: int, num_eval: int, seed: int, fixed_width: bool = False
+) -> tuple[list[Problem], list[Problem]]:
     """Draw ``num_train + num_eval`` distinct problems (without replacement, seeded) and split them
     into (train, eval); the two sets are disjoint by construction. Same arguments -> same lists."""
     base = 10**digits
@@ -53,7 +61,7 @@ def split_problems(*, digits: int, operations: list[str], num_train: int, num_ev
     if num_train + num_eval > space:
         raise ValueError(f"{num_train + num_eval} problems requested but only {space} exist")
     picks = random.Random(seed).sample(range(space), num_train + num_eval)
-    problems = [_decode(i, base, operations) for i in picks]
+    problems = [_decode(i, base, operations, digits if fixed_width else 0) for i in picks]
     return problems[num_eval:], problems[:num_eval]
 
 
@@ -66,23 +74,21 @@ def _digitwise(a: int, b: int, digit_op) -> int:
 
 
 def sft_rows(problems: list[Problem], *, mistake_rate: float, seed: int) -> list[dict]:
-    """Supervised rows where each problem's reference is, with probability ``mistake_rate`` (seeded),
-    its :attr:`Problem.mistaken_answer` instead of the answer: imperfect demonstrations that RL with
-    an exact reward can correct. ``mistake_rate = 0`` gives the plain rows."""
+    """Supervised rows: each problem's reference is its answer written by :meth:`Problem.format` or,
+    with probability ``mistake_rate`` (seeded), its :attr:`Problem.mistaken_answer`: imperfect
+    demonstrations that RL with an exact reward can correct."""
     rng = random.Random(seed)
     rows = []
     for p in problems:
-        row = p.row()
-        if rng.random() < mistake_rate:
-            row["reference"] = str(p.mistaken_answer)
-        rows.append(row)
+        slip = rng.random() < mistake_rate
+        rows.append(dict(p.row(), reference=p.format(p.mistaken_answer if slip else p.answer)))
     return rows
 
 
-def _decode(index: int, base: int, operations: list[str]) -> Problem:
+def _decode(index: int, base: int, operations: list[str], width: int) -> Problem:
     op_index, rest = divmod(index, base * base)
     a, b = divmod(rest, base)
-    return Problem(a=a, op=operations[op_index], b=b)
+    return Problem(a=a, op=operations[op_index], b=b, width=width)
 
 
 def extract_answer(response: str) -> int | None:

@@ -33,6 +33,7 @@ from tidal.tasks.sft import evaluate_greedy, supervised_finetune
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 MARKER = "task.json"
+BUILD_VERSION = 2  # part of the asset hash: bump whenever the same settings would build different assets
 _NOT_SETTINGS = ("workdir", "sft_threads")  # where and how fast to build do not change the assets
 
 
@@ -49,6 +50,7 @@ class TaskAssets:
 
 def settings_hash(cfg: TaskConfig) -> str:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
+    settings["build_version"] = BUILD_VERSION
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -100,7 +102,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _build(cfg: TaskConfig, out: Path) -> None:
     start = time.perf_counter()
     train, held_out = split_problems(
-        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed
+        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed, fixed_width=cfg.fixed_width
     )
     train_rows, eval_rows = [p.row() for p in train], [p.row() for p in held_out]
     _write_jsonl(out / "train.jsonl", train_rows)

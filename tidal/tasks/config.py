@@ -19,6 +19,10 @@ class TaskConfig:
         its own subdirectory (``arithmetic-<hash>``), so changing a setting never reuses stale assets.
     digits: operands are drawn uniformly from ``[0, 10**digits)``.
     operations: operators used, a non-empty subset of ``["+", "-"]`` (subtraction may go negative).
+    fixed_width: write operands zero-padded to ``digits`` (``07+85``) and demonstrated answers to
+        ``digits + 1`` (``092``, ``-048``), so digit positions line up; a tiny model then learns the
+        task reliably within the SFT budget (without it, getting past the loss plateau in time
+        depends on the seed). References stay plain integers (``"92"``).
     num_train / num_eval: distinct problems in the train and held-out eval sets (disjoint).
     hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the Qwen2 model shape.
     sft_steps / sft_lr / sft_batch_size: the supervised warm start (AdamW, linear warmup then
@@ -35,6 +39,7 @@ class TaskConfig:
     workdir: str = "~/.cache/tidal/tasks"
     digits: int = 2
     operations: list[str] = dataclasses.field(default_factory=lambda: ["+", "-"])
+    fixed_width: bool = True
     num_train: int = 4000
     num_eval: int = 200
     hidden_size: int = 128
@@ -42,9 +47,9 @@ class TaskConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    sft_steps: int = 300
+    sft_steps: int = 2000
     sft_lr: float = 3e-3
-    sft_batch_size: int = 64
+    sft_batch_size: int = 128
     sft_mistake_rate: float = 0.75
     sft_threads: int = 2
     seed: int = 0

@@ -104,8 +104,8 @@ def generate_responses(
 
 
 def max_answer_tokens(rows: list[dict]) -> int:
-    """Enough new tokens for the longest reference plus EOS and one spare."""
-    return max(len(row["reference"]) for row in rows) + 2
+    """Enough new tokens for the longest reference, a leading zero or sign, EOS and one spare."""
+    return max(len(row["reference"]) for row in rows) + 3
 
 
 def evaluate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> float:
