@@ -23,6 +23,7 @@ def test_defaults_valid_and_build_from_dict():
         ({"num_kv_heads": 3}, "task.num_kv_heads"),
         ({"sft_mistake_rate": 1.5}, "task.sft_mistake_rate"),
         ({"sft_lr": 0}, "task.sft_lr"),
+        ({"sft_mistake_steps": -1}, "task.sft_mistake_steps"),
         ({"hidden": 64}, "task.hidden"),
     ],
 )

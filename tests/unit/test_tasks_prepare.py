@@ -17,7 +17,7 @@ from tidal.tasks.tokenizer import prompt_ids, train_tokenizer
 TINY = dict(
     name="arithmetic", digits=1, operations=["+"], num_train=40, num_eval=10,
     hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
-    sft_steps=2, sft_batch_size=4, sft_threads=1,
+    sft_steps=2, sft_mistake_steps=2, sft_batch_size=4, sft_threads=1,
 )  # fmt: skip
 
 
@@ -42,6 +42,9 @@ def test_prepare_builds_loadable_assets(tmp_path):
     assert model.config.eos_token_id == tok.eos_token_id and model.config.vocab_size == len(tok)
     assert evaluate_greedy(model, tok, held_out) == assets.sft_accuracy
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary directory left
+    marker = json.loads(open(os.path.join(os.path.dirname(assets.model_path), "task.json")).read())
+    assert marker["settings"]["sft_mistake_steps"] == 2 and marker["sft_accuracy"] == assets.sft_accuracy
+    assert {"sft_loss", "clean_accuracy", "mistake_loss", "build_seconds"} <= set(marker)
 
 
 def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, monkeypatch):

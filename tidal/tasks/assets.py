@@ -33,7 +33,7 @@ from tidal.tasks.sft import evaluate_greedy, supervised_finetune
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 MARKER = "task.json"
-BUILD_VERSION = 2  # part of the asset hash: bump whenever the same settings would build different assets
+BUILD_VERSION = 3  # part of the asset hash: bump whenever the same settings would build different assets
 _NOT_SETTINGS = ("workdir", "sft_threads")  # where and how fast to build do not change the assets
 
 
@@ -102,30 +102,44 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _build(cfg: TaskConfig, out: Path) -> None:
     start = time.perf_counter()
     train, held_out = split_problems(
-        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed, fixed_width=cfg.fixed_width
+        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval,
+        seed=cfg.seed, fixed_width=cfg.fixed_width,
     )
-    train_rows, eval_rows = [p.row() for p in train], [p.row() for p in held_out]
-    _write_jsonl(out / "train.jsonl", train_rows)
+    eval_rows = [p.row() for p in held_out]
+    _write_jsonl(out / "train.jsonl", [p.row() for p in train])
     _write_jsonl(out / "eval.jsonl", eval_rows)
-    tokenizer = train_tokenizer(r["prompt"] + " " + r["reference"] for r in train_rows)
+    tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.sft_threads)
     try:
         model = build_model(cfg, tokenizer)
-        losses = supervised_finetune(
-            model, tokenizer, sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed), steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed
-        )
-        accuracy = evaluate_greedy(model, tokenizer, eval_rows)
+        report = _warm_start(cfg, model, tokenizer, train, eval_rows)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out / "model")
     save_tokenizer(tokenizer, str(out / "model"))
-    seconds = time.perf_counter() - start
+    report["build_seconds"] = time.perf_counter() - start
     print(
-        f"[tidal.tasks] built '{cfg.name}' in {seconds:.1f}s: {sum(p.numel() for p in model.parameters())} params, "
-        f"{cfg.sft_steps} SFT steps (final loss {losses[-1] if losses else float('nan'):.3f}), "
-        f"held-out greedy accuracy {accuracy:.3f}",
+        f"[tidal.tasks] built '{cfg.name}' in {report['build_seconds']:.1f}s ({sum(p.numel() for p in model.parameters())} params): "
+        f"{cfg.sft_steps} SFT steps (loss {report['sft_loss']:.3f}, held-out greedy accuracy {report['clean_accuracy']:.3f}), "
+        f"then {cfg.sft_mistake_steps} steps with {cfg.sft_mistake_rate:.0%} slipped demonstrations (loss {report['mistake_loss']:.3f}): "
+        f"held-out greedy accuracy {report['sft_accuracy']:.3f}",
         flush=True,
     )
-    marker = {"settings": to_dict(cfg), "sft_accuracy": accuracy, "sft_final_loss": losses[-1] if losses else None, "build_seconds": seconds}
-    (out / MARKER).write_text(json.dumps(marker, indent=2))
+    (out / MARKER).write_text(json.dumps({"settings": to_dict(cfg), **report}, indent=2))
+
+
+def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[dict]) -> dict:
+    """Phase 1 teaches the procedure on correct demonstrations; phase 2 teaches the slip habit on
+    demonstrations of which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
+    sft = dict(lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
+    clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps, seed=cfg.seed, **sft)
+    clean_accuracy = evaluate_greedy(model, tokenizer, eval_rows)
+    mistake_rows = sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed + 1)
+    slipped = supervised_finetune(model, tokenizer, mistake_rows, steps=cfg.sft_mistake_steps, seed=cfg.seed + 1, **sft)
+    return {
+        "sft_loss": clean[-1] if clean else float("nan"),
+        "clean_accuracy": clean_accuracy,
+        "mistake_loss": slipped[-1] if slipped else float("nan"),
+        "sft_accuracy": evaluate_greedy(model, tokenizer, eval_rows) if slipped else clean_accuracy,
+    }

@@ -25,12 +25,16 @@ class TaskConfig:
         depends on the seed). References stay plain integers (``"92"``).
     num_train / num_eval: distinct problems in the train and held-out eval sets (disjoint).
     hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the Qwen2 model shape.
-    sft_steps / sft_lr / sft_batch_size: the supervised warm start (AdamW, linear warmup then
-        linear decay; loss on answer tokens only). ``sft_steps = 0`` leaves the model random.
-    sft_mistake_rate: probability that an SFT demonstration shows the classic slip (carries dropped,
-        or each digit's smaller taken from its larger) instead of the right answer; the RL data always
-        has the right answer. The warm-started model then knows the procedure but often slips, which
-        an exact-match reward corrects quickly. 0 gives clean demonstrations.
+    sft_steps / sft_lr / sft_batch_size: phase 1 of the supervised warm start, on correct
+        demonstrations (AdamW, linear warmup over 10% of the steps then linear decay to zero; loss
+        on answer tokens only). ``sft_steps = 0`` skips it.
+    sft_mistake_steps / sft_mistake_rate: phase 2, same optimiser settings and a fresh schedule, on
+        demonstrations of which a fraction ``sft_mistake_rate`` show the classic slip (carries
+        dropped, or each digit's smaller taken from its larger) instead of the answer. The model
+        keeps the procedure learnt in phase 1 but picks up the slip as a habit, so it usually
+        slips greedily yet still samples the right answer now and then: an exact-match reward
+        removes the habit quickly. ``sft_mistake_steps = 0`` skips it (a plain SFT model). The
+        RL data always has the right answer.
     sft_threads: torch CPU threads used while building (restored afterwards).
     seed: seeds data sampling, model initialisation and SFT batching.
     """
@@ -47,9 +51,10 @@ class TaskConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    sft_steps: int = 2000
+    sft_steps: int = 1500
     sft_lr: float = 3e-3
     sft_batch_size: int = 128
+    sft_mistake_steps: int = 500
     sft_mistake_rate: float = 0.75
     sft_threads: int = 2
     seed: int = 0
@@ -77,6 +82,7 @@ class TaskConfig:
         check((self.hidden_size // self.num_heads) % 2 == 0, "num_heads", "head dim hidden_size/num_heads must be even (RoPE)")
         check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
         check(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        check(self.sft_mistake_steps >= 0, "sft_mistake_steps", "must be >= 0")
         check(self.sft_lr > 0, "sft_lr", "must be > 0")
         check(self.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
         check(0.0 <= self.sft_mistake_rate <= 1.0, "sft_mistake_rate", "must be in [0, 1]")
