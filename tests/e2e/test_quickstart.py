@@ -21,6 +21,6 @@ def test_quickstart_improves_heldout_accuracy(tmp_path):
     start = float(proc.stdout.split("eval at start: greedy_accuracy=")[1].split(",")[0])
     end = evals[-1][1]
     assert rows[-1]["step"] == 100 and evals[-1][0] == 100
-    assert end >= start + 0.08, (start, evals)
+    assert end >= start + 0.3, (start, evals)  # measured 0.395 -> 0.96
     first, last = rows[0]["reward/mean"], sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert last > first, (first, last)
