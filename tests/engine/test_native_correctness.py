@@ -129,7 +129,12 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
         results[overlap] = [[(c.token_ids, c.logprobs, c.finish_reason) for c in engine.generate(PROMPTS, p)]
                             for p in (greedy, sampled)]
         assert (engine.stats["ahead_steps"] > 0) == overlap
-    assert results[True] == results[False]
+    # same tokens and stops; logprobs equal up to float rounding (a step ahead has other batch rows,
+    # so the CPU matmuls may block differently)
+    for got, want in zip(results[True], results[False]):
+        assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+        for (_, lp_got, _), (_, lp_want, _) in zip(got, want):
+            assert lp_got == pytest.approx(lp_want, abs=1e-5)
     assert {c[2] for c in results[True][0]} == {"stop", "length"}
 
 

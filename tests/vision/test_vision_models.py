@@ -105,7 +105,7 @@ def test_lora_reference_on_vl_model_equals_base(vl, squares_assets):
     assert sorted(names) == sorted(n for n, _ in base.named_parameters())
 
 
-@pytest.mark.parametrize("backend", ["native", "vllm"])
+@pytest.mark.parametrize("backend", ["vllm"])
 def test_backends_without_images_refuse_vl_models(vl, backend):
     _, model, _ = vl
     with pytest.raises(ValueError, match="engine.backend=hf"):

@@ -7,7 +7,7 @@ about rewards, advantages or the trainer.
 Weight names passed to :meth:`RolloutEngine.load_weights` are Hugging Face names of the actor
 (``model.layers.0.self_attn.q_proj.weight``); the engine's model modules map them to their own layout.
 
-Vision-language prompts: an engine that supports images (``hf``) also takes
+Vision-language prompts: an engine that supports images (``native``, ``hf``) also takes
 ``generate(prompts, params, mm_inputs=[...])``, one pixel-input dict per prompt (None for text,
 see :mod:`tidal.models.vision`), the prompt ids already holding the image tokens. Callers pass
 ``mm_inputs`` only when some prompt has images; :func:`tidal.engine.factory.create_engine` refuses

@@ -14,7 +14,7 @@ from tidal.engine.base import RolloutEngine
 from tidal.engine.config import EngineConfig
 from tidal.models.vision import is_vision_language
 
-VL_UNSUPPORTED = ("native", "vllm", "sglang")  # backends whose adapters take no images (yet)
+VL_UNSUPPORTED = ("vllm", "sglang")  # backends whose adapters take no images (yet)
 
 
 def engine_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
@@ -74,7 +74,13 @@ def create_engine(hf_config: PretrainedConfig, cfg: EngineConfig, *, device: tor
         )
     if cfg.backend == "native":
         from tidal.engine.native import NativeEngine
+        from tidal.engine.native.models import MODELS
 
+        if is_vision_language(hf_config) and hf_config.model_type not in MODELS.names():
+            raise ValueError(
+                f"engine.backend=native: vision-language model_type {hf_config.model_type!r} is not supported "
+                f"(native VL models: {[n for n in MODELS.names() if MODELS.get(n, 'model_type').multimodal]}); set engine.backend=hf"
+            )
         return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group)
     if cfg.backend == "hf":
         from tidal.engine.hf import HFEngine

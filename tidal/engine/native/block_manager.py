@@ -1,6 +1,7 @@
 """KV-cache blocks: allocation, reference counts and prefix caching by block hashes.
 
-A full block is identified by the hash of (hash of the previous block, its token ids). When a new
+A full block is identified by the hash of (hash of the previous block, its token ids); the first
+block's "previous hash" is the sequence's ``cache_key`` (its images, for an image prompt). When a new
 sequence starts, its leading full blocks are looked up by that chain: a hit reuses the block
 (reference count + 1) instead of recomputing it, which is how the n samples of one prompt (and any
 shared prefix) are prefilled once. A block is registered under its hash as soon as its KV is
@@ -69,7 +70,7 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> list[tuple[int, int]]:
         """(hash, block id) of the cached leading full blocks of ``seq``; the block holding the last
         token is never taken from the cache (its logits must be computed)."""
-        hits, prev = [], None
+        hits, prev = [], seq.cache_key
         for i in range((len(seq) - 1) // self.block_size if self.prefix_caching else 0):
             tokens = tuple(seq.block(i, self.block_size))
             h = block_hash(prev, tokens)
@@ -134,7 +135,7 @@ class BlockManager:
         in the step being scheduled) so other sequences can share them."""
         if not self.prefix_caching:
             return
-        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_key
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.block(i, self.block_size))
             h = block_hash(prev, tokens)

@@ -39,7 +39,8 @@ def _eos_ids(value) -> set[int]:
 
 
 class NativeEngine:
-    """Implements :class:`tidal.engine.base.RolloutEngine` for Qwen2/Qwen2.5/Qwen3/Llama models.
+    """Implements :class:`tidal.engine.base.RolloutEngine` for Qwen2/Qwen2.5/Qwen3/Llama models, and
+    Qwen2-VL/Qwen2.5-VL with image prompts (``generate(..., mm_inputs=...)``).
 
     ``stats`` counts, since construction: ``prefill_tokens`` (tokens whose KV was computed by
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
@@ -68,7 +69,8 @@ class NativeEngine:
             self.model, self.tp, block_size=cfg.block_size, device=self.device, use_graphs=use_graphs,
             max_num_seqs=cfg.max_num_seqs,
         )
-        self.eos_token_ids = _eos_ids(getattr(hf_config, "eos_token_id", None))
+        text_config = hf_config.get_text_config()  # a VL config may keep EOS in its text config only
+        self.eos_token_ids = _eos_ids(getattr(hf_config, "eos_token_id", None)) | _eos_ids(getattr(text_config, "eos_token_id", None))
         self.block_manager: BlockManager | None = None
         self.sleep_level = 0  # 0 awake; 1 KV freed; 2 KV freed and weights on the host
         self._host_weights: dict[str, torch.Tensor] = {}
@@ -183,20 +185,33 @@ class NativeEngine:
         return {"weights": weights, "kv_cache": 0 if kv is None else kv.numel() * kv.element_size(), "graphs": graphs}
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """``params.n`` completions per prompt, prompt-major. Every TP rank must call with the same args."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, mm_inputs: list[dict | None] | None = None
+    ) -> list[Completion]:
+        """``params.n`` completions per prompt, prompt-major. Every TP rank must call with the same args.
+
+        ``mm_inputs[i]``: the pixel inputs of prompt i's images (None for a text prompt; see
+        :mod:`tidal.models.vision`), its ids already holding the placeholders. Vision-language models
+        only (Qwen2-VL / Qwen2.5-VL); the images' features are computed once per prompt."""
         if self.sleep_level:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
         if not prompts:
             return []
+        if mm_inputs is not None:
+            if len(mm_inputs) != len(prompts):
+                raise ValueError(f"generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
+            if not self.model.multimodal and any(m is not None for m in mm_inputs):
+                raise ValueError(f"generate: image inputs given to a text-only model ({type(self.model).__name__})")
         self._ensure_kv(prompts, params)
         max_pos = self.model.max_positions
         seqs = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             if len(prompt) >= max_pos:
                 raise ValueError(f"prompt of {len(prompt)} tokens >= max_position_embeddings={max_pos}")
+            mm = mm_inputs[i] if mm_inputs is not None else None
+            mm = self.model.multimodal_prompt(prompt, mm, where=f"prompt {i}") if mm is not None else None
             for _ in range(params.n):
-                seqs.append(Sequence(next(self._seq_ids), prompt, min(params.max_new_tokens, max_pos - len(prompt))))
+                seqs.append(Sequence(next(self._seq_ids), prompt, min(params.max_new_tokens, max_pos - len(prompt)), mm))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         scheduler = Scheduler(
             self.block_manager, max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens

@@ -117,7 +117,37 @@ class ModelRunner:
             max_context_len=max(ctxs),
         )
         rows = [int(cu[i + 1]) - 1 for i, samples in enumerate(batch.sampling) if samples]
-        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, rows
+        ids_T = self._tensor(ids, torch.int64)
+        extra = self._multimodal_inputs(batch, ids_T) if self.model.multimodal else {}
+        return ids_T, self._tensor(pos, torch.int64), meta, rows, extra
+
+    def _multimodal_inputs(self, batch: Batch, ids_T: torch.Tensor) -> dict:
+        """For a prefill batch holding image prompts: the embeddings with the image features in the
+        placeholders' rows, and every token's M-RoPE ``[cos | sin]`` row. {} for text-only batches
+        (M-RoPE with three equal ids is the 1-D table). A prompt's features are computed by the first
+        chunk that needs them and kept on its :class:`MultimodalPrompt`."""
+        if all(seq.mm is None for seq in batch.seqs):
+            return {}
+        pos3, feats, dst, offset = [], [], [], 0
+        for seq in batch.seqs:
+            s, n, mm = seq.num_cached_tokens, seq.num_scheduled_tokens, seq.mm
+            if mm is None:
+                pos3.append(np.broadcast_to(np.arange(s, s + n, dtype=np.int64), (3, n)))
+            else:
+                pos3.append(mm.positions_3(s, n))
+                sel = np.nonzero(mm.feature_rows_L[s : s + n] >= 0)[0]
+                if len(sel):
+                    if mm.features is None:
+                        mm.features = self.model.image_features(mm)
+                    feats.append(mm.features[self._tensor(mm.feature_rows_L[s + sel], torch.int64)])
+                    dst.append(sel + offset)
+            offset += n
+        cos_sin_TD = self.model.rope_rows(self._tensor(np.ascontiguousarray(np.concatenate(pos3, axis=1)), torch.int64))
+        embeds_TH = None
+        if feats:
+            embeds_TH = self.model.model.embed_tokens(ids_T)
+            embeds_TH[self._tensor(np.concatenate(dst), torch.int64)] = torch.cat(feats).to(embeds_TH.dtype)
+        return {"embeds_TH": embeds_TH, "cos_sin_TD": cos_sin_TD}
 
     def _decode_inputs(self, batch: Batch):
         """Per-row input token, position, slot, context length and block table. A batch scheduled
@@ -128,7 +158,7 @@ class ModelRunner:
         ctxs = [len(s) + ahead for s in batch.seqs]
         ids = [0] * len(ctxs) if ahead else [s.token_ids[-1] for s in batch.seqs]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, ctxs)]
-        pos = [n - 1 for n in ctxs]
+        pos = [n - 1 + s.rope_delta for s, n in zip(batch.seqs, ctxs)]
         return ids, pos, slots, ctxs, self._block_tables(batch.seqs)
 
     # ---- step -----------------------------------------------------------------------------------
@@ -143,9 +173,9 @@ class ModelRunner:
         on the device."""
         t0 = time.perf_counter()
         if batch.is_prefill:
-            ids, pos, meta, rows = self._prefill_inputs(batch)
+            ids, pos, meta, rows, extra = self._prefill_inputs(batch)
             t1 = time.perf_counter()
-            hidden = self.model(ids, pos, meta)
+            hidden = self.model(ids, pos, meta, **extra)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
             n = len(rows)
         else:

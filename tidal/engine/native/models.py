@@ -11,6 +11,7 @@ the LM head to the rows that sample.
 
 from __future__ import annotations
 
+import importlib
 from typing import Iterable
 
 import torch
@@ -26,6 +27,7 @@ from tidal.engine.native.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
+from tidal.engine.native.multimodal import MultimodalPrompt, build_multimodal_prompt, mrope_cos_sin, mrope_section_columns
 from tidal.engine.native.parallel import TPGroup
 from tidal.registry import Registry
 
@@ -132,15 +134,25 @@ class DecoderLM(nn.Module):
         self.max_positions = cfg.max_position_embeddings
         self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
 
-    def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(ids_T), None
+    def forward(
+        self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata,
+        embeds_TH: torch.Tensor | None = None, cos_sin_TD: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, H]``. ``embeds_TH`` replaces the token embeddings (image features in
+        place); ``cos_sin_TD`` gives each token its own RoPE row (M-RoPE), ``positions_T`` then unused."""
+        x, residual = self.model.embed_tokens(ids_T) if embeds_TH is None else embeds_TH, None
+        cos_sin = self.cos_sin_PD
+        if cos_sin_TD is not None:
+            cos_sin, positions_T = cos_sin_TD, torch.arange(ids_T.shape[0], device=ids_T.device)
         for layer in self.model.layers:
-            x, residual = layer(positions_T, x, residual, self.cos_sin_PD, meta)
+            x, residual = layer(positions_T, x, residual, cos_sin, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[B, vocab]`` on TP rank 0, None on the others."""
         return self.lm_head(hidden_BH)
+
+    multimodal = False  # True for models that take images (see Qwen2VLForConditionalGeneration)
 
     def layer_attentions(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -200,6 +212,75 @@ class LlamaForCausalLM(DecoderLM):
     def biases(cfg):
         b = bool(getattr(cfg, "attention_bias", False))
         return {"qkv": b, "o": b, "mlp": bool(getattr(cfg, "mlp_bias", False))}
+
+
+@MODELS.register("qwen2_vl")
+class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+    """Qwen2-VL: the Qwen2 decoder with M-RoPE, and the HF vision tower (replicated on every TP rank,
+    unsharded; its output is identical on all of them). Image prompts: :mod:`tidal.engine.native.multimodal`.
+
+    Weight names: the actor's (``model.language_model.*``, ``model.visual.*``, ``lm_head.*``) and
+    the on-disk layout of released checkpoints (``model.*``, ``visual.*``) both load.
+    """
+
+    multimodal = True
+    vision_tower_class = "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"
+
+    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+        text = cfg.get_text_config()
+        super().__init__(text, tp, ops, dtype)
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        if "mrope_section" not in rope:
+            raise ValueError(f"{type(cfg).__name__}: text config has no rope mrope_section")
+        self.vl_config = cfg
+        self.image_token_id = int(cfg.image_token_id)
+        self.vision_start_id = int(cfg.vision_start_token_id)
+        self.merge_size = int(cfg.vision_config.spatial_merge_size)
+        self.register_buffer("mrope_columns_D", mrope_section_columns(list(rope["mrope_section"]), head_dim_of(text)), False)
+        module, _, name = self.vision_tower_class.partition(":")
+        tower_cls = getattr(importlib.import_module(module), name)
+        self.visual = tower_cls._from_config(cfg.vision_config, dtype=dtype).eval()
+
+    def multimodal_prompt(self, prompt_ids: list[int], mm: dict, where: str) -> MultimodalPrompt:
+        return build_multimodal_prompt(prompt_ids, mm, image_token_id=self.image_token_id,
+                                       vision_start_id=self.vision_start_id, merge_size=self.merge_size, where=where)
+
+    def image_features(self, mm: MultimodalPrompt) -> torch.Tensor:
+        """``[num_placeholders, hidden]``: the vision tower's merged patch features of ``mm``'s images."""
+        device = self.cos_sin_PD.device
+        out = self.visual(mm.pixel_values.to(device, self.cos_sin_PD.dtype), grid_thw=mm.image_grid_thw.to(device))
+        return out.pooler_output if hasattr(out, "pooler_output") else out
+
+    def rope_rows(self, positions_3T: torch.Tensor) -> torch.Tensor:
+        return mrope_cos_sin(self.cos_sin_PD, positions_3T, self.mrope_columns_D)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Vision weights are copied as they are; text weights go through :meth:`DecoderLM.load_weights`."""
+        visual = dict(self.visual.named_parameters())
+        loaded: set[str] = set()
+
+        def text_weights():
+            for name, full in named_tensors:
+                if name.startswith(("model.visual.", "visual.")):
+                    key = name.split("visual.", 1)[1]
+                    if key not in visual:
+                        raise KeyError(f"weight {name!r} has no place in the vision tower")
+                    with torch.no_grad():
+                        visual[key].copy_(full)
+                    loaded.add(name)
+                    continue
+                if name.startswith("model.language_model."):
+                    name = "model." + name[len("model.language_model."):]
+                yield name, full
+
+        return loaded | super().load_weights(text_weights())
+
+
+@MODELS.register("qwen2_5_vl")
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same decoder and M-RoPE for images; its own vision tower (window attention)."""
+
+    vision_tower_class = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel"
 
 
 def build_model(hf_config, tp: TPGroup, ops, device: torch.device, dtype: torch.dtype) -> DecoderLM:
