@@ -224,3 +224,47 @@ def test_qwen2_5_vl_native_logprobs_equal_trainer(squares_assets):
         P = len(c.prompt_ids)
         torch.testing.assert_close(lp[b, P:P + 4], torch.tensor(c.logprobs), rtol=1e-4, atol=1e-4)
     assert np.isfinite(comps[0].logprobs).all()
+
+
+def _tp_worker(rank: int, store_path: str, out_dir: str, model_path: str, eval_path: str):
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    proc = load_tokenizer(model_path)
+    model = load_causal_lm(model_path)
+    ds = PromptDataset([DataSource(path=eval_path)], proc, DataConfig(shuffle=False), seed=0)
+    eng = NativeEngine(model.config, EngineConfig(block_size=4, max_num_batched_tokens=16), device=CPU,
+                       dtype=torch.float32, tp_group=group)
+    eng.load_weights(hf_weights(model, lambda p: p.detach()))
+    text = proc.tokenizer("plain text row", add_special_tokens=False)["input_ids"]
+    out = []
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+                   SamplingParams(max_new_tokens=5, n=2, seed=3, ignore_eos=True)):
+        comps = eng.generate([ds[0].prompt_ids, text, ds[1].prompt_ids], params, mm_inputs=[ds[0].mm_inputs, None, ds[1].mm_inputs])
+        out.append([(c.token_ids, c.logprobs) for c in comps])
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_gloo_image_prompts_equal_tp1(vl, squares_assets, tmp_path):
+    """Text layers sharded over 2 ranks, the vision tower replicated: same completions as one rank."""
+    import torch.multiprocessing as mp
+
+    proc, model, ds = vl
+    mp.start_processes(_tp_worker, args=(str(tmp_path / "store"), str(tmp_path), squares_assets.model_path,
+                                         squares_assets.eval_path), nprocs=2, start_method="spawn")
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0 == r1
+    eng = _native(model, block_size=4, max_num_batched_tokens=16)
+    text = proc.tokenizer("plain text row", add_special_tokens=False)["input_ids"]
+    for params, tp2 in zip((SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+                            SamplingParams(max_new_tokens=5, n=2, seed=3, ignore_eos=True)), r0):
+        tp1 = eng.generate([ds[0].prompt_ids, text, ds[1].prompt_ids], params, mm_inputs=[ds[0].mm_inputs, None, ds[1].mm_inputs])
+        assert [c.token_ids for c in tp1] == [t for t, _ in tp2]
+        for c, (_, lp) in zip(tp1, tp2):
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(c.logprobs), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,5 @@
 """The squares task learns on CPU: GRPO on a tiny Qwen2-VL, images through the whole pipeline (data,
-HF engine, actor forwards with pixel inputs, update, weight sync). The warm start used random
+native engine (and the HF reference engine), actor forwards with pixel inputs, update, weight sync). The warm start used random
 labels, so the start is at chance (1/3) and the gain comes from reading the images."""
 
 import json
@@ -22,8 +22,9 @@ def _overrides(assets, out, *extra):
 
 
 @pytest.mark.slow
-def test_squares_reward_rises(squares_assets, tmp_path):
-    cfg = load_config(str(CONFIG), _overrides(squares_assets, tmp_path))
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_squares_reward_rises(squares_assets, tmp_path, engine):
+    cfg = load_config(str(CONFIG), _overrides(squares_assets, tmp_path, f"engine.backend={engine}"))
     trainer = build_trainer(cfg)
     try:
         final = trainer.fit()
