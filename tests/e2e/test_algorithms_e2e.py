@@ -86,3 +86,21 @@ def test_offloaded_models_are_on_the_device_when_used(tmp_path, tiny_task_overri
     tail = events[gen + 6 :]
     assert tail[:3] == [("reload_optimizer",), ("offload_optimizer",), ("reload_model", "critic")]
     assert tail[3:6] == [("reload_optimizer",), ("offload_optimizer",), ("offload_model", "critic")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.5])
+def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(entropy_coef, tmp_path, tiny_task_overrides):
+    """With a constant reward the policy term has zero gradient: the update moves the actor iff the
+    entropy bonus is on (it is differentiated; an entropy used only as a metric is not)."""
+    cfg = load_config("quickstart", tiny_task_overrides + [
+        f"run.output_dir={tmp_path}", "run.steps=1", "optim.lr=1e-2", "checkpoint.at_end=false", "rollout.ignore_eos=true",
+        "reward.components.correct.path=tests.e2e.rewards:constant_reward", f"algorithm.entropy_coef={entropy_coef}",
+    ])
+    trainer = build_trainer(cfg)
+    try:
+        metrics = trainer.fit()
+        assert metrics["actor/entropy"] > 0
+        assert (metrics["actor/grad_norm"] > 1e-6) == (entropy_coef > 0), metrics["actor/grad_norm"]
+    finally:
+        shutdown()

@@ -59,3 +59,20 @@ def test_sample_greedy_and_logprob_of_sampled():
     g = torch.Generator().manual_seed(0)
     tok, lp = sample(logits.repeat(2000, 1), 1.0, top_k=1, generator=g)
     assert (tok.view(-1, 2) == torch.tensor([1, 0])).all() and torch.allclose(lp, torch.zeros_like(lp))
+
+
+def test_entropy_without_grad_same_values_and_logp_gradients():
+    m = _model(tie=False)
+    ids = torch.randint(0, 50, (2, 9))
+    am = torch.ones_like(ids)
+    grads, values = [], []
+    for entropy_grad in (True, False):
+        m.zero_grad()
+        logp, ent = token_logprobs(m, ids, am, temperature=0.9, with_entropy=True, chunk_tokens=5, entropy_grad=entropy_grad)
+        assert ent.requires_grad == entropy_grad and logp.requires_grad
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+        values.append((logp.detach(), ent.detach()))
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

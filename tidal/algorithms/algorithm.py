@@ -65,6 +65,11 @@ class Algorithm:
         return self.cfg.entropy_coef > 0 or self.cfg.entropy_top_q < 1
 
     @property
+    def entropy_needs_grad(self) -> bool:
+        """The loss differentiates through entropy_BT (an entropy bonus); a top-q mask does not."""
+        return self.cfg.entropy_coef > 0
+
+    @property
     def kl_coef(self) -> float:
         """The current KL coefficient beta (changes under the adaptive controller)."""
         return self.kl_ctl.value

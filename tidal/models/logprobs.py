@@ -19,7 +19,7 @@ LOGPROB_METHOD = "tidal_token_logprobs"
 
 def _chunk_logp_entropy(
     hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, labels_N: torch.Tensor,
-    temperature: float, with_entropy: bool,
+    temperature: float, with_entropy: bool, entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits_NV = F.linear(hidden_NH, weight_VH, bias_V).float()
     if temperature != 1.0:
@@ -27,9 +27,10 @@ def _chunk_logp_entropy(
     logz_N = torch.logsumexp(logits_NV, dim=-1)
     logp_N = logits_NV.gather(-1, labels_N[:, None]).squeeze(-1) - logz_N
     if with_entropy:
-        # H = logZ - sum p * logits
-        probs_NV = torch.exp(logits_NV - logz_N[:, None])
-        entropy_N = logz_N - (probs_NV * logits_NV).sum(-1)
+        # H = logZ - sum p * logits; without entropy_grad no graph is kept (a metric, or a mask)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs_NV = torch.exp(logits_NV - logz_N[:, None])
+            entropy_N = logz_N - (probs_NV * logits_NV).sum(-1)
     else:
         entropy_N = torch.zeros_like(logp_N)
     return logp_N, entropy_N
@@ -43,10 +44,13 @@ def lm_head_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the next tokens from decoder hidden states.
 
     hidden_BTH[b, t] predicts input_ids[b, t+1]. Returns tensors [B, T] aligned with input_ids.
+    ``entropy_grad=False``: the entropies carry no gradient (same values; no backward through the
+    full-vocabulary softmax for them), for when they are only a metric or a token mask.
     """
     B, T, H = hidden_BTH.shape
     hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
@@ -55,7 +59,8 @@ def lm_head_logprobs(
     logps, ents = [], []
     use_ckpt = torch.is_grad_enabled() and hidden_NH.requires_grad
     for s in range(0, hidden_NH.shape[0], chunk_tokens):
-        args = (hidden_NH[s : s + chunk_tokens], weight, bias, labels_N[s : s + chunk_tokens], temperature, with_entropy)
+        args = (hidden_NH[s : s + chunk_tokens], weight, bias, labels_N[s : s + chunk_tokens], temperature, with_entropy,
+                entropy_grad)
         if use_ckpt:
             lp, en = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
         else:
@@ -100,11 +105,12 @@ def _token_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
     mm_inputs: dict | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
-        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
     )
 
 
@@ -121,11 +127,13 @@ def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | No
     setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, target))
 
 
-def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None):
+def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,
+                   entropy_grad=True):
     """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
     the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
-    None/{} for text."""
-    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None)
+    None/{} for text. ``entropy_grad``: see :func:`lm_head_logprobs`."""
+    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
+                                          entropy_grad)
 
 
 def reference_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

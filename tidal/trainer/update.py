@@ -25,22 +25,32 @@ from tidal.trainer.experience import Experience, token_budget_batches
 
 
 class MetricMeans:
-    """Token-weighted means of per-micro-batch metrics, reduced over ranks on :meth:`result`."""
+    """Token-weighted means of per-micro-batch metrics, reduced over ranks on :meth:`result`.
+
+    Device tensors (metrics and weights) are accumulated on the device as they come: the host
+    reads them once, in :meth:`result`, so micro-batches never wait for each other's metrics."""
 
     def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, torch.Tensor | float] = defaultdict(float)
+        self.weights: dict[str, torch.Tensor | float] = defaultdict(float)
 
-    def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
+    def add(self, metrics: dict[str, torch.Tensor | float], weight: torch.Tensor | float) -> None:
         for k, v in metrics.items():
-            self.sums[k] += float(v) * weight
-            self.weights[k] += weight
+            v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+            self.sums[k] = self.sums[k] + v * weight
+            self.weights[k] = self.weights[k] + weight
 
     def result(self, strategy: Strategy) -> dict[str, float]:
         keys = sorted(self.sums)
         if not keys:
             return {}
-        vals = strategy.all_reduce_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
+        local = [self.sums[k] for k in keys] + [self.weights[k] for k in keys]
+        tensors = [i for i, v in enumerate(local) if isinstance(v, torch.Tensor)]
+        if tensors:  # one device-to-host copy for all of them
+            host = torch.stack([local[i].reshape(()).double().to(local[tensors[0]].device) for i in tensors]).tolist()
+            for i, v in zip(tensors, host):
+                local[i] = v
+        vals = strategy.all_reduce_sum([float(v) for v in local])
         n = len(keys)
         return {k: vals[i] / vals[n + i] if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
 
@@ -108,7 +118,7 @@ class Updater:
             mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
             loss, metrics = loss_fn(mb, mb_mask_BT, norm)
             if real:
-                means.add({f"{prefix}/{k}": v for k, v in metrics.items()}, float(mb_mask_BT.sum()))
+                means.add({f"{prefix}/{k}": v for k, v in metrics.items()}, mb_mask_BT.sum().double())
             else:
                 loss = loss * 0.0
             self.strategy.backward(loss, state, sync_grads=i == total - 1)
@@ -121,7 +131,7 @@ class Updater:
         logp_BT, entropy_BT = token_logprobs(
             self.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.temperature, with_entropy=True, chunk_tokens=self.chunk,
-            mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device),
+            mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device), entropy_grad=self.algo.entropy_needs_grad,
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
         loss, metrics = self.algo.policy_loss(
