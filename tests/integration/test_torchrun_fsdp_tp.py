@@ -19,6 +19,8 @@ def test_fsdp2_tp_weight_sync(tmp_path):
     for r, x in enumerate(res):
         assert x["tp_ranks"] == [0, 1] and x["tp_rank"] == r and x["dp_size"] == 1
         assert x["sharded"]
+        assert x["gather_equal"] and x["gather_odd_equal"], x
+        assert 1 < x["gather_collectives"] < x["gather_requests"] / 2 and x["gather_odd_collectives"] == 1, x
         for tag in ("before", "after"):
             assert x[f"{tag}_plain_equal"], (r, tag)
             assert x[f"{tag}_n_outputs"] == 2 + r  # each rank gets back exactly its own prompts

@@ -33,6 +33,28 @@ def hf_greedy(model, prompts, n_new):
     return out
 
 
+def bucketed_gather_checks(model, rt):
+    """BucketedFullTensors equals DTensor.full_tensor() (in and out of order, uneven dim-0 shards)
+    with fewer collectives than parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tidal.strategy.gather import BucketedFullTensors
+
+    params = dict(model.named_parameters())
+    names = list(params)
+    gather = BucketedFullTensors(model, rt.device, bucket_bytes=32 << 10)
+    order = names[-3:][::-1] + names  # a few out of order first, then all (the first three again)
+    equal = all(torch.equal(gather(params[n]), params[n].full_tensor()) for n in order)
+    torch.manual_seed(1)
+    odd = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3), torch.nn.Embedding(9, 5))
+    fully_shard(odd, mesh=init_device_mesh("cpu", (rt.world_size,)))
+    odd_gather = BucketedFullTensors(odd, rt.device, bucket_bytes=1 << 20)
+    odd_equal = all(torch.equal(odd_gather(p), p.full_tensor()) for _, p in odd.named_parameters())
+    return {"gather_equal": equal, "gather_collectives": gather.collectives, "gather_requests": len(order),
+            "gather_odd_equal": odd_equal, "gather_odd_collectives": odd_gather.collectives}
+
+
 def main():
     rt = init_runtime(tp_size=2)
     res = {"rank": rt.rank, "tp_ranks": rt.tp_ranks, "tp_rank": rt.tp_rank, "dp_size": rt.dp_size}
@@ -44,6 +66,7 @@ def main():
     strategy = get_strategy(StrategyConfig(), rt)
     state = strategy.prepare_trainable(actor, OptimConfig(lr=5e-2, max_grad_norm=0.0), lr=5e-2, total_steps=4)
     res["sharded"] = all(type(p).__name__ == "DTensor" for p in state.model.parameters())
+    res.update(bucketed_gather_checks(state.model, rt))
     ecfg = EngineConfig(tp_size=2, block_size=4, max_num_batched_tokens=64, kv_cache_max_tokens=512)
     native = NativeEngine(cfg, ecfg, device=rt.device, dtype=torch.float32, tp_group=rt.tp_group)
     plain = HFEngine(cfg, EngineConfig(block_size=4), device=rt.device, dtype=torch.float32)
