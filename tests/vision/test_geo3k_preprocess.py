@@ -64,4 +64,4 @@ def test_example_configs_load(name):
     from tidal.config import load_config
 
     cfg = load_config(str(SCRIPT.parents[1] / name))
-    assert cfg.engine.backend == "hf" and cfg.data.train
+    assert cfg.engine.backend == "native" and cfg.data.train
