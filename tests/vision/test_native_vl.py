@@ -2,8 +2,6 @@
 HF's, greedy output equals the HF engine's, sampled logprobs equal the trainer's forward, prefix
 sharing keys on the images, chunked prefill and preemption change nothing, bad inputs are named."""
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -191,31 +189,8 @@ def test_factory_builds_native_for_vl_and_refuses_unknown_vl_types(vl):
         create_engine(other, EngineConfig(backend="native"), device=CPU)
 
 
-def test_qwen2_5_vl_native_logprobs_equal_trainer(squares_assets):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from tidal.data.vision import place_images
-    from tidal.models.logprobs import attach_logprob_method
-    from tidal.tasks.squares import SquaresSpec, draw_squares
-
-    proc = load_tokenizer(squares_assets.model_path)
-    tid = proc.tokenizer.convert_tokens_to_ids
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(proc.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]}),
-        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1]),
-        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
-    )
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    attach_logprob_method(model)
-    text = proc.apply_chat_template(place_images("t", [{"role": "user", "content": "How many squares?"}], 1), add_generation_prompt=True, tokenize=False)
-    rng, spec = random.Random(0), SquaresSpec(workdir="unused")
-    images = [draw_squares(2, spec, rng), draw_squares(1, spec, rng)]
-    prompts = [proc.prompt_ids(text, [im]) for im in images]
-    mm = [proc.pixel_inputs([im]) for im in images]
+def test_qwen2_5_vl_native_logprobs_equal_trainer(qwen2_5_vl):
+    proc, model, prompts, mm = qwen2_5_vl
     comps = _native(model, block_size=4).generate(prompts, SamplingParams(max_new_tokens=4, n=2, seed=1, ignore_eos=True), mm_inputs=mm)
     ids, am = _padded([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
     with torch.no_grad():

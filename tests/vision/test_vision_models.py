@@ -186,34 +186,11 @@ def test_generated_image_tokens_are_text_to_trainer_and_engine(vl):
     torch.testing.assert_close(got[0, P:], torch.tensor(want), rtol=1e-4, atol=1e-4)
 
 
-def test_qwen2_5_vl_logprobs_equal_hf_forward(squares_assets):
+def test_qwen2_5_vl_logprobs_equal_hf_forward(qwen2_5_vl):
     """The same path serves Qwen2.5-VL (windowed vision attention, its own get_rope_index)."""
-    import random
-
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from tidal.data.vision import place_images
-    from tidal.models.logprobs import attach_logprob_method
-    from tidal.tasks.squares import SquaresSpec, draw_squares
-
-    proc = load_tokenizer(squares_assets.model_path)
-    tid = proc.tokenizer.convert_tokens_to_ids
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(proc.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]}),
-        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1]),
-        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
-    )
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    attach_logprob_method(model)
-    text = proc.apply_chat_template(place_images("t", [{"role": "user", "content": "How many squares?"}], 1), add_generation_prompt=True, tokenize=False)
-    rng, spec = random.Random(0), SquaresSpec(workdir="unused")
-    images = [draw_squares(2, spec, rng), draw_squares(1, spec, rng)]
-    ids, am = _batch([proc.prompt_ids(text, [images[0]]) + [23, 2], proc.prompt_ids(text, [images[1]]) + [24]], proc.pad_token_id)
-    mm = collate_mm_inputs([proc.pixel_inputs([im]) for im in images])
+    proc, model, prompts, pixel_inputs = qwen2_5_vl
+    ids, am = _batch([prompts[0] + [23, 2], prompts[1] + [24]], proc.pad_token_id)
+    mm = collate_mm_inputs(pixel_inputs)
     with torch.no_grad():
         got, _ = token_logprobs(model, ids, am, mm_inputs=mm)
         logits = model(input_ids=ids, attention_mask=am, mm_token_type_ids=(ids == proc.image_token_id).int(), **mm).logits
