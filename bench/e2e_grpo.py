@@ -33,10 +33,40 @@ which is also the number of weights in matmuls since the LM head is the embeddin
   AdamW update (28 bytes per parameter read+written in fp32) over copy_bw; tokens = seqs x (P + R).
 - weight sync: ``6 N / copy_bw`` (read fp32 master, write bf16 engine copy).
 
+Profile (``--profile DIR``): after the timed iterations of the main Tidal case (the first one planned:
+first size, first KL setting), ONE more iteration runs under ``torch.profiler.profile`` (CPU + CUDA
+activities on CUDA, CPU only otherwise); it is in neither the medians nor the memory timeline, and
+the timed iterations run exactly as without the option (the profiler hook is installed for that
+iteration only; the case's run.steps grows by one and its time cap by ``PROFILE_EXTRA_S``). Each
+phase ``time/<phase>`` times becomes a ``record_function("phase/<name>")`` range, put around the
+PhaseTimer hook the bench already wraps (outside its CUDA syncs); ``iteration`` is the whole
+``train_step``. Events are restricted per range by time interval, not by the profiler's schedule:
+a host event belongs to a range if it starts inside it (any thread: autograd runs the backward on
+its own), a kernel/memcpy/memset if the runtime call that launched it does (matched by CUPTI
+correlation id; by its own start only when no call matches, counted in ``kernels_matched_by``).
+This is reliable because the PhaseTimer synchronizes at both ends of a phase, so a phase's device
+work also runs inside its range. DIR receives:
+- ``phases.txt``: per range, ``key_averages()`` of exactly its events, top 25 by self device time
+  and top 25 by self CPU time (self CPU time only, on CPU); a ``phase/<name>`` row's self CPU time is
+  host time outside any recorded op (Python, or waiting on the autograd thread).
+- ``summary.json``: per range its wall seconds (and the timer's), device-kernel seconds, device busy
+  seconds (union of kernels and copies), idle fraction ``1 - busy / wall``, kernels executed, launch
+  calls (``*Launch*`` runtime/driver calls) and CUDA-graph launches, host syncs by API name
+  (``*Synchronize*``, blocking ``cudaMemcpy``; these include the bench's own: 2
+  ``cudaDeviceSynchronize`` per phase entry from the PhaseTimer and 2 per Strategy call the
+  MemoryRecorder wraps), DtoH copies, the top 5 kernels and the top 5 host ops.
+- ``trace.json.gz``: the Chrome trace, kept only up to ``--profile-trace-mb`` (default 15, since the
+  device machine returns files of at most 16 MiB; ``0``: none); else deleted, and the figure says so.
+The ``profile`` figure summarises it per range next to the unprofiled medians; like every figure it
+is appended to a record file only with ``--record``. A failed or skipped profile is a ``profile``
+figure with ``error``; the case's timings stand.
+
 Usage (GPU; TRL comes from wheels, see bench/prepare_wheels.sh):
     python bench/e2e_grpo.py [--only tidal|trl] [--sizes 0.5b,1.5b] [--kl off|on|both]
         [--time-budget-s 480] [--record [PATH]] [--out-dir DIR] [--tidal-set key=value ...]
+        [--profile DIR [--profile-trace-mb 15]]
     python bench/e2e_grpo.py --tiny          # CPU smoke run: tiny model, 2 prompts x 2, 8 tokens
+    python bench/e2e_grpo.py --tiny --only tidal --kl off --profile /tmp/prof   # profile path, on CPU
 Cases run in priority order (cheapest first: 0.5b off, then KL on / 1.5b, TRL after Tidal at each
 level); a case that cannot start inside the budget is reported as skipped, one that runs out of time
 stops after its current step and reports the steps it has.
@@ -439,7 +469,9 @@ def tidal_config_dict(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     kv_tokens = 1 << math.ceil(math.log2(s.seqs * (s.prompt_len + s.new_tokens + 16)))
     return {
-        "run": {"output_dir": spec["run_dir"], "steps": s.tidal_warmup + s.tidal_steps, "seed": s.seed,
+        # one more when profiling: the profiled iteration comes after the timed ones (see profile_iteration)
+        "run": {"output_dir": spec["run_dir"], "steps": s.tidal_warmup + s.tidal_steps + int(bool(spec.get("profile"))),
+                "seed": s.seed,
                 "device": "cuda" if cuda else "cpu"},
         "model": {"path": spec["model_dir"], "tokenizer_path": spec["tokenizer_dir"]},
         "data": {"train": [{"path": spec["data"]}], "apply_chat_template": False, "max_prompt_len": s.prompt_len},
@@ -482,7 +514,10 @@ def worker_tidal(spec: dict, sink: Sink) -> None:
     sink.write({"kind": "init", "init_s": init_s, "prompt_lens": prompt_lens, "peak_allocated": rec.peak(),
                 "peak_reserved": rec.peak_reserved(),
                 "config": cfg.to_dict(), "engine_memory": trainer.engine.memory_report()})
-    _tidal_loop(trainer, rec, gen_log, s.tidal_warmup + s.tidal_steps, spec["deadline"], cuda, sink)
+    total = s.tidal_warmup + s.tidal_steps
+    last = _tidal_loop(trainer, rec, gen_log, total, spec["deadline"], cuda, sink)
+    if spec.get("profile"):
+        profile_iteration(trainer, rec, total + 1, cuda, spec["profile"], sink, spec["deadline"], last)
 
 
 def _wrap_generate_check(strategy, gen_log: list[dict]) -> None:
@@ -498,14 +533,15 @@ def _wrap_generate_check(strategy, gen_log: list[dict]) -> None:
     strategy.generate = generate
 
 
-def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, deadline: float, cuda: bool, sink: Sink) -> None:
+def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, deadline: float, cuda: bool, sink: Sink) -> float:
+    """Time ``total`` iterations (one "step" record each); returns the last one's seconds."""
     import torch
 
     last = 0.0
     for step in range(1, total + 1):
         if step > 1 and time.time() + 1.3 * last > deadline:
             sink.write({"kind": "stopped", "reason": "deadline", "after_step": step - 1})
-            return
+            return last
         rec.mark("iteration:start")
         if cuda:
             torch.cuda.synchronize()
@@ -523,6 +559,251 @@ def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, d
             "peak_allocated": max(peaks) if peaks else None, "peak_reserved": max(peaks_r) if peaks_r else None,
             "timeline": points, "calls": calls, "generate": gen_log[-1] if gen_log else None,
         })
+    return last
+
+
+# ---- one profiled iteration (--profile) ---------------------------------------------------------------
+PHASE_RANGE = "phase/"  # record_function name of a phase's range: "phase/<name>"
+ITERATION_RANGE = "iteration"  # the whole profiled train_step (a pseudo-phase in the outputs)
+PROFILE_EXTRA_S = 120  # added to the profiled case's cap: one iteration under the profiler plus post-processing
+TRACE_MAX_MB = 15.0  # default --profile-trace-mb (the device machine returns files of at most 16 MiB)
+SYNC_CALLS = ("cudaMemcpy", "cudaMemcpy2D", "cuMemcpyDtoH", "cuMemcpyDtoH_v2")  # blocking, besides "*Synchronize*"
+
+
+def profile_iteration(trainer, rec: MemoryRecorder, step: int, cuda: bool, prof_spec: dict, sink: Sink,
+                      deadline: float, last_s: float) -> None:
+    """Run iteration ``step`` (after every timed one, so it neither changes their timings nor enters the
+    medians) under ``torch.profiler.profile`` and write phases.txt, summary.json and trace.json.gz into
+    ``prof_spec["dir"]``; one "profile" record (and a "profile_trace" one) goes to the sink.
+
+    Each phase's range comes from the bench's existing hook: ``timer.phase`` (already wrapped by the
+    MemoryRecorder) is wrapped once more, for this iteration only, in ``record_function("phase/<name>")``,
+    outside the PhaseTimer's own CUDA syncs, so every kernel launched in a phase also finishes inside its
+    range. See :func:`analyze_profile` for how events are assigned to ranges. Any failure is reported
+    in the record instead of failing the case (its timed iterations are already written).
+    """
+    import contextlib
+    import torch
+
+    need = 3.0 * last_s + 45.0  # the iteration under the profiler, then post-processing
+    if time.time() + need > deadline:
+        sink.write({"kind": "profile", "error": f"skipped: {deadline - time.time():.0f} s left before the deadline, "
+                                                f"needs about {need:.0f} s"})
+        return
+    try:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        out_dir = prof_spec["dir"]
+        os.makedirs(out_dir, exist_ok=True)
+        timer = trainer.timer
+        outer = timer.phase
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            with record_function(PHASE_RANGE + name), outer(name):
+                yield
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        timer.phase = phase
+        try:
+            with profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with record_function(ITERATION_RANGE):
+                    metrics = trainer.train_step(step)
+                    if cuda:
+                        torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            events = prof.events()
+        finally:
+            timer.phase = outer
+            rec.pop()  # this iteration's memory points are not the reported timeline
+        summary, text = analyze_profile(events, cuda=cuda)
+        summary.update(step=step, device="cuda" if cuda else "cpu", iteration_wall_s=wall, postprocess_s=time.perf_counter() - t1)
+        timer_s = {k[5:]: float(v) for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
+        for name, ph in summary["phases"].items():
+            ph["timer_s"] = wall if name == ITERATION_RANGE else timer_s.get(name)
+        with open(os.path.join(out_dir, "phases.txt"), "w") as f:
+            f.write(text)
+        _write_json(os.path.join(out_dir, "summary.json"), summary)
+        sink.write({"kind": "profile", "dir": out_dir, "files": ["phases.txt", "summary.json"], **summary})
+    except Exception as e:
+        import traceback
+
+        sink.write({"kind": "profile", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+        return
+    trace = _export_trace(prof, out_dir, prof_spec.get("trace_max_mb", TRACE_MAX_MB), len(events), deadline)
+    summary["trace"] = trace
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    sink.write({"kind": "profile_trace", **trace})
+
+
+def _export_trace(prof, out_dir: str, max_mb: float, n_events: int, deadline: float) -> dict:
+    """trace.json.gz if it fits in ``max_mb`` (else deleted) and there is time for it; says which."""
+    path = os.path.join(out_dir, "trace.json.gz")
+    if max_mb <= 0:
+        return {"kept": False, "reason": "--profile-trace-mb 0"}
+    need = 30.0 + 50e-6 * n_events
+    if time.time() + need > deadline:
+        return {"kept": False, "reason": f"no time: {deadline - time.time():.0f} s left, about {need:.0f} s needed"}
+    try:
+        t0 = time.perf_counter()
+        prof.export_chrome_trace(path)
+        size = os.path.getsize(path)
+    except Exception as e:
+        return {"kept": False, "reason": f"export failed: {type(e).__name__}: {e}"}
+    out = {"bytes": size, "export_s": time.perf_counter() - t0}
+    if size > max_mb * 2**20:
+        os.remove(path)
+        return {**out, "kept": False, "reason": f"{size / 2**20:.1f} MiB > --profile-trace-mb {max_mb:g}: deleted"}
+    return {**out, "kept": True, "file": "trace.json.gz"}
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=_json_default)
+
+
+def _interval_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the (start, end) intervals (overlaps counted once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def _is_copy(name: str) -> bool:
+    return name.startswith("Memcpy") or name.startswith("Memset")
+
+
+def analyze_profile(events, *, cuda: bool, top: int = 25) -> tuple[dict, str]:
+    """Per-phase figures and tables from one profiled iteration's ``prof.events()``.
+
+    Ranges: the CPU events named ``phase/<name>`` (a phase entered twice has two) and ``iteration``.
+    A host event (op, runtime call, range) belongs to a range when it starts inside it, on any thread
+    (autograd runs the backward on its own thread). A device event (kernel, memcpy, memset) belongs to
+    the range in which it was *launched*: it is matched to its runtime call (``cudaLaunchKernel``,
+    ``cuLaunchKernel``, ``cudaGraphLaunch``, ``cudaMemcpyAsync``...) by CUPTI correlation id, and only
+    when no runtime call matches is its own start time used (``kernels_matched_by`` counts both).
+    Since each range encloses the PhaseTimer's CUDA syncs, a phase's kernels also run inside it, so
+    ``device_busy_s`` (union of its device intervals) over ``wall_s`` gives the idle fraction. The
+    tables are ``key_averages()`` of an ``EventList`` of exactly those events (a ``phase/<name>``
+    row's self CPU time is Python time outside any op).
+    """
+    import bisect
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList
+
+    def is_range(e) -> bool:
+        return e.name == ITERATION_RANGE or e.name.startswith(PHASE_RANGE)
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    # device side, without the GPU copies of the record_function annotations
+    dev = [e for e in events if e.device_type != DeviceType.CPU and not is_range(e)
+           and not getattr(e, "is_user_annotation", False)]
+    ranges: dict[str, list[tuple[float, float]]] = {}
+    for e in sorted((e for e in cpu if is_range(e)), key=lambda e: e.time_range.start):
+        key = ITERATION_RANGE if e.name == ITERATION_RANGE else e.name[len(PHASE_RANGE):]
+        ranges.setdefault(key, []).append((e.time_range.start, e.time_range.end))
+    starts = {k: [s for s, _ in v] for k, v in ranges.items()}
+
+    def inside(key: str, t: float) -> bool:
+        i = bisect.bisect_right(starts[key], t) - 1
+        return i >= 0 and t <= ranges[key][i][1]
+
+    dev_ids = {e.id for e in dev}
+    runtime = {e.id: e for e in cpu if e.name.startswith("cu") and e.id in dev_ids}
+    matched = {"launch": 0, "time": 0}
+    anchors = []
+    for e in dev:
+        r = runtime.get(e.id)
+        matched["launch" if r is not None else "time"] += 1
+        anchors.append(r.time_range.start if r is not None else e.time_range.start)
+
+    phases: dict[str, dict] = {}
+    text = [f"Tidal: one profiled iteration, {'CPU + CUDA' if cuda else 'CPU'} activities; per range the events "
+            f"inside it (see analyze_profile in bench/e2e_grpo.py); times in the tables are the profiler's.\n"]
+    for key in ranges:
+        host = [e for e in cpu if inside(key, e.time_range.start)]
+        mine = [e for e, t in zip(dev, anchors) if inside(key, t)]
+        wall_us = sum(b - a for a, b in ranges[key])
+        kernels = [e for e in mine if not _is_copy(e.name)]
+        copies = [e for e in mine if _is_copy(e.name)]
+        calls: dict[str, int] = {}
+        for e in host:
+            if e.name.startswith("cu"):
+                calls[e.name] = calls.get(e.name, 0) + 1
+        launch_calls = {n: c for n, c in calls.items() if "Launch" in n}
+        sync_calls = {n: c for n, c in calls.items() if "Synchronize" in n or n in SYNC_CALLS}
+        by_kernel: dict[str, list] = {}
+        for e in kernels:
+            slot = by_kernel.setdefault(e.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += (e.time_range.end - e.time_range.start) / 1e6
+        by_op: dict[str, list] = {}
+        for e in host:
+            if is_range(e):
+                continue
+            slot = by_op.setdefault(e.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += e.self_cpu_time_total / 1e6
+        busy_s = _interval_union([(e.time_range.start, e.time_range.end) for e in mine]) / 1e6
+        ph = {
+            "entries": len(ranges[key]), "wall_s": wall_us / 1e6, "timer_s": None,
+            "host_events": len(host),
+            # host time on the range's own thread outside any recorded op: Python, or waiting (e.g. for the autograd thread)
+            "range_self_cpu_s": sum(e.self_cpu_time_total for e in host if is_range(e) and (
+                e.name == ITERATION_RANGE if key == ITERATION_RANGE else e.name == PHASE_RANGE + key)) / 1e6,
+            "top_cpu_ops": [[n, c, t] for n, (c, t) in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:5]],
+        }
+        if cuda:
+            ph.update({
+                "device_kernel_s": sum(t for _, t in by_kernel.values()),
+                "device_copy_s": sum((e.time_range.end - e.time_range.start) / 1e6 for e in copies),
+                "device_busy_s": busy_s,
+                "device_idle_frac": max(0.0, 1.0 - busy_s / (wall_us / 1e6)) if wall_us > 0 else None,
+                "device_kernels": len(kernels), "device_copies": len(copies),
+                "kernel_launches": sum(c for n, c in launch_calls.items() if "Graph" not in n),
+                "graph_launches": sum(c for n, c in launch_calls.items() if "Graph" in n),
+                "launch_calls": launch_calls,
+                "host_syncs": sum(sync_calls.values()), "sync_calls": sync_calls,
+                "memcpy_dtoh": sum(1 for e in copies if "DtoH" in e.name),
+                "top_kernels": [[n, c, t] for n, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:5]],
+            })
+        phases[key] = ph
+        evl = EventList(host + mine, use_device="cuda" if cuda else None)
+        evl._tree_built = True  # a subset of prof.events(), whose parent/child links are already built
+        avg = evl.key_averages()
+        head = (f"==== {key}: {ph['entries']} entr{'y' if ph['entries'] == 1 else 'ies'}, wall {1e3 * ph['wall_s']:.3f} ms, "
+                f"{1e3 * ph['range_self_cpu_s']:.3f} ms of it outside ops on the range's thread")
+        if cuda:
+            head += (f"; device kernels {1e3 * ph['device_kernel_s']:.3f} ms, busy {1e3 * ph['device_busy_s']:.3f} ms "
+                     f"(idle {100 * (ph['device_idle_frac'] or 0):.1f}%), {ph['device_kernels']} kernels, "
+                     f"{ph['kernel_launches']} launch calls + {ph['graph_launches']} graph launches, "
+                     f"{ph['host_syncs']} host syncs {sync_calls}, {ph['memcpy_dtoh']} DtoH copies")
+        text.append(head + "\n")
+        sorts = [("self_device_time_total", "self device time"), ("self_cpu_time_total", "self CPU time")] if cuda \
+            else [("self_cpu_time_total", "self CPU time")]
+        for sort_by, label in sorts:
+            text.append(f"-- top {top} by {label} --\n")
+            text.append(avg.table(sort_by=sort_by, row_limit=top, max_name_column_width=100) + "\n")
+    summary = {
+        "method": "record_function range per phase around the PhaseTimer hook; host events by start time, device "
+                  "events by the time of their launching runtime call (CUPTI correlation id), else their own start",
+        "events": len(events), "device_events": len(dev), "kernels_matched_by": matched,
+        "phases": phases,
+    }
+    if cuda and not dev:
+        summary["warning"] = "no device events recorded (CUPTI gave nothing): the device figures are zero"
+    return summary, "\n".join(text)
 
 
 # ---- TRL worker ------------------------------------------------------------------------------------
@@ -680,6 +961,7 @@ class Run:
         self.ceilings: dict | None = None
         self.env: dict = {}
         self.results: dict[Case, dict] = {}
+        self.profile_case: Case | None = None  # --profile: the first Tidal case (set by main)
 
     def emit(self, figure: str, **fields) -> None:
         rec = _rounded({"figure": figure, **fields})
@@ -745,6 +1027,9 @@ class Run:
 
     def run_case(self, case: Case) -> None:
         cap = CASE_CAP_S.get((case.framework, case.size), 600)
+        profiled = case == self.profile_case
+        if profiled:
+            cap += PROFILE_EXTRA_S
         budget = min(self.remaining(), cap)
         if budget < (CASE_MIN_S if not self.args.tiny else 5):
             self.emit("skipped", case=case.name, reason=f"time budget: {self.remaining():.0f} s left")
@@ -753,11 +1038,16 @@ class Run:
         spec = {"framework": case.framework, "size": case.size, "kl": case.kl, "model_dir": model["model_dir"],
                 "tokenizer_dir": model["tokenizer_dir"], "data": model["data"], "run_dir": os.path.join(self.work_dir, f"run-{case.name}-{self.run_id}"),
                 "deadline": time.time() + budget - 10, "tidal_set": self.args.tidal_set}
+        if profiled:
+            spec["profile"] = {"dir": os.path.abspath(self.args.profile), "trace_max_mb": self.args.profile_trace_mb}
         records, rc, tail = self.spawn(case.framework, spec, budget, case.name)
         summarize = summarize_tidal if case.framework == "tidal" else summarize_trl
         summary = summarize(records, self.settings, kl=case.kl)
         summary.update(rc=rc)
         self.results[case] = summary
+        if profiled and summary.get("profile") is None:
+            summary["profile"] = {"error": "the worker left no profile record (killed or failed first: see the case's "
+                                           "error line / logs.txt)"}
         self.report_case(case, summary, tail)
 
     # ---- figures -----------------------------------------------------------------------------------
@@ -801,11 +1091,41 @@ class Run:
             self.emit("weight_sync", **base, bytes=ws["bytes"], median_s=t, GBps=ws["bytes"] / t / 1e9 if ws["bytes"] else None,
                       copy_bw_GBps=copy_bw / 1e9 if copy_bw else None, bound_s=bounds.get("weight_sync"),
                       bound_over_measured=bounds["weight_sync"] / t if bounds else None)
+        if sm.get("profile"):
+            self.report_profile(base, sm)
         if sm["timeline"]:
             self.emit("memory_timeline", **base, step=sm["timeline_step"], unit="GiB allocated, GiB reserved",
                       points=[[p["label"], _gib(p["allocated"]), _gib(p["reserved"])] + ([_gib(p["peak"])] if p.get("peak") else [])
                               for p in sm["timeline"]],
                       returned_bytes={c["name"]: c["returned"] for c in sm["timeline_calls"] if c["returned"] is not None})
+
+    def report_profile(self, base: dict, sm: dict) -> None:
+        """The "profile" figure: per phase of the profiled iteration its wall time (and the unprofiled
+        median), device-kernel time, idle fraction, launches, host syncs and top kernel; the full
+        tables are in the profile folder."""
+        prof = sm["profile"]
+        if prof.get("error"):
+            self.emit("profile", **base, dir=prof.get("dir") or self.args.profile, error=prof["error"])
+            return
+        phases = {}
+        for name, ph in prof["phases"].items():
+            top = (ph.get("top_kernels") or ph.get("top_cpu_ops") or [None])[0]
+            phases[name] = {
+                "wall_s": ph["wall_s"], "timer_s": ph.get("timer_s"),
+                "unprofiled_median_s": median_or_none(sm["steady_s"]) if name == ITERATION_RANGE else sm["phases"].get(name),
+                "outside_ops_s": ph.get("range_self_cpu_s"),
+                **{k: ph.get(k) for k in ("device_kernel_s", "device_idle_frac", "kernel_launches", "graph_launches",
+                                          "host_syncs", "memcpy_dtoh") if k in ph},
+                "top": [top[0][:80], top[1], top[2]] if top else None,
+            }
+        trace = prof.get("trace") or {"kept": False, "reason": "not written (worker stopped first)"}
+        files = list(prof.get("files", [])) + (["trace.json.gz"] if trace.get("kept") else [])
+        self.emit("profile", **base, dir=prof["dir"], step=prof.get("step"), files=files,
+                  trace_mib=(trace["bytes"] / 2**20) if trace.get("bytes") else None,
+                  trace_note=None if trace.get("kept") else trace.get("reason"),
+                  events=prof.get("events"), device_events=prof.get("device_events"),
+                  kernels_matched_by=prof.get("kernels_matched_by"), warning=prof.get("warning"),
+                  postprocess_s=prof.get("postprocess_s"), phases=phases)
 
     def report_ratio(self, case: Case) -> None:
         tidal = self.results.get(Case(framework="tidal", size=case.size, kl=case.kl))
@@ -882,7 +1202,20 @@ def summarize_tidal(records: list[dict], s: BenchSettings, kl: bool = False) -> 
         "weight_sync": {"bytes": syncs[-1]["returned"] if syncs else None, "seconds": [c["seconds"] for c in syncs]},
         "timeline": last["timeline"] if last else [], "timeline_calls": last["calls"] if last else [],
         "timeline_step": last["step"] if last else None,
+        "profile": _profile_of(records),
     }
+
+
+def _profile_of(records: list[dict]) -> dict | None:
+    """The profiled iteration's record (with its trace's, if any), or None when none was profiled."""
+    prof = next((r for r in records if r["kind"] == "profile"), None)
+    trace = next((r for r in records if r["kind"] == "profile_trace"), None)
+    if prof is None:
+        return None
+    prof = {k: v for k, v in prof.items() if k != "kind"}
+    if trace is not None:
+        prof["trace"] = {k: v for k, v in trace.items() if k != "kind"}
+    return prof
 
 
 def summarize_trl(records: list[dict], s: BenchSettings, kl: bool = False) -> dict:
@@ -976,6 +1309,11 @@ def parse_args(argv: list[str] | None = None):
                    help="TRL model_init dtype (float32 = fp32 master weights + bf16 autocast, like Tidal)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL with gradient checkpointing (its default)")
     p.add_argument("--steps", type=int, default=None, help="timed iterations of each case (default Tidal 5, TRL 3)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one extra Tidal iteration of the main case (after the timed ones) with torch.profiler; "
+                        "write phases.txt, summary.json and trace.json.gz into DIR")
+    p.add_argument("--profile-trace-mb", type=float, default=TRACE_MAX_MB,
+                   help=f"keep trace.json.gz only up to this size (default {TRACE_MAX_MB:g}; 0: no trace)")
     p.add_argument("--commit", default=None, help="commit recorded with the results (default: git or $TIDAL_COMMIT)")
     p.add_argument("--worker", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1028,6 +1366,12 @@ def main(argv: list[str] | None = None) -> int:
         frameworks.remove("trl")
     kls = {"off": [False], "on": [True], "both": [False, True]}[args.kl]
     cases = plan_cases(frameworks, sizes, kls)
+    if args.profile:
+        run.profile_case = next((c for c in cases if c.framework == "tidal"), None)
+        if run.profile_case is None:
+            run.emit("profile", error="--profile needs a Tidal case: none is planned")
+        else:
+            os.makedirs(args.profile, exist_ok=True)
     if cases and run.setup(sizes):
         for case in cases:
             run.run_case(case)

@@ -192,8 +192,9 @@ def test_missing_trl_is_a_json_error_line(tmp_path):
 @pytest.mark.slow
 def test_tiny_tidal_run_on_cpu(tmp_path):
     record = tmp_path / "results.jsonl"
-    figs = _run(["--tiny", "--only", "tidal", "--kl", "off", "--record", str(record), "--out-dir", str(tmp_path / "o")],
-                tmp_path, 600)
+    prof_dir = tmp_path / "prof"
+    figs = _run(["--tiny", "--only", "tidal", "--kl", "off", "--record", str(record), "--out-dir", str(tmp_path / "o"),
+                 "--profile", str(prof_dir)], tmp_path, 600)
     by = {}
     for f in figs:
         by.setdefault(f["figure"], []).append(f)
@@ -208,6 +209,20 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(recorded) == len(figs) and all(r["run_id"] == recorded[0]["run_id"] and "commit" in r for r in recorded)
     assert (tmp_path / "o" / "raw.jsonl").exists() and (tmp_path / "o" / "logs.txt").exists()
+    # --profile: one extra iteration after the timed ones, not in the medians nor the timeline
+    prof = by["profile"][0]
+    assert "error" not in prof, prof
+    assert prof["step"] == e2e.TINY["tidal_warmup"] + e2e.TINY["tidal_steps"] + 1
+    assert by["memory_timeline"][0]["step"] == prof["step"] - 1
+    assert {"iteration", "generate", "actor_logprobs", "train", "weight_sync"} <= set(prof["phases"])
+    assert all(p["wall_s"] > 0 and p["unprofiled_median_s"] > 0 for p in prof["phases"].values())
+    assert sorted(os.listdir(prof_dir)) == sorted(prof["files"]) == ["phases.txt", "summary.json", "trace.json.gz"]
+    summary = json.loads((prof_dir / "summary.json").read_text())
+    train = summary["phases"]["train"]
+    assert train["host_events"] > 0 and train["top_cpu_ops"] and "device_kernel_s" not in train  # CPU: no device figures
+    assert summary["trace"]["kept"] is True
+    text = (prof_dir / "phases.txt").read_text()
+    assert "==== train:" in text and "top 25 by self CPU time" in text
 
 
 def test_report_with_ceilings_bounds_ratio_and_record(tmp_path, capsys):
@@ -248,3 +263,44 @@ def test_report_with_ceilings_bounds_ratio_and_record(tmp_path, capsys):
     assert timeline["points"] == [["train:end", 1.0, 2.0, 3.0]] and timeline["returned_bytes"] == {"sleep": 123}
     recorded = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text().splitlines()]
     assert len(recorded) == len(figs) and {r["commit"] for r in recorded} == {"abc"}
+
+
+def test_analyze_profile_assigns_kernels_by_launch_and_counts_syncs():
+    """The CUDA branch of the --profile analysis on hand-made profiler events: a kernel launched in
+    ``train`` but running past its range stays in ``train``; one with no runtime call goes by its start."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    cuda = DeviceType.CUDA
+
+    def ev(id_, name, a, b, device_type=DeviceType.CPU, thread=1):
+        return FunctionEvent(id=id_, name=name, thread=thread, start_us=a, end_us=b, device_type=device_type,
+                             use_device="cuda", stack=[], input_shapes=[])
+
+    events = EventList([
+        ev(1, "iteration", 0, 100), ev(2, "phase/train", 10, 60), ev(3, "phase/weight_sync", 60, 90),
+        ev(4, "phase/train", 10, 60, device_type=cuda),  # the GPU copy of an annotation: not a kernel
+        ev(5, "aten::mm", 12, 20), ev(1001, "cudaLaunchKernel", 13, 14),
+        ev(1001, "gemm_kernel", 40, 59, device_type=cuda),
+        ev(6, "aten::item", 20, 50), ev(1002, "cudaMemcpyAsync", 21, 22), ev(1003, "cudaStreamSynchronize", 22, 49),
+        ev(1002, "Memcpy DtoH (Device -> Pageable)", 45, 47, device_type=cuda),
+        ev(7, "aten::add_", 30, 32, thread=2), ev(1004, "cuLaunchKernel", 30, 31, thread=2),
+        ev(1004, "add_kernel", 55, 65, device_type=cuda),  # launched in train, ends after it
+        ev(9999, "copy_kernel", 70, 80, device_type=cuda),  # no runtime call: by its start, weight_sync
+    ], use_device="cuda")
+    events._build_tree()
+    summary, text = e2e.analyze_profile(events, cuda=True)
+    assert summary["device_events"] == 4 and summary["kernels_matched_by"] == {"launch": 3, "time": 1}
+    train, sync, it = (summary["phases"][k] for k in ("train", "weight_sync", "iteration"))
+    assert train["wall_s"] == pytest.approx(50e-6) and train["entries"] == 1
+    assert train["device_kernels"] == 2 and train["device_kernel_s"] == pytest.approx(29e-6)
+    assert train["device_copy_s"] == pytest.approx(2e-6) and train["memcpy_dtoh"] == 1
+    assert train["device_busy_s"] == pytest.approx(25e-6)  # union of [40, 65]
+    assert train["device_idle_frac"] == pytest.approx(0.5)
+    assert train["kernel_launches"] == 2 and train["graph_launches"] == 0
+    assert train["host_syncs"] == 1 and train["sync_calls"] == {"cudaStreamSynchronize": 1}
+    assert train["top_kernels"][0] == ["gemm_kernel", 1, pytest.approx(19e-6)]
+    assert sync["device_kernels"] == 1 and sync["top_kernels"][0][0] == "copy_kernel"
+    assert it["device_kernels"] == 3 and it["range_self_cpu_s"] == pytest.approx(20e-6)  # 100 - 50 - 30
+    assert "==== train:" in text and "top 25 by self device time" in text and "gemm_kernel" in text
+    assert e2e._interval_union([(0, 2), (1, 3), (5, 6)]) == 4
