@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from tidal.config_base import ConfigError, build
 from tidal.models.config import LoraConfig, ModelConfig
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
-from tidal.models.lora import AdapterDisabledReference, apply_lora, hf_weights, is_lora, merged_state_dict, save_hf
+from tidal.models.lora import AdapterDisabledReference, apply_lora, hf_weights, is_lora, merged_state_dict, peft_model, save_hf
 
 
 def tiny_lm(seed: int = 0, tie: bool = True) -> Qwen2ForCausalLM:
@@ -149,3 +149,27 @@ def test_adapter_init_depends_on_seed_only():
 
     a, b, c = adapters(123, 5), adapters(456, 5), adapters(123, 6)
     assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)
+
+
+def test_peft_model_is_found_inside_a_training_engine_wrapper():
+    model, base = lora_lm()
+
+    class Engine(torch.nn.Module):  # what a DeepSpeedEngine looks like to lora.py: .module + forwarding
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.module, name)
+
+    engine = Engine(model)
+    assert peft_model(engine) is model and peft_model(model) is model and is_lora(engine)
+    assert peft_model(base) is None and not is_lora(Engine(base))
+    ids, am = batch()
+    with torch.no_grad():
+        ref_logp, _ = token_logprobs(AdapterDisabledReference(engine), ids, am)
+        base_logp, _ = token_logprobs(base, ids, am)
+    torch.testing.assert_close(ref_logp, base_logp, rtol=1e-5, atol=1e-6)

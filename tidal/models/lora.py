@@ -1,6 +1,9 @@
 """LoRA actors (PEFT): adapters on the actor, its base as the reference, merged weights for the engine.
 
 Contract:
+- A LoRA model is a ``peft.PeftModel``, or a training engine that holds one as ``.module`` and
+  forwards attribute access to it (a ``DeepSpeedEngine``): :func:`peft_model` finds it, so the
+  functions here take either.
 - :func:`apply_lora` wraps an HF causal LM in a ``peft.PeftModel`` whose only trainable parameters
   are the adapters (``lora_A``/``lora_B`` of the ``model.lora.target_modules`` linears); with LoRA
   off it returns the model unchanged. The Tidal logprob method is attached to the PEFT model (the
@@ -33,12 +36,21 @@ ADAPTER_DIR = "adapter"
 _PEFT_PREFIX = "base_model.model."
 
 
-def is_lora(model: torch.nn.Module) -> bool:
+def peft_model(model: torch.nn.Module):
+    """The ``PeftModel`` of ``model``: itself, or the module a training engine wraps (``.module``
+    of a ``DeepSpeedEngine``); None for a model without LoRA."""
     try:
         from peft import PeftModel
     except ImportError:  # without PEFT installed no model can be a LoRA model
-        return False
-    return isinstance(model, PeftModel)
+        return None
+    for m in (model, getattr(model, "module", None)):
+        if isinstance(m, PeftModel):
+            return m
+    return None
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return peft_model(model) is not None
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> torch.nn.Module:
@@ -69,17 +81,21 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
 class AdapterDisabledReference(torch.nn.Module):
     """The base model of a LoRA actor, for reference logprobs: the actor's own modules with the
     adapters disabled. It registers no submodule or parameter (the actor is held as a plain
-    attribute), so ``to()``/offloading it is a no-op and it is never a second copy."""
+    attribute), so ``to()``/offloading it is a no-op and it is never a second copy. ``actor`` is
+    what the strategy prepared (the PEFT model, or the engine wrapping it): the logprobs run
+    through it, so a ZeRO-3 engine gathers the base weights as for the actor's own forward."""
 
     def __init__(self, actor: torch.nn.Module):
         super().__init__()
-        if not is_lora(actor):
+        peft = peft_model(actor)
+        if peft is None:
             raise ValueError("AdapterDisabledReference needs a LoRA (PEFT) actor")
         object.__setattr__(self, "_actor", actor)
+        object.__setattr__(self, "_peft", peft)
         object.__setattr__(self, LOGPROB_METHOD, self._base_logprobs)  # what token_logprobs() calls
 
     def _base_logprobs(self, *args):
-        with self._actor.disable_adapter():
+        with self._peft.disable_adapter():
             return getattr(self._actor, LOGPROB_METHOD)(*args)
 
 
@@ -97,6 +113,11 @@ class WeightEntry:
     lora_a: str | None = None
     lora_b: str | None = None
     scaling: float = 0.0
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Names of the model parameters this weight is computed from."""
+        return (self.source,) if self.lora_a is None else (self.source, self.lora_a, self.lora_b)
 
 
 def hf_name(peft_name: str) -> str:
@@ -138,8 +159,11 @@ def merged(entry: WeightEntry, get: Callable[[str], torch.Tensor]) -> torch.Tens
     w = get(entry.source)
     if entry.lora_a is None:
         return w
-    a_RI, b_OR = get(entry.lora_a).float(), get(entry.lora_b).float()
-    return (w.float() + entry.scaling * (b_OR @ a_RI)).to(w.dtype)
+    a_RI, b_OR = get(entry.lora_a), get(entry.lora_b)
+    # in fp32, returned in the wider of the base's and the adapters' dtypes (a bf16 base with fp32
+    # adapters stays fp32 until the caller casts it once)
+    out_dtype = torch.promote_types(w.dtype, a_RI.dtype)
+    return (w.float() + entry.scaling * (b_OR.float() @ a_RI.float())).to(out_dtype)
 
 
 def hf_weights(model: torch.nn.Module, full: Callable[[torch.nn.Parameter], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,9 +186,11 @@ def merged_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor]) 
 # ---- export ----------------------------------------------------------------------------------------------
 def save_hf(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], out: Path) -> None:
     """Write ``out`` as an HF folder loadable by ``from_pretrained`` (LoRA merged into the weights)
-    and, for a LoRA model, ``out/adapter`` in PEFT format (``PeftModel.from_pretrained(base, out/adapter)``)."""
+    and, for a LoRA model, ``out/adapter`` in PEFT format (``PeftModel.from_pretrained(base, out/adapter)``).
+    ``full_sd`` has the keys of the (PEFT) module's own ``state_dict``."""
     if not is_lora(model):
         model.save_pretrained(out, state_dict=full_sd, safe_serialization=True)
         return
+    model = peft_model(model)
     model.get_base_model().save_pretrained(out, state_dict=merged_state_dict(model, full_sd), safe_serialization=True)
     model.save_pretrained(out / ADAPTER_DIR, state_dict=full_sd, safe_serialization=True)
