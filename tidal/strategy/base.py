@@ -183,6 +183,11 @@ class Strategy(abc.ABC):
         torch.distributed.barrier(group=self.runtime.cpu_group)
 
 
+def _frozen_names(model: torch.nn.Module) -> set[str]:
+    """Every name (tied aliases included) of a parameter that does not train: left out of checkpoints."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     for st in optimizer.state.values():
         for k, v in st.items():

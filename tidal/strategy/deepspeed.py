@@ -28,6 +28,15 @@ reduced in fp32 and, at stages 2 and 3, accumulated in fp32. At stage 1 without 
 DeepSpeed only offers fp32 accumulation through its BF16_Optimizer, which cannot offload its
 states, so stage 1 accumulates micro-batch gradients in bf16. On CPU everything is fp32.
 
+LoRA (PEFT) actors: the engine wraps the ``PeftModel``; only the adapters are in the optimizer (the
+base has no ZeRO state; ZeRO-3 partitions it like every parameter). ``full_weights`` follows
+:func:`tidal.models.lora.weight_plan`: each bucket of HF weights gathers its base weights and adapters
+together and merges them there, the adapters from their fp32 masters. Offload moves the base
+(DeepSpeed's ``offload_states`` moves only what the optimizer holds). Checkpoints keep the adapters
+only. On CUDA the frozen base is held in bf16 (DeepSpeed casts the module; a frozen parameter has
+no fp32 master), where FSDP2 keeps it in fp32 and casts per layer: the same values when the
+checkpoint's weights are bf16.
+
 Checkpoints go through torch.distributed.checkpoint like FSDP2's: each rank's ZeRO optimizer state
 (its fp32 master partition and AdamW moments) is stored under a key naming the rank and world size,
 so a checkpoint loads only into the same world size (DeepSpeed's rigid checkpoints have the same
@@ -45,11 +54,13 @@ import deepspeed.ops
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
 from tidal.distributed.runtime import Runtime
 from tidal.models.logprobs import LOGPROB_METHOD
-from tidal.strategy.base import Strategy, TrainState, _move_optimizer_state, lr_lambda
+from tidal.models.lora import merged, weight_plan
+from tidal.strategy.base import Strategy, TrainState, _frozen_names, _move_optimizer_state, lr_lambda
 from tidal.strategy.config import OptimConfig, StrategyConfig
 
 # ZeRO-3 parameters are all-gathered for full_weights / export in groups of about this many bytes.
@@ -112,6 +123,12 @@ class _Placed:
     params_offloaded: bool = False
     optim_offloaded: bool = False
 
+    @property
+    def frozen_params(self) -> list[torch.nn.Parameter]:
+        """Parameters of a trained model that do not train (a LoRA actor's base): no ZeRO
+        optimizer state, so DeepSpeed's offload_states does not move them."""
+        return [p for p in self.module.parameters() if not p.requires_grad] if self.trainable else []
+
 
 def _is_zero3(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id")
@@ -155,17 +172,46 @@ def _move_buffers(module: torch.nn.Module, device: torch.device | str) -> None:
                 m._buffers[k] = b.to(device)
 
 
-def _gathered_groups(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
-    """Consecutive groups of about ``bucket_bytes`` (by full size), in the given order."""
-    group, size = [], 0
-    for p in params:
-        group.append(p)
-        size += (p.ds_numel if _is_zero3(p) else p.numel()) * p.element_size()
-        if size >= bucket_bytes:
+def _full_bytes(p: torch.nn.Parameter) -> int:
+    return (p.ds_numel if _is_zero3(p) else p.numel()) * p.element_size()
+
+
+def _gathered_groups(items: list, bucket_bytes: int, size=_full_bytes) -> Iterator[list]:
+    """Consecutive groups of about ``bucket_bytes`` (``size(item)``: full bytes), in the given order."""
+    group, total = [], 0
+    for item in items:
+        group.append(item)
+        total += size(item)
+        if total >= bucket_bytes:
             yield group
-            group, size = [], 0
+            group, total = [], 0
     if group:
         yield group
+
+
+def _forget_dead_world_group() -> None:
+    """DeepSpeed keeps a module-level clone of the world group, made by its first engine. After that
+    world was destroyed (a second run in one process: tests, notebooks) the clone is dead and every
+    engine would fail on it; drop it so that the next engine clones the current world."""
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is None:
+        return
+    try:
+        torch.distributed.get_process_group_ranks(groups._WORLD_GROUP)
+    except (KeyError, ValueError, RuntimeError):
+        groups._WORLD_GROUP = None
+
+
+def _move_zero3_trained_partitions(zero, device: torch.device) -> None:
+    """Move a ZeRO-3 optimizer's flat buffer of trained compute-dtype partitions to ``device`` and
+    re-point the partitions (``ds_tensor``) and sub-group views at it, as ``reload_states`` does."""
+    buf = zero.lp_param_buffer
+    buf.data = buf.data.to(device)  # re-pointed even when already there: the same code on every device
+    for t, offset, numel in get_mapping_to_flat_buffer(zero._get_parameter_partitions()):
+        t.data = buf.narrow(0, offset, numel)
+    zero.fp16_partitioned_groups_flat.clear()
+    zero._set_fp16_partitioned_groups_flat()
 
 
 def _materialize_optimizer_state(engine) -> None:
@@ -213,6 +259,7 @@ class DeepSpeedStrategy(Strategy):
             # Its shared-memory CPU all-reduce serves DeepSpeed inference TP only; not compiling it
             # at the first engine saves minutes of C++ build.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        _forget_dead_world_group()
         self._placed: dict[int, _Placed] = {}
         # CPU optimizer offload is meaningless on a CPU run (the state is there already).
         self._ds_offload = cfg.offload_optimizer and runtime.device.type != "cpu"
@@ -245,7 +292,9 @@ class DeepSpeedStrategy(Strategy):
         model.train()
         bf16 = self.param_dtype == torch.bfloat16
         # DeepSpeed casts the module to bf16 and would seed fp32 masters from it; keep the fp32 values.
-        masters = {n: p.detach() for n, p in model.named_parameters()} if self.param_dtype != torch.float32 else None
+        masters = None
+        if self.param_dtype != torch.float32:
+            masters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         config = deepspeed_config(
             stage=self.zero_stage, bf16=bf16, max_grad_norm=optim.max_grad_norm,
             offload_optimizer=self._ds_offload, trainable=True,
@@ -254,7 +303,8 @@ class DeepSpeedStrategy(Strategy):
         engine = self._initialize(model, optimizer, config)
         if masters is not None:
             for name, p in engine.module.named_parameters():
-                safe_set_full_fp32_param(p, masters[name].to(self.device))
+                if name in masters:
+                    safe_set_full_fp32_param(p, masters[name].to(self.device))
             del masters
         _prepare_logprob_method(engine, self.zero_stage == 3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.basic_optimizer, lr_lambda(optim, total_steps))
@@ -305,11 +355,17 @@ class DeepSpeedStrategy(Strategy):
         """Bring a trained engine's states where ``rec`` says. offload_model covers the parameters in
         both precisions (bf16 compute copy, fp32 masters) and gradient partitions; offload_optimizer
         the AdamW moments. DeepSpeed's offload_states moves them, except the fp32 masters and moments
-        at ZeRO-3, which it moves only for its own FusedAdam: those are moved here."""
-        engine, zero3 = rec.engine, self.zero_stage == 3
+        at ZeRO-3, which it moves only for its own FusedAdam, and the parameters that do not train
+        (a LoRA actor's base): those are moved here. With such parameters at ZeRO-3 the trained
+        partitions are moved here too (DeepSpeed maps every parameter of the module onto the flat
+        buffer of the trained ones, which then does not fit)."""
+        engine, zero3, frozen = rec.engine, self.zero_stage == 3, rec.frozen_params
+        device = torch.device("cpu") if rec.params_offloaded else self.device
         want = set()
         if rec.params_offloaded:
             want.update(_LP_STATES if zero3 else (*_LP_STATES, _HP_STATE))
+            if zero3 and frozen:
+                want.discard(OffloadStateTypeEnum.lp_params)
         if rec.optim_offloaded and not zero3:
             want.add(_OPTIM_STATE)
         have = set(engine.optimizer.offloaded_states)
@@ -323,7 +379,14 @@ class DeepSpeedStrategy(Strategy):
             for flat in engine.optimizer.fp32_partitioned_groups_flat:
                 flat.data = flat.data.to(cpu if rec.params_offloaded else self.device)
             _move_optimizer_state(engine.basic_optimizer, cpu if rec.optim_offloaded else self.device)
-        _move_buffers(rec.module, "cpu" if rec.params_offloaded else self.device)
+        if zero3 and frozen:
+            _move_zero3_trained_partitions(engine.optimizer, device)
+        for p in frozen:
+            if zero3:
+                p.ds_tensor.data = p.ds_tensor.data.to(device)
+            else:
+                p.data = p.data.to(device)
+        _move_buffers(rec.module, device)
 
     def _place_frozen_zero3(self, rec: _Placed, device: torch.device | str) -> None:
         # Release every gathered parameter so only partitions hold data (the engine's own
@@ -334,6 +397,8 @@ class DeepSpeedStrategy(Strategy):
         _move_buffers(rec.module, device)
 
     def _place_model(self, model: torch.nn.Module, offloaded: bool) -> None:
+        if id(model) not in self._placed and not any(True for _ in model.parameters()) and not any(True for _ in model.buffers()):
+            return  # owns nothing to move (a LoRA actor's adapter-disabled reference)
         rec = self._rec(model)
         if rec.params_offloaded == offloaded:
             return
@@ -372,34 +437,38 @@ class DeepSpeedStrategy(Strategy):
             state.optimizer_offloaded = False
 
     # ---- weights and checkpoints ----------------------------------------------------------------
-    def _full_tensors(self, rec: _Placed, params: list[torch.nn.Parameter], *, fp32_master: bool) -> Iterator[torch.Tensor]:
+    def _full_tensors(self, params: list[torch.nn.Parameter], *, masters: set[int] = frozenset()) -> Iterator[torch.Tensor]:
         """Full values of ``params`` in order (a collective), as new tensors (never views of the live
-        parameters): the fp32 masters of a trained model when ``fp32_master``, else the
-        compute-dtype parameters (ZeRO-3: gathered in buckets)."""
-        if fp32_master and rec.trainable:
-            for p in params:
-                yield safe_get_full_fp32_param(p)
-            return
+        parameters): the fp32 master of each parameter whose id is in ``masters`` (trained ones),
+        the compute-dtype parameter of the others (ZeRO-3: gathered in buckets)."""
         for group in _gathered_groups(params, GATHER_BUCKET_BYTES):
-            zero3 = [p for p in group if _is_zero3(p)]
+            zero3 = [p for p in group if _is_zero3(p) and id(p) not in masters]
             with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None, enabled=bool(zero3)):
-                full = [p.detach().clone() for p in group]
+                full = [safe_get_full_fp32_param(p) if id(p) in masters else p.detach().clone() for p in group]
             yield from full
 
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every parameter, tied ones once, the same order on every rank.
-        Values are the compute-dtype parameters: with bf16 training and ``dtype=bfloat16`` (the rollout
-        engine's) they equal the fp32 masters rounded, as FSDP2's; an fp32 request of a bf16 model
-        gets the bf16 values widened."""
+        """(HF name, full tensor) for every weight, tied ones once, the same order on every rank; a
+        LoRA actor's targets merged (:func:`tidal.models.lora.weight_plan`), bucket by bucket at
+        ZeRO-3 (never the whole model at once). Values are the compute-dtype parameters: with bf16
+        training and ``dtype=bfloat16`` (the rollout engine's) they equal the fp32 masters rounded, as
+        FSDP2's; an fp32 request of a bf16 model gets the bf16 values widened. LoRA adapters are
+        merged from their fp32 masters (``W + s * B @ A`` in fp32, then cast), as FSDP2 merges."""
         rec = self._rec(model)
-        named = list(rec.module.named_parameters())
-        values = self._full_tensors(rec, [p for _, p in named], fp32_master=False)
-        for (name, _), full in zip(named, values):
-            yield name, full.to(self.device, dtype=dtype)
+        params = dict(rec.module.named_parameters())
+        plan = weight_plan(rec.module)
+        adapters = {id(params[n]) for e in plan for n in e.params[1:]}
+        for group in _gathered_groups(plan, GATHER_BUCKET_BYTES, lambda e: sum(_full_bytes(params[n]) for n in e.params)):
+            names = list(dict.fromkeys(n for e in group for n in e.params))
+            values = dict(zip(names, self._full_tensors([params[n] for n in names], masters=adapters)))
+            for e in group:
+                yield e.hf_name, merged(e, values.__getitem__).to(self.device, dtype=dtype)
+            del values
 
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0 ({} elsewhere), keys as ``module.state_dict()``; trained
-        parameters are the fp32 masters (as FSDP2 exports), tied keys share one tensor. A collective."""
+        parameters are the fp32 masters (as FSDP2 exports), frozen ones of a trained model (a LoRA
+        actor's base) their compute-dtype values in fp32; tied keys share one tensor. A collective."""
         rec = self._rec(model)
         entries = list(rec.module.state_dict(keep_vars=True).items())
         unique: dict[int, torch.Tensor] = {}
@@ -409,7 +478,8 @@ class DeepSpeedStrategy(Strategy):
                 unique[id(t)] = t
                 params.append(t)
         full: dict[int, torch.Tensor] = {}
-        for p, value in zip(params, self._full_tensors(rec, params, fp32_master=True)):
+        masters = {id(p) for p in params if rec.trainable and p.requires_grad}
+        for p, value in zip(params, self._full_tensors(params, masters=masters)):
             if self.runtime.is_main:
                 full[id(p)] = value.detach().to("cpu", dtype=torch.float32 if rec.trainable else value.dtype)
         if not self.runtime.is_main:
@@ -421,8 +491,10 @@ class DeepSpeedStrategy(Strategy):
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:
         """This rank's ZeRO optimizer state (fp32 master partition, moments, loss-scaler settings)
-        under a rank key; at stages 1-2 also the replicated compute-dtype weights (ZeRO-3 rebuilds
-        its partitions from the fp32 masters on load). Tensors are the live buffers (DCP loads in place)."""
+        under a rank key; at stages 1-2 also the replicated compute-dtype weights that train (ZeRO-3
+        rebuilds its partitions from the fp32 masters on load). Parameters that do not train (a LoRA
+        actor's base) are not saved: they are re-read from ``model.path``, as with FSDP2. Tensors are
+        the live buffers (DCP loads in place)."""
         engine = self._rec(state.model).engine
         _materialize_optimizer_state(engine)
         sd: dict[str, Any] = {
@@ -432,7 +504,8 @@ class DeepSpeedStrategy(Strategy):
                        "skipped_steps": engine.skipped_steps},
         }
         if self.zero_stage < 3:
-            sd["model"] = engine.module.state_dict()
+            frozen = _frozen_names(engine.module)
+            sd["model"] = {k: v for k, v in engine.module.state_dict().items() if k not in frozen}
         return sd
 
     def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
@@ -443,7 +516,11 @@ class DeepSpeedStrategy(Strategy):
         per_rank = [None] * self.runtime.world_size
         per_rank[self.runtime.rank] = sd["optimizer"][key]
         if self.zero_stage < 3:
-            engine.module.load_state_dict(sd["model"])
+            frozen = _frozen_names(engine.module)
+            keys = engine.module.load_state_dict(sd["model"], strict=False)
+            missing = set(keys.missing_keys) - frozen
+            if missing or keys.unexpected_keys:
+                raise RuntimeError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(keys.unexpected_keys)[:5]}")
             engine.optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
         else:
             engine.optimizer.checkpoint_event_prologue()

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import hf_weights
-from tidal.strategy.base import Strategy, TrainState, lr_lambda
+from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
 from tidal.strategy.config import OptimConfig
 
 
@@ -130,8 +130,3 @@ class FSDP2Strategy(Strategy):
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0, {} elsewhere (for HF export); a collective."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _frozen_names(model: torch.nn.Module) -> set[str]:
-    """Every name (tied aliases included) of a parameter that does not train: left out of checkpoints."""
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}

@@ -109,8 +109,6 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     strategy = get_strategy(cfg.strategy, runtime)
-    check(not cfg.model.lora.enabled or cfg.strategy.backend == "fsdp2", "model.lora.rank",
-          "LoRA needs strategy.backend=fsdp2 (the deepspeed backend does not merge adapters into the engine's weights yet)")
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
     tokenizer = load_tokenizer(paths.tokenizer)
