@@ -1,7 +1,8 @@
 """LoRA through the whole pipeline on the tiny quickstart task: only adapters train (and only they
 are in the optimizer), the reference is the base (KL is exactly 0 before the first update), the
 engine receives merged HF-named weights, export loads with from_pretrained and
-PeftModel.from_pretrained, and a resumed LoRA run logs what an uninterrupted one does."""
+PeftModel.from_pretrained, and a resumed LoRA run logs what an uninterrupted one does. On FSDP2
+and on DeepSpeed (ZeRO-1 and ZeRO-3)."""
 
 import json
 import math
@@ -88,9 +89,20 @@ def _task_model_path(cfg) -> str:
     return prepare(cfg.task).model_path
 
 
+BACKENDS = {
+    "fsdp2": [],
+    "deepspeed-z1": ["strategy.backend=deepspeed", "strategy.zero_stage=1", "run.device=cpu"],
+    "deepspeed-z3": ["strategy.backend=deepspeed", "strategy.zero_stage=3", "run.device=cpu"],
+}
+
+
 @pytest.mark.slow
-def test_lora_resume_matches_uninterrupted(tmp_path, tiny_task_overrides):
-    common = tiny_task_overrides + LORA + ["checkpoint.every=2", "checkpoint.keep=3"]
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_lora_resume_matches_uninterrupted(tmp_path, tiny_task_overrides, monkeypatch, backend):
+    if backend != "fsdp2":
+        pytest.importorskip("deepspeed")
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    common = tiny_task_overrides + LORA + BACKENDS[backend] + ["checkpoint.every=2", "checkpoint.keep=3"]
     _fit(load_config("quickstart", common + [f"run.output_dir={tmp_path / 'a'}", "run.steps=4"]))
     _fit(load_config("quickstart", common + [f"run.output_dir={tmp_path / 'b'}", "run.steps=2"]))
     ckpt = tmp_path / "b" / "checkpoints" / "step_000002"
@@ -104,4 +116,64 @@ def test_lora_resume_matches_uninterrupted(tmp_path, tiny_task_overrides):
     # the checkpoint holds the adapters (and their optimizer state), not a copy of the base
     meta = torch.distributed.checkpoint.FileSystemReader(str(ckpt / "models")).read_metadata()
     model_keys = [k for k in meta.state_dict_metadata if k.startswith("actor.model.")]
-    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:4]
+    if backend == "deepspeed-z3":  # ZeRO-3 saves the adapters as fp32 masters in the optimizer state only
+        assert not model_keys
+    else:
+        assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overrides, monkeypatch, stage):
+    """The same LoRA run on the DeepSpeed backend: reference = base (KL 0 at step 1), only adapters
+    change, the engine holds the merged weights, export round-trips (merged and PEFT adapter)."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from tidal.models.lora import peft_model
+
+    cfg = load_config("quickstart", tiny_task_overrides + LORA + [
+        f"run.output_dir={tmp_path}", "run.steps=2", "run.device=cpu", "checkpoint.at_end=false",
+        "algorithm.kl_coef=0.05", "engine.backend=hf", "strategy.backend=deepspeed", f"strategy.zero_stage={stage}",
+    ])
+    trainer = build_trainer(cfg)
+    try:
+        peft = peft_model(trainer.actor.model)
+        assert isinstance(trainer.reference, AdapterDisabledReference)
+
+        def adapters():
+            return {n: safe_get_full_fp32_param(p).clone() for n, p in peft.named_parameters() if p.requires_grad}
+
+        before_adapters = adapters()
+        before_merged = dict(trainer.strategy.full_weights(trainer.actor.model, torch.float32))
+        metrics = trainer.fit()
+        assert math.isfinite(metrics["actor/loss"])
+        after = adapters()
+        assert any(not torch.equal(after[n], before_adapters[n]) for n in after if ".lora_B." in n)
+        merged = dict(trainer.strategy.full_weights(trainer.actor.model, torch.float32))
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(merged[q], before_merged[q])
+        for n in ("model.embed_tokens.weight", "model.norm.weight"):  # not LoRA targets: frozen
+            assert torch.equal(merged[n], before_merged[n]), n
+        logged = _metrics(tmp_path)
+        assert logged[1]["kl/rollout"] == 0.0 and logged[2]["kl/rollout"] > 0.0
+
+        engine_params = dict(trainer.engine.model.named_parameters())
+        assert sorted(merged) == sorted(engine_params)
+        for n, t in merged.items():
+            torch.testing.assert_close(engine_params[n].detach(), t, msg=n)
+
+        export_hf(trainer, str(tmp_path / "export"))
+        ids = torch.tensor([trainer.train_data[0].prompt_ids])
+        with torch.no_grad():
+            want = trainer.actor.model(input_ids=ids).logits
+            got = AutoModelForCausalLM.from_pretrained(tmp_path / "export")(input_ids=ids).logits
+            from peft import PeftModel
+
+            base = AutoModelForCausalLM.from_pretrained(_task_model_path(cfg))
+            adapter = PeftModel.from_pretrained(base, tmp_path / "export" / "adapter")(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(adapter, want, rtol=1e-4, atol=1e-5)
+    finally:
+        shutdown()
