@@ -123,7 +123,9 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full unsharded tensor in ``dtype``) for every parameter; a collective on
-        every rank, in the same order everywhere. A tied parameter is yielded once, under its first name."""
+        every rank, in the same order everywhere. A tied parameter is yielded once, under its first name.
+        A tensor may share storage with its parameter (one rank, ``dtype`` equal to the parameter's):
+        copy it to keep it across an optimizer step."""
 
     @abc.abstractmethod
     def full_model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

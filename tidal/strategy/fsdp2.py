@@ -26,6 +26,7 @@ from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
 from tidal.strategy.config import OptimConfig
+from tidal.strategy.gather import BucketedFullTensors
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -103,11 +104,9 @@ class FSDP2Strategy(Strategy):
 
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         # hf_weights walks named_parameters (a tied parameter once, under its first name) identically on
-        # every rank; LoRA targets are merged in fp32 before the cast.
-        def full(p: torch.Tensor) -> torch.Tensor:
-            return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(self.device)
-
-        for name, t in hf_weights(model, full):
+        # every rank; LoRA targets are merged in fp32 before the cast. Parameters are gathered in
+        # buckets (one collective per bucket; none on one rank, see tidal.strategy.gather).
+        for name, t in hf_weights(model, BucketedFullTensors(model, self.device)):
             yield name, t.to(dtype)
 
     def state_dict(self, state: TrainState) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class BucketedFullTensors:
         if not _dim0_sharded(p):
             return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(self.device)
         if p.device_mesh.size() == 1:
-            return p.to_local().detach()
+            return p.to_local().detach().to(self.device)
         bucket = self._bucket_from(p)
         for q, full in zip(bucket, self._gather(bucket)):
             self.done.add(id(q))
@@ -71,7 +71,7 @@ class BucketedFullTensors:
         world = mesh.size()
         rows = [math.ceil(q.shape[0] / world) for q in bucket]
         inner = [math.prod(q.shape[1:]) for q in bucket]
-        send = torch.zeros(sum(r * i for r, i in zip(rows, inner)), dtype=bucket[0].dtype, device=bucket[0].to_local().device)
+        send = torch.zeros(sum(r * i for r, i in zip(rows, inner)), dtype=bucket[0].dtype, device=self.device)
         off = 0
         for q, r, i in zip(bucket, rows, inner):
             local = q.to_local().detach().reshape(-1)
@@ -84,6 +84,6 @@ class BucketedFullTensors:
         out, off = [], 0
         for q, r, i in zip(bucket, rows, inner):
             full = recv_WN[:, off : off + r * i].reshape(world * r, *q.shape[1:])[: q.shape[0]]
-            out.append(full.contiguous().to(self.device))
+            out.append(full.contiguous())
             off += r * i
         return out
