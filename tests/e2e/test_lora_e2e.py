@@ -68,17 +68,7 @@ def test_lora_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overr
         q = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(merged[q], before[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"])
 
-        export_hf(trainer, str(tmp_path / "export"))
-        ids = torch.tensor([trainer.train_data[0].prompt_ids])
-        with torch.no_grad():
-            want = model(input_ids=ids).logits
-            got = AutoModelForCausalLM.from_pretrained(tmp_path / "export")(input_ids=ids).logits
-            from peft import PeftModel
-
-            base = AutoModelForCausalLM.from_pretrained(_task_model_path(cfg))
-            adapter = PeftModel.from_pretrained(base, tmp_path / "export" / "adapter")(input_ids=ids).logits
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(adapter, want, rtol=1e-4, atol=1e-5)
+        _check_export(trainer, model, cfg, tmp_path / "export")
     finally:
         shutdown()
 
@@ -164,16 +154,21 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
         for n, t in merged.items():
             torch.testing.assert_close(engine_params[n].detach(), t, msg=n)
 
-        export_hf(trainer, str(tmp_path / "export"))
-        ids = torch.tensor([trainer.train_data[0].prompt_ids])
-        with torch.no_grad():
-            want = trainer.actor.model(input_ids=ids).logits
-            got = AutoModelForCausalLM.from_pretrained(tmp_path / "export")(input_ids=ids).logits
-            from peft import PeftModel
-
-            base = AutoModelForCausalLM.from_pretrained(_task_model_path(cfg))
-            adapter = PeftModel.from_pretrained(base, tmp_path / "export" / "adapter")(input_ids=ids).logits
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(adapter, want, rtol=1e-4, atol=1e-5)
+        _check_export(trainer, trainer.actor.model, cfg, tmp_path / "export")
     finally:
         shutdown()
+
+
+def _check_export(trainer, model, cfg, out):
+    """The merged HF export and the PEFT adapter over the base both reproduce ``model``'s logits."""
+    from peft import PeftModel
+
+    export_hf(trainer, str(out))
+    ids = torch.tensor([trainer.train_data[0].prompt_ids])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(_task_model_path(cfg))
+        adapter = PeftModel.from_pretrained(base, out / "adapter")(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(adapter, want, rtol=1e-4, atol=1e-5)

@@ -10,6 +10,18 @@ def squares_assets(tmp_path_factory):
     return build_squares_assets(SquaresSpec(workdir=str(tmp_path_factory.mktemp("squares"))))
 
 
+@pytest.fixture(scope="module")
+def vl(squares_assets):
+    """(processor, the squares Qwen2-VL model, the eval prompt dataset)."""
+    from tidal.data import DataConfig, DataSource, PromptDataset
+    from tidal.models import load_causal_lm, load_tokenizer
+
+    proc = load_tokenizer(squares_assets.model_path)
+    model = load_causal_lm(squares_assets.model_path)
+    ds = PromptDataset([DataSource(path=squares_assets.eval_path)], proc, DataConfig(shuffle=False), seed=0)
+    return proc, model, ds
+
+
 @pytest.fixture(scope="session")
 def qwen2_5_vl(squares_assets):
     """A random tiny Qwen2.5-VL (windowed vision attention) on the squares tokenizer, and two image

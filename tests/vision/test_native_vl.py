@@ -18,31 +18,15 @@ from tidal.models.logprobs import token_logprobs
 from tidal.models.lora import hf_weights
 from tidal.models.vision import collate_mm_inputs, multimodal_position_ids
 
+from .helpers import padded_batch
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def vl(squares_assets):
-    proc = load_tokenizer(squares_assets.model_path)
-    model = load_causal_lm(squares_assets.model_path)
-    ds = PromptDataset([DataSource(path=squares_assets.eval_path)], proc, DataConfig(shuffle=False), seed=0)
-    return proc, model, ds
 
 
 def _native(model, **kw):
     eng = NativeEngine(model.config, EngineConfig(**kw), device=CPU, dtype=torch.float32)
     eng.load_weights(hf_weights(model, lambda p: p.detach()))
     return eng
-
-
-def _padded(rows, pad):
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.tensor(r)
-        am[b, : len(r)] = 1
-    return ids, am
 
 
 def _two_image_prompt(proc, ds):
@@ -109,7 +93,7 @@ def test_native_sampled_logprobs_equal_trainer_forward(vl):
         [it.prompt_ids for it in items], SamplingParams(max_new_tokens=4, n=3, seed=3, ignore_eos=True),
         mm_inputs=[it.mm_inputs for it in items],
     )
-    ids, am = _padded([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
+    ids, am = padded_batch([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, am, mm_inputs=collate_mm_inputs([items[b // 3].mm_inputs for b in range(9)]))
     for b, c in enumerate(comps):
@@ -192,7 +176,7 @@ def test_factory_builds_native_for_vl_and_refuses_unknown_vl_types(vl):
 def test_qwen2_5_vl_native_logprobs_equal_trainer(qwen2_5_vl):
     proc, model, prompts, mm = qwen2_5_vl
     comps = _native(model, block_size=4).generate(prompts, SamplingParams(max_new_tokens=4, n=2, seed=1, ignore_eos=True), mm_inputs=mm)
-    ids, am = _padded([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
+    ids, am = padded_batch([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, am, mm_inputs=collate_mm_inputs([mm[b // 2] for b in range(4)]))
     for b, c in enumerate(comps):

@@ -5,37 +5,19 @@ and backends without image support refuse a VL model."""
 import pytest
 import torch
 
-from tidal.data import DataConfig, DataSource, PromptDataset
 from tidal.distributed.generate import gather_and_generate
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.factory import create_engine
 from tidal.engine.hf import HFEngine
-from tidal.models import load_causal_lm, load_tokenizer
+from tidal.models import load_causal_lm
 from tidal.models.logprobs import reference_logprobs, token_logprobs
 from tidal.models.lora import AdapterDisabledReference, apply_lora, hf_weights
 from tidal.models.config import LoraConfig
 from tidal.models.vision import collate_mm_inputs
 from tidal.trainer.experience import Experience, concat_experiences
 
-
-@pytest.fixture(scope="module")
-def vl(squares_assets):
-    proc = load_tokenizer(squares_assets.model_path)
-    model = load_causal_lm(squares_assets.model_path)
-    ds = PromptDataset([DataSource(path=squares_assets.eval_path)], proc, DataConfig(shuffle=False), seed=0)
-    return proc, model, ds
-
-
-def _batch(rows, pad):
-    """Right-padded ids/mask of token lists."""
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.tensor(r)
-        am[b, : len(r)] = 1
-    return ids, am
+from .helpers import padded_batch
 
 
 def test_collate_concatenates_rows_in_order():
@@ -52,7 +34,7 @@ def test_logprobs_of_mixed_batch_equal_hf_forward(vl):
     text_ids = proc.tokenizer("plain text row", add_special_tokens=False)["input_ids"]
     rows = [ds[0].prompt_ids + [23, 2], text_ids, ds[1].prompt_ids + [24]]
     mm_rows = [ds[0].mm_inputs, None, ds[1].mm_inputs]
-    ids, am = _batch(rows, proc.pad_token_id)
+    ids, am = padded_batch(rows, proc.pad_token_id)
     mm = collate_mm_inputs(mm_rows)
     with torch.no_grad():
         got, _ = token_logprobs(model, ids, am, mm_inputs=mm, chunk_tokens=7)
@@ -76,7 +58,7 @@ def test_hf_engine_logprobs_from_image_prompts_match_trainer(vl):
     items = [ds[i] for i in range(3)]
     comps = eng.generate([it.prompt_ids for it in items], SamplingParams(max_new_tokens=3, n=2, seed=5), mm_inputs=[it.mm_inputs for it in items])
     assert len(comps) == 6 and all(c.token_ids for c in comps)
-    ids, am = _batch([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
+    ids, am = padded_batch([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, am, mm_inputs=collate_mm_inputs([items[b // 2].mm_inputs for b in range(6)]))
     for b, c in enumerate(comps):
@@ -93,7 +75,7 @@ def test_lora_reference_on_vl_model_equals_base(vl, squares_assets):
         for n, p in actor.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)
-    ids, am = _batch([ds[0].prompt_ids + [23, 2]], proc.pad_token_id)
+    ids, am = padded_batch([ds[0].prompt_ids + [23, 2]], proc.pad_token_id)
     mm = collate_mm_inputs([ds[0].mm_inputs])
     with torch.no_grad():
         ref, _ = token_logprobs(AdapterDisabledReference(actor), ids, am, mm_inputs=mm)
@@ -165,7 +147,7 @@ def test_generated_image_tokens_are_text_to_trainer_and_engine(vl):
     proc, model, ds = vl
     item = ds[0]
     response = [proc.image_token_id, 23, proc.image_token_id, 2]
-    ids, am = _batch([item.prompt_ids + response], proc.pad_token_id)
+    ids, am = padded_batch([item.prompt_ids + response], proc.pad_token_id)
     mm = collate_mm_inputs([item.mm_inputs])
     from tidal.models.vision import multimodal_body_inputs
 
@@ -189,7 +171,7 @@ def test_generated_image_tokens_are_text_to_trainer_and_engine(vl):
 def test_qwen2_5_vl_logprobs_equal_hf_forward(qwen2_5_vl):
     """The same path serves Qwen2.5-VL (windowed vision attention, its own get_rope_index)."""
     proc, model, prompts, pixel_inputs = qwen2_5_vl
-    ids, am = _batch([prompts[0] + [23, 2], prompts[1] + [24]], proc.pad_token_id)
+    ids, am = padded_batch([prompts[0] + [23, 2], prompts[1] + [24]], proc.pad_token_id)
     mm = collate_mm_inputs(pixel_inputs)
     with torch.no_grad():
         got, _ = token_logprobs(model, ids, am, mm_inputs=mm)
