@@ -33,7 +33,7 @@ from tidal.models.logprobs import attach_logprob_method, token_logprobs  # noqa:
 from tidal.models.lora import adapter_disabled_reference, apply_lora, peft_model, save_hf  # noqa: E402
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy  # noqa: E402
 
-from ds_parity import batches, full, max_diff, tiny_config, train  # noqa: E402
+from ds_parity import batches, full, max_diff, offload_reload_unchanged, tiny_config, train  # noqa: E402
 
 STEPS = 3
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -147,11 +147,7 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag, *, gc: bool):
         )
     log = train(strategy, state, rt, STEPS)
     weights = full(strategy, state.model)
-    strategy.offload_model(state.model)
-    strategy.offload_optimizer(state)
-    strategy.reload_model(state.model)
-    strategy.reload_optimizer(state)
-    res[f"{tag}_reload_equal"] = max_diff(full(strategy, state.model), weights) == 0.0
+    res[f"{tag}_reload_equal"] = offload_reload_unchanged(strategy, state, weights)
     log += train(strategy, state, rt, 1, first_step=STEPS)
     res[f"{tag}_losses"] = [x[0] for x in log]
     res[f"{tag}_grad_norms"] = [x[1]["grad_norm"] for x in log]

@@ -46,6 +46,15 @@ def batches(rank: int, step: int):
     return out
 
 
+def offload_reload_unchanged(strategy, state, weights) -> bool:
+    """Offload and reload the parameters and optimizer state: the full weights are unchanged."""
+    strategy.offload_model(state.model)
+    strategy.offload_optimizer(state)
+    strategy.reload_model(state.model)
+    strategy.reload_optimizer(state)
+    return max_diff(full(strategy, state.model), weights) == 0.0
+
+
 def train(strategy, state, rt, steps, first_step=0):
     """Returns per-step (global loss, step metrics). Loss share = -sum(logp * mask) / global tokens."""
     log = []
@@ -89,11 +98,7 @@ def run_backend(rt, base_sd, cfg_model, strategy_cfg, res, tag):
     log = train(strategy, state, rt, STEPS)
     weights = full(strategy, state.model)
     # offload + reload actor parameters and optimizer state, then one more step
-    strategy.offload_model(state.model)
-    strategy.offload_optimizer(state)
-    strategy.reload_model(state.model)
-    strategy.reload_optimizer(state)
-    res[f"{tag}_reload_equal"] = max_diff(full(strategy, state.model), weights) == 0.0
+    res[f"{tag}_reload_equal"] = offload_reload_unchanged(strategy, state, weights)
     log += train(strategy, state, rt, 1, first_step=STEPS)
     # a non-finite gradient skips the step on every rank (weights unchanged), the LR still advances
     before = full(strategy, state.model)
