@@ -17,7 +17,7 @@ from tidal.models.config import LoraConfig
 from tidal.models.vision import collate_mm_inputs
 from tidal.trainer.experience import Experience, concat_experiences
 
-from .helpers import padded_batch
+from .helpers import assert_completions_match_trainer, padded_batch
 
 
 def test_collate_concatenates_rows_in_order():
@@ -58,12 +58,7 @@ def test_hf_engine_logprobs_from_image_prompts_match_trainer(vl):
     items = [ds[i] for i in range(3)]
     comps = eng.generate([it.prompt_ids for it in items], SamplingParams(max_new_tokens=3, n=2, seed=5), mm_inputs=[it.mm_inputs for it in items])
     assert len(comps) == 6 and all(c.token_ids for c in comps)
-    ids, am = padded_batch([c.prompt_ids + c.token_ids for c in comps], proc.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, ids, am, mm_inputs=collate_mm_inputs([items[b // 2].mm_inputs for b in range(6)]))
-    for b, c in enumerate(comps):
-        P = len(c.prompt_ids)
-        torch.testing.assert_close(lp[b, P : P + len(c.token_ids)], torch.tensor(c.logprobs), rtol=1e-4, atol=1e-4)
+    assert_completions_match_trainer(model, proc.pad_token_id, comps, [items[b // 2].mm_inputs for b in range(6)])
 
 
 def test_lora_reference_on_vl_model_equals_base(vl, squares_assets):

@@ -47,7 +47,7 @@ class MetricMeans:
         local = [self.sums[k] for k in keys] + [self.weights[k] for k in keys]
         tensors = [i for i, v in enumerate(local) if isinstance(v, torch.Tensor)]
         if tensors:  # one device-to-host copy for all of them
-            host = torch.stack([local[i].reshape(()).double().to(local[tensors[0]].device) for i in tensors]).tolist()
+            host = torch.stack([local[i].reshape(()) for i in tensors]).tolist()
             for i, v in zip(tensors, host):
                 local[i] = v
         vals = strategy.all_reduce_sum([float(v) for v in local])

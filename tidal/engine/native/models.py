@@ -233,17 +233,13 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         if "mrope_section" not in rope:
             raise ValueError(f"{type(cfg).__name__}: text config has no rope mrope_section")
         self.vl_config = cfg
-        self.image_token_id = int(cfg.image_token_id)
-        self.vision_start_id = int(cfg.vision_start_token_id)
-        self.merge_size = int(cfg.vision_config.spatial_merge_size)
         self.register_buffer("mrope_columns_D", mrope_section_columns(list(rope["mrope_section"]), head_dim_of(text)), False)
         module, _, name = self.vision_tower_class.partition(":")
         tower_cls = getattr(importlib.import_module(module), name)
         self.visual = tower_cls._from_config(cfg.vision_config, dtype=dtype).eval()
 
     def multimodal_prompt(self, prompt_ids: list[int], mm: dict, where: str) -> MultimodalPrompt:
-        return build_multimodal_prompt(prompt_ids, mm, image_token_id=self.image_token_id,
-                                       vision_start_id=self.vision_start_id, merge_size=self.merge_size, where=where)
+        return build_multimodal_prompt(prompt_ids, mm, self.vl_config, where=where)
 
     def image_features(self, mm: MultimodalPrompt) -> torch.Tensor:
         """``[num_placeholders, hidden]``: the vision tower's merged patch features of ``mm``'s images."""

@@ -19,7 +19,7 @@ with a text prompt it differs in three ways, all fixed when the prompt arrives:
   the same text and different images never share blocks; the ``n`` samples of one prompt do.
 
 An image token that is not in a run right after ``<|vision_start|>`` is text (the trainer's
-forward treats it the same way, see :func:`tidal.models.vision.placeholder_mask`).
+forward treats it the same way: both use :func:`tidal.models.vision.placeholder_mask`).
 
 This module knows nothing about the scheduler or the device loop; the model (which owns the vision
 tower) turns ``pixel_values`` into features, see :class:`tidal.engine.native.models.Qwen2VLForConditionalGeneration`.
@@ -32,6 +32,8 @@ import hashlib
 
 import numpy as np
 import torch
+
+from tidal.models.vision import placeholder_mask
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,19 +59,6 @@ class MultimodalPrompt:
         return out
 
 
-def placeholder_mask_np(ids_L: np.ndarray, image_token_id: int, vision_start_id: int) -> np.ndarray:
-    """Bool ``[L]``: image tokens in runs that start right after ``<|vision_start|>``."""
-    is_img = ids_L == image_token_id
-    prev = np.concatenate([[-1], ids_L[:-1]])
-    out = np.zeros_like(is_img)
-    good = False
-    for i in range(len(ids_L)):
-        if is_img[i] and prev[i] != image_token_id:
-            good = prev[i] == vision_start_id
-        out[i] = is_img[i] and good
-    return out
-
-
 def _pixel_key(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(grid_thw.to(torch.int64).cpu().contiguous().numpy().tobytes())
@@ -78,12 +67,11 @@ def _pixel_key(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> int:
 
 
 def build_multimodal_prompt(
-    prompt_ids: list[int], mm: dict[str, torch.Tensor], *, image_token_id: int, vision_start_id: int, merge_size: int,
-    where: str = "prompt",
+    prompt_ids: list[int], mm: dict[str, torch.Tensor], vl_config, where: str = "prompt"
 ) -> MultimodalPrompt:
     """The :class:`MultimodalPrompt` of ``prompt_ids`` with pixel inputs ``mm`` (``pixel_values``
-    ``[P, C*t*p*p]``, ``image_grid_thw`` ``[I, 3]``). Raises ValueError, naming ``where``, when the
-    placeholder runs do not match the images (count or length)."""
+    ``[P, C*t*p*p]``, ``image_grid_thw`` ``[I, 3]``) for the VL model config ``vl_config``. Raises
+    ValueError, naming ``where``, when the placeholder runs do not match the images (count or length)."""
     if set(mm) != {"pixel_values", "image_grid_thw"}:
         raise ValueError(f"{where}: mm_inputs needs exactly pixel_values and image_grid_thw, got {sorted(mm)}")
     grid_I3 = mm["image_grid_thw"].to(torch.int64).cpu()
@@ -93,7 +81,8 @@ def build_multimodal_prompt(
         raise ValueError(f"{where}: pixel_values has {mm['pixel_values'].shape[0]} patches, image_grid_thw says "
                          f"{int(grid_I3.prod(-1).sum())}")
     ids_L = np.asarray(prompt_ids, dtype=np.int64)
-    is_ph_L = placeholder_mask_np(ids_L, image_token_id, vision_start_id)
+    is_ph_L = placeholder_mask(torch.from_numpy(ids_L)[None], vl_config)[0].numpy()
+    merge_size = int(vl_config.vision_config.spatial_merge_size)
     runs = []  # (start, end) of each placeholder run
     i = 0
     while i < len(ids_L):
