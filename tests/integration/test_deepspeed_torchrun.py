@@ -43,15 +43,6 @@ def assert_parity(x: dict, stages: list[int]) -> None:
 
 
 @pytest.mark.slow
-def test_deepspeed_matches_fsdp2_two_ranks(tmp_path):
-    res = torchrun("ds_parity.py", 2, tmp_path)
-    for x in res:
-        assert_parity(x, [1, 2, 3])
-    # every rank reports the same global numbers
-    assert res[0]["z3_grad_norms"] == res[1]["z3_grad_norms"]
-
-
-@pytest.mark.slow
 def test_deepspeed_zero3_tied_embeddings_one_process(tmp_path):
     (x,) = torchrun("ds_parity.py", 1, tmp_path, TIDAL_DS_STAGES="3", TIDAL_DS_TIED="1")
     assert_parity(x, [3])
@@ -82,11 +73,17 @@ def assert_lora_parity(x: dict, stages: list[int]) -> None:
         assert x[f"{t}_adapter_diff"] < 1e-4 and x[f"{t}_merged_diff"] < 1e-4, t
 
 
+PARITY = {"full": ("ds_parity.py", assert_parity), "lora": ("ds_lora_parity.py", assert_lora_parity)}
+
+
 @pytest.mark.slow
-def test_deepspeed_lora_matches_fsdp2_two_ranks(tmp_path):
-    res = torchrun("ds_lora_parity.py", 2, tmp_path)
+@pytest.mark.parametrize("kind", sorted(PARITY))
+def test_deepspeed_matches_fsdp2_two_ranks(tmp_path, kind):
+    script, check = PARITY[kind]
+    res = torchrun(script, 2, tmp_path)
     for x in res:
-        assert_lora_parity(x, [1, 2, 3])
+        check(x, [1, 2, 3])
+    # every rank reports the same global numbers
     assert res[0]["z3_grad_norms"] == res[1]["z3_grad_norms"]
 
 
