@@ -49,7 +49,7 @@ class ModelConfig:
         (the LM body with a fresh scalar value head).
     reference_path: frozen KL anchor; default ``path``. Created only when KL is on.
     gradient_checkpointing: recompute decoder activations in backward.
-    logprob_chunk_tokens: tokens per LM-head chunk when computing logprobs (bounds fp32 logits memory).
+    logprob_chunk_tokens: tokens per LM-head chunk when computing logprobs (bounds the logits held at once).
     lora: LoRA adapters on the actor (see :class:`LoraConfig`). With LoRA the reference model is the
         actor with its adapters disabled (no second copy), so ``reference_path`` must stay empty.
     """

@@ -1,39 +1,157 @@
 """Token log-probabilities and entropies of a causal LM, temperature-aware and chunked.
 
 Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``;
-position 0 has no prediction and is 0. The full-vocabulary fp32 logits are never materialised for
-the whole batch: the LM head runs over chunks of hidden states, and under autograd each chunk is
-recomputed in the backward pass (activation checkpointing), so peak extra memory is one chunk.
+position 0 has no prediction and is 0. The LM head is one autograd function
+(:class:`_LMHeadLogprobs`) over chunks of hidden-state rows: the forward keeps per row only
+``logZ``, ``log p(label)`` and the entropy (fp32), never the logits; the backward recomputes each
+chunk's logits and applies the closed-form softmax gradient, so peak extra memory is one chunk of
+logits (in the model's dtype) plus one fp32 ``[V, H]`` weight-gradient accumulator. On CUDA the
+two full-vocabulary passes (:func:`_stats`, :func:`_dlogits`) run through ``torch.compile``, which
+fuses them into a few reads of the chunk's logits; see :func:`set_compile`.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 LOGPROB_METHOD = "tidal_token_logprobs"
 
+# ---- the full-vocabulary passes (compiled on CUDA) ----------------------------------------------
+_COMPILE = True  # see set_compile
+_COMPILED: dict[Callable, Callable] = {}
 
-def _chunk_logp_entropy(
-    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, labels_N: torch.Tensor,
-    temperature: float, with_entropy: bool, entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_NV = F.linear(hidden_NH, weight_VH, bias_V).float()
-    if temperature != 1.0:
-        logits_NV = logits_NV / temperature
-    logz_N = torch.logsumexp(logits_NV, dim=-1)
-    logp_N = logits_NV.gather(-1, labels_N[:, None]).squeeze(-1) - logz_N
+
+def set_compile(enabled: bool) -> None:
+    """Run :func:`_stats` / :func:`_dlogits` through ``torch.compile(dynamic=True)`` when their
+    logits are CUDA tensors (``enabled``, the default), or always eagerly. CPU tensors always run
+    eagerly. Both paths run the same Python functions; the compiled one may round differently in the
+    last fp32 bits (fused reductions). The compiled functions are created on first use and cached."""
+    global _COMPILE
+    _COMPILE = bool(enabled)
+
+
+def _run(fn: Callable, logits_NV: torch.Tensor, *args):
+    """``fn(logits_NV, *args)``, compiled when :func:`set_compile` allows it for these logits."""
+    if _COMPILE and logits_NV.is_cuda:
+        compiled = _COMPILED.get(fn)
+        if compiled is None:
+            compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        fn = compiled
+    return fn(logits_NV, *args)
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or float64 if it is float64 (the math dtype of the full-vocabulary passes)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _stats(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``z = logits / T`` (fp32 math, see :func:`_widen`): ``logp_N = z[label] - logZ``,
+    ``logz_N = logsumexp(z)`` and ``entropy_N = logZ - sum_k p_k z_k`` (``= -sum p log p``; zeros
+    without ``with_entropy``)."""
+    z_NV = _widen(logits_NV) / temperature
+    logz_N = torch.logsumexp(z_NV, dim=-1)
+    logp_N = z_NV.gather(-1, labels_N[:, None]).squeeze(-1) - logz_N
     if with_entropy:
-        # H = logZ - sum p * logits; without entropy_grad no graph is kept (a metric, or a mask)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs_NV = torch.exp(logits_NV - logz_N[:, None])
-            entropy_N = logz_N - (probs_NV * logits_NV).sum(-1)
+        entropy_N = logz_N - (torch.exp(z_NV - logz_N[:, None]) * z_NV).sum(-1)
     else:
-        entropy_N = torch.zeros_like(logp_N)
-    return logp_N, entropy_N
+        entropy_N = torch.zeros_like(logz_N)
+    return logp_N, logz_N, entropy_N
+
+
+def _dlogits(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, logz_N: torch.Tensor, entropy_N: torch.Tensor,
+    g_logp_N: torch.Tensor, g_ent_N: torch.Tensor | None, temperature: float,
+) -> torch.Tensor:
+    """Gradient w.r.t. the logits of ``sum_n g_logp_n logp_n + g_ent_n H_n``, computed in fp32 (see
+    :func:`_widen`) and returned in the logits' dtype.
+
+    With ``z = logits / T``, ``p = softmax(z)``, ``H = -sum_k p_k log p_k``:
+    ``dL/dz_k = g_logp (1[k = label] - p_k) - g_ent p_k (log p_k + H)`` and ``dL/dlogits = dL/dz / T``.
+    ``g_ent_N`` None: the entropy carries no gradient (its term is skipped).
+    """
+    logp_NV = _widen(logits_NV) / temperature - logz_N[:, None]
+    p_NV = torch.exp(logp_NV)
+    onehot_NV = torch.arange(logits_NV.shape[-1], device=logits_NV.device)[None, :] == labels_N[:, None]
+    dz_NV = g_logp_N[:, None] * (onehot_NV.to(p_NV.dtype) - p_NV)
+    if g_ent_N is not None:
+        dz_NV = dz_NV - g_ent_N[:, None] * p_NV * (logp_NV + entropy_N[:, None])
+    return (dz_NV / temperature).to(logits_NV.dtype)
+
+
+# ---- the LM head as one autograd function ------------------------------------------------------------
+def _add_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` accumulated in fp32 or wider (``acc`` None: the first term)."""
+    if acc is None:
+        return _widen(torch.mm(a, b))
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    return acc.add_(torch.mm(a, b))
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    """``(logp_N, entropy_N) = f(hidden_NH, weight_VH, bias_V, labels_N)``: row n's label logprob and
+    entropy under ``softmax((hidden_n @ W^T + b) / T)``, both fp32 (float64 for float64 inputs).
+
+    The logits are ``F.linear`` in the inputs' dtype (hidden, weight and bias share it), then fp32
+    for the softmax math. Saved for backward: the inputs and ``logZ_N``, ``entropy_N`` (no logits).
+    The entropy is differentiable only with ``with_entropy and entropy_grad``. Gradients: ``dW``
+    and ``db`` accumulate over chunks in fp32 and are returned in the weight's dtype; ``dh`` in the
+    hidden dtype. Only the inputs that need a gradient get one.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, temperature: float, with_entropy: bool,
+                entropy_grad: bool, chunk_tokens: int):
+        N = hidden_NH.shape[0]
+        stat_dtype = torch.promote_types(hidden_NH.dtype, torch.float32)
+        logp_N, logz_N, entropy_N = (hidden_NH.new_empty(N, dtype=stat_dtype) for _ in range(3))
+        for s in range(0, N, chunk_tokens):
+            e = min(s + chunk_tokens, N)
+            logits_cV = F.linear(hidden_NH[s:e], weight_VH, bias_V)
+            logp_N[s:e], logz_N[s:e], entropy_N[s:e] = _run(_stats, logits_cV, labels_N[s:e], temperature, with_entropy)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, labels_N, logz_N, entropy_N)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(entropy_N)
+        # the gradient of an unused or non-differentiable output arrives as None: its term is skipped
+        ctx.set_materialize_grads(False)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N):
+        hidden_NH, weight_VH, bias_V, labels_N, logz_N, entropy_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_logp_N is None:
+            g_logp_N = torch.zeros_like(logz_N)
+        N, T = hidden_NH.shape[0], ctx.temperature
+        dh_NH = torch.empty_like(hidden_NH) if need_h else None
+        dw_VH = db_V = None
+        for s in range(0, N, ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, N)
+            h_cH = hidden_NH[s:e]
+            logits_cV = F.linear(h_cH, weight_VH, bias_V)
+            g_ent_c = None if g_ent_N is None else g_ent_N[s:e]
+            dlogits_cV = _run(_dlogits, logits_cV, labels_N[s:e], logz_N[s:e], entropy_N[s:e], g_logp_N[s:e], g_ent_c, T)
+            del logits_cV
+            if need_h:
+                torch.mm(dlogits_cV, weight_VH, out=dh_NH[s:e])
+            if need_w:
+                dw_VH = _add_mm(dw_VH, dlogits_cV.t(), h_cH)
+            if need_b:
+                db_c = dlogits_cV.sum(0, dtype=torch.promote_types(dlogits_cV.dtype, torch.float32))
+                db_V = db_c if db_V is None else db_V.add_(db_c)
+        if need_w:
+            dw_VH = torch.zeros_like(weight_VH) if dw_VH is None else dw_VH.to(weight_VH.dtype)
+        if need_b:
+            db_V = torch.zeros_like(bias_V) if db_V is None else db_V.to(bias_V.dtype)
+        return dh_NH, dw_VH, db_V, None, None, None, None, None
 
 
 def lm_head_logprobs(
@@ -45,31 +163,45 @@ def lm_head_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
     entropy_grad: bool = True,
+    positions_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the next tokens from decoder hidden states.
 
-    hidden_BTH[b, t] predicts input_ids[b, t+1]. Returns tensors [B, T] aligned with input_ids.
-    ``entropy_grad=False``: the entropies carry no gradient (same values; no backward through the
-    full-vocabulary softmax for them), for when they are only a metric or a token mask.
+    hidden_BTH[b, t] predicts input_ids[b, t+1]. Returns fp32 tensors [B, T] (float64 for a float64
+    model) aligned with input_ids (position 0 is 0), and None for the entropies without
+    ``with_entropy``. ``entropy_grad=False``: the entropies carry no gradient (same values; no
+    backward through the full-vocabulary softmax for them), for when they are only a metric or a
+    token mask. ``positions_BT`` (bool or 0/1,
+    [B, T]): compute only the positions where it is true (its column 0 is ignored); every other
+    position is exactly 0 in both outputs and gets no gradient (selecting costs one host sync).
+    ``chunk_tokens``: rows of logits held at once. ``lm_head.weight``/``bias`` and ``hidden_BTH``
+    must share a dtype.
     """
     B, T, H = hidden_BTH.shape
-    hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
-    labels_N = input_ids_BT[:, 1:].reshape(-1)
-    weight, bias = lm_head.weight, lm_head.bias
-    logps, ents = [], []
-    use_ckpt = torch.is_grad_enabled() and hidden_NH.requires_grad
-    for s in range(0, hidden_NH.shape[0], chunk_tokens):
-        args = (hidden_NH[s : s + chunk_tokens], weight, bias, labels_N[s : s + chunk_tokens], temperature, with_entropy,
-                entropy_grad)
-        if use_ckpt:
-            lp, en = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
-        else:
-            lp, en = _chunk_logp_entropy(*args)
-        logps.append(lp)
-        ents.append(en)
-    zeros_B1 = hidden_BTH.new_zeros(B, 1, dtype=torch.float32)
-    logp_BT = torch.cat([zeros_B1, torch.cat(logps).view(B, T - 1)], dim=1)
-    entropy_BT = torch.cat([zeros_B1, torch.cat(ents).view(B, T - 1)], dim=1) if with_entropy else None
+    weight_VH, bias_V = lm_head.weight, lm_head.bias
+    args = (temperature, with_entropy, entropy_grad, chunk_tokens)
+    if positions_BT is None:
+        hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
+        labels_N = input_ids_BT[:, 1:].reshape(-1)
+        logp_N, entropy_N = _LMHeadLogprobs.apply(hidden_NH, weight_VH, bias_V, labels_N, *args)
+        zeros_B1 = logp_N.new_zeros(B, 1)
+        logp_BT = torch.cat([zeros_B1, logp_N.view(B, T - 1)], dim=1)
+        entropy_BT = torch.cat([zeros_B1, entropy_N.view(B, T - 1)], dim=1) if with_entropy else None
+        return logp_BT, entropy_BT
+    if positions_BT.shape != (B, T):
+        raise ValueError(f"positions_BT has shape {tuple(positions_BT.shape)}, expected {(B, T)}")
+    # flat index b*T + t of each selected target; its hidden row is the one before it
+    selected_BT = positions_BT.to(device=hidden_BTH.device, dtype=torch.bool, copy=True)
+    selected_BT[:, 0] = False
+    idx_M = selected_BT.view(-1).nonzero().squeeze(-1)
+    hidden_MH = hidden_BTH.reshape(B * T, H).index_select(0, idx_M - 1)
+    labels_M = input_ids_BT.reshape(-1).index_select(0, idx_M)
+    logp_M, entropy_M = _LMHeadLogprobs.apply(hidden_MH, weight_VH, bias_V, labels_M, *args)
+    # out-of-place index_put: fresh [B, T] tensors, not views (FSDP2 warns about outputs that are views)
+    rows_cols = (idx_M // T, idx_M % T)
+    zeros_BT = logp_M.new_zeros(B, T)
+    logp_BT = zeros_BT.index_put(rows_cols, logp_M)
+    entropy_BT = zeros_BT.index_put(rows_cols, entropy_M) if with_entropy else None
     return logp_BT, entropy_BT
 
 
@@ -106,11 +238,15 @@ def _token_logprobs(
     chunk_tokens: int = 2048,
     mm_inputs: dict | None = None,
     entropy_grad: bool = True,
+    positions_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attached method (see :func:`attach_logprob_method`). Its parameters are positional in
+    this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``)."""
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
         temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
+        positions_BT=positions_BT,
     )
 
 
@@ -128,12 +264,12 @@ def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | No
 
 
 def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,
-                   entropy_grad=True):
+                   entropy_grad=True, positions_BT=None):
     """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
     the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
-    None/{} for text. ``entropy_grad``: see :func:`lm_head_logprobs`."""
+    None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`."""
     return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
-                                          entropy_grad)
+                                          entropy_grad, positions_BT)
 
 
 def reference_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -138,8 +138,9 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def _per_token(self, forward, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        """Run ``forward(ids_BT, mask_BT, mm_inputs) -> x_BT`` over the micro-batches (equal pass
-        counts on every rank) and scatter the results into one [B, T] tensor, zero off the actions."""
+        """Run ``forward(ids_BT, mask_BT, action_mask_BT, mm_inputs) -> x_BT`` over the micro-batches
+        (equal pass counts on every rank) and scatter the results into one [B, T] tensor, zero off the
+        actions."""
         out_BT = torch.zeros_like(t["rollout_logp_BT"])
         dev = self.strategy.device
 
@@ -149,8 +150,9 @@ class ExperienceMaker:
             T = int(t["attention_mask_BT"][idx].sum(-1).max())
             ids = t["sequences_BT"][idx, :T].to(dev)
             am = t["attention_mask_BT"][idx, :T].to(dev)
+            act = t["action_mask_BT"][idx, :T].to(dev)
             mm = collate_mm_inputs([t["mm_inputs"][i] for i in idx] if t["mm_inputs"] else None, dev)
-            x_BT = forward(ids, am, mm)
+            x_BT = forward(ids, am, act, mm)
             if real:
                 out_BT[idx, :T] = x_BT.float().cpu()
 
@@ -158,13 +160,14 @@ class ExperienceMaker:
         return out_BT * t["action_mask_BT"]
 
     def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        def forward(ids, am, mm):
-            return token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm)[0]
+        def forward(ids, am, act, mm):  # the LM head runs on the response tokens only
+            return token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm,
+                                  positions_BT=act)[0]
 
         return self._per_token(forward, t, batches)
 
     def _values(self, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        return self._per_token(lambda ids, am, mm: critic_values(self.critic, ids, am), t, batches)
+        return self._per_token(lambda ids, am, act, mm: critic_values(self.critic, ids, am), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
     def score(self, rollout: Rollout):

@@ -132,6 +132,7 @@ class Updater:
             self.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.temperature, with_entropy=True, chunk_tokens=self.chunk,
             mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device), entropy_grad=self.algo.entropy_needs_grad,
+            positions_BT=mb.action_mask_BT,  # the LM head runs on response tokens only; prompt positions are 0
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
         loss, metrics = self.algo.policy_loss(
