@@ -23,6 +23,7 @@ import torch
 from tidal.distributed.generate import gather_and_generate
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.models.logprobs import set_compile as set_lm_head_compile
 from tidal.strategy.config import OptimConfig, StrategyConfig
 
 
@@ -59,6 +60,13 @@ class Strategy(abc.ABC):
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         self.cfg = cfg
         self.runtime = runtime
+        set_lm_head_compile(self.compiles)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether decoder layers and the LM-head logprob passes are compiled (``strategy.compile``);
+        a backend that does not compile returns False."""
+        return False
 
     @property
     def device(self) -> torch.device:

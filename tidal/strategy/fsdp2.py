@@ -38,7 +38,21 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """Compile each decoder layer's ``forward`` in place (``torch.compile``, dynamic shapes).
+
+    Only ``forward`` is compiled, not the module call: FSDP2's unshard/reshard hooks and HF
+    gradient checkpointing stay eager around it, and parameter names do not change. The layers
+    share one code object, so one compilation serves them all (parameters are graph inputs)."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 class FSDP2Strategy(Strategy):
+    @property
+    def compiles(self) -> bool:
+        return self.cfg.compile == "on" or (self.cfg.compile == "auto" and self.device.type == "cuda")
+
     def _mesh(self):
         if not hasattr(self, "_mesh_cache"):
             self._mesh_cache = init_device_mesh(self.device.type, (self.runtime.world_size,))
@@ -47,6 +61,8 @@ class FSDP2Strategy(Strategy):
     def _shard(self, model: torch.nn.Module, *, reshard_after_forward: bool) -> torch.nn.Module:
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         kwargs = dict(mesh=self._mesh(), mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        if self.compiles:
+            compile_layers(model)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -64,7 +80,9 @@ class FSDP2Strategy(Strategy):
                 (no_decay if p.ndim < 2 else decay).append(p)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=tuple(optim.betas), eps=optim.eps, foreach=True,
+            lr=lr, betas=tuple(optim.betas), eps=optim.eps,
+            # one fused kernel per parameter group on CUDA (the foreach step is ~1.6x slower there)
+            **({"fused": True} if self.device.type == "cuda" else {"foreach": True}),
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
         return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm)
