@@ -104,3 +104,26 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(entropy_coe
         assert (metrics["actor/grad_norm"] > 1e-6) == (entropy_coef > 0), metrics["actor/grad_norm"]
     finally:
         shutdown()
+
+
+@pytest.mark.slow
+def test_experience_forwards_use_their_own_micro_batch_budget(tmp_path, tiny_task_overrides, monkeypatch):
+    """train.forward_micro_batch_* splits the no-grad experience forwards; train.micro_batch_* the update."""
+    import tidal.trainer.experience_maker as em
+    import tidal.trainer.update as up
+
+    calls = {"experience": [], "update": []}
+    for mod, key in ((em, "experience"), (up, "update")):
+        orig = mod.token_logprobs
+        monkeypatch.setattr(mod, "token_logprobs", lambda m, ids, *a, _o=orig, _k=key, **k: (calls[_k].append(ids.shape[0]), _o(m, ids, *a, **k))[1])
+    cfg = load_config("quickstart", tiny_task_overrides + [  # 4 prompts x 4 samples = 16 sequences
+        f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "rollout.ignore_eos=true",
+        "train.forward_micro_batch_max_seqs=4", "train.micro_batch_max_seqs=16", "train.micro_batch_tokens=100000",
+    ])
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        shutdown()
+    assert calls["experience"] == [4, 4, 4, 4]
+    assert calls["update"] == [16]

@@ -59,6 +59,9 @@ class TrainConfig:
     """epochs: passes over each rollout batch. mini_batches: optimizer steps per epoch (the rollout
     is split into this many equal mini-batches of whole prompt groups).
     micro_batch_tokens / micro_batch_max_seqs: token budget of one forward/backward (padded tokens).
+    forward_micro_batch_tokens / forward_micro_batch_max_seqs: the same for the no-grad forwards of
+        the experience (old and reference logprobs, critic values). They keep no activations, so
+        their budget can be several times the training one: fewer, larger passes.
     max_skipped_steps_in_a_row: optimizer steps with a non-finite gradient norm are skipped on all
         ranks and counted; this many in a row stops the run with an error.
     """
@@ -67,6 +70,8 @@ class TrainConfig:
     mini_batches: int = 1
     micro_batch_tokens: int = 16384
     micro_batch_max_seqs: int = 64
+    forward_micro_batch_tokens: int = 65536
+    forward_micro_batch_max_seqs: int = 256
     max_skipped_steps_in_a_row: int = 3
 
     def __post_init__(self):
@@ -74,6 +79,8 @@ class TrainConfig:
         check(self.mini_batches >= 1, "mini_batches", "must be >= 1")
         check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
         check(self.micro_batch_max_seqs >= 1, "micro_batch_max_seqs", "must be >= 1")
+        check(self.forward_micro_batch_tokens >= 1, "forward_micro_batch_tokens", "must be >= 1")
+        check(self.forward_micro_batch_max_seqs >= 1, "forward_micro_batch_max_seqs", "must be >= 1")
         check(self.max_skipped_steps_in_a_row >= 1, "max_skipped_steps_in_a_row", "must be >= 1")
 
 

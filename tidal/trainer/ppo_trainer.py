@@ -79,8 +79,8 @@ class PPOTrainer:
         self.maker = ExperienceMaker(
             strategy=strategy, actor=actor.model, critic=critic.model if critic else None, reference=reference,
             engine=engine, reward_engine=reward_engine, algorithm=algorithm, tokenizer=tokenizer,
-            temperature=cfg.rollout.temperature, micro_batch_tokens=cfg.train.micro_batch_tokens,
-            micro_batch_max_seqs=cfg.train.micro_batch_max_seqs, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+            temperature=cfg.rollout.temperature, micro_batch_tokens=cfg.train.forward_micro_batch_tokens,
+            micro_batch_max_seqs=cfg.train.forward_micro_batch_max_seqs, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
             engine_sleep_level=cfg.engine.sleep_level, offload_reference=cfg.strategy.offload_reference,
             offload_critic=cfg.strategy.offload_critic,
             offload_actor=cfg.strategy.offload_actor_during_rollout, timer=timer,
