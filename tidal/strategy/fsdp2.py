@@ -1,7 +1,9 @@
 """FSDP2 backend: ``torch.distributed.fsdp.fully_shard`` per decoder layer, then the root.
 
 Parameters are sharded over all ranks (a 1-D mesh of the world). Master weights are fp32; on CUDA
-the compute (unsharded) dtype is bf16 with fp32 gradient reduction (MixedPrecisionPolicy). Names of
+the compute (unsharded) dtype is bf16 with fp32 gradient reduction (MixedPrecisionPolicy). Frozen
+models (reference, reward model) have no master weights: their parameters are stored in the compute
+dtype (identical outputs, half the memory and offload traffic in bf16); buffers stay fp32. Names of
 parameters are untouched (fully_shard does not wrap modules), so ``full_weights`` yields HF names;
 a LoRA (PEFT) actor's weights are merged and named by :func:`tidal.models.lora.hf_weights`.
 Checkpoints hold the trainable parameters only (a LoRA actor's adapters; its base is ``model.path``).
@@ -90,7 +92,10 @@ class FSDP2Strategy(Strategy):
     def prepare_frozen(self, model: torch.nn.Module, *, offload: bool = True) -> torch.nn.Module:
         model.requires_grad_(False)
         model.eval()
-        self._shard(model.to(self.device, dtype=torch.float32), reshard_after_forward=True)
+        model.to(dtype=torch.float32)  # floating buffers (e.g. RoPE frequencies) in fp32, as in the trained models
+        for p in model.parameters():  # stored in the dtype it computes in: half the memory and offload traffic in bf16
+            p.data = p.data.to(self.param_dtype)
+        self._shard(model.to(self.device), reshard_after_forward=True)
         if offload:
             self.offload_model(model)
         return model

@@ -1,5 +1,6 @@
-"""strategy.compile: FSDP2 compiles each decoder layer's forward in place (same names, same
-logprobs and gradients as eager, one graph for every layer and every micro-batch shape)."""
+"""FSDP2 strategy: ``strategy.compile`` compiles each decoder layer's forward in place (same names,
+same logprobs and gradients as eager, one graph for every layer and every micro-batch shape); frozen
+models are stored in their compute dtype."""
 
 import pytest
 import torch
@@ -65,3 +66,27 @@ def test_compiled_layers_match_eager(runtime):
     # one graph serves all three layers and all shapes (dynamic), and nothing fell back to eager
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_frozen_model_is_stored_in_compute_dtype_and_matches_the_actor(runtime, param_dtype):
+    """A frozen model (reference) keeps no fp32 master weights: parameters in the compute dtype,
+    floating buffers (RoPE frequencies) in fp32, and its logprobs equal, bit for bit, those of the
+    same weights prepared as a trained actor (fp32 master, computing in param_dtype)."""
+    strategy = get_strategy(StrategyConfig(param_dtype=param_dtype, compile="off"), runtime)
+    actor = strategy.prepare_trainable(_tiny(), OptimConfig(), lr=1e-6, total_steps=1).model
+    reference = strategy.prepare_frozen(_tiny(), offload=True)
+    dtype = getattr(torch, param_dtype)
+    assert {p.dtype for p in reference.parameters()} == {dtype}
+    assert {p.dtype for p in actor.parameters()} == {torch.float32}
+    buffers = [b for b in reference.buffers() if b.is_floating_point()]
+    assert buffers and {b.dtype for b in buffers} == {torch.float32}
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (3, 12), generator=gen)
+    am = torch.ones(3, 12, dtype=torch.long)
+    am[1, -4:] = 0
+    strategy.reload_model(reference)
+    with torch.no_grad():
+        ref_logp, _ = token_logprobs(reference, ids, am)
+        actor_logp, _ = token_logprobs(actor, ids, am)
+    assert torch.equal(ref_logp, actor_logp)
