@@ -547,6 +547,7 @@ def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, d
             sink.write({"kind": "stopped", "reason": "deadline", "after_step": step - 1})
             return last
         rec.mark("iteration:start")
+        engine_before = dict(getattr(trainer.engine, "stats", {}))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -562,6 +563,8 @@ def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, d
             "kind": "step", "step": step, "wall_s": last, "metrics": {k: float(v) for k, v in metrics.items()},
             "peak_allocated": max(peaks) if peaks else None, "peak_reserved": max(peaks_r) if peaks_r else None,
             "timeline": points, "calls": calls, "generate": gen_log[-1] if gen_log else None,
+            "engine": {k: v - engine_before.get(k, 0) for k, v in getattr(trainer.engine, "stats", {}).items()
+                       if isinstance(v, (int, float))},
         })
     return last
 
@@ -1112,6 +1115,9 @@ class Run:
             self.emit("weight_sync", **base, bytes=ws["bytes"], median_s=t, GBps=ws["bytes"] / t / 1e9 if ws["bytes"] else None,
                       copy_bw_GBps=copy_bw / 1e9 if copy_bw else None, bound_s=bounds.get("weight_sync"),
                       bound_over_measured=bounds["weight_sync"] / t if bounds else None)
+        if sm.get("engine_host"):
+            self.emit("engine_host", **base, unit="host ms per engine step (median over steady iterations)",
+                      **sm["engine_host"])
         if sm.get("profile"):
             self.report_profile(base, sm)
         if sm["timeline"]:
@@ -1221,10 +1227,29 @@ def summarize_tidal(records: list[dict], s: BenchSettings, kl: bool = False) -> 
         "peak_allocated": max((p for p in peaks if p is not None), default=None),
         "peak_reserved": max((p for p in peaks_r if p is not None), default=None),
         "weight_sync": {"bytes": syncs[-1]["returned"] if syncs else None, "seconds": [c["seconds"] for c in syncs]},
+        "engine_host": engine_host_ms(steady),
         "timeline": last["timeline"] if last else [], "timeline_calls": last["calls"] if last else [],
         "timeline_step": last["step"] if last else None,
         "profile": _profile_of(records),
     }
+
+
+def engine_host_ms(steps: list[dict]) -> dict | None:
+    """Median over ``steps`` of the native engine's host milliseconds per engine step (prefill and
+    decode) for each of its host timers (schedule, postprocess, prepare, submit, wait), from the
+    engine's cumulative ``stats``; None for an engine without them. ``wait`` is host time blocked on
+    the device: the rest is host work that the device waits for unless it overlaps a step in flight."""
+    per_step: dict[str, list[float]] = {}
+    for r in steps:
+        e = r.get("engine") or {}
+        n = e.get("decode_steps", 0) + e.get("prefill_steps", 0)
+        if not n:
+            continue
+        for k, v in e.items():
+            if k.endswith("_s"):
+                per_step.setdefault(k[:-2], []).append(1e3 * v / n)
+        per_step.setdefault("engine_steps", []).append(n)
+    return {k: round(statistics.median(v), 4) for k, v in per_step.items()} or None
 
 
 def _profile_of(records: list[dict]) -> dict | None:

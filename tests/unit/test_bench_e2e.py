@@ -125,6 +125,15 @@ def test_summarize_tidal_medians_peaks_and_checks():
     assert e2e.summarize_tidal(records, s, kl=True)["checks"]["reference_model_iff_kl"] is False  # no kl/rollout metric
 
 
+def test_engine_host_ms_per_engine_step():
+    steps = [{"engine": {"decode_steps": 9, "prefill_steps": 1, "schedule_s": 0.002, "wait_s": 0.01, "preemptions": 0}},
+             {"engine": {"decode_steps": 4, "prefill_steps": 1, "schedule_s": 0.002, "wait_s": 0.01}},
+             {"engine": {"decode_steps": 3, "prefill_steps": 1, "schedule_s": 0.004, "wait_s": 0.0}}]
+    # per engine step: schedule 0.2, 0.4, 1.0 ms; wait 1.0, 2.0, 0.0 ms; 10, 5, 4 engine steps
+    assert e2e.engine_host_ms(steps) == {"schedule": pytest.approx(0.4), "wait": pytest.approx(1.0), "engine_steps": 5}
+    assert e2e.engine_host_ms([{"engine": {}}, {}]) is None  # an engine without host timers
+
+
 def test_summarize_tidal_flags_a_short_completion():
     s = e2e.BenchSettings(**e2e.TINY)
     records = [{"kind": "init", "prompt_lens": [8]}, _tidal_step(1, 1.0, 0.1, 1), _tidal_step(2, 1.0, 0.1, 1, length=7)]
@@ -206,6 +215,8 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     labels = [p[0] for p in by["memory_timeline"][0]["points"]]
     assert labels[0] == "iteration:start" and "sleep:after" in labels and "update_engine_weights:after" in labels
     assert by["weight_sync"][0]["bytes"] == 4 * e2e.param_count(e2e.SHAPES["tiny"])  # fp32 engine on CPU
+    host = by["engine_host"][0]  # native engine host timers per step: one prefill (samples token 1) + 7 decodes
+    assert host["engine_steps"] == e2e.TINY["new_tokens"] and host["wait"] >= 0 and host["submit"] > 0, host
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(recorded) == len(figs) and all(r["run_id"] == recorded[0]["run_id"] and "commit" in r for r in recorded)
     assert (tmp_path / "o" / "raw.jsonl").exists() and (tmp_path / "o" / "logs.txt").exists()
