@@ -29,7 +29,8 @@ def set_compile(enabled: bool) -> None:
     """Run :func:`_stats` / :func:`_dlogits` through ``torch.compile(dynamic=True)`` when their
     logits are CUDA tensors (``enabled``, the default), or always eagerly. CPU tensors always run
     eagerly. Both paths run the same Python functions; the compiled one may round differently in the
-    last fp32 bits (fused reductions). The compiled functions are created on first use and cached."""
+    last fp32 bits (fused reductions). The compiled functions are created on first use and cached.
+    The training Strategy sets this from ``strategy.compile`` when it is built (process-wide)."""
     global _COMPILE
     _COMPILE = bool(enabled)
 
