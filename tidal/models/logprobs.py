@@ -45,9 +45,15 @@ def _run(fn: Callable, logits_NV: torch.Tensor, *args):
     return fn(logits_NV, *args)
 
 
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the softmax math and the gradient sums use for inputs of ``dtype``: fp32, or
+    float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _widen(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in fp32, or float64 if it is float64 (the math dtype of the full-vocabulary passes)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    """``x`` in its math dtype (:func:`_math_dtype`)."""
+    return x.to(_math_dtype(x.dtype))
 
 
 def _stats(
@@ -111,7 +117,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, temperature: float, with_entropy: bool,
                 entropy_grad: bool, chunk_tokens: int):
         N = hidden_NH.shape[0]
-        stat_dtype = torch.promote_types(hidden_NH.dtype, torch.float32)
+        stat_dtype = _math_dtype(hidden_NH.dtype)
         logp_N, logz_N, entropy_N = (hidden_NH.new_empty(N, dtype=stat_dtype) for _ in range(3))
         for s in range(0, N, chunk_tokens):
             e = min(s + chunk_tokens, N)
@@ -146,7 +152,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
             if need_w:
                 dw_VH = _add_mm(dw_VH, dlogits_cV.t(), h_cH)
             if need_b:
-                db_c = dlogits_cV.sum(0, dtype=torch.promote_types(dlogits_cV.dtype, torch.float32))
+                db_c = dlogits_cV.sum(0, dtype=_math_dtype(dlogits_cV.dtype))
                 db_V = db_c if db_V is None else db_V.add_(db_c)
         if need_w:
             dw_VH = torch.zeros_like(weight_VH) if dw_VH is None else dw_VH.to(weight_VH.dtype)
