@@ -107,7 +107,11 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(entropy_coe
 
 
 @pytest.mark.slow
-def test_experience_forwards_use_their_own_micro_batch_budget(tmp_path, tiny_task_overrides, monkeypatch):
+@pytest.mark.parametrize("forward_budget, expected", [
+    (["train.forward_micro_batch_max_seqs=4"], [4, 4, 4, 4]),
+    (["train.forward_micro_batch_tokens=1"], [1] * 16),  # a budget below any row: one row per pass
+])
+def test_experience_forwards_use_their_own_micro_batch_budget(forward_budget, expected, tmp_path, tiny_task_overrides, monkeypatch):
     """train.forward_micro_batch_* splits the no-grad experience forwards; train.micro_batch_* the update."""
     import tidal.trainer.experience_maker as em
     import tidal.trainer.update as up
@@ -118,12 +122,12 @@ def test_experience_forwards_use_their_own_micro_batch_budget(tmp_path, tiny_tas
         monkeypatch.setattr(mod, "token_logprobs", lambda m, ids, *a, _o=orig, _k=key, **k: (calls[_k].append(ids.shape[0]), _o(m, ids, *a, **k))[1])
     cfg = load_config("quickstart", tiny_task_overrides + [  # 4 prompts x 4 samples = 16 sequences
         f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "rollout.ignore_eos=true",
-        "train.forward_micro_batch_max_seqs=4", "train.micro_batch_max_seqs=16", "train.micro_batch_tokens=100000",
+        "train.micro_batch_max_seqs=16", "train.micro_batch_tokens=100000", *forward_budget,
     ])
     trainer = build_trainer(cfg)
     try:
         trainer.fit()
     finally:
         shutdown()
-    assert calls["experience"] == [4, 4, 4, 4]
+    assert calls["experience"] == expected
     assert calls["update"] == [16]
