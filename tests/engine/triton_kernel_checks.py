@@ -119,6 +119,33 @@ def test_engine_on_triton_kernels_equals_hf_greedy():
         assert c.token_ids == hf_greedy(hf, p, 5)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("top_k", [0, 5], ids=["sample-in-graph", "sample-after-graph"])
+def test_engine_cuda_graphs_sample_like_eager(top_k):
+    # decode graphs (with the logits and the draw inside when no top-k) give the eager engine's
+    # tokens for the same seed: rows stop at different steps, so later batches are padded buckets
+    hf = tiny_hf("qwen2").to(DEVICE)
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_new_tokens=12, n=3, seed=5, stop_token_ids=(7, 9))
+    eager, graphs = (engine_for(hf, device="cuda", kernel_backend="triton", cuda_graphs=g).generate(PROMPTS, params)
+                     for g in (False, True))
+    assert len({len(c.token_ids) for c in eager}) > 1  # the batch shrinks
+    for a, b in zip(eager, graphs):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_fused_sampler_seed_buffer_draws_like_generator():
+    # a graph reads its seed from a buffer filled by draw_seed: the same draws as the generator path
+    from tidal.engine.native.kernels.triton_sampling import draw_seed, fused_sample
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    tok, logp = fused_sample(logits, 0.9, torch.Generator(DEVICE).manual_seed(4))
+    seed = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    draw_seed(torch.Generator(DEVICE).manual_seed(4), DEVICE, out=seed)
+    tok2, logp2 = fused_sample(logits, 0.9, seed=seed)
+    assert torch.equal(tok, tok2) and torch.equal(logp, logp2)
+
+
 def test_fused_sampler_logprobs_and_distribution():
     from tidal.engine.native.kernels.triton_sampling import fused_sample
     from tidal.engine.sampler import process_logits

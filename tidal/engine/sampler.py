@@ -41,7 +41,7 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (token_B int64, logp_B fp32)."""
-    if logits_BV.is_cuda and top_k == 0 and top_p >= 1.0 and _triton_available():
+    if fused_applies(logits_BV.device, top_k, top_p):
         from tidal.engine.native.kernels.triton_sampling import fused_sample
 
         return fused_sample(logits_BV, temperature, generator)
@@ -54,6 +54,11 @@ def sample(
         gumbel_BV = -torch.log(-torch.log(u_BV.clamp_min(1e-20)))
         token_B = (logp_BV + gumbel_BV).argmax(-1)
     return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+
+
+def fused_applies(device: torch.device, top_k: int, top_p: float) -> bool:
+    """Whether :func:`sample` takes the fused Triton pass (CUDA, no top-k/top-p filter)."""
+    return device.type == "cuda" and top_k == 0 and top_p >= 1.0 and _triton_available()
 
 
 def _triton_available() -> bool:

@@ -1,10 +1,17 @@
-"""CUDA graphs of the decode forward at bucketed batch sizes, captured lazily on first use.
+"""CUDA graphs of the decode step at bucketed batch sizes, captured lazily on first use.
 
 A graph bakes in the addresses of the weights, the KV cache and its static input buffers: it stays
 valid across in-place weight loads, and is dropped (:meth:`free`) whenever the KV cache or the
 weights are released. A batch of B rows replays the smallest bucket >= B; padded rows attend to
 one token of the scratch block and write their K/V there. Needs a kernel backend whose decode
 attention reads the context lengths from device memory (``ops.graph_safe``).
+
+Two kinds of graph, keyed by (bucket, temperature): with a temperature, the step's logits and its
+fused sampling (no top-k/top-p: :func:`tidal.engine.sampler.fused_applies`) are in the graph too,
+which then yields ``[2, B]`` float64 (token ids, logprobs; zeros on TP ranks other than the first)
+and reads its Philox seed from a device buffer filled from the caller's generator before each
+replay, the same draw the eager path makes. Without (temperature None), it yields the final
+hidden states and the caller samples.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_bs)
         self.device = device
         self.max_blocks = max_blocks_per_seq
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, float | None], torch.cuda.CUDAGraph] = {}
+        self.outs: dict[tuple[int, float | None], torch.Tensor] = {}  # each graph's output (its pool's memory)
         self.pool = None
         self.bufs: dict[str, torch.Tensor] | None = None
         # two pinned staging buffers, alternated: the copy out of one may still be queued behind the
@@ -43,18 +51,19 @@ class DecodeGraphs:
         """Drop every graph and static buffer. Returns the device bytes they held (measured at capture)."""
         freed, self.bytes = self.bytes, 0
         self.graphs.clear()
+        self.outs.clear()
         self.pool = None
         self.bufs = None
         self.host = []
         return freed
 
     def _alloc_buffers(self) -> None:
-        n, h = self.max_bs, self.model.config.hidden_size
+        n = self.max_bs
         z = lambda *shape, dt: torch.zeros(*shape, dtype=dt, device=self.device)  # noqa: E731
         self.bufs = {
             "inputs": z(4, n, dt=torch.int64),  # ids, positions, slots, context lengths
             "bt": z(n, self.max_blocks, dt=torch.int32),
-            "hidden": z(n, h, dt=self.model.cos_sin_PD.dtype),
+            "seed": z(1, dt=torch.int64),
         }
         self.host = [(torch.zeros(4 * n, dtype=torch.int64, pin_memory=True),
                       torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
@@ -66,26 +75,51 @@ class DecodeGraphs:
             context_lens_B=inputs[3, :bs], max_context_len=1,
         )
 
-    def _capture(self, bs: int) -> torch.cuda.CUDAGraph:
-        # torch.cuda.graph empties the allocator cache on entry: do it first so the reserved-bytes
-        # delta is the graph pool's growth alone
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
+    def _step(self, bs: int, temperature: float | None) -> torch.Tensor:
         inputs, meta = self.bufs["inputs"], self._meta(bs)
-        self.bufs["hidden"][:bs] = self.model(inputs[0, :bs], inputs[1, :bs], meta)  # warm-up (JIT, autotune)
+        hidden_BH = self.model(inputs[0, :bs], inputs[1, :bs], meta)
+        if temperature is None:
+            return hidden_BH
+        from tidal.engine.native.kernels.triton_sampling import fused_sample
+
+        out_2B = torch.zeros(2, bs, dtype=torch.float64, device=self.device)
+        logits_BV = self.model.compute_logits(hidden_BH)
+        if logits_BV is not None:  # TP rank 0
+            token_B, logp_B = fused_sample(logits_BV, temperature, seed=self.bufs["seed"])
+            out_2B[0], out_2B[1] = token_B, logp_B
+        return out_2B
+
+    def _capture(self, key: tuple[int, float | None]) -> torch.cuda.CUDAGraph:
+        bs, temperature = key
+        self._step(bs, temperature)  # warm-up (JIT, autotune) outside the graph
         torch.cuda.synchronize(self.device)
+        # capture_begin/end rather than the torch.cuda.graph context, which collects garbage and
+        # empties the allocator cache first: that would hand back the trainer's cached blocks on
+        # every wake-up (the graph pool is private, so the reserved-bytes delta stays exact)
+        before = torch.cuda.memory_reserved(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.bufs["hidden"][:bs] = self.model(inputs[0, :bs], inputs[1, :bs], meta)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                self.outs[key] = self._step(bs, temperature)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph
 
-    def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int, ids_dev=None) -> torch.Tensor:
-        """Replay the bucket for ``len(ids)`` rows (input tokens ``ids_dev`` on the device if given);
-        returns the final hidden states ``[B, H]``."""
+    def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int, ids_dev=None,
+            temperature: float | None = None, generator: torch.Generator | None = None,
+            draws: bool = True) -> torch.Tensor:
+        """Replay the bucket for ``len(ids)`` rows (input tokens ``ids_dev`` on the device if given).
+        Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples ``[2, B]``
+        (a view of the graph's output, valid until the next replay); ``draws``: this rank draws the
+        seed from ``generator`` (TP rank 0; the others' graphs do not sample)."""
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
         if self.bufs is None:
@@ -112,7 +146,13 @@ class DecodeGraphs:
         bt_dev[:n, :w].copy_(host_bt[: n * w].view(n, w), non_blocking=True)
         if bs > n:
             bt_dev[n:bs, 0] = scratch_block
-        if bs not in self.graphs:
-            self.graphs[bs] = self._capture(bs)
-        self.graphs[bs].replay()
-        return self.bufs["hidden"][:n]
+        key = (bs, temperature)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        if temperature is not None and draws:
+            from tidal.engine.native.kernels.triton_sampling import draw_seed
+
+            draw_seed(generator, self.device, out=self.bufs["seed"])
+        self.graphs[key].replay()
+        out = self.outs[key]
+        return out[:n] if temperature is None else out[:, :n]

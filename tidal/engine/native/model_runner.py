@@ -19,7 +19,7 @@ from tidal.engine.native.cuda_graphs import DecodeGraphs
 from tidal.engine.native.models import DecoderLM, head_dim_of
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
-from tidal.engine.sampler import sample
+from tidal.engine.sampler import fused_applies, sample
 
 
 @dataclasses.dataclass
@@ -30,6 +30,10 @@ class SamplingState:
     top_k: int
     top_p: float
     generator: torch.Generator | None
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether decode CUDA graphs sample in the graph (the fused sampler's distributions)."""
+        return fused_applies(device, self.top_k, self.top_p)
 
 
 class ModelRunner:
@@ -172,6 +176,7 @@ class ModelRunner:
         A batch scheduled ahead (``batch.src_rows``) takes its input tokens from ``prev``'s samples
         on the device."""
         t0 = time.perf_counter()
+        samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         if batch.is_prefill:
             ids, pos, meta, rows, extra = self._prefill_inputs(batch)
             t1 = time.perf_counter()
@@ -189,7 +194,14 @@ class ModelRunner:
             t1 = time.perf_counter()
             n = len(ids)
             if self.graphs is not None and self.graphs.fits(n):
-                hidden = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks, ids_dev)
+                in_graph = sampling.fused_on(self.device)  # the logits and the draw are in the graph too
+                res = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks, ids_dev,
+                                      temperature=sampling.temperature if in_graph else None,
+                                      generator=sampling.generator, draws=self.tp.is_first)
+                if in_graph:
+                    samples = res.contiguous()
+                else:
+                    hidden = res
             else:
                 meta = AttnMetadata(
                     is_prefill=False,
@@ -200,9 +212,10 @@ class ModelRunner:
                 )
                 ids_t = ids_dev if ids_dev is not None else self._tensor(ids, torch.int64)
                 hidden = self.model(ids_t, self._tensor(pos, torch.int64), meta)
-            logits = self.model.compute_logits(hidden)
+            if samples is None:
+                logits = self.model.compute_logits(hidden)
         self.timings["prepare_s"] += t1 - t0
-        handle = self._sample(logits, n, sampling)
+        handle = self._publish(samples) if samples is not None else self._sample(logits, n, sampling)
         self.timings["submit_s"] += time.perf_counter() - t1
         return handle
 
@@ -213,6 +226,10 @@ class ModelRunner:
         if self.tp.is_first:
             token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
             out[0], out[1] = token_B, logp_B
+        return self._publish(out)
+
+    def _publish(self, out: torch.Tensor) -> StepHandle:
+        """Share TP rank 0's samples ``out`` ``[2, n]`` and start their copy to the host."""
         self.tp.broadcast_from_first(out)
         if self.device.type != "cuda":
             return StepHandle(out, out.cpu(), None)

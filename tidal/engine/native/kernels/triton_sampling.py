@@ -74,13 +74,23 @@ def _sample_combine_kernel(part_ptr, tok_ptr, logp_ptr, NCHUNK: tl.constexpr):
     tl.store(logp_ptr + row, x_win - m_all - tl.log(l_all))
 
 
-def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
-    """(token_B int64, logp_B fp32) drawn from ``softmax(logits / temperature)`` (argmax when 0)."""
+def draw_seed(generator: torch.Generator | None, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Philox seed of one draw, ``int64 [1]`` on the device, from ``generator`` (the default CUDA
+    generator when None); written into ``out`` when given (a captured graph's seed buffer)."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64, out=out)
+
+
+def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
+                 *, seed: torch.Tensor | None = None):
+    """(token_B int64, logp_B fp32) drawn from ``softmax(logits / temperature)`` (argmax when 0).
+    The noise is keyed by ``seed`` (``int64 [1]`` on the device, read by the kernel: a CUDA graph
+    can capture this call) or, when None, by a seed drawn from ``generator``."""
     B, V = logits_BV.shape
     if logits_BV.stride(1) != 1:
         logits_BV = logits_BV.contiguous()
     dev = logits_BV.device
-    seed = torch.randint(0, 2**31 - 1, (1,), device=dev, generator=generator, dtype=torch.int64)
+    if seed is None:
+        seed = draw_seed(generator, dev)
     nchunk = 16 if V >= 16 * 1024 else 1
     block = min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk)))
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
