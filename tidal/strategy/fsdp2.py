@@ -11,6 +11,7 @@ Checkpoints hold the trainable parameters only (a LoRA actor's adapters; its bas
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
 from tidal.strategy.config import OptimConfig
 from tidal.strategy.gather import BucketedFullTensors
+from tidal.strategy.parking import ModelParking
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -116,13 +118,28 @@ class FSDP2Strategy(Strategy):
             norm = norm.full_tensor()
         return float(norm)
 
+    @functools.cached_property
+    def _parking(self) -> ModelParking:
+        return ModelParking(self.device)
+
     def offload_model(self, model: torch.nn.Module) -> None:
-        if self.device.type != "cpu":
+        """A frozen model (nothing trains: reference, reward model) is parked: its device memory is
+        freed in place and its host copy, pinned and made once, is what reloads read. A trained
+        model moves to the CPU (its values change between offloads, and checkpoints read them)."""
+        if self.device.type == "cpu":
+            return
+        if any(p.requires_grad for p in model.parameters()):
             model.to("cpu")
-            self.empty_cache()
+        else:
+            self._parking.park(model)
+        self.empty_cache()
 
     def reload_model(self, model: torch.nn.Module) -> None:
-        if self.device.type != "cpu":
+        if self.device.type == "cpu":
+            return
+        if self._parking.is_parked(model):
+            self._parking.unpark(model)
+        else:
             model.to(self.device)
 
     def full_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
