@@ -159,6 +159,15 @@ def test_fused_sampler_logprobs_and_distribution():
     tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
     freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
     assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)
+    # a wide vocabulary (16 chunks), mass on four neighbours that share one Philox call and on two
+    # tokens in other chunks: their frequencies match too (independent uniforms per token)
+    wide = torch.full((1, 20000), -30.0)
+    hot = torch.tensor([0, 1, 2, 3, 5000, 19999])
+    wide[0, hot] = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.5, 0.5])
+    rows = 2000 if DEVICE.type == "cuda" else 200  # the interpreter takes ~0.4 s a row
+    tok, _ = fused_sample(wide.to(DEVICE).expand(rows, 20000), 1.0, torch.Generator(DEVICE).manual_seed(2))
+    freq = torch.bincount(tok.cpu(), minlength=20000)[hot].double() / rows
+    assert torch.allclose(freq, torch.softmax(wide[0, hot].double(), -1), atol=3.5 * (0.25 / rows) ** 0.5), freq
 
 
 def _check_fused_rows(fused_sample, process_logits, logits):

@@ -40,7 +40,11 @@ def _sample_partial_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, par
         if GREEDY:
             score = x
         else:
-            u = tl.rand(seed, row * V + offs)
+            # one Philox call per 4 lanes (its cost, not the memory traffic, bounds this kernel):
+            # counters (row, chunk, group of 4 lanes) are distinct, so every element gets its own uniform
+            q = (row * NCHUNK + chunk) * (CHUNK // 4) + (start - lo) // 4 + tl.arange(0, BLOCK // 4)
+            r0, r1, r2, r3 = tl.rand4x(seed, q)
+            u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
             score = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
         take = mask & (score > best)
         best = tl.where(take, score, best)
@@ -92,7 +96,7 @@ def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.G
     if seed is None:
         seed = draw_seed(generator, dev)
     nchunk = 16 if V >= 16 * 1024 else 1
-    block = min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk)))
+    block = max(16, min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk))))  # >= 16: 4 lanes per Philox call
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
     part = torch.empty(B, nchunk, 5, dtype=torch.float32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
