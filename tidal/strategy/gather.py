@@ -46,8 +46,8 @@ class BucketedFullTensors:
             return self.cache.pop(key)
         if not _dim0_sharded(p):
             return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(self.device)
-        if p.device_mesh.size() == 1:
-            return p.to_local().detach().to(self.device)
+        if p.device_mesh.size() == 1:  # the local shard is the whole tensor (not to_local(): an autograd call)
+            return p._local_tensor.detach().to(self.device)
         bucket = self._bucket_from(p)
         for q, full in zip(bucket, self._gather(bucket)):
             self.done.add(id(q))

@@ -128,6 +128,7 @@ class DecoderLM(nn.Module):
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported by the native engine")
         self.config = cfg
+        self._load_targets: dict = {}  # HF weight name -> (module, parameter, shard id) or None
         self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
         tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
@@ -162,25 +163,39 @@ class DecoderLM(nn.Module):
         names loaded. Raises KeyError on a name this model has no place for."""
         loaded = set()
         for name, full in named_tensors:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head.tied):
+            target = self._load_target(name)
+            if target is None:
                 continue
-            target, shard_id = name, None
-            for hf_part, (ours, sid) in self.packed_modules_mapping.items():
-                if f".{hf_part}." in name:
-                    target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
-                    break
-            module_name, _, param_name = target.rpartition(".")
-            try:
-                module = self.get_submodule(module_name)
-                param = getattr(module, param_name)
-            except AttributeError:
-                raise KeyError(f"weight {name!r} has no place in {type(self).__name__}") from None
-            if not isinstance(param, nn.Parameter) or not hasattr(module, "weight_loader"):
-                raise KeyError(f"weight {name!r} has no place in {type(self).__name__}")
+            module, param, shard_id = target
             with torch.no_grad():
                 module.weight_loader(param, full, shard_id)
             loaded.add(name)
         return loaded
+
+    def _load_target(self, name: str):
+        """(module, parameter, shard id) that HF weight ``name`` loads into; None for a weight this
+        model skips (RoPE frequencies, a tied LM head). Resolved once per name (weight syncs repeat)."""
+        cache = self._load_targets
+        if name in cache:
+            return cache[name]
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head.tied):
+            cache[name] = None
+            return None
+        target, shard_id = name, None
+        for hf_part, (ours, sid) in self.packed_modules_mapping.items():
+            if f".{hf_part}." in name:
+                target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
+                break
+        module_name, _, param_name = target.rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+            param = getattr(module, param_name)
+        except AttributeError:
+            raise KeyError(f"weight {name!r} has no place in {type(self).__name__}") from None
+        if not isinstance(param, nn.Parameter) or not hasattr(module, "weight_loader"):
+            raise KeyError(f"weight {name!r} has no place in {type(self).__name__}")
+        cache[name] = (module, param, shard_id)
+        return cache[name]
 
 
 @MODELS.register("qwen2")
