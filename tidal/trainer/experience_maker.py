@@ -173,12 +173,14 @@ class ExperienceMaker:
     def score(self, rollout: Rollout):
         samples = []
         n = len(rollout.completions) // max(1, len(rollout.items))
-        for i, c in enumerate(rollout.completions):
+        # one call for the whole rollout (a fast tokenizer decodes the batch natively)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in rollout.completions], skip_special_tokens=True)
+        for i, (c, text) in enumerate(zip(rollout.completions, texts)):
             item = rollout.items[i // n]
             samples.append(
                 RewardSample(
                     prompt=item.prompt_text,
-                    response=self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                    response=text,
                     prompt_ids=list(c.prompt_ids),
                     response_ids=list(c.token_ids),
                     reference=item.reference,
