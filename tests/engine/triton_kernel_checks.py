@@ -101,7 +101,12 @@ def test_paged_decode_and_prefill_attention(dtype):
     meta = AttnMetadata(is_prefill=False, slot_mapping_T=None, block_tables_BN=bt, context_lens_B=ctx_t,
                         max_context_len=max(ctx))
     qd = torch.randn(3, HQ, D, generator=g).to(DEVICE, dtype)
-    assert rel(tri.decode_attention(qd, kc, vc, meta, 0.25), ref.decode_attention(qd, kc, vc, meta, 0.25)) < TOL[dtype]
+    want = ref.decode_attention(qd, kc, vc, meta, 0.25)
+    assert rel(tri.decode_attention(qd, kc, vc, meta, 0.25), want) < TOL[dtype]
+    # the context split over programs (flash-decoding), with slices of 16 tokens: 23 tokens over
+    # 2 or 4 splits (one or two of them empty), 1 token with all but one split empty
+    for splits in (1, 2, 4):
+        assert rel(tri.decode_attention(qd, kc, vc, meta, 0.25, splits=splits, block_n=16), want) < TOL[dtype], splits
     ql = [3, 20, 1]  # sequence 0 and 1 have a cached prefix (4 and 3 tokens), sequence 2 has none
     meta = AttnMetadata(is_prefill=True, slot_mapping_T=None, block_tables_BN=bt, context_lens_B=ctx_t,
                         cu_seqlens_q_B1=torch.tensor([0, 3, 23, 24], dtype=torch.int32, device=DEVICE),

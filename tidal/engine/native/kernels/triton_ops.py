@@ -95,12 +95,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, scale, stride_bt, HKV,
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, part_ptr, ml_ptr, scale, stride_bt, HKV,
                          GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    # one program per (row, KV head, split of the context): split s attends to the s-th of SPLITS
+    # equal BLOCK_N-aligned slices of the row's context (read on the device: graph-safe); with
+    # SPLITS > 1 it writes its unnormalised output and (max, sum-exp) for _decode_combine_kernel
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * per
+    hi = tl.minimum(lo + per, ctx)
     g = tl.arange(0, GROUP_P)
     mg = (g < GROUP)[:, None]
     d = tl.arange(0, D)
@@ -109,9 +116,9 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, scale, s
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D], tl.float32)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        mn = n < ctx
+        mn = n < hi
         page = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=mn, other=0).to(tl.int64)
         off = (page * PAGE + n % PAGE) * (HKV * D) + kvh * D
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
@@ -124,8 +131,28 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, scale, s
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + (b * HKV * GROUP + heads)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=mg)
+    rows = b * HKV * GROUP + heads  # flat (row, query head)
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=mg)
+    else:  # an empty split (short context) stores m = -inf, l = 0: no weight in the combine
+        tl.store(part_ptr + (rows * SPLITS + sp)[:, None] * D + d[None, :], acc, mask=mg)
+        tl.store(ml_ptr + (rows * SPLITS + sp) * 2, m_i, mask=g < GROUP)
+        tl.store(ml_ptr + (rows * SPLITS + sp) * 2 + 1, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_combine_kernel(part_ptr, ml_ptr, o_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+    # one program per (row, query head): the splits' outputs weighted by their share of the softmax
+    r = tl.program_id(0)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (r * SPLITS + sp) * 2)
+    l = tl.load(ml_ptr + (r * SPLITS + sp) * 2 + 1)
+    w = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, axis=0)), 0.0)
+    acc = tl.load(part_ptr + (r * SPLITS + sp)[:, None] * D + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + r * D + d, out.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -175,6 +202,12 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: any number; small, so the tests split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @KERNELS.register("triton")
 class TritonOps:
     graph_safe = True
@@ -208,15 +241,28 @@ class TritonOps:
                                  HQ_P=_p2(HQ), HKV_P=_p2(HKV), HALF=D // 2, D=D, STORE=store, num_warps=1)
         return q_out
 
-    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float, splits: int | None = None,
+                         block_n: int = 64):
+        """Paged decode attention. The context of each row is split over ``splits`` programs per KV
+        head (flash-decoding) when rows x KV heads alone leave SMs idle: default, the power of two
+        (at most 8) that brings the programs to about two per SM."""
         B, HQ, D = q_BHD.shape
         HKV, page = k_cache.shape[2], k_cache.shape[1]
         group = HQ // HKV
+        if splits is None:
+            splits = min(8, _p2(triton.cdiv(2 * _num_sms(q_BHD.device), B * HKV)))
         o = torch.empty_like(q_BHD)
+        part = ml = o  # unused when splits == 1
+        if splits > 1:
+            part = torch.empty(B * HQ * splits, D, dtype=torch.float32, device=q_BHD.device)
+            ml = torch.empty(B * HQ * splits, 2, dtype=torch.float32, device=q_BHD.device)
         bt = meta.block_tables_BN
-        _paged_decode_kernel[(B, HKV)](q_BHD.contiguous(), k_cache, v_cache, bt, meta.context_lens_B, o, scale,
-                                       bt.stride(0), HKV, GROUP=group, GROUP_P=max(16, _p2(group)), D=D, PAGE=page,
-                                       BLOCK_N=64, IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2)
+        _paged_decode_kernel[(B, HKV, splits)](q_BHD.contiguous(), k_cache, v_cache, bt, meta.context_lens_B, o, part, ml,
+                                               scale, bt.stride(0), HKV, GROUP=group, GROUP_P=max(16, _p2(group)), D=D,
+                                               PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q_BHD.dtype == torch.float32,
+                                               num_warps=4, num_stages=2)
+        if splits > 1:
+            _decode_combine_kernel[(B * HQ,)](part, ml, o, SPLITS=splits, D=D, num_warps=1)
         return o
 
     def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float):
