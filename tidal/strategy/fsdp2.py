@@ -132,7 +132,8 @@ class FSDP2Strategy(Strategy):
             model.to("cpu")
         else:
             self._parking.park(model)
-        self.empty_cache()
+        # the freed blocks stay in PyTorch's cache for the next phase of this process (wake_up hands
+        # them back to the driver for an engine with an allocator of its own)
 
     def reload_model(self, model: torch.nn.Module) -> None:
         if self.device.type == "cpu":
