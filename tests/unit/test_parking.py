@@ -85,34 +85,3 @@ def test_parked_fsdp2_model_gives_the_same_logprobs(device):
         assert parking.copies_to_host == len(storages)  # once each, over both parks
     finally:
         shutdown()
-
-
-class _Engine:
-    def __init__(self, shares: bool):
-        if shares:
-            self.shares_allocator = True
-        self.calls = []
-
-    def sleep(self, level):
-        self.calls.append("sleep")
-        return 0
-
-    def wake_up(self):
-        self.calls.append("wake_up")
-        return 0
-
-
-@pytest.mark.parametrize("shares", [True, False])
-def test_cache_emptied_only_around_engines_with_their_own_allocator(shares, monkeypatch):
-    """An engine that allocates from this process's cache (the native one) frees into it, and the
-    trainer reuses that as is; vLLM/SGLang get the cache handed back after sleep and before wake-up."""
-    runtime = init_runtime(1, "cpu")
-    try:
-        strategy = get_strategy(StrategyConfig(), runtime)
-        engine = _Engine(shares)
-        monkeypatch.setattr(strategy, "empty_cache", lambda: engine.calls.append("empty_cache"))
-        strategy.sleep(engine, 1)
-        strategy.wake_up(engine)
-        assert engine.calls == (["sleep", "wake_up"] if shares else ["sleep", "empty_cache", "empty_cache", "wake_up"])
-    finally:
-        shutdown()

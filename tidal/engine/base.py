@@ -66,12 +66,6 @@ class Completion:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """An engine may set ``shares_allocator = True`` when its device memory comes from this
-    process's PyTorch caching allocator (the native engine): what it frees is then reused by the
-    trainer as is, and the strategy does not hand cached memory back to the driver around it. An
-    engine with an allocator of its own (vLLM, SGLang) leaves it unset: the strategy empties
-    PyTorch's cache after ``sleep`` and before ``wake_up``."""
-
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Generate ``params.n`` completions for every prompt (prompt-major order)."""
 

@@ -167,13 +167,10 @@ class Strategy(abc.ABC):
 
     def sleep(self, engine: RolloutEngine, level: int) -> int:
         freed = engine.sleep(level) if level > 0 else 0
-        if not getattr(engine, "shares_allocator", False):
-            self.empty_cache()
+        self.empty_cache()
         return freed
 
     def wake_up(self, engine: RolloutEngine) -> int:
-        if not getattr(engine, "shares_allocator", False):
-            self.empty_cache()  # the trainer's cached blocks, for an engine that allocates on its own
         return engine.wake_up()
 
     def empty_cache(self) -> None:

@@ -132,8 +132,7 @@ class FSDP2Strategy(Strategy):
             model.to("cpu")
         else:
             self._parking.park(model)
-        # the freed blocks stay in PyTorch's cache for the next phase of this process (wake_up hands
-        # them back to the driver for an engine with an allocator of its own)
+        self.empty_cache()
 
     def reload_model(self, model: torch.nn.Module) -> None:
         if self.device.type == "cpu":

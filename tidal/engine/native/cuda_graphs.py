@@ -2,11 +2,8 @@
 
 A graph bakes in the addresses of the weights, the KV cache and its static input buffers: it stays
 valid across in-place weight loads, and is dropped (:meth:`free`) whenever the KV cache or the
-weights are released. The graphs' memory pool (a ``torch.cuda.MemPool``) lives as long as this
-object: graphs captured after a :meth:`free` reuse its blocks, so it does not grow per wake-up
-(dropped graphs' private pools would otherwise stay reserved until something empties the cache).
-A batch of B rows replays the smallest bucket >= B; padded rows attend to one token of the
-scratch block and write their K/V there. Needs a kernel backend whose decode
+weights are released. A batch of B rows replays the smallest bucket >= B; padded rows attend to
+one token of the scratch block and write their K/V there. Needs a kernel backend whose decode
 attention reads the context lengths from device memory (``ops.graph_safe``).
 
 Two kinds of graph, keyed by (bucket, temperature): with a temperature, the step's logits and its
@@ -39,31 +36,23 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         self.graphs: dict[tuple[int, float | None], torch.cuda.CUDAGraph] = {}
         self.outs: dict[tuple[int, float | None], torch.Tensor] = {}  # each graph's output (its pool's memory)
-        self.pool: torch.cuda.MemPool | None = None  # created at the first capture, kept
-        self.pool_bytes = 0  # device bytes the pool grew by, over all captures
+        self.pool = None
         self.bufs: dict[str, torch.Tensor] | None = None
         # two pinned staging buffers, alternated: the copy out of one may still be queued behind the
         # step in flight while the next step's inputs are written into the other
         self.host: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.parity = 0
-
-    @property
-    def bytes(self) -> int:
-        """Device bytes held: the graphs' pool and the static buffers."""
-        return self.pool_bytes + self._buffer_bytes()
-
-    def _buffer_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.bufs or {}).values())
+        self.bytes = 0
 
     def fits(self, n: int) -> bool:
         return n <= self.max_bs
 
     def free(self) -> int:
-        """Drop every graph and the static buffers (the pool stays, for the next captures). Returns
-        the device bytes released: the buffers'."""
-        freed = self._buffer_bytes()
+        """Drop every graph and static buffer. Returns the device bytes they held (measured at capture)."""
+        freed, self.bytes = self.bytes, 0
         self.graphs.clear()
         self.outs.clear()
+        self.pool = None
         self.bufs = None
         self.host = []
         return freed
@@ -109,19 +98,19 @@ class DecodeGraphs:
         # every wake-up (the graph pool is private, so the reserved-bytes delta stays exact)
         before = torch.cuda.memory_reserved(self.device)
         if self.pool is None:
-            self.pool = torch.cuda.MemPool()
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.pool.id)
+            graph.capture_begin(pool=self.pool)
             try:
                 self.outs[key] = self._step(bs, temperature)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph
 
     def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int, ids_dev=None,
@@ -134,7 +123,9 @@ class DecodeGraphs:
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
         if self.bufs is None:
+            before = torch.cuda.memory_reserved(self.device)
             self._alloc_buffers()
+            self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         host_flat, host_bt = self.host[self.parity]
         self.parity ^= 1
         host = host_flat[: 4 * bs].view(4, bs)  # contiguous, so the copy below stays asynchronous

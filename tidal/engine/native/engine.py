@@ -6,8 +6,7 @@ identical on all ranks (TP rank 0 samples and broadcasts). The engine loop is th
 ``scheduler.schedule() -> runner.run(batch) -> scheduler.postprocess(batch, tokens)``.
 
 Memory: construction allocates only the (zero) weights; the KV cache is allocated by the first
-``wake_up``/``generate``; ``sleep(1)`` frees the KV cache and drops the CUDA graphs (their memory pool
-stays, reused by the next captures), ``sleep(2)`` also moves the
+``wake_up``/``generate``; ``sleep(1)`` frees the KV cache and CUDA graphs, ``sleep(2)`` also moves the
 weights to host memory.
 """
 
@@ -49,8 +48,6 @@ class NativeEngine:
     ``postprocess_s`` and the runner's ``prepare_s`` (inputs), ``submit_s`` (model + sampling
     enqueued) and ``wait_s`` (waiting for the sampled tokens).
     """
-
-    shares_allocator = True  # KV cache, graphs and weights come from this process's caching allocator
 
     def __init__(
         self,
@@ -115,9 +112,6 @@ class NativeEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
-            # the trainer's cached, unused blocks count as free: the allocator hands them out (or back
-            # to the driver when a block this large does not fit them), so the size does not drift
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             return int(free * cfg.kv_cache_memory_fraction) // self.runner.block_bytes()
         # CPU without a cap: room for max_num_seqs sequences of the longest request of this call
         longest = self.model.max_positions
@@ -156,6 +150,7 @@ class NativeEngine:
                 self._host_weights[name] = host
                 freed += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            torch.cuda.empty_cache()
         self.sleep_level = max(self.sleep_level, level)
         return freed
 

@@ -80,7 +80,9 @@ class ModelRunner:
                 attn.k_cache = attn.v_cache = torch.empty(0)
             self.kv_cache = None
             self.num_blocks = 0
-        return freed  # to PyTorch's cache, where the trainer's next allocations find it
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _tensor(self, data, dtype) -> torch.Tensor:
