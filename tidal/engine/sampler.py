@@ -3,8 +3,9 @@ distribution (temperature, then top-k, then top-p, renormalised).
 
 Shared by every in-process engine so all of them sample the same distribution. On CUDA, when no
 top-k/top-p filter is set, :func:`sample` runs one fused Triton pass (temperature, log-sum-exp and a
-Gumbel-max draw, one Philox call per four tokens) instead of materialising the fp32 distribution; the distribution and the returned
-logprobs are the same, only the random stream differs from the PyTorch path.
+Gumbel-max draw, one Philox call per four tokens) instead of materialising the fp32 distribution;
+the distribution and the returned logprobs are the same, only the random stream differs from the
+PyTorch path.
 """
 
 from __future__ import annotations

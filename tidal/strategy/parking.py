@@ -74,10 +74,10 @@ class ModelParking:
                 self.copies_to_host += 1
                 copied = True
             freed += e.nbytes
-        if copied and e.storage.device.type == "cuda":
+        if copied and self.device.type == "cuda":
             # the host copies must be complete before anything reads them (unpark, on whatever
             # stream is current then) and before the storages they read are reused
-            torch.cuda.synchronize(e.storage.device)
+            torch.cuda.synchronize(self.device)
         for e in entries:
             e.storage.resize_(0)
         return freed
@@ -100,8 +100,6 @@ class ModelParking:
             e = by_storage.get(st.data_ptr())
             if e is None:
                 host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self.pin).untyped_storage()
-                e = by_storage[st.data_ptr()] = _Parked(st, host, st.nbytes(), [], ())
+                e = by_storage[st.data_ptr()] = _Parked(st, host, st.nbytes(), [], versions=(-1,))  # never copied
             e.tensors.append(t)
-        for e in by_storage.values():
-            e.versions = (-1,)  # never copied yet
         return list(by_storage.values())

@@ -40,7 +40,8 @@ def _sample_partial_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, par
         if GREEDY:
             score = x
         else:
-            # one Philox call per 4 lanes (its cost, not the memory traffic, bounds this kernel):
+            # one Philox call per 4 lanes (the random-number math is part of what bounds this kernel,
+            # not its memory traffic; four at a time measured 0.127 -> 0.107 ms at 128 x 151936):
             # counters (row, chunk, group of 4 lanes) are distinct, so every element gets its own uniform
             q = (row * NCHUNK + chunk) * (CHUNK // 4) + (start - lo) // 4 + tl.arange(0, BLOCK // 4)
             r0, r1, r2, r3 = tl.rand4x(seed, q)
