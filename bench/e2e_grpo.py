@@ -29,7 +29,8 @@ which is also the number of weights in matmuls since the LM head is the embeddin
 - generate: prefill ``2 N x unique prompt tokens / matmul`` plus, per decode step k = 1..R-1,
   ``max((2 N + seqs x (P + k) x kv_bytes) / copy_bw, 2 N seqs / matmul)`` (bf16 weights and KV read
   once per step).
-- actor/reference logprobs: ``2 N x tokens / matmul``; train: ``6 N x tokens / matmul`` plus the
+- actor/reference logprobs: ``2 N x tokens / matmul`` (the actor's only when the run has that pass:
+  with one optimizer step per rollout Tidal takes the old logprobs from the update's forward); train: ``6 N x tokens / matmul`` plus the
   AdamW update (28 bytes per parameter read+written in fp32) over copy_bw; tokens = seqs x (P + R).
 - weight sync: ``6 N / copy_bw`` (read fp32 master, write bf16 engine copy).
 
@@ -212,18 +213,21 @@ def weight_sync_bound_s(*, n_params: int, copy_bw: float) -> float:
     return 6.0 * n_params / copy_bw
 
 
-def phase_bounds(*, n_params: int, shape: dict, s: BenchSettings, kl: bool, copy_bw: float, matmul_flops: float) -> dict[str, float]:
-    """Lower bound in seconds of each Tidal phase that has one (see the module docstring)."""
+def phase_bounds(*, n_params: int, shape: dict, s: BenchSettings, kl: bool, copy_bw: float, matmul_flops: float,
+                 old_logprobs: bool = True) -> dict[str, float]:
+    """Lower bound in seconds of each Tidal phase that has one (see the module docstring);
+    ``old_logprobs``: the run had a separate old-logprob pass (else the update's forward gave them)."""
     tokens = s.seqs * (s.prompt_len + s.new_tokens)
     fwd = forward_bound_s(n_params=n_params, tokens=tokens, matmul_flops=matmul_flops)
     out = {
         "generate": generation_bound_s(n_params=n_params, kv_bytes=kv_bytes_per_token(shape), seqs=s.seqs,
                                        unique_prompts=s.prompts, prompt_len=s.prompt_len, new_tokens=s.new_tokens,
                                        copy_bw=copy_bw, matmul_flops=matmul_flops),
-        "actor_logprobs": fwd,
         "train": train_bound_s(n_params=n_params, tokens=tokens, matmul_flops=matmul_flops, copy_bw=copy_bw),
         "weight_sync": weight_sync_bound_s(n_params=n_params, copy_bw=copy_bw),
     }
+    if old_logprobs:
+        out["actor_logprobs"] = fwd
     if kl:
         out["reference_logprobs"] = fwd
     return out
@@ -1086,7 +1090,7 @@ class Run:
                   warmup_s=sm["warmup_s"], init_s=sm.get("init_s"), stopped_early=sm["stopped_early"],
                   checks_ok=all(sm["checks"].values()), checks=sm["checks"])
         self.emit("peak_memory", **base, allocated_gib=_gib(sm["peak_allocated"]), reserved_gib=_gib(sm["peak_reserved"]))
-        bounds = self.bounds(case)
+        bounds = self.bounds(case, old_logprobs="actor_logprobs" in sm["phases"])
         for phase, seconds in sm["phases"].items():
             bound = bounds.get(phase)
             self.emit("phase", **base, phase=phase, median_s=seconds, bound_s=bound,
@@ -1095,12 +1099,13 @@ class Run:
             self.report_tidal_extras(case, base, sm, bounds)
         self.report_ratio(case)
 
-    def bounds(self, case: Case) -> dict[str, float]:
+    def bounds(self, case: Case, *, old_logprobs: bool) -> dict[str, float]:
         if self.ceilings is None:
             return {}
         m = self.models[case.size]
         return phase_bounds(n_params=m["params"], shape=m["shape"], s=self.settings, kl=case.kl,
-                            copy_bw=self.ceilings["copy_bw"], matmul_flops=self.ceilings["matmul_flops"])
+                            copy_bw=self.ceilings["copy_bw"], matmul_flops=self.ceilings["matmul_flops"],
+                            old_logprobs=old_logprobs)
 
     def report_tidal_extras(self, case: Case, base: dict, sm: dict, bounds: dict) -> None:
         measured = median_or_none(sm["steady_s"])

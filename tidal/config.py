@@ -73,6 +73,13 @@ class TidalConfig:
             f"({world_size} x {self.train.mini_batches}) so every rank gets whole groups in every mini-batch",
         )
 
+    def reuses_policy_logprobs(self) -> bool:
+        """True when the update's own forward supplies the actor's old logprobs and the experience
+        skips its no-grad pass (``train.old_logprobs: auto`` with one optimizer step per rollout and
+        no KL in the reward, which needs them before the update)."""
+        t = self.train
+        return t.old_logprobs == "auto" and t.epochs == 1 and t.mini_batches == 1 and not self.algorithm.kl_in_reward
+
     def to_dict(self) -> dict:
         return to_dict(self)
 

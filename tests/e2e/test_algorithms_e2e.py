@@ -49,7 +49,9 @@ def test_estimator_family_trains(name, tmp_path, tiny_task_overrides):
             assert math.isfinite(metrics["critic/value_loss"])
             assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in trainer.critic.model.named_parameters())
         if cfg.algorithm.kl_coef > 0:
-            assert "kl/rollout" in metrics
+            assert "actor/kl" in metrics
+            # the experience compares old and reference logprobs only when it computed the old ones
+            assert ("kl/rollout" in metrics) == (not cfg.reuses_policy_logprobs())
         if cfg.algorithm.dynamic_sampling.enabled:
             assert 1 <= metrics["dynamic_sampling/tries"] <= 2
     finally:
@@ -122,7 +124,7 @@ def test_experience_forwards_use_their_own_micro_batch_budget(forward_budget, ex
         monkeypatch.setattr(mod, "token_logprobs", lambda m, ids, *a, _o=orig, _k=key, **k: (calls[_k].append(ids.shape[0]), _o(m, ids, *a, **k))[1])
     cfg = load_config("quickstart", tiny_task_overrides + [  # 4 prompts x 4 samples = 16 sequences
         f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "rollout.ignore_eos=true",
-        "train.micro_batch_max_seqs=16", "train.micro_batch_tokens=100000", *forward_budget,
+        "train.micro_batch_max_seqs=16", "train.micro_batch_tokens=100000", "train.old_logprobs=recompute", *forward_budget,
     ])
     trainer = build_trainer(cfg)
     try:
@@ -131,3 +133,40 @@ def test_experience_forwards_use_their_own_micro_batch_budget(forward_budget, ex
         shutdown()
     assert calls["experience"] == expected
     assert calls["update"] == [16]
+
+
+@pytest.mark.slow
+def test_reusing_the_update_forward_for_old_logprobs_matches_the_separate_pass(tmp_path, tiny_task_overrides, monkeypatch):
+    """One optimizer step per rollout: skipping the no-grad old-logprob pass (train.old_logprobs auto)
+    gives the same update as running it, because the actor has not moved since the rollout."""
+    import tidal.trainer.experience_maker as em
+
+    def one_step(mode):
+        calls = []
+        orig = em.token_logprobs
+        monkeypatch.setattr(em, "token_logprobs", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+        cfg = load_config("quickstart", tiny_task_overrides + [
+            f"run.output_dir={tmp_path / mode}", "run.steps=1", "optim.lr=1e-3", "checkpoint.at_end=false",
+            "rollout.ignore_eos=true", "reward.components.correct.path=tests.e2e.rewards:text_hash_reward",
+            "algorithm.clip_low=1e-4", "algorithm.clip_high=1e-4", f"train.old_logprobs={mode}",
+        ])
+        trainer = build_trainer(cfg)
+        try:
+            before = _params(trainer.actor.model)
+            metrics = trainer.fit()
+            delta = {n: p.detach() - before[n] for n, p in trainer.actor.model.named_parameters()}
+        finally:
+            shutdown()
+            monkeypatch.setattr(em, "token_logprobs", orig)
+        return metrics, delta, len(calls)
+
+    m_re, d_re, calls_re = one_step("recompute")
+    m_auto, d_auto, calls_auto = one_step("auto")
+    assert calls_re == 1 and calls_auto == 0  # one no-grad pass over the 16 sequences, or none
+    assert "time/actor_logprobs" in m_re and "time/actor_logprobs" not in m_auto
+    assert m_auto["actor/clip_frac"] == 0.0 and m_auto["actor/approx_kl"] == 0.0  # ratio exactly 1
+    assert m_auto["actor/loss"] == pytest.approx(m_re["actor/loss"], rel=1e-5, abs=1e-7)
+    assert m_auto["actor/grad_norm"] == pytest.approx(m_re["actor/grad_norm"], rel=1e-4)
+    assert any(d.abs().max() > 1e-5 for d in d_auto.values())  # the step moved the actor
+    for n in d_re:
+        torch.testing.assert_close(d_auto[n], d_re[n], rtol=1e-3, atol=1e-6, msg=n)

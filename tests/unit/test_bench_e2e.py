@@ -75,6 +75,7 @@ def test_phase_bounds_reference_only_with_kl():
     off, on = e2e.phase_bounds(kl=False, **kw), e2e.phase_bounds(kl=True, **kw)
     assert set(off) == {"generate", "actor_logprobs", "train", "weight_sync"}
     assert on["reference_logprobs"] == on["actor_logprobs"] == pytest.approx(2 * 1000 * 128 * 384 / 1e12)
+    assert set(e2e.phase_bounds(kl=True, old_logprobs=False, **kw)) == {"generate", "reference_logprobs", "train", "weight_sync"}
 
 
 def test_settings_reject_a_micro_batch_that_does_not_divide():
@@ -211,7 +212,8 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     assert it["framework"] == "tidal" and it["checks_ok"] is True, it
     assert len(it["steady_s"]) == e2e.TINY["tidal_steps"] and it["median_s"] > 0
     phases = {f["phase"] for f in by["phase"]}
-    assert {"engine_wake", "generate", "engine_sleep", "actor_logprobs", "reward", "train", "weight_sync"} <= phases
+    assert {"engine_wake", "generate", "engine_sleep", "reward", "train", "weight_sync"} <= phases
+    assert "actor_logprobs" not in phases  # one optimizer step per rollout: the update's forward gives them
     labels = [p[0] for p in by["memory_timeline"][0]["points"]]
     assert labels[0] == "iteration:start" and "sleep:after" in labels and "update_engine_weights:after" in labels
     assert by["weight_sync"][0]["bytes"] == 4 * e2e.param_count(e2e.SHAPES["tiny"])  # fp32 engine on CPU
@@ -225,7 +227,7 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     assert "error" not in prof, prof
     assert prof["step"] == e2e.TINY["tidal_warmup"] + e2e.TINY["tidal_steps"] + 1
     assert by["memory_timeline"][0]["step"] == prof["step"] - 1
-    assert {"iteration", "generate", "actor_logprobs", "train", "weight_sync"} <= set(prof["phases"])
+    assert {"iteration", "generate", "train", "weight_sync"} <= set(prof["phases"])
     assert all(p["wall_s"] > 0 and p["unprofiled_median_s"] > 0 for p in prof["phases"].values())
     assert sorted(os.listdir(prof_dir)) == sorted(prof["files"]) == ["phases.txt", "summary.json", "trace.json.gz"]
     summary = json.loads((prof_dir / "summary.json").read_text())

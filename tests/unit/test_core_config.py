@@ -76,3 +76,15 @@ def test_shipped_quickstart_loads():
     assert cfg.task.name == "arithmetic" and cfg.run.steps == 2
     with pytest.raises(ConfigError, match="shipped"):
         load_config("no_such_config")
+
+
+@pytest.mark.parametrize("overrides, reuses", [
+    ([], True),  # one optimizer step per rollout, KL off
+    (["algorithm.kl_coef=0.05"], True),  # KL as a loss is computed in the update
+    (["train.old_logprobs=recompute"], False),
+    (["train.epochs=2"], False),
+    (["train.mini_batches=2"], False),
+    (["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true"], False),  # the reward needs them first
+])
+def test_old_logprobs_pass_is_skipped_only_with_one_step_per_rollout(overrides, reuses):
+    assert load_config("quickstart", overrides).reuses_policy_logprobs() is reuses

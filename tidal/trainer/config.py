@@ -64,6 +64,12 @@ class TrainConfig:
         their budget can be several times the training one: fewer, larger passes.
     max_skipped_steps_in_a_row: optimizer steps with a non-finite gradient norm are skipped on all
         ranks and counted; this many in a row stops the run with an error.
+    old_logprobs: where the PPO ratio's denominator comes from. ``auto``: when each rollout gets
+        exactly one optimizer step (epochs 1, mini_batches 1) and no KL enters the reward, the actor
+        is unchanged between the rollout and its update, so the update's own forward gives the old
+        logprobs (detached: ratio 1, the same gradient) and the separate no-grad pass is skipped, as
+        TRL does for ``num_iterations=1`` (see ``TidalConfig.reuses_policy_logprobs``); otherwise the
+        pass runs. ``recompute``: always run the pass.
     """
 
     epochs: int = 1
@@ -73,6 +79,7 @@ class TrainConfig:
     forward_micro_batch_tokens: int = 65536
     forward_micro_batch_max_seqs: int = 256
     max_skipped_steps_in_a_row: int = 3
+    old_logprobs: Literal["auto", "recompute"] = "auto"
 
     def __post_init__(self):
         check(self.epochs >= 1, "epochs", "must be >= 1")

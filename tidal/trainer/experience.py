@@ -19,7 +19,9 @@ class Experience:
     """A batch of B sequences.
 
     sequences_BT: token ids. attention_mask_BT: 1 on real tokens. action_mask_BT: 1 on response tokens.
-    old_logp_BT: the actor's logprobs before this update (the PPO ratio's denominator).
+    old_logp_BT: the actor's logprobs before this update (the PPO ratio's denominator); None when
+        the update's own forward supplies them (one optimizer step per rollout, see
+        ``TrainConfig.old_logprobs``).
     rollout_logp_BT: the engine's sampling logprobs (rollout/training mismatch).
     ref_logp_BT: reference-model logprobs (KL on), else None.
     values_BT: critic values (estimators with a critic), else None.
@@ -34,7 +36,7 @@ class Experience:
     sequences_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     action_mask_BT: torch.Tensor
-    old_logp_BT: torch.Tensor
+    old_logp_BT: torch.Tensor | None
     rollout_logp_BT: torch.Tensor
     advantages_BT: torch.Tensor
     returns_BT: torch.Tensor

@@ -71,6 +71,7 @@ class ExperienceMaker:
         offload_reference: bool,
         offload_critic: bool,
         offload_actor: bool,
+        old_logprobs_pass: bool,
         timer: PhaseTimer,
     ):
         self.strategy = strategy
@@ -89,6 +90,7 @@ class ExperienceMaker:
         self.offload_reference = offload_reference
         self.offload_critic = offload_critic
         self.offload_actor = offload_actor
+        self.old_logprobs_pass = old_logprobs_pass
         self.timer = timer
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
@@ -194,12 +196,17 @@ class ExperienceMaker:
 
     def make(self, rollout: Rollout) -> tuple[Experience, dict[str, float], list[RewardSample]]:
         """Run stages 4-8 on a rollout; returns the Experience (on CPU), rollout metrics, and the
-        reward samples (for trajectory logging)."""
+        reward samples (for trajectory logging). Without ``old_logprobs_pass`` the Experience has no
+        old logprobs (the update's forward supplies them), and the metrics that compare them with
+        the rollout's and the reference's (``mismatch/*``, ``kl/rollout``) are left out: the update
+        reports the same comparisons as ``actor/mismatch_*`` and ``actor/kl``."""
         t = self._pack(rollout)
         lengths = t["attention_mask_BT"].sum(-1).tolist()
         batches = token_budget_batches(lengths, self.mb_tokens, self.mb_seqs)
-        with self.timer.phase("actor_logprobs"):
-            old_logp_BT = self._logprobs(self.actor, t, batches)
+        old_logp_BT = None
+        if self.old_logprobs_pass:
+            with self.timer.phase("actor_logprobs"):
+                old_logp_BT = self._logprobs(self.actor, t, batches)
         ref_logp_BT = None
         if self.reference is not None:
             with self.timer.phase("reference_logprobs"):
@@ -240,7 +247,9 @@ class ExperienceMaker:
         """Reward processing, KL (in reward when configured) and advantages/returns."""
         rewards_B, reward_metrics = self.algo.process_rewards(total_B, group_ids_B, action_BT.sum(-1), truncated_B)
         token_rewards_BT = kl_BT = None
-        if ref_logp_BT is not None:
+        if self.algo.cfg.kl_in_reward and old_logp_BT is None:
+            raise ValueError("algorithm.kl_in_reward needs the actor's old logprobs before the update: run their pass")
+        if ref_logp_BT is not None and old_logp_BT is not None:
             kl_BT = self.algo.token_kl(old_logp_BT, ref_logp_BT) * action_BT
             if self.algo.cfg.kl_in_reward:
                 token_rewards_BT = self.algo.kl_reward_BT(old_logp_BT, ref_logp_BT, action_BT)
@@ -255,17 +264,18 @@ class ExperienceMaker:
     def _metrics(self, exp: Experience, rew, truncated_B: torch.Tensor, kl_BT) -> dict[str, float]:
         act = exp.action_mask_BT
         ntok = act.sum().clamp_min(1)
-        diff_BT = (exp.old_logp_BT - exp.rollout_logp_BT) * act
         m = {
             "reward/mean": float(rew.total_B.float().mean()),
             "response/length_mean": float(exp.response_len_B.float().mean()),
             "response/length_max": float(exp.response_len_B.float().max()),
             "response/truncated_frac": float(truncated_B.float().mean()),
-            "mismatch/abs_logp_diff_mean": float(diff_BT.abs().sum() / ntok),
-            "mismatch/logp_diff_max": float(diff_BT.abs().max()),
             "advantage/mean": float((exp.advantages_BT * act).sum() / ntok),
             "advantage/std": float(exp.advantages_BT[act.bool()].std()) if act.sum() > 1 else 0.0,
         }
+        if exp.old_logp_BT is not None:
+            diff_BT = (exp.old_logp_BT - exp.rollout_logp_BT) * act
+            m["mismatch/abs_logp_diff_mean"] = float(diff_BT.abs().sum() / ntok)
+            m["mismatch/logp_diff_max"] = float(diff_BT.abs().max())
         if kl_BT is not None:
             m["kl/rollout"] = float(kl_BT.sum() / ntok)
         if exp.values_BT is not None:

@@ -83,7 +83,8 @@ class PPOTrainer:
             micro_batch_max_seqs=cfg.train.forward_micro_batch_max_seqs, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
             engine_sleep_level=cfg.engine.sleep_level, offload_reference=cfg.strategy.offload_reference,
             offload_critic=cfg.strategy.offload_critic,
-            offload_actor=cfg.strategy.offload_actor_during_rollout, timer=timer,
+            offload_actor=cfg.strategy.offload_actor_during_rollout,
+            old_logprobs_pass=not cfg.reuses_policy_logprobs(), timer=timer,
         )
         self.updater = Updater(
             strategy=strategy, actor=actor, critic=critic, algorithm=algorithm, temperature=cfg.rollout.temperature,

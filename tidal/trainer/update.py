@@ -135,8 +135,11 @@ class Updater:
             positions_BT=mb.action_mask_BT,  # the LM head runs on response tokens only; prompt positions are 0
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
+        # no old logprobs: this is the rollout's only optimizer step, so the actor has not moved since
+        # the rollout and its logprobs now are the old ones (train() checks the single step)
+        old_logp_BT = mb.old_logp_BT if mb.old_logp_BT is not None else logp_BT.detach()
         loss, metrics = self.algo.policy_loss(
-            logp_BT, mb.old_logp_BT, mb.advantages_BT, mask_BT, norm,
+            logp_BT, old_logp_BT, mb.advantages_BT, mask_BT, norm,
             ref_logp_BT=mb.ref_logp_BT, rollout_logp_BT=mb.rollout_logp_BT, entropy_BT=entropy_BT,
         )
         return nonfinite_guard(loss, logp_BT), metrics
@@ -155,6 +158,11 @@ class Updater:
             self.strategy.offload_model(self.critic.model)
 
     def train(self, exp: Experience, *, epochs: int, mini_batches: int, generator: torch.Generator) -> dict[str, float]:
+        if exp.old_logp_BT is None and epochs * mini_batches > 1:
+            raise ValueError(
+                f"the experience has no old logprobs, so it allows one optimizer step, not epochs x mini_batches = "
+                f"{epochs} x {mini_batches}; set train.old_logprobs=recompute"
+            )
         means = MetricMeans()
         for _ in range(epochs):
             for rows in mini_batch_rows(exp, mini_batches, generator):
