@@ -1221,7 +1221,7 @@ def summarize_tidal(records: list[dict], s: BenchSettings, kl: bool = False) -> 
         "response_length_metric": all(abs(r["metrics"].get("response/length_mean", -1) - s.new_tokens) < 1e-6 for r in all_steps),
         "finite_rewards": all(math.isfinite(r["metrics"].get("reward/mean", math.nan)) for r in all_steps),
         "one_optimizer_step": all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in all_steps),
-        "reference_model_iff_kl": bool(all_steps) and all(("kl/rollout" in r["metrics"]) == kl for r in all_steps),
+        "reference_model_iff_kl": bool(all_steps) and all(("actor/kl" in r["metrics"]) == kl for r in all_steps),
     }
     last = steady[-1] if steady else (warm[-1] if warm else None)
     return {

@@ -56,8 +56,9 @@ def test_lora_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overr
         assert changed and all(".lora_" in n for n in changed), changed
         assert any(".lora_B." in n for n in changed)
         logged = _metrics(tmp_path)
-        assert logged[1]["kl/rollout"] == 0.0  # before any update the actor is its base: the reference
-        assert logged[2]["kl/rollout"] > 0.0
+        # KL from the update's forward (one optimizer step per rollout: no separate old-logprob pass)
+        assert logged[1]["actor/kl"] == 0.0  # before any update the actor is its base: the reference
+        assert logged[2]["actor/kl"] > 0.0
 
         # the engine holds W + (alpha/r) B A under HF names
         engine_params = dict(trainer.engine.model.named_parameters())
@@ -147,7 +148,7 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
         for n in ("model.embed_tokens.weight", "model.norm.weight"):  # not LoRA targets: frozen
             assert torch.equal(merged[n], before_merged[n]), n
         logged = _metrics(tmp_path)
-        assert logged[1]["kl/rollout"] == 0.0 and logged[2]["kl/rollout"] > 0.0
+        assert logged[1]["actor/kl"] == 0.0 and logged[2]["actor/kl"] > 0.0
 
         engine_params = dict(trainer.engine.model.named_parameters())
         assert sorted(merged) == sorted(engine_params)

@@ -140,6 +140,39 @@ def test_engine_cuda_graphs_sample_like_eager(top_k):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_graphs_survive_level_1_sleep_at_a_fixed_kv_address():
+    # the KV cache's memory goes back to the driver during sleep(1) and returns at the same address,
+    # so the captured graphs are replayed again, not re-captured; sleep(2) moves the weights: re-capture
+    from tidal.engine.native import fixed_memory
+
+    if not fixed_memory.supported(DEVICE):
+        pytest.skip("the driver has no virtual memory management")
+    hf = tiny_hf("qwen2").to(DEVICE)
+    engine = engine_for(hf, device="cuda", kernel_backend="triton", kv_cache_max_tokens=4096)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=7)
+    first = [[c.token_ids for c in engine.generate(PROMPTS, p)] for p in (greedy, sampled)]
+    assert first[0] == [hf_greedy(hf, p, 6) for p in PROMPTS]
+    runner = engine.runner
+    graphs, ptr, kv_bytes = dict(runner.graphs.graphs), runner.kv_cache.data_ptr(), engine.memory_report()["kv_cache"]
+    assert len({t for _, t in graphs}) == 2  # a graph without sampling (greedy) and one with
+    for level in (1, 1, 2):
+        torch.cuda.synchronize()
+        free_awake = torch.cuda.mem_get_info(DEVICE)[0]
+        assert engine.sleep(level) >= kv_bytes
+        assert torch.cuda.mem_get_info(DEVICE)[0] - free_awake >= kv_bytes  # back with the driver
+        hog = torch.empty(kv_bytes, dtype=torch.uint8, device=DEVICE)  # the trainer allocates meanwhile
+        engine.wake_up()
+        del hog
+        assert runner.kv_cache.data_ptr() == ptr
+        kept = all(runner.graphs.graphs.get(k) is g for k, g in graphs.items())
+        assert kept == (level == 1)
+        again = [[c.token_ids for c in engine.generate(PROMPTS, p)] for p in (greedy, sampled)]
+        assert again == first
+        graphs = dict(runner.graphs.graphs)
+
+
 def test_fused_sampler_seed_buffer_draws_like_generator():
     # a graph reads its seed from a buffer filled by draw_seed: the same draws as the generator path
     from tidal.engine.native.kernels.triton_sampling import draw_seed, fused_sample

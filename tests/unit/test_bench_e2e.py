@@ -123,7 +123,7 @@ def test_summarize_tidal_medians_peaks_and_checks():
     assert sm["weight_sync"] == {"bytes": 64, "seconds": [pytest.approx(0.2), pytest.approx(0.3)]}
     assert sm["timeline_step"] == 3 and sm["timeline"][0]["label"] == "s3"
     assert all(sm["checks"].values()) and sm["error"] is None
-    assert e2e.summarize_tidal(records, s, kl=True)["checks"]["reference_model_iff_kl"] is False  # no kl/rollout metric
+    assert e2e.summarize_tidal(records, s, kl=True)["checks"]["reference_model_iff_kl"] is False  # no actor/kl metric
 
 
 def test_engine_host_ms_per_engine_step():

@@ -68,6 +68,7 @@ def test_squares_lora_with_kl_and_export(squares_assets, tmp_path):
     finally:
         shutdown()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not cfg.reuses_policy_logprobs()  # two mini-batches: the experience computes old logprobs
     assert rows[0]["kl/rollout"] == 0.0 and rows[1]["kl/rollout"] > 0.0
     proc = load_tokenizer(str(tmp_path / "export"))  # tokenizer + image processor were exported
     assert proc.prompt_ids(item.prompt_text, [_image(item)]) == item.prompt_ids
