@@ -20,8 +20,9 @@ Figures (one JSON line each on stdout): the ceilings (device copy bandwidth, cou
 written, and the bf16 matmul rate, both measured here); per case the steady-state seconds per
 iteration (median after warm-up) and the whole-process peak GPU memory; for Tidal each phase
 (``time/<phase>`` of ``PPOTrainer.train_step``) against its own lower bound, the iteration's bound,
-the weight-sync bandwidth, and the memory timeline of the last iteration (allocated/reserved bytes at
-every phase boundary and around every sleep/wake/offload/reload/weight-sync call, recorded by wrapping
+the weight-sync bandwidth, and the memory timeline of the last iteration (allocated/reserved bytes of
+the torch allocator and bytes in use on the device, which include the engine's KV cache when it lives
+outside the allocator at a fixed address, at every phase boundary and around every sleep/wake/offload/reload/weight-sync call, recorded by wrapping
 those methods from outside Tidal); TRL's ``generate`` time (wrapped likewise); TRL/Tidal ratios.
 
 Bounds (all lower bounds, from the measured ceilings; N = parameters with tied embeddings counted once,
@@ -402,16 +403,17 @@ class MemoryRecorder:
         self.points: list[dict] = []
         self.calls: list[dict] = []
 
-    def _mem(self) -> tuple[int | None, int | None]:
+    def _mem(self) -> tuple[int | None, int | None, int | None]:
         import torch
 
         if not self.cuda:
-            return None, None
-        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            return None, None, None
+        free, total = torch.cuda.mem_get_info()
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free
 
     def mark(self, label: str, **extra) -> None:
-        a, r = self._mem()
-        self.points.append({"label": label, "allocated": a, "reserved": r, **extra})
+        a, r, used = self._mem()
+        self.points.append({"label": label, "allocated": a, "reserved": r, "device_used": used, **extra})
 
     def peak(self) -> int | None:
         import torch
@@ -1126,8 +1128,11 @@ class Run:
         if sm.get("profile"):
             self.report_profile(base, sm)
         if sm["timeline"]:
-            self.emit("memory_timeline", **base, step=sm["timeline_step"], unit="GiB allocated, GiB reserved",
-                      points=[[p["label"], _gib(p["allocated"]), _gib(p["reserved"])] + ([_gib(p["peak"])] if p.get("peak") else [])
+            self.emit("memory_timeline", **base, step=sm["timeline_step"],
+                      unit="GiB allocated, GiB reserved (torch allocator), GiB used on the device (driver: all memory, "
+                           "incl. the engine's fixed-address KV cache), [GiB peak allocated in the phase]",
+                      points=[[p["label"], _gib(p["allocated"]), _gib(p["reserved"]), _gib(p.get("device_used"))]
+                              + ([_gib(p["peak"])] if p.get("peak") else [])
                               for p in sm["timeline"]],
                       returned_bytes={c["name"]: c["returned"] for c in sm["timeline_calls"] if c["returned"] is not None})
 

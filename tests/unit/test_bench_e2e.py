@@ -251,7 +251,7 @@ def test_report_with_ceilings_bounds_ratio_and_record(tmp_path, capsys):
              "peak_allocated": 20 * 2**30, "peak_reserved": 30 * 2**30, "rc": 0, "error": None,
              "phases": {"generate": 0.4, "train": 0.3, "reward": 0.01},
              "weight_sync": {"bytes": 2 * n, "seconds": [0.01, 0.02, 0.03]},
-             "timeline": [{"label": "train:end", "allocated": 2**30, "reserved": 2**31, "peak": 3 * 2**30}],
+             "timeline": [{"label": "train:end", "allocated": 2**30, "reserved": 2**31, "device_used": 5 * 2**30, "peak": 3 * 2**30}],
              "timeline_calls": [{"name": "sleep", "returned": 123}], "timeline_step": 7}
     trl = {**tidal, "steady_s": [9.0, 10.0, 11.0], "phases": {"generate": 6.0}, "peak_allocated": 40 * 2**30}
     run.results[e2e.Case(framework="tidal", size="0.5b", kl=False)] = tidal
@@ -273,7 +273,7 @@ def test_report_with_ceilings_bounds_ratio_and_record(tmp_path, capsys):
     summary = figs[-1]
     assert summary["target_tidal_le_1s"] is True and summary["target_ratio_ge_8"] is True
     timeline = next(f for f in figs if f["figure"] == "memory_timeline")
-    assert timeline["points"] == [["train:end", 1.0, 2.0, 3.0]] and timeline["returned_bytes"] == {"sleep": 123}
+    assert timeline["points"] == [["train:end", 1.0, 2.0, 5.0, 3.0]] and timeline["returned_bytes"] == {"sleep": 123}
     recorded = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text().splitlines()]
     assert len(recorded) == len(figs) and {r["commit"] for r in recorded} == {"abc"}
 

@@ -6,8 +6,10 @@ identical on all ranks (TP rank 0 samples and broadcasts). The engine loop is th
 ``scheduler.schedule() -> runner.run(batch) -> scheduler.postprocess(batch, tokens)``.
 
 Memory: construction allocates only the (zero) weights; the KV cache is allocated by the first
-``wake_up``/``generate``; ``sleep(1)`` frees the KV cache and CUDA graphs, ``sleep(2)`` also moves the
-weights to host memory.
+``wake_up``/``generate``; ``sleep(1)`` frees the KV cache, ``sleep(2)`` also moves the weights to host
+memory. On CUDA with the driver's virtual memory management the KV cache comes back at the same
+address and size (sized once, at the first allocation), so the decode CUDA graphs are captured once
+and survive level-1 sleeps; elsewhere they are freed with the cache and captured again.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class NativeEngine:
             if not grows or self.runner.num_blocks >= self._kv_blocks_for(prompts, params):
                 return 0
             self.runner.free_kv_cache()
-        need = self._kv_blocks_for(prompts, params)
+        need = self.runner.fixed_kv_blocks or self._kv_blocks_for(prompts, params)
         if need < 1:
             raise RuntimeError("no memory left for a single KV block")
         nbytes = self.runner.allocate_kv_cache(need)
@@ -137,13 +139,15 @@ class NativeEngine:
         return nbytes
 
     def sleep(self, level: int = 1) -> int:
-        """Level 1: free the KV cache and CUDA graphs (prefix cache forgotten). Level 2: also move the
-        weights to host memory. Returns device bytes freed (0 for weights on a CPU engine)."""
+        """Level 1: free the KV cache (prefix cache forgotten); the CUDA graphs are kept when the cache
+        has a fixed address, else freed too. Level 2: also move the weights to host memory (and drop
+        the graphs, which point at them). Returns device bytes freed (0 for weights on a CPU engine)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         freed = self.runner.free_kv_cache()
         self.block_manager = None
         if level == 2 and self.sleep_level < 2 and self.device.type != "cpu":
+            freed += self.runner.drop_graphs()
             for name, p in self.model.named_parameters():
                 host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
                 host.copy_(p.data)

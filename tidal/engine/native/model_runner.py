@@ -2,19 +2,23 @@
 (eagerly, or by replaying a captured decode graph), samples on TP rank 0 and shares the result.
 
 Owns the KV-cache tensor ``[layers, 2, num_blocks + 1, block_size, H_kv, D]``; the extra last block
-is a scratch block that padded rows of a CUDA-graph batch write into. Knows nothing about requests
-or the scheduling policy.
+is a scratch block that padded rows of a CUDA-graph batch write into. On CUDA with the driver's
+virtual memory management the cache lives at one fixed address (:mod:`fixed_memory`): freeing it
+gives its memory back to the driver, allocating it again maps new memory at the same address, and
+the decode graphs, which point into it, are kept. Knows nothing about requests or the scheduling policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
 import torch
 
 from tidal.engine.native.attention import AttnMetadata
+from tidal.engine.native import fixed_memory
 from tidal.engine.native.cuda_graphs import DecodeGraphs
 from tidal.engine.native.models import DecoderLM, head_dim_of
 from tidal.engine.native.parallel import TPGroup
@@ -50,6 +54,8 @@ class ModelRunner:
         self.kv_dtype = model.cos_sin_PD.dtype
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self._kv_memory: fixed_memory.FixedAddressMemory | None = None  # the cache's address range, kept
+        self._kv_memory_blocks = 0
         self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
         self.graphs = DecodeGraphs(model, max_num_seqs, self.max_blocks_per_seq, device) if use_graphs else None
         self._pin = device.type == "cuda"
@@ -61,28 +67,66 @@ class ModelRunner:
         b, h, d = self.kv_shape_tail
         return self.num_layers * 2 * b * h * d * self.kv_dtype.itemsize
 
+    @property
+    def fixed_kv_blocks(self) -> int:
+        """Blocks of the fixed-address KV range from an earlier allocation (0: none); allocating that
+        many again keeps the decode graphs."""
+        return self._kv_memory_blocks if self._kv_memory is not None else 0
+
     def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Allocate a zeroed cache of ``num_blocks`` (+ the scratch block). Returns its bytes."""
         assert self.kv_cache is None
-        self.kv_cache = torch.zeros(
-            self.num_layers, 2, num_blocks + 1, *self.kv_shape_tail, dtype=self.kv_dtype, device=self.device
-        )
+        shape = (self.num_layers, 2, num_blocks + 1, *self.kv_shape_tail)
+        nbytes = math.prod(shape) * self.kv_dtype.itemsize
+        if self._kv_memory is not None and num_blocks != self._kv_memory_blocks:
+            self._release_kv_range()
+        if self._kv_memory is None and fixed_memory.supported(self.device):
+            self._kv_memory, self._kv_memory_blocks = fixed_memory.FixedAddressMemory(nbytes, self.device), num_blocks
+        if self._kv_memory is not None:
+            try:
+                raw = self._kv_memory.map()
+            except torch.OutOfMemoryError:  # the trainer's cached blocks hold the memory: hand them back
+                torch.cuda.empty_cache()
+                raw = self._kv_memory.map()
+            self.kv_cache = raw.view(self.kv_dtype).view(shape).zero_()
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
         for i, attn in enumerate(self.model.layer_attentions()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return nbytes
 
     def free_kv_cache(self) -> int:
-        """Drop the KV cache and the graphs that point into it. Returns device bytes released."""
-        freed = self.graphs.free() if self.graphs is not None else 0
+        """Release the KV cache's memory. At a fixed address the decode graphs stay (they are valid
+        again once the cache is re-allocated at the same size); otherwise they are dropped with it
+        and the allocator's cache is emptied. Returns device bytes released."""
+        freed = self.graphs.free() if self.graphs is not None and self._kv_memory is None else 0
         if self.kv_cache is not None:
             freed += self.kv_cache.numel() * self.kv_cache.element_size()
             for attn in self.model.layer_attentions():
                 attn.k_cache = attn.v_cache = torch.empty(0)
             self.kv_cache = None
             self.num_blocks = 0
+        if self._kv_memory is not None:
+            self._kv_memory.unmap()  # no tensor over the range is left
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def drop_graphs(self) -> int:
+        """Drop the decode graphs (the weights they point to are about to move). Returns their bytes."""
+        if self.graphs is None:
+            return 0
+        freed = self.graphs.free()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
+
+    def _release_kv_range(self) -> None:
+        if self.graphs is not None:
+            self.graphs.free()
+        self._kv_memory.close()
+        self._kv_memory = None
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _tensor(self, data, dtype) -> torch.Tensor:
