@@ -207,10 +207,13 @@ class SGLangEngine:
         return max(0, device_free_bytes(self.device) - before)
 
     def wake_up(self) -> int:
-        """Resume the weights (if released), then the KV cache and CUDA graphs. Returns this rank's
-        device bytes restored."""
+        """Resume the weights (if released), then the KV cache and CUDA graphs. SGLang allocates
+        outside this process's PyTorch allocator, so the trainer's cached blocks go back to the
+        driver first. Returns this rank's device bytes restored."""
         if not self._asleep:
             return 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         before = device_free_bytes(self.device)
         self._resume_weights()
         self._on_leader("resume_memory_occupation", tags=_KV_TAGS)

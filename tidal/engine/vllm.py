@@ -342,9 +342,12 @@ class VLLMEngine:
 
     def wake_up(self) -> int:
         """Restore what sleep freed, weights first, then the KV cache; never changes the weights.
-        Returns the device bytes restored."""
+        vLLM allocates outside PyTorch's allocator, so the trainer's cached blocks go back to the
+        driver first. Returns the device bytes restored."""
         if not self._asleep:
             return 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         before = device_free_bytes(self.device)
         if "weights" in self._released:
             self._wake("weights")

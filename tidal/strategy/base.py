@@ -166,9 +166,9 @@ class Strategy(abc.ABC):
         return gather_and_generate(engine, prompts, params, self.runtime, mm_inputs=mm_inputs)
 
     def sleep(self, engine: RolloutEngine, level: int) -> int:
-        freed = engine.sleep(level) if level > 0 else 0
-        self.empty_cache()
-        return freed
+        """Put the engine to sleep. The allocator's cache is not emptied: training reuses its blocks,
+        and engines that allocate outside PyTorch's allocator empty it when they wake."""
+        return engine.sleep(level) if level > 0 else 0
 
     def wake_up(self, engine: RolloutEngine) -> int:
         return engine.wake_up()

@@ -132,7 +132,8 @@ class FSDP2Strategy(Strategy):
             model.to("cpu")
         else:
             self._parking.park(model)
-        self.empty_cache()
+        # the freed blocks stay in the allocator's cache for the next phase (an engine that allocates
+        # outside it empties the cache when it wakes)
 
     def reload_model(self, model: torch.nn.Module) -> None:
         if self.device.type == "cpu":
