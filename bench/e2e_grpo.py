@@ -108,7 +108,7 @@ KL_COEF = 0.04
 # Seconds a case is allowed at most (it stops after the step that would overrun) and needs at least to start.
 CASE_CAP_S = {("tidal", "0.5b"): 180, ("tidal", "1.5b"): 220, ("trl", "0.5b"): 150, ("trl", "1.5b"): 220}
 CASE_MIN_S = 45
-TIDAL_MICRO_BATCH_TOKENS = 49152  # train.micro_batch_tokens of the Tidal cases: the 128 sequences of 384 tokens at once
+TIDAL_MICRO_BATCH_TOKENS = 49152  # train.micro_batch_tokens of the Tidal cases: with 64 rows at most, 2 x 64 x 384
 
 
 @dataclasses.dataclass(kw_only=True)
