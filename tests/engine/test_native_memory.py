@@ -61,3 +61,51 @@ def test_same_prompt_again_hits_the_prefix_cache_with_unchanged_weights():
     (a,) = engine.generate([prompt], GREEDY)
     (b,) = engine.generate([prompt], GREEDY)
     assert engine.stats["prefix_hit_tokens"] == 12 and a.token_ids == b.token_ids
+
+
+class _FakeFixedMemory:
+    """Stands in for the CUDA-only FixedAddressMemory: one host buffer whose bytes are scrambled on
+    unmap (the physical memory is gone; a new map's contents are undefined)."""
+
+    instances = []
+
+    def __init__(self, nbytes, device):
+        self.nbytes, self.buf, self.mapped, self.maps = nbytes, torch.empty(nbytes, dtype=torch.uint8), False, 0
+        _FakeFixedMemory.instances.append(self)
+
+    def map(self):
+        assert not self.mapped
+        self.mapped, self.maps = True, self.maps + 1
+        return self.buf
+
+    def unmap(self):
+        self.mapped = False
+        self.buf.fill_(0xFF)  # NaN in every float format
+
+    def close(self):
+        self.mapped = False
+
+
+def test_fixed_address_kv_cache_is_sized_once_and_remapped_on_wake(monkeypatch):
+    """Where the driver offers fixed-address memory, sleep unmaps the KV cache and wake maps the same
+    range again at the first allocation's size (even when the memory-derived size would differ), zeroed."""
+    from tidal.engine.native import fixed_memory
+
+    monkeypatch.setattr(fixed_memory, "supported", lambda device: True)
+    monkeypatch.setattr(fixed_memory, "FixedAddressMemory", _FakeFixedMemory)
+    _FakeFixedMemory.instances.clear()
+    hf = tiny_hf("qwen2")
+    engine = engine_for(hf, kv_cache_max_tokens=128)
+    before = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    assert before == [hf_greedy(hf, p, 6) for p in PROMPTS]
+    (mem,) = _FakeFixedMemory.instances
+    ptr, kv_bytes = engine.runner.kv_cache.data_ptr(), engine.memory_report()["kv_cache"]
+    assert mem.nbytes == kv_bytes and mem.buf.data_ptr() == ptr
+    engine.cfg.kv_cache_max_tokens = 64  # what a fresh sizing would now give: ignored, the range stays
+    for level in (1, 2):
+        assert engine.sleep(level) == kv_bytes and not mem.mapped
+        assert engine.wake_up() == kv_bytes and mem.mapped
+        assert not engine.runner.kv_cache.any()  # zeroed like a fresh cache
+        assert engine.runner.kv_cache.data_ptr() == ptr and len(_FakeFixedMemory.instances) == 1
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == before
+    assert mem.maps == 3
