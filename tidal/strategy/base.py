@@ -173,10 +173,6 @@ class Strategy(abc.ABC):
     def wake_up(self, engine: RolloutEngine) -> int:
         return engine.wake_up()
 
-    def empty_cache(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     # ---- collectives used by the trainer ------------------------------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum of each value over all ranks (on CPU, over the gloo group: no device sync)."""

@@ -410,8 +410,6 @@ class DeepSpeedStrategy(Strategy):
             self._place_frozen_zero3(rec, device)
         else:
             rec.module.to(device)
-        if offloaded:
-            self.empty_cache()
 
     def offload_model(self, model: torch.nn.Module) -> None:
         self._place_model(model, True)
@@ -426,7 +424,6 @@ class DeepSpeedStrategy(Strategy):
         if not self._ds_offload and not rec.optim_offloaded:
             rec.optim_offloaded = True
             self._place_trainable(rec)
-            self.empty_cache()
         state.optimizer_offloaded = True
 
     def reload_optimizer(self, state: TrainState) -> None:

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from tidal.engine.native.attention import AttnMetadata
 from tidal.engine.native import fixed_memory
+from tidal.engine.native.attention import AttnMetadata
 from tidal.engine.native.cuda_graphs import DecodeGraphs
 from tidal.engine.native.models import DecoderLM, head_dim_of
 from tidal.engine.native.parallel import TPGroup
