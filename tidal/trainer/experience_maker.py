@@ -1,7 +1,8 @@
 """ExperienceMaker: prompts -> Experience (spec §7 steps 1-8).
 
-generate (engine wake -> gather_and_generate -> sleep) -> actor old logprobs -> reference logprobs
-(KL on; reloaded then offloaded) -> critic values (estimators with a critic) -> rewards on the
+generate (engine wake -> gather_and_generate -> sleep) -> actor old logprobs (unless the update's
+forward supplies them: ``TidalConfig.reuses_policy_logprobs``) -> reference logprobs (KL on; reloaded
+then offloaded) -> critic values (estimators with a critic) -> rewards on the
 responses -> reward processing -> advantages. Every rank runs every stage for its own prompts, and
 every model forward runs the same number of micro-batches on every rank (FSDP2 forwards are
 collectives), so no rank skips a collective.
