@@ -22,8 +22,8 @@ iteration (median after warm-up) and the whole-process peak GPU memory; for Tida
 (``time/<phase>`` of ``PPOTrainer.train_step``) against its own lower bound, the iteration's bound,
 the weight-sync bandwidth, and the memory timeline of the last iteration (allocated/reserved bytes of
 the torch allocator and bytes in use on the device, which include the engine's KV cache when it lives
-outside the allocator at a fixed address, at every phase boundary and around every sleep/wake/offload/reload/weight-sync call, recorded by wrapping
-those methods from outside Tidal); TRL's ``generate`` time (wrapped likewise); TRL/Tidal ratios.
+outside the allocator at a fixed address, at every phase boundary and around every
+sleep/wake/offload/reload/weight-sync call, recorded by wrapping those methods from outside Tidal); TRL's ``generate`` time (wrapped likewise); TRL/Tidal ratios.
 
 Bounds (all lower bounds, from the measured ceilings; N = parameters with tied embeddings counted once,
 which is also the number of weights in matmuls since the LM head is the embedding):
@@ -31,8 +31,9 @@ which is also the number of weights in matmuls since the LM head is the embeddin
   ``max((2 N + seqs x (P + k) x kv_bytes) / copy_bw, 2 N seqs / matmul)`` (bf16 weights and KV read
   once per step).
 - actor/reference logprobs: ``2 N x tokens / matmul`` (the actor's only when the run has that pass:
-  with one optimizer step per rollout Tidal takes the old logprobs from the update's forward); train: ``6 N x tokens / matmul`` plus the
-  AdamW update (28 bytes per parameter read+written in fp32) over copy_bw; tokens = seqs x (P + R).
+  with one optimizer step per rollout Tidal takes the old logprobs from the update's forward);
+  train: ``6 N x tokens / matmul`` plus the AdamW update (28 bytes per parameter read+written in
+  fp32) over copy_bw; tokens = seqs x (P + R).
 - weight sync: ``6 N / copy_bw`` (read fp32 master, write bf16 engine copy).
 
 Profile (``--profile DIR``): after the timed iterations of the main Tidal case (the first one planned:

@@ -55,7 +55,6 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self._kv_memory: fixed_memory.FixedAddressMemory | None = None  # the cache's address range, kept
-        self._kv_memory_blocks = 0
         self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
         self.graphs = DecodeGraphs(model, max_num_seqs, self.max_blocks_per_seq, device) if use_graphs else None
         self._pin = device.type == "cuda"
@@ -71,17 +70,17 @@ class ModelRunner:
     def fixed_kv_blocks(self) -> int:
         """Blocks of the fixed-address KV range from an earlier allocation (0: none); allocating that
         many again keeps the decode graphs."""
-        return self._kv_memory_blocks if self._kv_memory is not None else 0
+        return self._kv_memory.nbytes // self.block_bytes() - 1 if self._kv_memory is not None else 0  # - scratch
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate a zeroed cache of ``num_blocks`` (+ the scratch block). Returns its bytes."""
         assert self.kv_cache is None
         shape = (self.num_layers, 2, num_blocks + 1, *self.kv_shape_tail)
         nbytes = math.prod(shape) * self.kv_dtype.itemsize
-        if self._kv_memory is not None and num_blocks != self._kv_memory_blocks:
+        if self._kv_memory is not None and num_blocks != self.fixed_kv_blocks:
             self._release_kv_range()
         if self._kv_memory is None and fixed_memory.supported(self.device):
-            self._kv_memory, self._kv_memory_blocks = fixed_memory.FixedAddressMemory(nbytes, self.device), num_blocks
+            self._kv_memory = fixed_memory.FixedAddressMemory(nbytes, self.device)
         if self._kv_memory is not None:
             try:
                 raw = self._kv_memory.map()
@@ -114,13 +113,9 @@ class ModelRunner:
         return freed
 
     def drop_graphs(self) -> int:
-        """Drop the decode graphs (the weights they point to are about to move). Returns their bytes."""
-        if self.graphs is None:
-            return 0
-        freed = self.graphs.free()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return freed
+        """Drop the decode graphs (the weights they point to are about to move). Returns their bytes;
+        the caller empties the allocator cache once the weights are gone too."""
+        return self.graphs.free() if self.graphs is not None else 0
 
     def _release_kv_range(self) -> None:
         if self.graphs is not None:
