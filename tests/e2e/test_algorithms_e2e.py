@@ -170,3 +170,24 @@ def test_reusing_the_update_forward_for_old_logprobs_matches_the_separate_pass(t
     assert any(d.abs().max() > 1e-5 for d in d_auto.values())  # the step moved the actor
     for n in d_re:
         torch.testing.assert_close(d_auto[n], d_re[n], rtol=1e-3, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+def test_an_experience_without_old_logprobs_refuses_what_needs_them(tmp_path, tiny_task_overrides):
+    """Old logprobs taken from the update's forward allow one optimizer step per rollout, and cannot
+    feed a KL reward: both misuses of the direct API raise, naming the setting to change."""
+    cfg = load_config("quickstart", tiny_task_overrides + [
+        f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "algorithm.kl_coef=0.05",
+    ])
+    assert cfg.reuses_policy_logprobs()
+    trainer = build_trainer(cfg)
+    try:
+        exp, _, _ = trainer.collect(0)
+        assert exp.old_logp_BT is None
+        with pytest.raises(ValueError, match="train.old_logprobs=recompute"):
+            trainer.updater.train(exp, epochs=2, mini_batches=1, generator=torch.Generator())
+        trainer.maker.algo.cfg.kl_in_reward = True  # as if the pass had been skipped with a KL reward
+        with pytest.raises(ValueError, match="kl_in_reward needs the actor's old logprobs"):
+            trainer.collect(1)
+    finally:
+        shutdown()
