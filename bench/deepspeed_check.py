@@ -49,6 +49,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.hf import HFEngine
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
+from tidal.sync import update_engine_weights
 from tidal.trainer import checkpoint as ckpt
 
 OPTIM = OptimConfig(lr=1e-4, weight_decay=0.01, warmup_steps=1, scheduler="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
@@ -126,7 +127,7 @@ class Bench:
         log = []
         for step in range(first, first + steps):
             mbs = self.batches(step)
-            total = strategy.all_reduce_sum([sum(float(m[:, 1:].sum()) for _, m in mbs)])[0]
+            total = strategy.runtime.all_reduce_sum([sum(float(m[:, 1:].sum()) for _, m in mbs)])[0]
             loss = 0.0
             sync(self.dev)
             t0 = time.perf_counter()
@@ -138,7 +139,7 @@ class Bench:
             metrics = strategy.optimizer_step(state)
             sync(self.dev)
             metrics["step_s"] = time.perf_counter() - t0
-            metrics["loss"] = strategy.all_reduce_sum([loss])[0]
+            metrics["loss"] = strategy.runtime.all_reduce_sum([loss])[0]
             log.append(metrics)
         return log
 
@@ -165,7 +166,7 @@ class Bench:
             num = sum(float((sd[k] - fsdp_sd[k]).double().square().sum()) for k in fsdp_sd)
             den = sum(float((fsdp_sd[k] - self.base_sd[k]).double().square().sum()) for k in fsdp_sd)
             upd = [math.sqrt(num / den)]
-        diff, upd = strategy.all_reduce_max(diff + upd)
+        diff, upd = strategy.runtime.all_reduce_max(diff + upd)
         rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
         out = {
             "ds": log, "loss_rel_diff": [rel(a["loss"], b["loss"]) for a, b in zip(log, fsdp_log)],
@@ -192,7 +193,7 @@ class Bench:
         self.train(strategy, state, 1)
         engine = HFEngine(self.hf_cfg, EngineConfig(), device=self.dev, dtype=self.dtype)
         t0 = time.perf_counter()
-        sent = strategy.update_engine_weights(state.model, engine, dtype=self.dtype)
+        sent = update_engine_weights(strategy, state.model, engine, dtype=self.dtype)
         sync_s = time.perf_counter() - t0
         full = dict(strategy.full_weights(state.model, self.dtype))
         equal = all(torch.equal(p, full[n]) for n, p in engine.model.named_parameters())

@@ -390,85 +390,73 @@ def _version_of(name: str) -> str | None:
 
 
 # ---- Tidal worker ----------------------------------------------------------------------------------
-class MemoryRecorder:
-    """Points of (label, allocated, reserved) bytes around Tidal's phases and engine/model moves.
+def memory_recorder(cuda: bool):
+    """A :class:`tidal.logging.PhaseObserver` that records (label, allocated, reserved, device used)
+    at every phase boundary of Tidal's PhaseTimer (with the phase's own peak: peak stats are reset at
+    its start) and around every placement move of the phase owner (``<action>/<role>:before`` /
+    ``:after`` events, with the bytes the move returned), plus each rollout's sizes (the
+    ``generate:done`` event). Without CUDA the labels are recorded with None bytes."""
+    from tidal.logging import PhaseObserver
 
-    ``wrap_timer`` replaces the PhaseTimer's ``phase`` on the instance (the ExperienceMaker shares the
-    object) so each phase records its boundaries and its own peak (peak stats are reset at its start);
-    ``wrap_calls`` does the same around named Strategy methods, keeping their integer return (bytes
-    freed, restored or sent). Without CUDA the labels are recorded with None bytes.
-    """
+    class MemoryRecorder(PhaseObserver):
+        def __init__(self):
+            self.points: list[dict] = []
+            self.calls: list[dict] = []
+            self.gen_log: list[dict] = []
+            self._started: dict[str, float] = {}
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.points: list[dict] = []
-        self.calls: list[dict] = []
+        def _mem(self):
+            import torch
 
-    def _mem(self) -> tuple[int | None, int | None, int | None]:
-        import torch
+            if not cuda:
+                return None, None, None
+            free, total = torch.cuda.mem_get_info()
+            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free
 
-        if not self.cuda:
-            return None, None, None
-        free, total = torch.cuda.mem_get_info()
-        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free
+        def mark(self, label: str, **extra) -> None:
+            a, r, used = self._mem()
+            self.points.append({"label": label, "allocated": a, "reserved": r, "device_used": used, **extra})
 
-    def mark(self, label: str, **extra) -> None:
-        a, r, used = self._mem()
-        self.points.append({"label": label, "allocated": a, "reserved": r, "device_used": used, **extra})
+        def peak(self):
+            import torch
 
-    def peak(self) -> int | None:
-        import torch
+            return torch.cuda.max_memory_allocated() if cuda else None
 
-        return torch.cuda.max_memory_allocated() if self.cuda else None
+        def peak_reserved(self):
+            import torch
 
-    def peak_reserved(self) -> int | None:
-        import torch
+            return torch.cuda.max_memory_reserved() if cuda else None
 
-        return torch.cuda.max_memory_reserved() if self.cuda else None
+        def phase_begin(self, name):
+            import torch
 
-    def wrap_timer(self, timer) -> None:
-        import contextlib
-        import torch
-
-        orig = timer.phase
-
-        @contextlib.contextmanager
-        def phase(name: str):
             self.mark(f"{name}:start")
-            if self.cuda:
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            with orig(name):
-                yield
+
+        def phase_end(self, name, seconds):
             self.mark(f"{name}:end", peak=self.peak(), peak_reserved=self.peak_reserved())
 
-        timer.phase = phase
+        def event(self, name, info=None):
+            if name == "generate:done":
+                lens = info["completion_lengths"]
+                self.gen_log.append({"prompts": info["prompts"], "completions": len(lens), "min_len": min(lens),
+                                     "max_len": max(lens)})
+                return
+            what, _, when = name.rpartition(":")
+            returned = (info or {}).get("bytes")
+            self.mark(name, **({"returned": returned} if when == "after" else {}))
+            if when == "before":
+                self._started[what] = time.perf_counter()
+            elif when == "after" and what in self._started:
+                self.calls.append({"name": what, "seconds": time.perf_counter() - self._started.pop(what), "returned": returned})
 
-    def wrap_calls(self, obj, names: list[str]) -> None:
-        for name in names:
-            setattr(obj, name, self._wrapped(getattr(obj, name), name))
+        def pop(self):
+            points, calls = self.points, self.calls
+            self.points, self.calls = [], []
+            return points, calls
 
-    def _wrapped(self, fn, name: str):
-        import torch
-
-        def call(*args, **kwargs):
-            self.mark(f"{name}:before")
-            if self.cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if self.cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            self.mark(f"{name}:after", returned=out if isinstance(out, int) else None)
-            self.calls.append({"name": name, "seconds": seconds, "returned": out if isinstance(out, int) else None})
-            return out
-
-        return call
-
-    def pop(self) -> tuple[list[dict], list[dict]]:
-        points, calls = self.points, self.calls
-        self.points, self.calls = [], []
-        return points, calls
+    return MemoryRecorder()
 
 
 def tidal_config_dict(spec: dict) -> dict:
@@ -504,7 +492,7 @@ def worker_tidal(spec: dict, sink: Sink) -> None:
     import torch
     from tidal.config import TidalConfig
     from tidal.config_base import apply_overrides, build
-    from tidal.trainer.setup import build_trainer
+    from tidal.build import build_trainer
 
     cuda = spec["device"] == "cuda"
     if not cuda:
@@ -514,36 +502,19 @@ def worker_tidal(spec: dict, sink: Sink) -> None:
     t0 = time.perf_counter()
     trainer = build_trainer(cfg)
     init_s = time.perf_counter() - t0
-    rec = MemoryRecorder(cuda)
-    gen_log: list[dict] = []
-    _wrap_generate_check(trainer.strategy, gen_log)
-    rec.wrap_timer(trainer.timer)
-    rec.wrap_calls(trainer.strategy, ["wake_up", "sleep", "offload_model", "reload_model", "update_engine_weights",
-                                      "offload_optimizer", "reload_optimizer"])
-    prompt_lens = sorted({len(trainer.train_data[i].prompt_ids) for i in range(len(trainer.train_data))})
+    rec = memory_recorder(cuda)
+    trainer.timer.add_observer(rec)
+    prompt_lens = sorted({len(trainer.data.train[i].prompt_ids) for i in range(len(trainer.data.train))})
     sink.write({"kind": "init", "init_s": init_s, "prompt_lens": prompt_lens, "peak_allocated": rec.peak(),
                 "peak_reserved": rec.peak_reserved(),
-                "config": cfg.to_dict(), "engine_memory": trainer.engine.memory_report()})
+                "config": cfg.to_dict(), "engine_memory": trainer.phases.engine.memory_report()})
     total = s.tidal_warmup + s.tidal_steps
-    last = _tidal_loop(trainer, rec, gen_log, total, spec["deadline"], cuda, sink)
+    last = _tidal_loop(trainer, rec, rec.gen_log, total, spec["deadline"], cuda, sink)
     if spec.get("profile"):
         profile_iteration(trainer, rec, total + 1, cuda, spec["profile"], sink, spec["deadline"], last)
 
 
-def _wrap_generate_check(strategy, gen_log: list[dict]) -> None:
-    """Record how many completions each rollout returned and their lengths (the batch the case promises)."""
-    orig = strategy.generate
-
-    def generate(engine, prompts, params, *args, **kwargs):
-        out = orig(engine, prompts, params, *args, **kwargs)
-        lens = [len(c.token_ids) for c in out]
-        gen_log.append({"prompts": len(prompts), "completions": len(out), "min_len": min(lens), "max_len": max(lens)})
-        return out
-
-    strategy.generate = generate
-
-
-def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, deadline: float, cuda: bool, sink: Sink) -> float:
+def _tidal_loop(trainer, rec, gen_log: list[dict], total: int, deadline: float, cuda: bool, sink: Sink) -> float:
     """Time ``total`` iterations (one "step" record each); returns the last one's seconds."""
     import torch
 
@@ -554,7 +525,8 @@ def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, d
             sink.write({"kind": "stopped", "reason": "deadline", "after_step": step - 1})
             return last
         rec.mark("iteration:start")
-        engine_before = dict(getattr(trainer.engine, "stats", {}))
+        engine = trainer.phases.engine
+        engine_before = dict(getattr(engine, "stats", {}))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -570,7 +542,7 @@ def _tidal_loop(trainer, rec: MemoryRecorder, gen_log: list[dict], total: int, d
             "kind": "step", "step": step, "wall_s": last, "metrics": {k: float(v) for k, v in metrics.items()},
             "peak_allocated": max(peaks) if peaks else None, "peak_reserved": max(peaks_r) if peaks_r else None,
             "timeline": points, "calls": calls, "generate": gen_log[-1] if gen_log else None,
-            "engine": {k: v - engine_before.get(k, 0) for k, v in getattr(trainer.engine, "stats", {}).items()
+            "engine": {k: v - engine_before.get(k, 0) for k, v in getattr(engine, "stats", {}).items()
                        if isinstance(v, (int, float))},
         })
     return last
@@ -584,16 +556,15 @@ TRACE_MAX_MB = 15.0  # default --profile-trace-mb (the device machine returns fi
 SYNC_CALLS = ("cudaMemcpy", "cudaMemcpy2D", "cuMemcpyDtoH", "cuMemcpyDtoH_v2")  # blocking, besides "*Synchronize*"
 
 
-def profile_iteration(trainer, rec: MemoryRecorder, step: int, cuda: bool, prof_spec: dict, sink: Sink,
+def profile_iteration(trainer, rec, step: int, cuda: bool, prof_spec: dict, sink: Sink,
                       deadline: float, last_s: float) -> None:
     """Run iteration ``step`` (after every timed one, so it neither changes their timings nor enters the
     medians) under ``torch.profiler.profile`` and write phases.txt, summary.json and trace.json.gz into
     ``prof_spec["dir"]``; one "profile" record (and a "profile_trace" one) goes to the sink.
 
-    Each phase's range comes from the bench's existing hook: ``timer.phase`` (already wrapped by the
-    MemoryRecorder) is wrapped once more, for this iteration only, in ``record_function("phase/<name>")``,
-    outside the PhaseTimer's own CUDA syncs, so every kernel launched in a phase also finishes inside its
-    range. See :func:`analyze_profile` for how events are assigned to ranges. Any failure is reported
+    Each phase's range comes from the PhaseTimer's observer hook: for this iteration only, an observer
+    opens ``record_function("phase/<name>")`` at each phase's begin and closes it at its end, inside the
+    PhaseTimer's own CUDA syncs, so every kernel launched in a phase also finishes inside its range. See :func:`analyze_profile` for how events are assigned to ranges. Any failure is reported
     in the record instead of failing the case (its timed iterations are already written).
     """
     import contextlib
@@ -607,18 +578,26 @@ def profile_iteration(trainer, rec: MemoryRecorder, step: int, cuda: bool, prof_
     try:
         from torch.profiler import ProfilerActivity, profile, record_function
 
+        from tidal.logging import PhaseObserver
+
         out_dir = prof_spec["dir"]
         os.makedirs(out_dir, exist_ok=True)
         timer = trainer.timer
-        outer = timer.phase
 
-        @contextlib.contextmanager
-        def phase(name: str):
-            with record_function(PHASE_RANGE + name), outer(name):
-                yield
+        class Ranges(PhaseObserver):
+            def __init__(self):
+                self.open: list[contextlib.AbstractContextManager] = []
 
+            def phase_begin(self, name):
+                self.open.append(record_function(PHASE_RANGE + name))
+                self.open[-1].__enter__()
+
+            def phase_end(self, name, seconds):
+                self.open.pop().__exit__(None, None, None)
+
+        ranges = Ranges()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        timer.phase = phase
+        timer.add_observer(ranges)
         try:
             with profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
                 if cuda:
@@ -632,7 +611,7 @@ def profile_iteration(trainer, rec: MemoryRecorder, step: int, cuda: bool, prof_
             t1 = time.perf_counter()
             events = prof.events()
         finally:
-            timer.phase = outer
+            timer.remove_observer(ranges)
             rec.pop()  # this iteration's memory points are not the reported timeline
         summary, text = analyze_profile(events, cuda=cuda)
         summary.update(step=step, device="cuda" if cuda else "cpu", iteration_wall_s=wall, postprocess_s=time.perf_counter() - t1)
@@ -1218,7 +1197,7 @@ def summarize_tidal(records: list[dict], s: BenchSettings, kl: bool = False) -> 
     all_steps = warm + steady
     peaks = [init.get("peak_allocated")] + [r["peak_allocated"] for r in all_steps]
     peaks_r = [init.get("peak_reserved")] + [r["peak_reserved"] for r in all_steps]
-    syncs = [c for r in steady for c in r["calls"] if c["name"] == "update_engine_weights"]
+    syncs = [c for r in steady for c in r["calls"] if c["name"].startswith("update_engine_weights")]
     checks = {
         "prompt_len": init.get("prompt_lens") == [s.prompt_len],
         "completions_per_rollout": all(r["generate"] and r["generate"]["completions"] == s.seqs for r in all_steps),

@@ -26,7 +26,7 @@ def _load(args):
 def cmd_train(args) -> int:
     cfg = _load(args)
     from tidal.distributed import shutdown
-    from tidal.trainer.setup import build_trainer
+    from tidal.build import build_trainer
 
     trainer = build_trainer(cfg)
     try:
@@ -40,11 +40,11 @@ def cmd_eval(args) -> int:
     args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}", "run.steps=1"]
     cfg = _load(args)
     from tidal.distributed import shutdown
-    from tidal.trainer.setup import build_trainer
+    from tidal.build import build_trainer
 
     trainer = build_trainer(cfg)
     try:
-        step = trainer.maybe_resume()
+        step = trainer.resume()
         metrics = trainer.evaluate(step)
         if trainer.rt.is_main:
             import json
@@ -60,11 +60,11 @@ def cmd_export(args) -> int:
     cfg = _load(args)
     from tidal.distributed import shutdown
     from tidal.trainer.export import export_hf
-    from tidal.trainer.setup import build_trainer
+    from tidal.build import build_trainer
 
     trainer = build_trainer(cfg)
     try:
-        trainer.maybe_resume()
+        trainer.resume()
         export_hf(trainer, args.out)
     finally:
         shutdown()

@@ -60,25 +60,14 @@ class TidalConfig:
         )
 
     def check_world(self, world_size: int) -> None:
-        """Checks that depend on the number of ranks."""
-        check(
-            world_size % self.engine.tp_size == 0,
-            "engine.tp_size",
-            f"WORLD_SIZE % engine.tp_size != 0 ({world_size} % {self.engine.tp_size}); pick a tp_size that divides the number of ranks",
-        )
+        """Checks that depend on the number of ranks (``engine.tp_size`` against the world is checked
+        where the rollout groups are made, :func:`tidal.distributed.runtime.rollout_group_ranks`)."""
         check(
             self.rollout.prompts_per_step % (world_size * self.train.mini_batches) == 0,
             "rollout.prompts_per_step",
             f"({self.rollout.prompts_per_step}) must be divisible by WORLD_SIZE x train.mini_batches "
             f"({world_size} x {self.train.mini_batches}) so every rank gets whole groups in every mini-batch",
         )
-
-    def reuses_policy_logprobs(self) -> bool:
-        """True when the update's own forward supplies the actor's old logprobs and the experience
-        skips its no-grad pass (``train.old_logprobs: auto`` with one optimizer step per rollout and
-        no KL in the reward, which needs them before the update)."""
-        t = self.train
-        return t.old_logprobs == "auto" and t.epochs == 1 and t.mini_batches == 1 and not self.algorithm.kl_in_reward
 
     def to_dict(self) -> dict:
         return to_dict(self)

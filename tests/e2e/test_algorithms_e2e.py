@@ -2,14 +2,17 @@
 critic, rewards, update, weight sync): the loss is finite, parameters change, and the engine
 generates with the new weights."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from tidal.build import build_trainer
 from tidal.config import load_config
 from tidal.distributed import shutdown
-from tidal.trainer.setup import build_trainer
+from tidal.logging import PhaseObserver
+from tidal.trainer.update import Updater
 
 CASES = {
     "grpo": ["algorithm.advantage=grpo", "engine.sleep_level=2"],
@@ -36,22 +39,22 @@ def test_estimator_family_trains(name, tmp_path, tiny_task_overrides):
     ])
     trainer = build_trainer(cfg)
     try:
-        before = _params(trainer.actor.model)
-        critic_before = _params(trainer.critic.model) if trainer.critic else None
-        assert (trainer.reference is not None) == (cfg.algorithm.kl_coef > 0)
-        assert (trainer.critic is not None) == (name == "gae_ppo_critic")
+        before = _params(trainer.models.actor.model)
+        critic_before = _params(trainer.models.critic.model) if trainer.models.critic else None
+        assert (trainer.models.reference is not None) == (cfg.algorithm.kl_coef > 0)
+        assert (trainer.models.critic is not None) == (name == "gae_ppo_critic")
         metrics = trainer.fit()
         assert math.isfinite(metrics["actor/loss"]), metrics
         assert metrics["response/length_mean"] == cfg.rollout.max_new_tokens  # ignore_eos forces the length
-        changed = [n for n, p in trainer.actor.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+        changed = [n for n, p in trainer.models.actor.model.named_parameters() if not torch.equal(p.detach(), before[n])]
         assert changed, "no actor parameter changed"
         if critic_before is not None:
             assert math.isfinite(metrics["critic/value_loss"])
-            assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in trainer.critic.model.named_parameters())
+            assert any(not torch.equal(p.detach(), critic_before[n]) for n, p in trainer.models.critic.model.named_parameters())
         if cfg.algorithm.kl_coef > 0:
             assert "actor/kl" in metrics
             # the experience compares old and reference logprobs only when it computed the old ones
-            assert ("kl/rollout" in metrics) == (not cfg.reuses_policy_logprobs())
+            assert ("kl/rollout" in metrics) == (not trainer.algo.reuses_policy_logprobs(cfg.train))
         if cfg.algorithm.dynamic_sampling.enabled:
             assert 1 <= metrics["dynamic_sampling/tries"] <= 2
     finally:
@@ -68,16 +71,20 @@ def test_offloaded_models_are_on_the_device_when_used(tmp_path, tiny_task_overri
         "strategy.offload_actor_during_rollout=true", "strategy.offload_optimizer=true",
     ])
     trainer = build_trainer(cfg)
+    events = []
+
+    class Watch(PhaseObserver):
+        def phase_begin(self, name):
+            if name == "generate":
+                events.append(("generate",))
+
+        def event(self, name, info=None):
+            if name.endswith(":before") and not name.startswith(("update_engine_weights", "sleep/", "wake_up/")):
+                action, role = name[: -len(":before")].split("/")
+                events.append((action, role))
+
     try:
-        events = []
-        names = {id(trainer.actor.model): "actor", id(trainer.critic.model): "critic", id(trainer.reference): "reference"}
-        s = trainer.strategy
-        for meth in ("offload_model", "reload_model"):
-            orig = getattr(s, meth)
-            setattr(s, meth, lambda m, _o=orig, _n=meth: (events.append((_n, names.get(id(m), "?"))), _o(m))[1])
-        for meth in ("generate", "offload_optimizer", "reload_optimizer"):
-            orig = getattr(s, meth)
-            setattr(s, meth, lambda *a, _o=orig, _n=meth, **k: (events.append((_n,)), _o(*a, **k))[1])
+        trainer.timer.add_observer(Watch())
         trainer.fit()
     finally:
         shutdown()
@@ -86,8 +93,9 @@ def test_offloaded_models_are_on_the_device_when_used(tmp_path, tiny_task_overri
     assert events[gen + 2 : gen + 4] == [("reload_model", "reference"), ("offload_model", "reference")]
     assert events[gen + 4 : gen + 6] == [("reload_model", "critic"), ("offload_model", "critic")]
     tail = events[gen + 6 :]
-    assert tail[:3] == [("reload_optimizer",), ("offload_optimizer",), ("reload_model", "critic")]
-    assert tail[3:6] == [("reload_optimizer",), ("offload_optimizer",), ("offload_model", "critic")]
+    assert tail[:2] == [("reload_optimizer", "actor"), ("offload_optimizer", "actor")]
+    assert tail[2:6] == [("reload_model", "critic"), ("reload_optimizer", "critic"), ("offload_optimizer", "critic"),
+                         ("offload_model", "critic")]
 
 
 @pytest.mark.slow
@@ -152,9 +160,9 @@ def test_reusing_the_update_forward_for_old_logprobs_matches_the_separate_pass(t
         ])
         trainer = build_trainer(cfg)
         try:
-            before = _params(trainer.actor.model)
+            before = _params(trainer.models.actor.model)
             metrics = trainer.fit()
-            delta = {n: p.detach() - before[n] for n, p in trainer.actor.model.named_parameters()}
+            delta = {n: p.detach() - before[n] for n, p in trainer.models.actor.model.named_parameters()}
         finally:
             shutdown()
             monkeypatch.setattr(em, "token_logprobs", orig)
@@ -179,13 +187,15 @@ def test_an_experience_without_old_logprobs_refuses_what_needs_them(tmp_path, ti
     cfg = load_config("quickstart", tiny_task_overrides + [
         f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "algorithm.kl_coef=0.05",
     ])
-    assert cfg.reuses_policy_logprobs()
     trainer = build_trainer(cfg)
+    assert trainer.algo.reuses_policy_logprobs(cfg.train)
     try:
         exp, _, _ = trainer.collect(0)
         assert exp.old_logp_BT is None
+        two_epochs = Updater(models=trainer.models, phases=trainer.phases, algorithm=trainer.algo, rollout=cfg.rollout,
+                             train=dataclasses.replace(cfg.train, epochs=2), model=cfg.model)
         with pytest.raises(ValueError, match="train.old_logprobs=recompute"):
-            trainer.updater.train(exp, epochs=2, mini_batches=1, generator=torch.Generator())
+            two_epochs.train(exp, generator=torch.Generator())
         trainer.maker.algo.cfg.kl_in_reward = True  # as if the pass had been skipped with a KL reward
         with pytest.raises(ValueError, match="kl_in_reward needs the actor's old logprobs"):
             trainer.collect(1)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tidal.build import build_trainer
 from tidal.config import load_config
 from tidal.distributed import shutdown
 from tidal.models.lora import AdapterDisabledReference
 from tidal.trainer.export import export_hf
-from tidal.trainer.setup import build_trainer
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=2e-2", "rollout.ignore_eos=true",
         "reward.components.correct.path=tests.e2e.rewards:text_hash_reward"]
@@ -40,14 +40,14 @@ def _fit(cfg):
 def test_lora_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overrides):
     cfg = load_config("quickstart", tiny_task_overrides + LORA + [
         f"run.output_dir={tmp_path}", "run.steps=2", "checkpoint.at_end=false", "algorithm.kl_coef=0.05",
-        "engine.backend=hf",
+        "engine.backend=hf", "engine.kv_cache_max_tokens=0",  # a paged-engine setting the tiny overrides give
     ])
     trainer = build_trainer(cfg)
     try:
-        model = trainer.actor.model
-        assert isinstance(trainer.reference, AdapterDisabledReference)
+        model = trainer.models.actor.model
+        assert isinstance(trainer.models.reference, AdapterDisabledReference)
         names = {id(p): n for n, p in model.named_parameters()}
-        in_optimizer = [names[id(p)] for g in trainer.actor.optimizer.param_groups for p in g["params"]]
+        in_optimizer = [names[id(p)] for g in trainer.models.actor.optimizer.param_groups for p in g["params"]]
         assert in_optimizer and all(".lora_A." in n or ".lora_B." in n for n in in_optimizer)
         before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         metrics = trainer.fit()
@@ -61,8 +61,8 @@ def test_lora_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overr
         assert logged[2]["actor/kl"] > 0.0
 
         # the engine holds W + (alpha/r) B A under HF names
-        engine_params = dict(trainer.engine.model.named_parameters())
-        merged = dict(trainer.strategy.full_weights(model, torch.float32))
+        engine_params = dict(trainer.phases.engine.model.named_parameters())
+        merged = dict(trainer.phases.strategy.full_weights(model, torch.float32))
         assert sorted(merged) == sorted(engine_params)
         for n, t in merged.items():
             torch.testing.assert_close(engine_params[n].detach(), t, msg=n)
@@ -126,23 +126,23 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
 
     cfg = load_config("quickstart", tiny_task_overrides + LORA + [
         f"run.output_dir={tmp_path}", "run.steps=2", "run.device=cpu", "checkpoint.at_end=false",
-        "algorithm.kl_coef=0.05", "engine.backend=hf", "strategy.backend=deepspeed", f"strategy.zero_stage={stage}",
+        "algorithm.kl_coef=0.05", "engine.backend=hf", "engine.kv_cache_max_tokens=0", "strategy.backend=deepspeed", f"strategy.zero_stage={stage}",
     ])
     trainer = build_trainer(cfg)
     try:
-        peft = peft_model(trainer.actor.model)
-        assert isinstance(trainer.reference, AdapterDisabledReference)
+        peft = peft_model(trainer.models.actor.model)
+        assert isinstance(trainer.models.reference, AdapterDisabledReference)
 
         def adapters():
             return {n: safe_get_full_fp32_param(p).clone() for n, p in peft.named_parameters() if p.requires_grad}
 
         before_adapters = adapters()
-        before_merged = dict(trainer.strategy.full_weights(trainer.actor.model, torch.float32))
+        before_merged = dict(trainer.phases.strategy.full_weights(trainer.models.actor.model, torch.float32))
         metrics = trainer.fit()
         assert math.isfinite(metrics["actor/loss"])
         after = adapters()
         assert any(not torch.equal(after[n], before_adapters[n]) for n in after if ".lora_B." in n)
-        merged = dict(trainer.strategy.full_weights(trainer.actor.model, torch.float32))
+        merged = dict(trainer.phases.strategy.full_weights(trainer.models.actor.model, torch.float32))
         q = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(merged[q], before_merged[q])
         for n in ("model.embed_tokens.weight", "model.norm.weight"):  # not LoRA targets: frozen
@@ -150,12 +150,12 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
         logged = _metrics(tmp_path)
         assert logged[1]["actor/kl"] == 0.0 and logged[2]["actor/kl"] > 0.0
 
-        engine_params = dict(trainer.engine.model.named_parameters())
+        engine_params = dict(trainer.phases.engine.model.named_parameters())
         assert sorted(merged) == sorted(engine_params)
         for n, t in merged.items():
             torch.testing.assert_close(engine_params[n].detach(), t, msg=n)
 
-        _check_export(trainer, trainer.actor.model, cfg, tmp_path / "export")
+        _check_export(trainer, trainer.models.actor.model, cfg, tmp_path / "export")
     finally:
         shutdown()
 
@@ -165,7 +165,7 @@ def _check_export(trainer, model, cfg, out):
     from peft import PeftModel
 
     export_hf(trainer, str(out))
-    ids = torch.tensor([trainer.train_data[0].prompt_ids])
+    ids = torch.tensor([trainer.data.train[0].prompt_ids])
     with torch.no_grad():
         want = model(input_ids=ids).logits
         got = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits

@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tidal.config_base import ConfigError
-from tidal.engine import factory
+from tidal.engine import backends
 from tidal.engine import vllm as adapter
 from tidal.engine.base import SamplingParams
 from tidal.engine.config import EngineConfig
@@ -66,7 +66,6 @@ def test_llm_kwargs_torchrun_world_cuda():
 @pytest.mark.parametrize("cfg,key", [
     (dict(block_size=16), "engine.block_size"),
     (dict(kv_cache_max_tokens=0), "engine.kv_cache_max_tokens"),
-    (dict(tp_size=3), "engine.tp_size"),
 ])
 def test_llm_kwargs_refuses_what_vllm_cannot_do(cfg, key):
     with pytest.raises(ConfigError) as e:
@@ -108,20 +107,20 @@ def test_to_completions_prompt_major_by_index():
         adapter.to_completions([_out("2", [5], [(0, ([4], [-1.0], "abort"))])])
 
 
-# ---- factory version checks -----------------------------------------------------------------------
+# ---- optional-backend version checks -----------------------------------------------------------------------
 def test_check_backend_installed(monkeypatch):
-    assert factory.check_backend_installed("native") == ""
-    monkeypatch.setattr(factory.importlib.util, "find_spec", lambda name: None)
+    assert backends.check_backend_installed("native") == ""
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install 'tidal-rft\[vllm\]' \(vllm>=0.32,<0.34\): vllm is not installed"):
-        factory.check_backend_installed("vllm")
-    monkeypatch.setattr(factory.importlib.util, "find_spec", lambda name: object())
+        backends.check_backend_installed("vllm")
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: object())
     for version, ok in [("0.31.9", False), ("0.32.0", True), ("0.33.5.dev3+g12", True), ("0.34.0", False)]:
-        monkeypatch.setattr(factory, "_installed_version", lambda dists, v=version: v)
+        monkeypatch.setattr(backends, "_installed_version", lambda dists, v=version: v)
         if ok:
-            assert factory.check_backend_installed("vllm") == version
+            assert backends.check_backend_installed("vllm") == version
         else:
             with pytest.raises(ValueError, match=f"installed vllm {version} is outside"):
-                factory.check_backend_installed("vllm")
+                backends.check_backend_installed("vllm")
 
 
 # ---- the sleep / wake / weight-update state machine against a fake vllm.LLM ------------------------

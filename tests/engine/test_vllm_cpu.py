@@ -60,7 +60,7 @@ def engine(hf_a):
     rng = torch.get_rng_state()
     eng = create_engine(hf_a.config, EngineConfig(backend="vllm", dtype="float32", block_size=32, kv_cache_max_tokens=4096,
                                                   max_num_seqs=8, max_num_batched_tokens=256, sleep_level=2),
-                        device=torch.device("cpu"))
+                        device=torch.device("cpu"), dtype=torch.float32)
     assert isinstance(eng, VLLMEngine)
     assert torch.equal(rng, torch.get_rng_state()), "vLLM's start-up reseeded the trainer's RNG"
     _sync(eng, hf_a)

@@ -49,7 +49,7 @@ def _worker(tp: int) -> None:
     engine = create_engine(hf_a.config, EngineConfig(backend="vllm", tp_size=tp, dtype="float32", block_size=32,
                                                      kv_cache_max_tokens=2048, max_num_seqs=8, max_num_batched_tokens=128,
                                                      sleep_level=2),
-                           device=runtime.device, tp_group=runtime.tp_group)
+                           device=runtime.device, dtype=torch.float32, tp_group=runtime.tp_group)
 
     def sync(model):
         items = [(name, p.detach()) for name, p in model.named_parameters()]  # tied lm_head not repeated

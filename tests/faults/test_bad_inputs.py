@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tidal import cli
+from tidal.build import build_trainer
 from tidal.config import load_config
 from tidal.config_base import ConfigError
 from tidal.distributed import shutdown
 from tidal.rewards.base import RewardError
 from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.setup import build_trainer
 from tests.faults import rewards
 
 HASH = "reward.components.correct.path=tests.faults.rewards:text_hash_reward"

@@ -12,6 +12,7 @@ import yaml
 
 from tidal.config import CONFIG_DIR, config_reference_rows, load_config
 from tidal.config_base import ConfigError
+from tidal.distributed.runtime import rollout_group_ranks
 
 BASE = yaml.safe_load((CONFIG_DIR / "quickstart.yaml").read_text())
 VALUES = ["bogus", "", -1, 0, -1e9, 2.5, 10**12, True, None, [1], [[1, 2]], {"x": 1}]
@@ -43,6 +44,7 @@ def outcome(overrides: list[str], keys: list[str]) -> str | None:
     try:
         cfg = load_config("quickstart", overrides)
         for world in (1, 2, 4):
+            rollout_group_ranks(world, cfg.engine.tp_size)
             cfg.check_world(world)
     except ConfigError as e:
         return None if any(names_key(e, k) for k in keys) else f"{overrides}: error names another key: {e}"
@@ -94,5 +96,6 @@ def test_known_invalid_values_are_rejected():
                        ("logging.backends", ["bogus"]), ("optim.betas", [0.9]), ("reward.on_error", "ignore")]:
         with pytest.raises(ConfigError) as info:
             cfg = load_config("quickstart", [override(key, value)])
+            rollout_group_ranks(2, cfg.engine.tp_size)
             cfg.check_world(2)
         assert names_key(info.value, key), (key, info.value)

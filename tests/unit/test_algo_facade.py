@@ -99,7 +99,6 @@ def test_high_entropy_tokens_only():
 
 def test_high_entropy_mode_requires_entropy():
     algo = Algorithm(AlgorithmConfig(entropy_top_q=0.2))
-    assert algo.needs_entropy
     with pytest.raises(ValueError, match="entropy_BT"):
         algo.policy_loss(OLD, OLD, torch.ones(1, 3), torch.ones(1, 3), LossNormalizer(num_tokens=3, num_seqs=1))
 

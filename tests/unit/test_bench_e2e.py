@@ -215,7 +215,7 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     assert {"engine_wake", "generate", "engine_sleep", "reward", "train", "weight_sync"} <= phases
     assert "actor_logprobs" not in phases  # one optimizer step per rollout: the update's forward gives them
     labels = [p[0] for p in by["memory_timeline"][0]["points"]]
-    assert labels[0] == "iteration:start" and "sleep:after" in labels and "update_engine_weights:after" in labels
+    assert labels[0] == "iteration:start" and "sleep/engine:after" in labels and "update_engine_weights/engine:after" in labels
     assert by["weight_sync"][0]["bytes"] == 4 * e2e.param_count(e2e.SHAPES["tiny"])  # fp32 engine on CPU
     host = by["engine_host"][0]  # native engine host timers per step: one prefill (samples token 1) + 7 decodes
     assert host["engine_steps"] == e2e.TINY["new_tokens"] and host["wait"] >= 0 and host["submit"] > 0, host

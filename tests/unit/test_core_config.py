@@ -2,8 +2,10 @@
 
 import pytest
 
+from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig, load_config
 from tidal.config_base import ConfigError, apply_overrides, build, parse_override
+from tidal.distributed.runtime import rollout_group_ranks
 
 BASE = {
     "model": {"path": "/m"},
@@ -42,7 +44,7 @@ def test_bad_values_name_the_key(override, key):
 def test_world_checks():
     cfg = build(TidalConfig, apply_overrides(BASE, ["engine.tp_size=4", "rollout.prompts_per_step=8"]))
     with pytest.raises(ConfigError, match="WORLD_SIZE % engine.tp_size") as e:
-        cfg.check_world(6)
+        rollout_group_ranks(6, cfg.engine.tp_size)  # the one check of tp_size, where the groups are made
     assert e.value.key == "engine.tp_size"
     cfg.check_world(8)
     with pytest.raises(ConfigError) as e:
@@ -87,4 +89,26 @@ def test_shipped_quickstart_loads():
     (["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true"], False),  # the reward needs them first
 ])
 def test_old_logprobs_pass_is_skipped_only_with_one_step_per_rollout(overrides, reuses):
-    assert load_config("quickstart", overrides).reuses_policy_logprobs() is reuses
+    cfg = load_config("quickstart", overrides)
+    assert Algorithm(cfg.algorithm).reuses_policy_logprobs(cfg.train) is reuses
+
+
+@pytest.mark.parametrize("backend, field, value", [
+    ("hf", "kv_cache_max_tokens", 4096), ("hf", "block_size", 32), ("hf", "max_num_batched_tokens", 1024),
+    ("hf", "kv_cache_memory_fraction", 0.3), ("hf", "enable_prefix_caching", False), ("hf", "cuda_graphs", False),
+    ("hf", "kernel_backend", "torch"), ("hf", "overlap_scheduling", False), ("hf", "tp_size", 2),
+    ("vllm", "kernel_backend", "triton"), ("vllm", "overlap_scheduling", False),
+    ("sglang", "kernel_backend", "torch"), ("sglang", "overlap_scheduling", False),
+])
+def test_engine_fields_a_backend_does_not_honour_are_refused(backend, field, value):
+    with pytest.raises(ConfigError) as e:
+        build(TidalConfig, apply_overrides(BASE, [f"engine.backend={backend}", f"engine.{field}={value}"]))
+    assert e.value.key == f"engine.{field}" and backend in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf", "vllm", "sglang"])
+def test_every_backend_takes_the_defaults_and_what_it_honours(backend):
+    honoured = {"native": ["engine.kernel_backend=torch", "engine.block_size=32"], "hf": ["engine.max_num_seqs=8", "engine.sleep_level=2"],
+                "vllm": ["engine.block_size=32", "engine.kv_cache_max_tokens=4096"], "sglang": ["engine.cuda_graphs=false"]}[backend]
+    cfg = build(TidalConfig, apply_overrides(BASE, [f"engine.backend={backend}", *honoured]))
+    assert cfg.engine.backend == backend

@@ -16,7 +16,7 @@ def _exp(lengths, T):
     return Experience(
         sequences_BT=torch.arange(B * T).view(B, T), attention_mask_BT=attn, action_mask_BT=attn.float(),
         old_logp_BT=z, rollout_logp_BT=z, advantages_BT=z, returns_BT=z, rewards_B=torch.arange(B).float(),
-        group_ids_B=torch.arange(B), loss_mask_B=torch.ones(B), info={"tag": list("abcd"[:B])},
+        group_ids_B=torch.arange(B), loss_mask_B=torch.ones(B),
     )
 
 
@@ -34,7 +34,6 @@ def test_select_trims_to_longest_selected():
     sub = exp.select([0, 3])
     assert sub.sequences_BT.shape == (2, 2)
     assert sub.rewards_B.tolist() == [0.0, 3.0]
-    assert sub.info["tag"] == ["a", "d"]
 
 
 def test_concat_pads_to_longest():

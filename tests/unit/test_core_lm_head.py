@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.reference import reference_logprobs
 from tidal.models import logprobs as lp_mod
-from tidal.models.logprobs import attach_logprob_method, lm_head_logprobs, reference_logprobs, token_logprobs
+from tidal.models.logprobs import attach_logprob_method, lm_head_logprobs, token_logprobs
 
 B, T, H, V = 3, 8, 16, 37  # N = B * (T - 1) = 21 rows: chunks of 4 and 5 do not divide it
 

@@ -3,8 +3,9 @@
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.reference import reference_logprobs
 from tidal.engine.sampler import process_logits, sample
-from tidal.models.logprobs import attach_logprob_method, reference_logprobs, token_logprobs
+from tidal.models.logprobs import attach_logprob_method, token_logprobs
 
 
 def _model(tie):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tidal.config_base import ConfigError
 from tidal.distributed.runtime import rollout_group_ranks
 
 
@@ -19,5 +20,5 @@ def test_groups_world8_tp4_and_tp1():
 
 
 def test_indivisible_world_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"WORLD_SIZE \(6\) % engine.tp_size \(4\) != 0"):
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE % engine.tp_size != 0 \(6 % 4\)"):
         rollout_group_ranks(6, 4)

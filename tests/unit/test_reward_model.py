@@ -1,5 +1,6 @@
 """Local reward model: a tiny random Qwen2 sequence classifier and a tokenizer trained here."""
 
+import contextlib
 import math
 
 import pytest
@@ -43,17 +44,16 @@ class CountingPlacement(LocalPlacement):
         super().__init__(device)
         self.calls = []
 
-    def prepare_frozen(self, model, *, offload):
-        self.calls.append(("prepare", offload))
-        return super().prepare_frozen(model, offload=offload)
+    def prepare_frozen(self, model, *, resident):
+        self.calls.append(("prepare", resident))
+        return super().prepare_frozen(model, resident=resident)
 
-    def reload_model(self, model):
+    @contextlib.contextmanager
+    def using(self, model):
         self.calls.append(("reload", model.config.name_or_path[-3:]))
-        super().reload_model(model)
-
-    def offload_model(self, model):
+        with super().using(model):
+            yield model
         self.calls.append(("offload", model.config.name_or_path[-3:]))
-        super().offload_model(model)
 
 
 def S(prompt, response, label=""):
@@ -106,7 +106,7 @@ def test_two_models_reload_and_offload_each_call_and_score_every_sample(rm_dirs)
         {"default": [["a", 1.0]], "both": [["a", 0.5], ["b", 0.5]], "fmt": [["fmt", 1.0]]},
     )
     eng = RewardEngine(cfg, device=torch.device("cpu"), placement=placement)
-    assert placement.calls == [("prepare", True), ("prepare", True)]
+    assert placement.calls == [("prepare", False), ("prepare", False)]
     placement.calls.clear()
     samples = [S("one", "two"), S("three", "four", label="both"), S("x", "y", label="fmt")]
     out = eng.score(samples)

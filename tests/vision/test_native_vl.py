@@ -158,12 +158,12 @@ def test_bad_image_inputs_are_named(vl):
 
 def test_factory_builds_native_for_vl_and_refuses_unknown_vl_types(vl):
     _, model, _ = vl
-    assert isinstance(create_engine(model.config, EngineConfig(backend="native"), device=CPU), NativeEngine)
+    assert isinstance(create_engine(model.config, EngineConfig(backend="native"), device=CPU, dtype=torch.float32), NativeEngine)
 
     other = type(model.config).from_dict(model.config.to_dict())
     other.model_type = "llava_like"
     with pytest.raises(ValueError, match=r"native VL models: \['qwen2_5_vl', 'qwen2_vl'\]\); set engine.backend=hf"):
-        create_engine(other, EngineConfig(backend="native"), device=CPU)
+        create_engine(other, EngineConfig(backend="native"), device=CPU, dtype=torch.float32)
 
 
 def test_qwen2_5_vl_native_logprobs_equal_trainer(qwen2_5_vl):

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tidal.algorithms import Algorithm
+from tidal.build import build_trainer
 from tidal.config import load_config
 from tidal.distributed import shutdown
-from tidal.trainer.setup import build_trainer
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "squares" / "config.yaml"
 
@@ -54,21 +55,21 @@ def test_squares_lora_with_kl_and_export(squares_assets, tmp_path):
                                               "model.lora.rank=4", "optim.lr=1e-2", "algorithm.kl_coef=0.05"))
     trainer = build_trainer(cfg)
     try:
-        assert isinstance(trainer.reference, AdapterDisabledReference)
-        before = {n: p.detach().full_tensor().clone() for n, p in trainer.actor.model.named_parameters()}
+        assert isinstance(trainer.models.reference, AdapterDisabledReference)
+        before = {n: p.detach().full_tensor().clone() for n, p in trainer.models.actor.model.named_parameters()}
         trainer.fit()
-        changed = [n for n, p in trainer.actor.model.named_parameters() if not torch.equal(p.detach().full_tensor(), before[n])]
+        changed = [n for n, p in trainer.models.actor.model.named_parameters() if not torch.equal(p.detach().full_tensor(), before[n])]
         assert changed and all(".lora_" in n for n in changed)
         export_hf(trainer, str(tmp_path / "export"))
-        item = trainer.train_data[0]
+        item = trainer.data.train[0]
         ids = torch.tensor([item.prompt_ids])
         mm = collate_mm_inputs([item.mm_inputs])
         with torch.no_grad():
-            want, _ = token_logprobs(trainer.actor.model, ids, torch.ones_like(ids), mm_inputs=mm)
+            want, _ = token_logprobs(trainer.models.actor.model, ids, torch.ones_like(ids), mm_inputs=mm)
     finally:
         shutdown()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert not cfg.reuses_policy_logprobs()  # two mini-batches: the experience computes old logprobs
+    assert not Algorithm(cfg.algorithm).reuses_policy_logprobs(cfg.train)  # two mini-batches: the experience computes old logprobs
     assert rows[0]["kl/rollout"] == 0.0 and rows[1]["kl/rollout"] > 0.0
     proc = load_tokenizer(str(tmp_path / "export"))  # tokenizer + image processor were exported
     assert proc.prompt_ids(item.prompt_text, [_image(item)]) == item.prompt_ids

@@ -5,13 +5,14 @@ and backends without image support refuse a VL model."""
 import pytest
 import torch
 
+from tests.reference import reference_logprobs
 from tidal.distributed.generate import gather_and_generate
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.factory import create_engine
 from tidal.engine.hf import HFEngine
 from tidal.models import load_causal_lm
-from tidal.models.logprobs import reference_logprobs, token_logprobs
+from tidal.models.logprobs import token_logprobs
 from tidal.models.lora import AdapterDisabledReference, apply_lora, hf_weights
 from tidal.models.config import LoraConfig
 from tidal.models.vision import collate_mm_inputs
@@ -86,7 +87,7 @@ def test_lora_reference_on_vl_model_equals_base(vl, squares_assets):
 def test_backends_without_images_refuse_vl_models(vl, backend):
     _, model, _ = vl
     with pytest.raises(ValueError, match="engine.backend=hf"):
-        create_engine(model.config, EngineConfig(backend=backend), device=torch.device("cpu"))
+        create_engine(model.config, EngineConfig(backend=backend), device=torch.device("cpu"), dtype=torch.float32)
 
 
 class _RecordingEngine:

@@ -1,21 +1,22 @@
 """``Algorithm``: the one object the trainer talks to; it wires the configured variants together.
 
-What the trainer calls, in order, per iteration (see docs/algorithms.md, "Trainer contract"):
- 1. after scoring:     rewards_B, m = algo.process_rewards(rewards_B, group_ids_B, response_len_B, truncated_B)
- 2. dynamic sampling:  keep_B = algo.keep_groups(rewards_B, group_ids_B) (all True when off); the
-                       trainer regenerates up to ``cfg.dynamic_sampling.max_tries`` rounds.
- 3. KL in reward:      token_rewards_BT = algo.kl_reward_BT(old_logp_BT, ref_logp_BT, mask_BT)
- 4. advantages:        adv_BT, ret_BT = algo.compute_advantages(AdvantageInput(...))
- 5. truncation mask:   mask_BT = mask_BT * algo.loss_mask_B(truncated_B)[:, None] (before counting
-                       the LossNormalizer of each optimizer step)
- 6. per micro-batch:   loss, m = algo.policy_loss(...); loss_v, m_v = algo.value_loss(...)
- 7. after the updates of the iteration: algo.update_after_step(metrics_with_kl)
+What the trainer asks and calls, per run and per iteration (see docs/algorithms.md, "Trainer contract"):
+ 0. what to build:     algo.needs_critic, algo.needs_reference, algo.reuses_policy_logprobs(train)
+ 1. rollout rounds:    algo.sampling_rounds (1, or DAPO dynamic sampling's max tries); after each
+                       round keep_B = algo.keep_groups(rewards_B, group_ids_B) (all True when off)
+ 2. after scoring:     out = algo.advantages(total_B=..., ...) -> AdvantageResult (reward shaping,
+                       KL in the reward when configured, the estimator, normalisation)
+ 3. truncation mask:   mask_B = algo.loss_mask_B(truncated_B) (before counting the LossNormalizer)
+ 4. per micro-batch:   loss, m = algo.policy_loss(...); loss_v, m_v = algo.value_loss(...)
+ 5. after the updates of the iteration: algo.update_after_step(actor_metrics) (the policy update's
+                       own metrics, as policy_loss and the optimizer step named them)
 It does not know models, devices or the data layout beyond the [B, T] tensors it is given.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Mapping, Protocol
 
 import torch
 
@@ -28,6 +29,27 @@ from tidal.algorithms.kl import make_kl_controller
 from tidal.algorithms.mismatch import mismatch_weights
 from tidal.algorithms.normalization import RunningMoments, masked_whiten
 from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty_B
+
+
+class UpdateSchedule(Protocol):
+    """How often the policy is updated per rollout (``train.*``): what :meth:`Algorithm.reuses_policy_logprobs` reads."""
+
+    epochs: int
+    mini_batches: int
+    old_logprobs: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdvantageResult:
+    """What :meth:`Algorithm.advantages` gives the experience: shaped scalar rewards, per-token
+    advantages and returns (zero off the action mask), the per-token KL to the reference (when both
+    old and reference logprobs exist; for metrics) and reward metrics."""
+
+    rewards_B: torch.Tensor
+    advantages_BT: torch.Tensor
+    returns_BT: torch.Tensor
+    kl_BT: torch.Tensor | None
+    metrics: dict[str, float]
 
 
 class Algorithm:
@@ -60,14 +82,23 @@ class Algorithm:
         return self.cfg.kl_coef > 0
 
     @property
-    def needs_entropy(self) -> bool:
-        """policy_loss needs entropy_BT (the trainer may pass it anyway, for the metric)."""
-        return self.cfg.entropy_coef > 0 or self.cfg.entropy_top_q < 1
-
-    @property
     def entropy_needs_grad(self) -> bool:
         """The loss differentiates through entropy_BT (an entropy bonus); a top-q mask does not."""
         return self.cfg.entropy_coef > 0
+
+    def reuses_policy_logprobs(self, train: UpdateSchedule) -> bool:
+        """True when the update's own forward supplies the actor's old logprobs, so the experience
+        skips its no-grad actor pass: ``train.old_logprobs: auto`` with exactly one optimizer step
+        per rollout (the actor has not moved since the rollout, ratio 1, the same gradient) and no KL
+        in the reward (which needs them before the update)."""
+        one_step = train.epochs * train.mini_batches == 1
+        return train.old_logprobs == "auto" and one_step and not self.cfg.kl_in_reward
+
+    @property
+    def sampling_rounds(self) -> int:
+        """Most rollouts per iteration: DAPO dynamic sampling's ``max_tries``, else 1."""
+        ds = self.cfg.dynamic_sampling
+        return ds.max_tries if ds.enabled else 1
 
     @property
     def kl_coef(self) -> float:
@@ -133,6 +164,33 @@ class Algorithm:
         if self.cfg.adv_clip > 0:
             adv_BT = adv_BT.clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
         return adv_BT, ret_BT
+
+    def advantages(
+        self, *, total_B: torch.Tensor, action_mask_BT: torch.Tensor, group_ids_B: torch.Tensor,
+        truncated_B: torch.Tensor, old_logp_BT: torch.Tensor | None, ref_logp_BT: torch.Tensor | None,
+        values_BT: torch.Tensor | None,
+    ) -> AdvantageResult:
+        """Reward processing, the KL to the reference (in the reward when ``kl_in_reward``) and the
+        estimator's advantages/returns for one rollout batch (see :meth:`process_rewards`,
+        :meth:`kl_reward_BT`, :meth:`compute_advantages`)."""
+        rewards_B, metrics = self.process_rewards(total_B, group_ids_B, action_mask_BT.sum(-1), truncated_B)
+        token_rewards_BT = kl_BT = None
+        if self.cfg.kl_in_reward and old_logp_BT is None:
+            raise ValueError("algorithm.kl_in_reward needs the actor's old logprobs before the update: run their pass")
+        if ref_logp_BT is not None and old_logp_BT is not None:
+            kl_BT = self.token_kl(old_logp_BT, ref_logp_BT) * action_mask_BT
+            if self.cfg.kl_in_reward:
+                token_rewards_BT = self.kl_reward_BT(old_logp_BT, ref_logp_BT, action_mask_BT)
+        adv_BT, ret_BT = self.compute_advantages(
+            AdvantageInput(
+                rewards_B=rewards_B, action_mask_BT=action_mask_BT, group_ids_B=group_ids_B,
+                token_rewards_BT=token_rewards_BT, values_BT=values_BT,
+            )
+        )
+        return AdvantageResult(
+            rewards_B=rewards_B, advantages_BT=adv_BT * action_mask_BT, returns_BT=ret_BT * action_mask_BT,
+            kl_BT=kl_BT, metrics=metrics,
+        )
 
     # ---- training side -------------------------------------------------------------------
     def policy_loss(
@@ -229,9 +287,11 @@ class Algorithm:
 
     # ---- state ---------------------------------------------------------------------------
     def update_after_step(self, metrics: Mapping[str, float]) -> None:
-        """Feed the adaptive KL controller the iteration's mean per-token KL (``metrics["kl"]``).
+        """After the policy updates of an iteration: feed the adaptive KL controller the iteration's
+        mean per-token KL (``metrics["kl"]``, as :meth:`policy_loss` names it). A skipped optimizer
+        step (``metrics["skipped"]`` > 0) changed nothing and its statistics may be NaN: it is not fed.
         Call once per training iteration; a no-op for the fixed controller."""
-        if self.cfg.kl_controller != "adaptive":
+        if self.cfg.kl_controller != "adaptive" or metrics.get("skipped", 0.0) > 0:
             return
         if "kl" not in metrics:
             raise KeyError("update_after_step: the adaptive KL controller needs metrics['kl'] (pass ref_logp_BT to policy_loss)")

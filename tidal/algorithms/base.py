@@ -33,9 +33,17 @@ class AdvantageInput:
 
 class AdvantageEstimator(abc.ABC):
     """Computes per-token advantages and returns (returns are the critic's targets, or equal to
-    advantages for critic-free estimators). Both are zero outside the action mask."""
+    advantages for critic-free estimators). Both are zero outside the action mask.
+
+    Traits (class attributes, read by config validation and the trainer):
+    needs_critic: it reads ``values_BT`` (the run trains a critic).
+    discounts: it discounts with ``gamma`` (group baselines do not: gamma must stay 1 for them).
+    whitens_batch: it whitens its advantages over the batch itself (``adv_norm: batch`` would repeat it).
+    """
 
     needs_critic: bool = False
+    discounts: bool = False
+    whitens_batch: bool = False
 
     @abc.abstractmethod
     def compute(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +96,18 @@ class LossAggregator(abc.ABC):
 
 
 class PolicyLoss(abc.ABC):
+    """Traits (class attributes, read by config validation):
+    ratio_clip: clips the ratio to [1 - clip_low, 1 + clip_high] (so clip_low < 1).
+    weight_clip: clips an importance weight with that range, where clip_low = 1 means no lower bound.
+    sequence_ratio: its ratio is per sequence (a per-token weight cannot select tokens).
+    dual_clip: supports the dual-clip bound ``algorithm.dual_clip``.
+    """
+
+    ratio_clip: bool = False
+    weight_clip: bool = False
+    sequence_ratio: bool = False
+    dual_clip: bool = False
+
     @abc.abstractmethod
     def __call__(
         self,

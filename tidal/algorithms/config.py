@@ -11,17 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from tidal.algorithms import registry
+from tidal.algorithms import advantages, aggregation, kl, losses, registry  # noqa: F401 (the first four register the variants)
 from tidal.config_base import check, check_choice
-
-# Estimators that discount with gamma; for the others (group baselines) gamma must stay 1.
-_DISCOUNTING_ESTIMATORS = ("gae", "reinforce", "reinforce_pp", "reinforce_pp_baseline")
-# Estimators that whiten advantages over the batch themselves.
-_SELF_WHITENING_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
-# Losses whose clip range is on the ratio (1 - clip_low must stay > 0; CISPO allows = 0).
-_RATIO_CLIP_LOSSES = ("ppo_clip", "gspo", "cpgd")
-# Losses whose ratio is per sequence.
-_SEQUENCE_RATIO_LOSSES = ("gspo", "gmpo")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -174,7 +165,6 @@ class AlgorithmConfig:
     cpgd: CPGDConfig = dataclasses.field(default_factory=CPGDConfig)
 
     def __post_init__(self):
-        registry.load_all()
         check_choice(self.advantage, registry.ADVANTAGE_ESTIMATORS.names(), "advantage")
         check_choice(self.policy_loss, registry.POLICY_LOSSES.names(), "policy_loss")
         check_choice(self.loss_agg, registry.LOSS_AGGREGATORS.names(), "loss_agg")
@@ -185,23 +175,24 @@ class AlgorithmConfig:
         self._check_shaping()
 
     def _check_loss(self):
+        loss = registry.POLICY_LOSSES.get(self.policy_loss, "policy_loss")
         if self.loss_agg == "constant":
             check(self.loss_agg_constant > 0, "loss_agg_constant", "must be > 0 with loss_agg=constant")
         else:
             check(self.loss_agg_constant == 0, "loss_agg_constant", f"only used by loss_agg=constant, not '{self.loss_agg}'")
         check(self.clip_low >= 0, "clip_low", "must be >= 0")
         check(self.clip_high > 0, "clip_high", "must be > 0")
-        if self.policy_loss in _RATIO_CLIP_LOSSES:
+        if loss.ratio_clip:
             check(self.clip_low < 1, "clip_low", f"must be < 1 for {self.policy_loss} (the lower bound 1 - clip_low must be > 0)")
-        if self.policy_loss == "cispo":
-            check(self.clip_low <= 1, "clip_low", "must be <= 1 for cispo (1: no lower bound on the IS weight)")
+        if loss.weight_clip:
+            check(self.clip_low <= 1, "clip_low", f"must be <= 1 for {self.policy_loss} (1: no lower bound on the IS weight)")
         check(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1")
-        check(self.dual_clip == 0 or self.policy_loss == "ppo_clip", "dual_clip", f"only applies to policy_loss=ppo_clip, not '{self.policy_loss}'")
+        check(self.dual_clip == 0 or loss.dual_clip, "dual_clip", f"does not apply to policy_loss={self.policy_loss} (only to ppo_clip)")
         check(self.value_clip >= 0, "value_clip", "must be >= 0 (0: unclipped)")
         check(self.value_loss_coef >= 0, "value_loss_coef", "must be >= 0")
         check(self.entropy_coef >= 0, "entropy_coef", "must be >= 0")
         check(0 < self.entropy_top_q <= 1, "entropy_top_q", "must be in (0, 1]")
-        if self.policy_loss in _SEQUENCE_RATIO_LOSSES:
+        if loss.sequence_ratio:
             # Their ratio couples all tokens of a sequence: a per-token weight cannot select tokens.
             check(self.entropy_top_q == 1, "entropy_top_q", f"token selection does not apply to the sequence-level {self.policy_loss}")
             check(not self.mismatch.mode.startswith("token_"), "mismatch.mode", f"{self.policy_loss} has a sequence-level ratio: use seq_truncate or seq_mask")
@@ -217,13 +208,14 @@ class AlgorithmConfig:
         check(self.kl_horizon_steps >= 1, "kl_horizon_steps", "must be >= 1")
 
     def _check_estimator(self):
+        estimator = registry.ADVANTAGE_ESTIMATORS.get(self.advantage, "advantage")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
         check(0 <= self.lam <= 1, "lam", "must be in [0, 1]")
-        if self.advantage not in _DISCOUNTING_ESTIMATORS:
+        if not estimator.discounts:
             check(self.gamma == 1.0, "gamma", f"must be 1 for advantage={self.advantage} (it does not discount)")
-        if self.advantage == "gae":
-            check(self.value_loss_coef > 0, "value_loss_coef", "gae trains a critic: must be > 0")
-        if self.advantage in _SELF_WHITENING_ESTIMATORS:
+        if estimator.needs_critic:
+            check(self.value_loss_coef > 0, "value_loss_coef", f"{self.advantage} trains a critic: must be > 0")
+        if estimator.whitens_batch:
             check(self.adv_norm != "batch", "adv_norm", f"advantage={self.advantage} already whitens over the batch")
         check(self.reward_clip >= 0, "reward_clip", "must be >= 0 (0: off)")
         check(self.adv_clip >= 0, "adv_clip", "must be >= 0 (0: off)")

@@ -1,7 +1,8 @@
 """Registries of the algorithm variants, selected by name from ``algorithm.*``.
 
 Each implementation module registers itself on import; :mod:`tidal.algorithms.config` imports them
-all so that names can be validated when the config is built.
+all (this module imports none: the arrows point one way) so that names can be validated when the
+config is built.
 """
 
 from __future__ import annotations
@@ -12,9 +13,3 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATORS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
-
-
-def load_all() -> None:
-    """Import every implementation module so the registries are complete."""
-    from tidal.algorithms import aggregation, kl  # noqa: F401
-    from tidal.algorithms import advantages, losses  # noqa: F401

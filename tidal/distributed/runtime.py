@@ -18,6 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from tidal.config_base import ConfigError
+
 
 @dataclasses.dataclass(kw_only=True)
 class Runtime:
@@ -47,12 +49,30 @@ class Runtime:
         start = (self.rank // self.tp_size) * self.tp_size
         return list(range(start, start + self.tp_size))
 
+    # ---- collectives on host values (gloo: no device sync) ---------------------------------------
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum of each value over all ranks."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.cpu_group)
+        return t.tolist()
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """Max of each value over all ranks."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.cpu_group)
+
 
 def rollout_group_ranks(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Return (tp_groups, dp_groups) rank lists for a world, as in spec §2.2."""
+    """Return (tp_groups, dp_groups) rank lists for a world, as in spec §2.2. The one check of
+    ``engine.tp_size`` against the world (ConfigError naming it)."""
     if tp_size < 1 or world_size % tp_size != 0:
-        raise ValueError(
-            f"WORLD_SIZE ({world_size}) % engine.tp_size ({tp_size}) != 0: choose engine.tp_size dividing the number of ranks"
+        raise ConfigError(
+            "engine.tp_size",
+            f"WORLD_SIZE % engine.tp_size != 0 ({world_size} % {tp_size}); pick a tp_size that divides the number of ranks",
         )
     tp_groups = [list(range(s, s + tp_size)) for s in range(0, world_size, tp_size)]
     dp_groups = [list(range(i, world_size, tp_size)) for i in range(tp_size)]

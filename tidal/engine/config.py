@@ -7,6 +7,16 @@ from typing import Literal
 
 from tidal.config_base import check
 
+# Fields a backend does not honour: set away from its default with that backend, a ConfigError
+# names the field and the backend (never silently ignored).
+UNHONOURED_FIELDS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "hf": ("max_num_batched_tokens", "block_size", "kv_cache_memory_fraction", "kv_cache_max_tokens",
+           "enable_prefix_caching", "cuda_graphs", "kernel_backend", "overlap_scheduling"),
+    "vllm": ("kernel_backend", "overlap_scheduling"),
+    "sglang": ("kernel_backend", "overlap_scheduling"),
+}
+
 
 @dataclasses.dataclass(kw_only=True)
 class EngineConfig:
@@ -26,6 +36,11 @@ class EngineConfig:
     enable_prefix_caching: share KV blocks of identical prompt prefixes (GRPO groups prefill once).
     cuda_graphs: capture decode steps in CUDA graphs at bucketed batch sizes (CUDA only).
     sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights.
+    Not every backend honours every field: ``hf`` (a plain loop over the HF model's own cache) takes
+    only ``tp_size`` (1), ``dtype``, ``max_num_seqs`` (rows per batch) and ``sleep_level`` (2 moves its
+    weights to host memory); ``vllm``/``sglang`` take all but ``kernel_backend`` and
+    ``overlap_scheduling`` (native-engine settings). A field a backend does not honour, set away
+    from its default, is a config error naming it (:data:`UNHONOURED_FIELDS`).
     kernel_backend: kernels of the native engine: ``triton`` (CUDA: fused norm/RoPE/KV-store, paged
         attention; needed for CUDA graphs), ``torch`` (plain PyTorch, any device), ``auto`` (triton on
         CUDA when importable, else torch).
@@ -55,3 +70,12 @@ class EngineConfig:
         check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction", "must be in (0, 0.95]")
         check(self.kv_cache_max_tokens >= 0, "kv_cache_max_tokens", "must be >= 0")
         check(self.sleep_level in (0, 1, 2), "sleep_level", "must be 0 (never), 1 (KV cache) or 2 (KV cache and weights)")
+        check(self.backend != "hf" or self.tp_size == 1, "tp_size", "engine.backend=hf runs on one rank: tensor parallelism needs engine.backend=native")
+        defaults = EngineConfig.__dataclass_fields__
+        for name in UNHONOURED_FIELDS[self.backend]:
+            check(
+                getattr(self, name) == defaults[name].default, name,
+                f"is not honoured by engine.backend={self.backend} (it is a setting of "
+                f"{'the native engine' if name in ('kernel_backend', 'overlap_scheduling') else 'paged engines'}); "
+                f"leave it at its default ({defaults[name].default!r}) or choose a backend that has it",
+            )

@@ -20,8 +20,6 @@ from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_
 
 class HFEngine:
     def __init__(self, hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, dtype: torch.dtype, tp_group=None):
-        if cfg.tp_size != 1:
-            raise ValueError("engine.backend=hf does not support engine.tp_size > 1; use engine.backend=native")
         self.cfg = cfg
         self.device = device
         self.dtype = dtype

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
-from tidal.engine.factory import check_backend_installed
-from tidal.engine.vllm import device_free_bytes, eos_ids, kv_bytes_per_token, weight_bytes_per_rank
+from tidal.engine.backends import check_backend_installed
+from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, weight_bytes_per_rank
 
 _KV_TAGS = ["kv_cache", "cuda_graph"]
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -126,13 +126,9 @@ class SGLangEngine:
         self.device = torch.device(device)
         require_cuda(self.device)
         self.cfg = cfg
-        if cfg.tp_size > 1 and tp_group is None:
-            raise ValueError(f"engine.tp_size={cfg.tp_size} needs the rollout TP group (tp_group=None given)")
-        self._group = tp_group
+        self._group = tp_group  # the rollout TP group of engine.tp_size consecutive ranks (None: one rank)
         rank = dist.get_rank() if dist.is_initialized() else 0
         ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else [rank]
-        if len(ranks) != cfg.tp_size:
-            raise ValueError(f"engine.tp_size={cfg.tp_size} but the given TP group has {len(ranks)} ranks")
         self._leader = ranks[0]
         self._is_leader = rank == self._leader
         self._eos = eos_ids(hf_config)

@@ -55,33 +55,14 @@ import torch.distributed as dist
 from tidal.config_base import ConfigError
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
-from tidal.engine.factory import check_backend_installed
+from tidal.engine.backends import check_backend_installed
+from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, weight_bytes_per_rank
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes blocks of a multiple of 32 tokens
 
 
 # ---- pure helpers (no vllm import): config -> vLLM arguments ------------------------------------
-def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int) -> int:
-    """KV-cache bytes of one token on one TP rank (K and V of every layer; KV heads are replicated
-    when there are fewer than ``tp_size``)."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads_per_rank = max(1, kv_heads // tp_size)
-    return 2 * hf_config.num_hidden_layers * kv_heads_per_rank * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-def weight_bytes_per_rank(hf_config, dtype: torch.dtype, tp_size: int) -> int:
-    """Approximate device bytes of the weights on one TP rank (parameters counted on the meta device)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    n = sum(p.numel() for p in model.parameters())
-    return n * torch.empty(0, dtype=dtype).element_size() // tp_size
-
-
 def tied_aliases(hf_config) -> dict[str, list[str]]:
     """HF names that share a parameter with an earlier one (``lm_head.weight`` of a model with tied
     embeddings), keyed by that first name. Trainers send a tied parameter once, under its first name
@@ -129,8 +110,6 @@ def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.de
     ``free_bytes`` / ``total_bytes``: the device's memory at start-up (CUDA only)."""
     if device.type == "cpu" and cfg.block_size % _CPU_BLOCK_MULTIPLE:
         raise ConfigError("engine.block_size", f"vLLM on CPU needs a multiple of {_CPU_BLOCK_MULTIPLE}, got {cfg.block_size}")
-    if world_size % cfg.tp_size:
-        raise ConfigError("engine.tp_size", f"must divide the world size {world_size}, got {cfg.tp_size}")
     kv_bytes = kv_cache_bytes(hf_config, cfg, dtype=dtype, device=device, free_bytes=free_bytes)
     kv_tokens = kv_bytes // kv_bytes_per_token(hf_config, dtype, cfg.tp_size)
     kwargs = dict(
@@ -160,22 +139,6 @@ def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.de
         # rest, and kv_cache_memory_bytes (not this) sizes the KV cache
         kwargs["gpu_memory_utilization"] = round(0.98 * free_bytes / total_bytes, 4)
     return kwargs
-
-
-def device_free_bytes(device: torch.device) -> int:
-    """Free device memory as the driver sees it (vLLM's sleep mode unmaps memory behind PyTorch's
-    allocator, so allocator statistics would miss it); 0 on CPU."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    return torch.cuda.mem_get_info(device)[0]
-
-
-def eos_ids(hf_config) -> set[int]:
-    value = getattr(hf_config, "eos_token_id", None)
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
 def sampling_kwargs(params: SamplingParams, eos: set[int]) -> dict:
@@ -278,7 +241,6 @@ class VLLMEngine:
         self._vllm = vllm
         self._frees_memory = self.device.type == "cuda"  # vLLM's sleep mode exists on CUDA only
         world = dist.get_world_size() if dist.is_initialized() else 1
-        _check_tp_group(cfg.tp_size, tp_group)
         self._model_dir = tempfile.TemporaryDirectory(prefix="tidal-vllm-")
         hf_config.save_pretrained(self._model_dir.name)
         free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
@@ -393,13 +355,6 @@ class VLLMEngine:
         self._update_open = False
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
-
-
-def _check_tp_group(tp_size: int, tp_group) -> None:
-    if tp_size > 1 and tp_group is None:
-        raise ValueError(f"engine.tp_size={tp_size} needs the rollout TP group (tp_group=None given)")
-    if tp_group is not None and dist.get_world_size(tp_group) != tp_size:
-        raise ValueError(f"engine.tp_size={tp_size} but the given TP group has {dist.get_world_size(tp_group)} ranks")
 
 
 def _check_vllm_tp_ranks(tp_group) -> None:

@@ -2,7 +2,7 @@
 
 from tidal.logging.config import LoggingConfig
 from tidal.logging.metrics import MetricsLogger
-from tidal.logging.timer import PhaseTimer
+from tidal.logging.timer import PhaseObserver, PhaseTimer
 from tidal.logging.trajectories import TrajectoryWriter
 
-__all__ = ["LoggingConfig", "MetricsLogger", "PhaseTimer", "TrajectoryWriter"]
+__all__ = ["LoggingConfig", "MetricsLogger", "PhaseObserver", "PhaseTimer", "TrajectoryWriter"]

@@ -277,10 +277,3 @@ def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, w
     None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`."""
     return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
                                           entropy_grad, positions_BT)
-
-
-def reference_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Plain full-logits reference (for tests): same layout as :func:`lm_head_logprobs`."""
-    logp_BTV = (logits_BTV.float() / temperature).log_softmax(-1)
-    logp = logp_BTV[:, :-1].gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)

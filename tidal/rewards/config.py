@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any, Literal
 
-from tidal.config_base import ConfigError, build, check, check_choice
+from tidal.config_base import build, check, check_choice
 from tidal.rewards.rules import RULES
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -221,8 +221,3 @@ class RewardConfig:
             check(name in used, f"components.{name}", "defined but used by no recipe")
         if self.default_recipe is not None:
             check(self.default_recipe in recipes, "default_recipe", f"'{self.default_recipe}' is not a recipe; recipes: {sorted(recipes)}")
-
-
-def config_error_from(key: str, exc: Exception) -> ConfigError:
-    """A ConfigError at ``key`` describing ``exc`` (used where loading a component fails)."""
-    return ConfigError(key, f"{type(exc).__name__}: {exc}")

@@ -226,5 +226,5 @@ class RewardEngine:
     def __enter__(self) -> "RewardEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.close()

@@ -1,8 +1,9 @@
 """Local reward models: Hugging Face ``AutoModelForSequenceClassification`` with one label.
 
 A reward model judges the whole exchange, so it reads ``prompt + separator + response`` tokenised by
-ITS OWN tokenizer (not the policy's). The model is reloaded onto its device before each ``score``
-call and offloaded after it, through the strategy's :class:`~tidal.rewards.placement.ModelPlacement`.
+ITS OWN tokenizer (not the policy's). The model is on its device only inside each ``score`` call
+(``placement.using``): where it waits in between is its :class:`~tidal.rewards.placement.ModelPlacement`'s
+decision (the phase owner in training).
 It scores every sample of a call (``scores_every_sample``) in ``ceil(B / micro_batch_size)``
 forward passes, so ranks with equal batch sizes do identical work even when recipes differ.
 """
@@ -65,7 +66,7 @@ class ModelReward(SyncComponent):
         self.resident = resident
         model, self.tokenizer, self.pad_id = load_reward_model(cfg, device=device, key=key)
         self.tokenizer.truncation_side = "left"  # keep the response, cut the prompt's start
-        self.model = placement.prepare_frozen(model, offload=not resident)
+        self.model = placement.prepare_frozen(model, resident=resident)
 
     def _encode(self, samples: list[RewardSample]) -> list[list[int]]:
         texts = [s.prompt + self.cfg.separator + s.response for s in samples]
@@ -90,15 +91,10 @@ class ModelReward(SyncComponent):
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
         scores_B = torch.empty(len(encoded))
         mb = self.cfg.micro_batch_size
-        if not self.resident:
-            self.placement.reload_model(self.model)
-        try:
+        with self.placement.using(self.model):
             for start in range(0, len(order), mb):
                 idx = order[start : start + mb]
                 scores_B[idx] = self._forward([encoded[i] for i in idx], self.device)
-        finally:
-            if not self.resident:
-                self.placement.offload_model(self.model)
         return _checked(scores_B.tolist())
 
 

@@ -1,10 +1,13 @@
 """The Strategy contract (spec §3): one interface over training backends (FSDP2, DeepSpeed).
 
-The trainer never branches on the backend. A Strategy owns: the runtime (process groups), how
+The trainer never branches on the backend. A Strategy owns the training backend's concerns: how
 models are sharded (``prepare_trainable`` / ``prepare_frozen``), backward with gradient scaling,
-the optimizer step with clipping and the LR schedule, model/optimizer CPU offload, checkpoint
-state, the rollout engine's lifecycle and ``update_engine_weights``. It does not know what a
-reward is or how advantages are computed.
+the optimizer step with clipping and the LR schedule, moving models and optimizer state between
+the device and host memory (``offload_model``/``reload_model``, ``offload_optimizer``/
+``reload_optimizer``: mechanisms; *when* they run is decided by the phase owner,
+:class:`tidal.trainer.colocation.Colocation`), the actor's full weights under HF names
+(``full_weights``, read by weight sync and export) and checkpoint state. It does not know the
+rollout engine, what a reward is or how advantages are computed.
 
 Gradient contract: the trainer passes loss *shares* whose sum over all micro-batches and all ranks
 is the global-batch loss. Backends average gradients over data-parallel ranks, so ``backward``
@@ -16,13 +19,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from tidal.distributed.generate import gather_and_generate
 from tidal.distributed.runtime import Runtime
-from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.dtypes import resolve_dtype
 from tidal.models.logprobs import set_compile as set_lm_head_compile
 from tidal.strategy.config import OptimConfig, StrategyConfig
 
@@ -60,6 +62,8 @@ class Strategy(abc.ABC):
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         self.cfg = cfg
         self.runtime = runtime
+        self.param_dtype = resolve_dtype(cfg.param_dtype, runtime.device)
+        """Compute dtype of sharded models (``strategy.param_dtype``, resolved once)."""
         set_lm_head_compile(self.compiles)
 
     @property
@@ -71,12 +75,6 @@ class Strategy(abc.ABC):
     @property
     def device(self) -> torch.device:
         return self.runtime.device
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        if self.cfg.param_dtype == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return getattr(torch, self.cfg.param_dtype)
 
     # ---- models -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -147,48 +145,6 @@ class Strategy(abc.ABC):
     def load_state_dict(self, state: TrainState, sd: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`."""
 
-    # ---- rollout engine lifecycle -------------------------------------------------------------
-    def update_engine_weights(self, actor: torch.nn.Module, engine: RolloutEngine, *, dtype: torch.dtype, bucket_bytes: int = 256 << 20) -> int:
-        """Gather the actor's current weights and copy them into the engine in buckets. Returns bytes sent.
-        Does not wake the engine's KV cache: weights are loaded wherever the engine keeps them."""
-        sent = 0
-        for bucket in _buckets(self.full_weights(actor, dtype), bucket_bytes):
-            engine.load_weights(bucket)
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return sent
-
-    def generate(
-        self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs: list[dict | None] | None = None
-    ) -> list[Completion]:
-        """``mm_inputs[i]``: prompt i's image inputs (None for text), see :mod:`tidal.models.vision`."""
-        return gather_and_generate(engine, prompts, params, self.runtime, mm_inputs=mm_inputs)
-
-    def sleep(self, engine: RolloutEngine, level: int) -> int:
-        """Put the engine to sleep. The allocator's cache is not emptied: training reuses its blocks,
-        and engines that allocate outside PyTorch's allocator empty it when they wake."""
-        return engine.sleep(level) if level > 0 else 0
-
-    def wake_up(self, engine: RolloutEngine) -> int:
-        return engine.wake_up()
-
-    # ---- collectives used by the trainer ------------------------------------------------------
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum of each value over all ranks (on CPU, over the gloo group: no device sync)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        torch.distributed.all_reduce(t, group=self.runtime.cpu_group)
-        return t.tolist()
-
-    def all_reduce_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.runtime.cpu_group)
-        return t.tolist()
-
-    def barrier(self) -> None:
-        torch.distributed.barrier(group=self.runtime.cpu_group)
-
-
 def _frozen_names(model: torch.nn.Module) -> set[str]:
     """Every name (tied aliases included) of a parameter that does not train: left out of checkpoints."""
     return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -199,15 +155,3 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and k != "step":
                 st[k] = v.to(device, non_blocking=True)
-
-
-def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket, size = [], 0
-    for name, t in named:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

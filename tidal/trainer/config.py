@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Protocol
 
 from tidal.config_base import check
+from tidal.logging.config import LoggingConfig
+from tidal.models.config import ModelConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,7 +70,7 @@ class TrainConfig:
         exactly one optimizer step (epochs 1, mini_batches 1) and no KL enters the reward, the actor
         is unchanged between the rollout and its update, so the update's own forward gives the old
         logprobs (detached: ratio 1, the same gradient) and the separate no-grad pass is skipped, as
-        TRL does for ``num_iterations=1`` (see ``TidalConfig.reuses_policy_logprobs``); otherwise the
+        TRL does for ``num_iterations=1`` (see ``Algorithm.reuses_policy_logprobs``); otherwise the
         pass runs. ``recompute``: always run the pass.
     """
 
@@ -132,3 +134,16 @@ class CheckpointConfig:
         check(self.every >= 0, "every", "must be >= 0")
         check(self.keep >= 1, "keep", "must be >= 1")
         check(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
+
+
+class TrainerSections(Protocol):
+    """The config sections the RL loop reads (the root ``TidalConfig`` has them all); each component
+    of the loop is handed the sections it reads, under their YAML names."""
+
+    run: RunConfig
+    model: ModelConfig
+    rollout: RolloutConfig
+    train: TrainConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig

@@ -12,7 +12,7 @@ import dataclasses
 from tidal.data import PromptItem
 from tidal.engine.base import SamplingParams
 from tidal.trainer.config import EvalConfig
-from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.experience_maker import ExperienceMaker, Rollout
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -35,29 +35,29 @@ def evaluate(
     max_new_tokens: int,
     seed: int,
 ) -> dict[str, float]:
-    """Evaluate this rank's shard ``items``; returns metrics reduced over all ranks."""
+    """Evaluate this rank's shard ``items``; returns metrics reduced over all ranks. Generation goes
+    through the same rollout phase as training; rewards are scored after it (engine asleep)."""
     s = EvalSums(prompts=float(len(items)))
-    maker.strategy.wake_up(maker.engine)
-    if cfg.greedy:
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1)
-        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items])
+    greedy = sampled = None
+    with maker.phases.rollout() as engine:
+        if cfg.greedy:
+            greedy = maker.completions(engine, items, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1))
+        if cfg.n_samples > 0:
+            params = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, n=cfg.n_samples, seed=seed)
+            sampled = maker.completions(engine, items, params)
+    if greedy is not None and items:
+        _, rew = maker.score(_rollout(items, greedy))
+        s.greedy_reward = float(rew.total_B.sum())
+        s.greedy_correct = float((rew.total_B >= cfg.correct_threshold).sum())
+        s.greedy_length = float(sum(len(c.token_ids) for c in greedy))
+    if sampled is not None:
         if items:
-            rollout = _rollout(items, comps)
-            _, rew = maker.score(rollout)
-            s.greedy_reward = float(rew.total_B.sum())
-            s.greedy_correct = float((rew.total_B >= cfg.correct_threshold).sum())
-            s.greedy_length = float(sum(len(c.token_ids) for c in comps))
-    if cfg.n_samples > 0:
-        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, n=cfg.n_samples, seed=seed)
-        comps = maker.strategy.generate(maker.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items])
-        if items:
-            _, rew = maker.score(_rollout(items, comps))
+            _, rew = maker.score(_rollout(items, sampled))
             total_PK = rew.total_B.view(len(items), cfg.n_samples)
             s.sampled_reward = float(total_PK.mean(-1).sum())
             s.pass_at_k = float((total_PK >= cfg.correct_threshold).any(-1).float().sum())
-    maker.strategy.sleep(maker.engine, maker.sleep_level)
     fields = [f.name for f in dataclasses.fields(EvalSums)]
-    tot = dict(zip(fields, maker.strategy.all_reduce_sum([getattr(s, f) for f in fields])))
+    tot = dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields])))
     n = max(tot["prompts"], 1.0)
     out = {"eval/prompts": tot["prompts"]}
     if cfg.greedy:
@@ -72,8 +72,6 @@ def evaluate(
 
 
 def _rollout(items, comps):
-    from tidal.trainer.experience_maker import Rollout
-
     n = len(comps) // len(items)
     return Rollout(items=items, completions=comps, group_ids=[i for i in range(len(items)) for _ in range(n)])
 

@@ -1,4 +1,6 @@
-"""Experience: one rollout batch as batched tensors, and the replay buffer that holds it on CPU.
+"""Experience: one rollout batch as batched tensors, held on the host (CPU) between the rollout and
+the update; each micro-batch is moved to the device when it is used (the spec's CPU-offloaded
+replay buffer is this: the trainer keeps one rollout's Experience, never a history of them).
 
 Layout (B sequences, T positions, right-padded): ``sequences_BT`` = prompt tokens, response tokens,
 padding. Every per-token tensor is aligned with ``sequences_BT``: ``x_BT[b, t]`` belongs to the
@@ -9,7 +11,7 @@ exactly on response tokens, so prompt and padding never enter a loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -30,7 +32,6 @@ class Experience:
     loss_mask_B: 1 for sequences that enter the loss (0: e.g. dropped reward, masked truncation).
     mm_inputs: per-sequence pixel inputs of the prompt's images (a dict, see :mod:`tidal.models.vision`;
         None for a text row), kept on CPU and collated per micro-batch; None when no row has images.
-    info: per-sequence extras for metrics (lists / tensors of length B).
     """
 
     sequences_BT: torch.Tensor
@@ -46,7 +47,6 @@ class Experience:
     ref_logp_BT: torch.Tensor | None = None
     values_BT: torch.Tensor | None = None
     mm_inputs: list[dict | None] | None = None
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.sequences_BT.shape[0]
@@ -64,10 +64,7 @@ class Experience:
         """Rows ``idx``, trimmed to the longest remaining sequence (less padding per micro-batch)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         rows = idx_t.tolist()
-        out = dataclasses.replace(
-            self, info={k: [v[i] for i in rows] for k, v in self.info.items()},
-            mm_inputs=[self.mm_inputs[i] for i in rows] if self.mm_inputs is not None else None,
-        )
+        out = dataclasses.replace(self, mm_inputs=[self.mm_inputs[i] for i in rows] if self.mm_inputs is not None else None)
         T = int(self.attention_mask_BT[idx_t].sum(-1).max()) if len(idx_t) else 0
         for name in self._tensor_fields():
             t = getattr(self, name)[idx_t]
@@ -79,43 +76,13 @@ class Experience:
         return self.action_mask_BT.sum(-1)
 
 
-class ReplayBuffer:
-    """Holds the experiences of one rollout on CPU (pinned when CUDA is used) and yields
-    micro-batches on the device. Micro-batches are formed by a token budget over sequences sorted by
-    length, so short sequences pack together and padding stays small."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.items: list[Experience] = []
-
-    def clear(self) -> None:
-        self.items.clear()
-
-    def add(self, exp: Experience) -> None:
-        exp = exp.to(torch.device("cpu"))
-        if self.device.type == "cuda":
-            for name in exp._tensor_fields():
-                setattr(exp, name, getattr(exp, name).pin_memory())
-        self.items.append(exp)
-
-    def merged(self) -> Experience:
-        if len(self.items) == 1:
-            return self.items[0]
-        return concat_experiences(self.items)
-
-    def __len__(self) -> int:
-        return sum(len(e) for e in self.items)
-
-
 def concat_experiences(items: list[Experience]) -> Experience:
     """Concatenate along B, right-padding all [B, T] tensors to the longest T."""
     T = max(e.sequences_BT.shape[1] for e in items)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(Experience):
         vals = [getattr(e, f.name) for e in items]
-        if f.name == "info":
-            out["info"] = {k: [x for e in items for x in e.info[k]] for k in items[0].info}
-        elif f.name == "mm_inputs":
+        if f.name == "mm_inputs":
             out[f.name] = None if all(v is None for v in vals) else [m for e, v in zip(items, vals) for m in (v or [None] * len(e))]
         elif vals[0] is None:
             out[f.name] = None
@@ -143,8 +110,3 @@ def token_budget_batches(lengths: list[int], max_tokens: int, max_seqs: int) -> 
     if cur:
         batches.append(cur)
     return batches
-
-
-def iter_micro_batches(exp: Experience, batches: list[list[int]], device: torch.device) -> Iterator[Experience]:
-    for idx in batches:
-        yield exp.select(idx).to(device)

@@ -1,11 +1,13 @@
 """ExperienceMaker: prompts -> Experience (spec §7 steps 1-8).
 
-generate (engine wake -> gather_and_generate -> sleep) -> actor old logprobs (unless the update's
-forward supplies them: ``TidalConfig.reuses_policy_logprobs``) -> reference logprobs (KL on; reloaded
-then offloaded) -> critic values (estimators with a critic) -> rewards on the
-responses -> reward processing -> advantages. Every rank runs every stage for its own prompts, and
-every model forward runs the same number of micro-batches on every rank (FSDP2 forwards are
-collectives), so no rank skips a collective.
+generate (the rollout phase: ``gather_and_generate`` on the awake engine) -> actor old logprobs
+(unless the update's forward supplies them: ``Algorithm.reuses_policy_logprobs``) -> reference
+logprobs (KL on) -> critic values (estimators with a critic) -> rewards on the responses -> reward
+processing and advantages (the algorithm). Where each model sits during its forward is the phase
+owner's business (:class:`~tidal.trainer.colocation.Colocation`): this module only says which
+phase it enters. Every rank runs every stage for its own prompts, and every model forward runs the
+same number of micro-batches on every rank (FSDP2 forwards are collectives), so no rank skips a
+collective.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from typing import Callable
 import torch
 
 from tidal.algorithms import Algorithm
-from tidal.algorithms.base import AdvantageInput
 from tidal.data import PromptItem
-from tidal.logging import PhaseTimer
+from tidal.distributed import gather_and_generate
+from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.logging import PhaseTimer
+from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
 from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.types import RewardSample
-from tidal.strategy.base import Strategy
+from tidal.trainer.colocation import Colocation, Models
+from tidal.trainer.config import RolloutConfig, TrainConfig
 from tidal.trainer.experience import Experience, token_budget_batches
 
 
@@ -38,80 +43,59 @@ class Rollout:
     group_ids: list[int]
 
 
-def equalized_count(strategy: Strategy, n_local: int) -> int:
+def equalized_count(runtime: Runtime, n_local: int) -> int:
     """The largest micro-batch count over ranks (all ranks must run that many forwards)."""
-    return int(strategy.all_reduce_max([float(n_local)])[0])
+    return int(runtime.all_reduce_max([float(n_local)])[0])
 
 
-def run_forward_passes(strategy: Strategy, batches: list[list[int]], fn: Callable[[list[int]], None]) -> None:
+def run_forward_passes(runtime: Runtime, batches: list[list[int]], fn: Callable[[list[int]], None]) -> None:
     """Call ``fn(idx)`` for each micro-batch, then ``fn(None)`` until this rank has run as many
     passes as the busiest rank. ``fn(None)`` must run a forward (e.g. on the first micro-batch) and
     discard its output: it exists only so every rank enters the same collectives."""
-    total = equalized_count(strategy, len(batches))
+    total = equalized_count(runtime, len(batches))
     for i in range(total):
         fn(batches[i] if i < len(batches) else None)
 
 
 class ExperienceMaker:
-    def __init__(
-        self,
-        *,
-        strategy: Strategy,
-        actor: torch.nn.Module,
-        critic: torch.nn.Module | None,
-        reference: torch.nn.Module | None,
-        engine: RolloutEngine,
-        reward_engine: RewardEngine,
-        algorithm: Algorithm,
-        tokenizer,
-        temperature: float,
-        micro_batch_tokens: int,
-        micro_batch_max_seqs: int,
-        logprob_chunk_tokens: int,
-        engine_sleep_level: int,
-        offload_reference: bool,
-        offload_critic: bool,
-        offload_actor: bool,
-        old_logprobs_pass: bool,
-        timer: PhaseTimer,
-    ):
-        self.strategy = strategy
-        self.actor = actor
-        self.critic = critic
-        self.reference = reference
-        self.engine = engine
-        self.reward_engine = reward_engine
+    """Builds one rank's Experience from its prompts (see the module docstring).
+
+    ``rollout``, ``train`` and ``model`` are the run's config sections it reads
+    (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
+    ``model.logprob_chunk_tokens``). Whether the actor's old-logprob pass runs is the algorithm's
+    decision (:meth:`Algorithm.reuses_policy_logprobs`)."""
+
+    def __init__(self, *, models: Models, phases: Colocation, rewards: RewardEngine, algorithm: Algorithm,
+                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, timer: PhaseTimer):
+        self.models = models
+        self.phases = phases
+        self.rewards = rewards
         self.algo = algorithm
-        self.tokenizer = tokenizer
-        self.temperature = temperature
-        self.mb_tokens = micro_batch_tokens
-        self.mb_seqs = micro_batch_max_seqs
-        self.chunk = logprob_chunk_tokens
-        self.sleep_level = engine_sleep_level
-        self.offload_reference = offload_reference
-        self.offload_critic = offload_critic
-        self.offload_actor = offload_actor
-        self.old_logprobs_pass = old_logprobs_pass
+        self.rollout_cfg = rollout
+        self.train_cfg = train
+        self.model_cfg = model
         self.timer = timer
+        self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.phases.runtime
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
-    def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
-        """Wake the engine, generate, put it back to sleep. With ``offload_actor`` the actor's
-        parameters wait on the CPU meanwhile and are back on the device when this returns."""
-        if self.offload_actor:
-            with self.timer.phase("actor_offload"):
-                self.strategy.offload_model(self.actor)
-        with self.timer.phase("engine_wake"):
-            self.strategy.wake_up(self.engine)
+    def completions(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams) -> list[Completion]:
+        """This rank's completions of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
+        which the caller holds in the rollout phase (``with phases.rollout() as engine``)."""
         with self.timer.phase("generate"):
-            completions = self.strategy.generate(
-                self.engine, [it.prompt_ids for it in items], params, mm_inputs=[it.mm_inputs for it in items]
+            comps = gather_and_generate(
+                engine, [it.prompt_ids for it in items], params, self.runtime, mm_inputs=[it.mm_inputs for it in items]
             )
-        with self.timer.phase("engine_sleep"):
-            self.strategy.sleep(self.engine, self.sleep_level)
-        if self.offload_actor:
-            with self.timer.phase("actor_reload"):
-                self.strategy.reload_model(self.actor)
+        self.timer.event("generate:done", {"prompts": len(items), "completion_lengths": [len(c.token_ids) for c in comps]})
+        return comps
+
+    def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
+        """Generate ``params.n`` completions per item; the group id of item i is ``first_group_id + i``."""
+        with self.phases.rollout() as engine:
+            completions = self.completions(engine, items, params)
         group_ids = [first_group_id + i for i in range(len(items)) for _ in range(params.n)]
         return Rollout(items=items, completions=completions, group_ids=group_ids)
 
@@ -120,7 +104,7 @@ class ExperienceMaker:
         """Right-padded [B, T] tensors of prompt + response, and ``mm_inputs``: each row's prompt
         images (None for a text row), or None when no row has images."""
         comps = rollout.completions
-        pad = self.tokenizer.pad_token_id or 0
+        pad = self.models.tokenizer.pad_token_id or 0
         lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
         B, T = len(comps), max(lens)
         seq_BT = torch.full((B, T), pad, dtype=torch.long)
@@ -145,7 +129,7 @@ class ExperienceMaker:
         (equal pass counts on every rank) and scatter the results into one [B, T] tensor, zero off the
         actions."""
         out_BT = torch.zeros_like(t["rollout_logp_BT"])
-        dev = self.strategy.device
+        dev = self.runtime.device
 
         def fn(idx):
             real = idx is not None
@@ -159,25 +143,27 @@ class ExperienceMaker:
             if real:
                 out_BT[idx, :T] = x_BT.float().cpu()
 
-        run_forward_passes(self.strategy, batches, fn)
+        run_forward_passes(self.runtime, batches, fn)
         return out_BT * t["action_mask_BT"]
 
     def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
         def forward(ids, am, act, mm):  # the LM head runs on the response tokens only
-            return token_logprobs(model, ids, am, temperature=self.temperature, chunk_tokens=self.chunk, mm_inputs=mm,
-                                  positions_BT=act)[0]
+            return token_logprobs(model, ids, am, temperature=self.rollout_cfg.temperature,
+                                  chunk_tokens=self.model_cfg.logprob_chunk_tokens, mm_inputs=mm, positions_BT=act)[0]
 
-        return self._per_token(forward, t, batches)
+        with self.phases.using(model):
+            return self._per_token(forward, t, batches)
 
-    def _values(self, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        return self._per_token(lambda ids, am, act, mm: critic_values(self.critic, ids, am), t, batches)
+    def _values(self, critic: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+        with self.phases.using(critic):
+            return self._per_token(lambda ids, am, act, mm: critic_values(critic, ids, am), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
     def score(self, rollout: Rollout):
         samples = []
         n = len(rollout.completions) // max(1, len(rollout.items))
         # one call for the whole rollout (a fast tokenizer decodes the batch natively)
-        texts = self.tokenizer.batch_decode([c.token_ids for c in rollout.completions], skip_special_tokens=True)
+        texts = self.models.tokenizer.batch_decode([c.token_ids for c in rollout.completions], skip_special_tokens=True)
         for i, (c, text) in enumerate(zip(rollout.completions, texts)):
             item = rollout.items[i // n]
             samples.append(
@@ -193,7 +179,7 @@ class ExperienceMaker:
                     index=i,
                 )
             )
-        return samples, self.reward_engine.score(samples)
+        return samples, self.rewards.score(samples)
 
     def make(self, rollout: Rollout) -> tuple[Experience, dict[str, float], list[RewardSample]]:
         """Run stages 4-8 on a rollout; returns the Experience (on CPU), rollout metrics, and the
@@ -203,64 +189,38 @@ class ExperienceMaker:
         reports the same comparisons as ``actor/mismatch_*`` and ``actor/kl``."""
         t = self._pack(rollout)
         lengths = t["attention_mask_BT"].sum(-1).tolist()
-        batches = token_budget_batches(lengths, self.mb_tokens, self.mb_seqs)
-        old_logp_BT = None
+        batches = token_budget_batches(lengths, self.train_cfg.forward_micro_batch_tokens, self.train_cfg.forward_micro_batch_max_seqs)
+        m = self.models
+        old_logp_BT = ref_logp_BT = values_BT = None
         if self.old_logprobs_pass:
             with self.timer.phase("actor_logprobs"):
-                old_logp_BT = self._logprobs(self.actor, t, batches)
-        ref_logp_BT = None
-        if self.reference is not None:
+                old_logp_BT = self._logprobs(m.actor.model, t, batches)
+        if m.reference is not None:
             with self.timer.phase("reference_logprobs"):
-                if self.offload_reference:
-                    self.strategy.reload_model(self.reference)
-                ref_logp_BT = self._logprobs(self.reference, t, batches)
-                if self.offload_reference:
-                    self.strategy.offload_model(self.reference)
-        values_BT = None
-        if self.critic is not None:
+                ref_logp_BT = self._logprobs(m.reference, t, batches)
+        if m.critic is not None:
             with self.timer.phase("critic_values"):
-                if self.offload_critic:
-                    self.strategy.reload_model(self.critic)
-                values_BT = self._values(t, batches)
-                if self.offload_critic:
-                    self.strategy.offload_model(self.critic)
+                values_BT = self._values(m.critic.model, t, batches)
         with self.timer.phase("reward"):
             samples, rew = self.score(rollout)
         action_BT = t["action_mask_BT"]
         truncated_B = torch.tensor([c.finish_reason == "length" for c in rollout.completions])
         group_ids_B = torch.tensor(rollout.group_ids, dtype=torch.long)
         with self.timer.phase("advantages"):
-            rewards_B, reward_metrics, kl_BT, adv_BT, ret_BT = self._advantages(
-                rew.total_B.float(), action_BT, group_ids_B, truncated_B, old_logp_BT, ref_logp_BT, values_BT
+            adv = self.algo.advantages(
+                total_B=rew.total_B.float(), action_mask_BT=action_BT, group_ids_B=group_ids_B, truncated_B=truncated_B,
+                old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT, values_BT=values_BT,
             )
         loss_mask_B = rew.valid_B.float() * self.algo.loss_mask_B(truncated_B).float()
         exp = Experience(
             sequences_BT=t["sequences_BT"], attention_mask_BT=t["attention_mask_BT"], action_mask_BT=action_BT,
             old_logp_BT=old_logp_BT, rollout_logp_BT=t["rollout_logp_BT"], ref_logp_BT=ref_logp_BT,
-            values_BT=values_BT, advantages_BT=adv_BT * action_BT, returns_BT=ret_BT * action_BT,
-            rewards_B=rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=t["mm_inputs"],
+            values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
+            rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=t["mm_inputs"],
         )
-        metrics = self._metrics(exp, rew, truncated_B, kl_BT)
-        metrics.update(reward_metrics)
+        metrics = self._metrics(exp, rew, truncated_B, adv.kl_BT)
+        metrics.update(adv.metrics)
         return exp, metrics, samples
-
-    def _advantages(self, total_B, action_BT, group_ids_B, truncated_B, old_logp_BT, ref_logp_BT, values_BT):
-        """Reward processing, KL (in reward when configured) and advantages/returns."""
-        rewards_B, reward_metrics = self.algo.process_rewards(total_B, group_ids_B, action_BT.sum(-1), truncated_B)
-        token_rewards_BT = kl_BT = None
-        if self.algo.cfg.kl_in_reward and old_logp_BT is None:
-            raise ValueError("algorithm.kl_in_reward needs the actor's old logprobs before the update: run their pass")
-        if ref_logp_BT is not None and old_logp_BT is not None:
-            kl_BT = self.algo.token_kl(old_logp_BT, ref_logp_BT) * action_BT
-            if self.algo.cfg.kl_in_reward:
-                token_rewards_BT = self.algo.kl_reward_BT(old_logp_BT, ref_logp_BT, action_BT)
-        adv_BT, ret_BT = self.algo.compute_advantages(
-            AdvantageInput(
-                rewards_B=rewards_B, action_mask_BT=action_BT, group_ids_B=group_ids_B,
-                token_rewards_BT=token_rewards_BT, values_BT=values_BT,
-            )
-        )
-        return rewards_B, reward_metrics, kl_BT, adv_BT, ret_BT
 
     def _metrics(self, exp: Experience, rew, truncated_B: torch.Tensor, kl_BT) -> dict[str, float]:
         act = exp.action_mask_BT

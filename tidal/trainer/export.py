@@ -14,14 +14,14 @@ def export_hf(trainer, out_dir: str) -> Path:
     (written to ``out_dir.tmp`` then renamed). Loadable with ``AutoModelForCausalLM.from_pretrained``;
     a LoRA actor is written merged, with its adapters in PEFT format under ``out_dir/adapter``."""
     out = Path(out_dir)
-    full_sd = trainer.strategy.full_model_state_dict(trainer.actor.model)
+    full_sd = trainer.phases.strategy.full_model_state_dict(trainer.models.actor.model)
     if trainer.rt.is_main:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_hf(trainer.actor.model, full_sd, tmp)
-        trainer.tokenizer.save_pretrained(tmp)
+        save_hf(trainer.models.actor.model, full_sd, tmp)
+        trainer.models.tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    trainer.strategy.barrier()
+    trainer.rt.barrier()
     return out

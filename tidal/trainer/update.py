@@ -5,10 +5,13 @@ optimizer step, computed in token-budget micro-batches. Loss shares are normalis
 counts of the mini-batch (all micro-batches, all ranks), so gradient accumulation and data
 parallelism give exactly the gradient of the global-batch loss. Every rank runs the same number of
 micro-batches (padding with zero-weight passes) because FSDP2 forward/backward are collectives.
+Each optimizer step runs in the update phase of the phase owner (model and optimizer state on the
+device, back at rest after).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -16,11 +19,15 @@ import torch
 
 from tidal.algorithms import Algorithm
 from tidal.algorithms.base import LossNormalizer
+from tidal.distributed.runtime import Runtime
+from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
 from tidal.models.vision import collate_mm_inputs
-from tidal.strategy.base import Strategy, TrainState
+from tidal.strategy.base import TrainState
 from tidal.trainer import faults
+from tidal.trainer.colocation import Colocation, Models
+from tidal.trainer.config import RolloutConfig, TrainConfig
 from tidal.trainer.experience import Experience, token_budget_batches
 
 
@@ -40,7 +47,7 @@ class MetricMeans:
             self.sums[k] = self.sums[k] + v * weight
             self.weights[k] = self.weights[k] + weight
 
-    def result(self, strategy: Strategy) -> dict[str, float]:
+    def result(self, runtime: Runtime) -> dict[str, float]:
         keys = sorted(self.sums)
         if not keys:
             return {}
@@ -50,7 +57,7 @@ class MetricMeans:
             host = torch.stack([local[i].reshape(()) for i in tensors]).tolist()
             for i, v in zip(tensors, host):
                 local[i] = v
-        vals = strategy.all_reduce_sum([float(v) for v in local])
+        vals = runtime.all_reduce_sum([float(v) for v in local])
         n = len(keys)
         return {k: vals[i] / vals[n + i] if vals[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
 
@@ -79,59 +86,72 @@ def mini_batch_rows(exp: Experience, num_mini_batches: int, generator: torch.Gen
     return parts
 
 
+@dataclasses.dataclass(kw_only=True)
+class UpdateResult:
+    """What one iteration's updates did: each trained model's metrics, reduced over micro-batches
+    and ranks, under the names the algorithm and the optimizer step gave them (``actor``: loss,
+    kl, grad_norm, skipped, ...; ``critic``: value_loss, ... or empty without a critic)."""
+
+    actor: dict[str, float]
+    critic: dict[str, float]
+
+    def flat(self) -> dict[str, float]:
+        """``{"actor/<name>": ..., "critic/<name>": ...}`` for logging."""
+        return {f"{role}/{k}": v for role in ("actor", "critic") for k, v in getattr(self, role).items()}
+
+
 class Updater:
-    def __init__(
-        self, *, strategy: Strategy, actor: TrainState, critic: TrainState | None, algorithm: Algorithm,
-        temperature: float, micro_batch_tokens: int, micro_batch_max_seqs: int, logprob_chunk_tokens: int,
-        offload_optimizer: bool,
-        offload_critic: bool,
-    ):
-        self.strategy = strategy
-        self.actor = actor
-        self.critic = critic
+    """Policy (and critic) updates over one rollout's Experience. ``rollout``, ``train``, ``model``
+    are the config sections it reads (``rollout.temperature``, ``train.micro_batch_tokens`` /
+    ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``)."""
+
+    def __init__(self, *, models: Models, phases: Colocation, algorithm: Algorithm, rollout: RolloutConfig,
+                 train: TrainConfig, model: ModelConfig):
+        self.models = models
+        self.phases = phases
         self.algo = algorithm
-        self.temperature = temperature
-        self.mb_tokens = micro_batch_tokens
-        self.mb_seqs = micro_batch_max_seqs
-        self.chunk = logprob_chunk_tokens
-        self.offload_optimizer = offload_optimizer
-        self.offload_critic = offload_critic
+        self.rollout_cfg = rollout
+        self.train_cfg = train
+        self.model_cfg = model
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.phases.runtime
 
     def _norm(self, mask_BT: torch.Tensor) -> LossNormalizer:
-        tokens, seqs = self.strategy.all_reduce_sum([float(mask_BT.sum()), float((mask_BT.sum(-1) > 0).sum())])
+        tokens, seqs = self.runtime.all_reduce_sum([float(mask_BT.sum()), float((mask_BT.sum(-1) > 0).sum())])
         return LossNormalizer(num_tokens=max(tokens, 1.0), num_seqs=max(seqs, 1.0))
 
     def _micro_batches(self, exp: Experience) -> tuple[list[list[int]], int]:
-        batches = token_budget_batches(exp.attention_mask_BT.sum(-1).tolist(), self.mb_tokens, self.mb_seqs)
-        total = int(self.strategy.all_reduce_max([float(len(batches))])[0])
+        t = self.train_cfg
+        batches = token_budget_batches(exp.attention_mask_BT.sum(-1).tolist(), t.micro_batch_tokens, t.micro_batch_max_seqs)
+        total = int(self.runtime.all_reduce_max([float(len(batches))])[0])
         return batches, total
 
-    def _step(self, state: TrainState, exp: Experience, loss_fn, means: MetricMeans, prefix: str) -> None:
+    def _step(self, state: TrainState, exp: Experience, loss_fn, means: MetricMeans) -> None:
+        strategy = self.phases.strategy
         mask_BT = exp.action_mask_BT * exp.loss_mask_B[:, None]
         norm = self._norm(mask_BT)
         batches, total = self._micro_batches(exp)
-        if self.offload_optimizer:
-            self.strategy.reload_optimizer(state)
-        for i in range(total):
-            real = i < len(batches)
-            mb = exp.select(batches[i] if real else batches[0]).to(self.strategy.device)
-            mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
-            loss, metrics = loss_fn(mb, mb_mask_BT, norm)
-            if real:
-                means.add({f"{prefix}/{k}": v for k, v in metrics.items()}, mb_mask_BT.sum().double())
-            else:
-                loss = loss * 0.0
-            self.strategy.backward(loss, state, sync_grads=i == total - 1)
-        step_metrics = self.strategy.optimizer_step(state)
-        if self.offload_optimizer:
-            self.strategy.offload_optimizer(state)
-        means.add({f"{prefix}/{k}": v for k, v in step_metrics.items()}, 1.0)
+        with self.phases.update(state):
+            for i in range(total):
+                real = i < len(batches)
+                mb = exp.select(batches[i] if real else batches[0]).to(self.runtime.device)
+                mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
+                loss, metrics = loss_fn(mb, mb_mask_BT, norm)
+                if real:
+                    means.add(metrics, mb_mask_BT.sum().double())
+                else:
+                    loss = loss * 0.0
+                strategy.backward(loss, state, sync_grads=i == total - 1)
+            step_metrics = strategy.optimizer_step(state)
+        means.add(step_metrics, 1.0)
 
     def _actor_loss(self, mb: Experience, mask_BT: torch.Tensor, norm: LossNormalizer):
         logp_BT, entropy_BT = token_logprobs(
-            self.actor.model, mb.sequences_BT, mb.attention_mask_BT,
-            temperature=self.temperature, with_entropy=True, chunk_tokens=self.chunk,
-            mm_inputs=collate_mm_inputs(mb.mm_inputs, self.strategy.device), entropy_grad=self.algo.entropy_needs_grad,
+            self.models.actor.model, mb.sequences_BT, mb.attention_mask_BT,
+            temperature=self.rollout_cfg.temperature, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
+            mm_inputs=collate_mm_inputs(mb.mm_inputs, self.runtime.device), entropy_grad=self.algo.entropy_needs_grad,
             positions_BT=mb.action_mask_BT,  # the LM head runs on response tokens only; prompt positions are 0
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
@@ -145,29 +165,23 @@ class Updater:
         return nonfinite_guard(loss, logp_BT), metrics
 
     def _critic_loss(self, mb: Experience, mask_BT: torch.Tensor, norm: LossNormalizer):
-        values_BT = critic_values(self.critic.model, mb.sequences_BT, mb.attention_mask_BT)
+        values_BT = critic_values(self.models.critic.model, mb.sequences_BT, mb.attention_mask_BT)
         loss, metrics = self.algo.value_loss(values_BT, mb.values_BT, mb.returns_BT, mask_BT, norm)
         return nonfinite_guard(loss, values_BT), metrics
 
-    def _critic_step(self, part: Experience, means: MetricMeans) -> None:
-        """The critic's update; with ``offload_critic`` it is on the device only for the step."""
-        if self.offload_critic:
-            self.strategy.reload_model(self.critic.model)
-        self._step(self.critic, part, self._critic_loss, means, "critic")
-        if self.offload_critic:
-            self.strategy.offload_model(self.critic.model)
-
-    def train(self, exp: Experience, *, epochs: int, mini_batches: int, generator: torch.Generator) -> dict[str, float]:
+    def train(self, exp: Experience, *, generator: torch.Generator) -> UpdateResult:
+        """``train.epochs`` passes over ``exp`` in ``train.mini_batches`` optimizer steps each."""
+        epochs, mini_batches = self.train_cfg.epochs, self.train_cfg.mini_batches
         if exp.old_logp_BT is None and epochs * mini_batches > 1:
             raise ValueError(
                 f"the experience has no old logprobs, so it allows one optimizer step, not epochs x mini_batches = "
                 f"{epochs} x {mini_batches}; set train.old_logprobs=recompute"
             )
-        means = MetricMeans()
+        actor, critic = MetricMeans(), MetricMeans()
         for _ in range(epochs):
             for rows in mini_batch_rows(exp, mini_batches, generator):
                 part = exp.select(rows)
-                self._step(self.actor, part, self._actor_loss, means, "actor")
-                if self.critic is not None:
-                    self._critic_step(part, means)
-        return means.result(self.strategy)
+                self._step(self.models.actor, part, self._actor_loss, actor)
+                if self.models.critic is not None:
+                    self._step(self.models.critic, part, self._critic_loss, critic)
+        return UpdateResult(actor=actor.result(self.runtime), critic=critic.result(self.runtime))

@@ -32,6 +32,7 @@ from tidal.models.config import LoraConfig  # noqa: E402
 from tidal.models.logprobs import attach_logprob_method, token_logprobs  # noqa: E402
 from tidal.models.lora import adapter_disabled_reference, apply_lora, peft_model, save_hf  # noqa: E402
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy  # noqa: E402
+from tidal.sync import update_engine_weights  # noqa: E402
 
 from ds_parity import batches, full, max_diff, offload_reload_unchanged, tiny_config, train  # noqa: E402
 
@@ -99,7 +100,7 @@ def check_reference(strategy, state, plain_base, res, tag):
 
 def check_engine_and_export(strategy, state, cfg_model, base_sd, res, tag):
     engine = HFEngine(cfg_model, EngineConfig(backend="hf"), device=strategy.device, dtype=torch.float32)
-    sent = strategy.update_engine_weights(state.model, engine, dtype=torch.float32, bucket_bytes=8 << 10)
+    sent = update_engine_weights(strategy, state.model, engine, dtype=torch.float32, bucket_bytes=8 << 10)
     res[f"{tag}_engine_bytes"] = sent
     engine_w = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     sd = strategy.full_model_state_dict(state.model)

@@ -61,7 +61,7 @@ def train(strategy, state, rt, steps, first_step=0):
     for step in range(first_step, first_step + steps):
         mbs = batches(rt.rank, step)
         n_tok = sum(float(m[:, 1:].sum()) for _, m in mbs)
-        total = strategy.all_reduce_sum([n_tok])[0]
+        total = strategy.runtime.all_reduce_sum([n_tok])[0]
         loss_sum = 0.0
         for i, (ids, mask) in enumerate(mbs):
             logp, _ = token_logprobs(state.model, ids, mask, chunk_tokens=5)
@@ -69,7 +69,7 @@ def train(strategy, state, rt, steps, first_step=0):
             strategy.backward(share, state, sync_grads=i == len(mbs) - 1)
             loss_sum += float(share)
         metrics = strategy.optimizer_step(state)
-        log.append((strategy.all_reduce_sum([loss_sum])[0], metrics))
+        log.append((strategy.runtime.all_reduce_sum([loss_sum])[0], metrics))
     return log
 
 

@@ -22,6 +22,7 @@ from tidal.engine.hf import HFEngine  # noqa: E402
 from tidal.engine.native import NativeEngine  # noqa: E402
 from tidal.models.logprobs import attach_logprob_method, token_logprobs  # noqa: E402
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy  # noqa: E402
+from tidal.sync import update_engine_weights  # noqa: E402
 
 
 def hf_greedy(model, prompts, n_new):
@@ -75,8 +76,8 @@ def main():
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
     def check(tag):
-        strategy.update_engine_weights(state.model, native, dtype=torch.float32)
-        strategy.update_engine_weights(state.model, plain, dtype=torch.float32)
+        update_engine_weights(strategy, state.model, native, dtype=torch.float32)
+        update_engine_weights(strategy, state.model, plain, dtype=torch.float32)
         full = dict(strategy.full_weights(state.model, torch.float32))
         res[f"{tag}_plain_equal"] = all(torch.equal(full[n], p) for n, p in plain.model.named_parameters())
         ref = Qwen2ForCausalLM(cfg)

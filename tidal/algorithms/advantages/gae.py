@@ -18,6 +18,7 @@ from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
 @ADVANTAGE_ESTIMATORS.register("gae")
 class GAE(AdvantageEstimator):
     needs_critic = True
+    discounts = True
 
     def __init__(self, cfg, group=None):
         self.gamma = cfg.gamma

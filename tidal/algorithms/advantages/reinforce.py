@@ -13,6 +13,7 @@ from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
 class Reinforce(AdvantageEstimator):
+    discounts = True
     def __init__(self, cfg, group=None):
         self.gamma = cfg.gamma
 

@@ -21,6 +21,8 @@ from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 class ReinforcePP(AdvantageEstimator):
+    discounts = True
+    whitens_batch = True
     subtract_group_mean = False
 
     def __init__(self, cfg, group=None):

@@ -18,6 +18,8 @@ from tidal.algorithms.registry import POLICY_LOSSES
 
 @POLICY_LOSSES.register("cispo")
 class CISPO(PolicyLoss):
+    weight_clip = True
+
     def __init__(self, cfg):
         self.low = 1.0 - cfg.clip_low
         self.high = 1.0 + cfg.clip_high

@@ -22,6 +22,8 @@ from tidal.algorithms.registry import POLICY_LOSSES
 
 @POLICY_LOSSES.register("cpgd")
 class CPGDLoss(PolicyLoss):
+    ratio_clip = True
+
     def __init__(self, cfg):
         self.low = math.log(1.0 - cfg.clip_low)
         self.high = math.log(1.0 + cfg.clip_high)

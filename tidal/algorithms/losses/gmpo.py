@@ -19,6 +19,8 @@ from tidal.algorithms.registry import POLICY_LOSSES
 
 @POLICY_LOSSES.register("gmpo")
 class GMPO(PolicyLoss):
+    sequence_ratio = True
+
     def __init__(self, cfg):
         self.low = -cfg.clip_low
         self.high = cfg.clip_high

@@ -19,6 +19,9 @@ from tidal.algorithms.registry import POLICY_LOSSES
 
 @POLICY_LOSSES.register("gspo")
 class GSPO(PolicyLoss):
+    ratio_clip = True
+    sequence_ratio = True
+
     def __init__(self, cfg):
         self.low = 1.0 - cfg.clip_low
         self.high = 1.0 + cfg.clip_high

@@ -17,10 +17,13 @@ from tidal.algorithms.registry import POLICY_LOSSES
 
 @POLICY_LOSSES.register("ppo_clip")
 class PPOClip(PolicyLoss):
+    ratio_clip = True
+    dual_clip = True
+
     def __init__(self, cfg):
         self.low = 1.0 - cfg.clip_low
         self.high = 1.0 + cfg.clip_high
-        self.dual_clip = cfg.dual_clip
+        self.dual_c = cfg.dual_clip
 
     def __call__(self, logp_BT, old_logp_BT, adv_BT, mask_BT, agg, norm, *, weight_BT=None):
         adv = adv_BT.detach()
@@ -30,8 +33,8 @@ class PPOClip(PolicyLoss):
         surr2 = -adv * ratio.clamp(self.low, self.high)
         loss_BT = torch.maximum(surr1, surr2)
         metrics = {"clip_frac": token_mean_metric((surr2 > surr1).float(), mask_BT)}
-        if self.dual_clip > 0:
-            surr3 = -adv * self.dual_clip
+        if self.dual_c > 0:
+            surr3 = -adv * self.dual_c
             dual = (adv < 0) & (loss_BT > surr3)
             loss_BT = torch.where(dual, surr3, loss_BT)
             metrics["dual_clip_frac"] = token_mean_metric(dual.float(), mask_BT)

@@ -32,17 +32,6 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(_Linear):
-    """``y = x W^T + b`` with the rows of W (output features) split over the TP group."""
-
-    def __init__(self, in_features, out_features, bias, tp, dtype):
-        super().__init__(in_features, _divide(out_features, tp.size, "out_features"), bias, tp, dtype)
-
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
-        n = param.shape[0]
-        param.data.copy_(full.narrow(0, self.tp.rank * n, n))
-
-
 class MergedColumnParallelLinear(_Linear):
     """Several column-parallel linears sharing the input, stored as one (gate_up); shard_id is the index."""
 

@@ -78,10 +78,6 @@ class Sequence:
     def completion_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size
 

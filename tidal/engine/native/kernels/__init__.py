@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.registry import Registry
-
-KERNELS: Registry = Registry("kernel backend")
+from tidal.engine.native.kernels.registry import KERNELS
 
 
 def triton_available() -> bool:

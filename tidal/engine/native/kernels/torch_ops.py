@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.engine.native.attention import AttnMetadata
-from tidal.engine.native.kernels import KERNELS
+from tidal.engine.native.kernels.registry import KERNELS
 
 
 def _flat_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tidal.engine.native.attention import AttnMetadata
-from tidal.engine.native.kernels import KERNELS
+from tidal.engine.native.kernels.registry import KERNELS
 
 
 @triton.jit

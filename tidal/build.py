@@ -1,7 +1,14 @@
 """Wiring a run from its config: runtime, strategy, models, engine, rewards, data, logging.
 
-Each function builds one thing; ``build_trainer`` only calls them in order (spec §7 "initialise":
-ranks and process groups, wrapped models, engine, first weight sync, engine to sleep).
+Each function builds one thing; :func:`build_trainer` only calls them in order (spec §7
+"initialise": ranks and process groups, wrapped models, engine, first weight sync, engine to sleep).
+This module sits above the components it wires (it reads the root config and hands each
+component its own sections); nothing below imports it.
+
+Derived values are computed once, here: the engine's dtype (:func:`tidal.dtypes.resolve_dtype`;
+the strategy resolves its own compute dtype once when built), the rollout TP groups (from
+``engine.tp_size``, checked against the world in :func:`tidal.distributed.runtime.rollout_group_ranks`)
+and the resume point (:func:`tidal.trainer.resume.resolve_resume_point`).
 """
 
 from __future__ import annotations
@@ -20,14 +27,17 @@ from tidal.config_base import check
 from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
-from tidal.engine.factory import create_engine, engine_dtype
+from tidal.dtypes import resolve_dtype
+from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.rewards import RewardEngine
-from tidal.strategy import get_strategy
+from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.ppo_trainer import PPOTrainer
+from tidal.trainer.colocation import Colocation, Models
+from tidal.trainer.ppo_trainer import PPOTrainer, RunData
+from tidal.trainer.resume import resolve_resume_point
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
@@ -61,7 +71,7 @@ def resolve_paths(cfg: TidalConfig, runtime: Runtime) -> ResolvedPaths:
 
     if runtime.is_main:
         prepare(cfg.task)
-    torch.distributed.barrier()
+    runtime.barrier()
     assets = prepare(cfg.task)  # idempotent: returns the paths of what rank 0 built
     return ResolvedPaths(
         model=assets.model_path, tokenizer=assets.model_path, critic=assets.model_path, reference=assets.model_path,
@@ -99,11 +109,50 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
             check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
 
 
+def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, algorithm: Algorithm, tokenizer):
+    """(models, the actor's HF config): the actor (and critic) sharded for training, the reference
+    sharded for inference; where each waits between phases is the phase owner's decision, not made here."""
+    actor_model = load_causal_lm(paths.model)
+    hf_config = actor_model.config  # read before wrapping: a DeepSpeed engine's .config is its own
+    if cfg.model.gradient_checkpointing:
+        actor_model.gradient_checkpointing_enable()
+    actor_model = apply_lora(actor_model, cfg.model.lora, seed=cfg.run.seed)  # unchanged when model.lora.rank == 0
+    steps = total_optimizer_steps(cfg)
+    actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=steps)
+    critic = None
+    if algorithm.needs_critic:
+        critic = strategy.prepare_trainable(load_critic(paths.critic), cfg.optim, lr=cfg.optim.critic_lr, total_steps=steps)
+    reference = None
+    if algorithm.needs_reference and cfg.model.lora.enabled:
+        reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
+    elif algorithm.needs_reference:
+        reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=False)
+    return Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference), hf_config
+
+
+def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runtime) -> RunData:
+    train = PromptDataset(paths.train, tokenizer, cfg.data, seed=cfg.run.seed)
+    eval_items = []
+    if paths.eval:
+        eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
+        n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
+        eval_items = [eval_data[i] for i in range(n)]
+    if runtime.is_main:
+        skipped = f"{train.num_dropped} dropped as overlong, {train.num_truncated} left-truncated"
+        print(f"[tidal] data: {len(train)} training prompts from {train.num_rows} rows ({skipped}); "
+              f"{len(eval_items)} eval prompts", flush=True)
+    sampler = StatefulDistributedSampler(
+        len(train), rank=runtime.rank, world_size=runtime.world_size,
+        batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+    )
+    return RunData(train=train, sampler=sampler, eval_items=eval_items)
+
+
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     check_run_dirs(cfg, runtime)
-    start_step = _resume_step_hint(cfg, runtime)  # a bad checkpoint.resume fails here, before anything is loaded
+    resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # a bad checkpoint.resume fails here
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
@@ -114,65 +163,21 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     tokenizer = load_tokenizer(paths.tokenizer)
     require_chat_template(tokenizer, cfg.data)  # before any model is loaded
 
-    actor_model = load_causal_lm(paths.model)
-    if cfg.model.gradient_checkpointing:
-        actor_model.gradient_checkpointing_enable()
-    hf_config = actor_model.config
-    actor_model = apply_lora(actor_model, cfg.model.lora, seed=cfg.run.seed)  # unchanged when model.lora.rank == 0
-    actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=total_optimizer_steps(cfg))
-    critic = None
-    if algorithm.needs_critic:
-        critic = strategy.prepare_trainable(load_critic(paths.critic), cfg.optim, lr=cfg.optim.critic_lr, total_steps=total_optimizer_steps(cfg))
-    reference = None
-    if algorithm.needs_reference and cfg.model.lora.enabled:
-        reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
-    elif algorithm.needs_reference:
-        reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=cfg.strategy.offload_reference)
-    if cfg.strategy.offload_critic and critic is not None:
-        strategy.offload_model(critic.model)
+    models, hf_config = build_models(cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
-        trained = [actor.model] + ([critic.model] if critic is not None else [])
+        trained = [models.actor.model] + ([models.critic.model] if models.critic is not None else [])
         ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained))
+    phases = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
+    engine_dtype = resolve_dtype(cfg.engine.dtype, runtime.device)
+    engine = create_engine(hf_config, cfg.engine, device=runtime.device, dtype=engine_dtype,
+                           tp_group=runtime.tp_group)
+    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=cfg.engine.sleep_level)
 
-    engine = create_engine(hf_config, cfg.engine, device=runtime.device, tp_group=runtime.tp_group)
-    dtype = engine_dtype(cfg.engine, runtime.device)
-    strategy.update_engine_weights(actor.model, engine, dtype=dtype)
-    strategy.sleep(engine, cfg.engine.sleep_level)
-
-    reward_engine = RewardEngine(cfg.reward, device=runtime.device, placement=strategy)
-    train_data = PromptDataset(paths.train, tokenizer, cfg.data, seed=cfg.run.seed)
-    eval_items = []
-    if paths.eval:
-        eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
-        n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
-        eval_items = [eval_data[i] for i in range(n)]
-    sampler = StatefulDistributedSampler(
-        len(train_data), rank=runtime.rank, world_size=runtime.world_size,
-        batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-    )
+    rewards = RewardEngine(cfg.reward, device=runtime.device, placement=phases)
+    data = build_data(cfg, paths, tokenizer, runtime)
     logger = MetricsLogger(
         cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
-        start_step=start_step, hparams=cfg.to_dict(),
+        start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict(),
     )
-    return PPOTrainer(
-        cfg=cfg, strategy=strategy, tokenizer=tokenizer, actor=actor, critic=critic, reference=reference,
-        engine=engine, engine_dtype=dtype, reward_engine=reward_engine, algorithm=algorithm, train_data=train_data,
-        eval_items=eval_items, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog,
-    )
-
-
-def _resume_step_hint(cfg: TidalConfig, runtime: Runtime) -> int:
-    """The step a resume will continue from (for the logger), without loading anything. What an
-    interrupted save left is settled first (rank 0; the others wait), as the resume itself will: a
-    put-back ``step_N.old`` must be the step the logger keeps its records up to."""
-    root = ckpt.checkpoint_root(cfg.run.output_dir)
-    if runtime.is_main:
-        ckpt.clean_partial(root)
-    torch.distributed.barrier()
-    path = ckpt.resolve_resume(cfg.checkpoint.resume, root)
-    if path is None:
-        return 0
-    import json
-
-    with open(path / ckpt.COMPLETE_MARKER) as f:
-        return int(json.load(f)["step"])
+    return PPOTrainer(cfg=cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
+                      logger=logger, resume=resume)

@@ -1,0 +1,189 @@
+"""Colocation: the one owner of what sits on the GPU in each phase of an iteration (spec §5, §7).
+
+Training and rollout share the device; its memory changes hands between phases. This module makes
+every placement decision, in one place; the mechanisms belong to others (the Strategy moves models
+and optimizer state, the engine sleeps and wakes, :mod:`tidal.sync` copies weights).
+
+What is on the device, by phase (beyond the actor's weights, which always stay, except during
+rollout with ``strategy.offload_actor_during_rollout``):
+
+=====================  =========================================================================
+at rest (between       the engine asleep at ``engine.sleep_level`` (0: awake); frozen models
+phases)                (reference with ``strategy.offload_reference``, reward models) parked; the
+                       critic off with ``strategy.offload_critic``; optimizer state off with
+                       ``strategy.offload_optimizer``
+``rollout()``          the engine awake (KV cache, weights); used for training rollouts AND
+                       evaluation
+``using(model)``       that model (a no-grad forward: reference, critic, reward model, ...)
+``update(state)``      the trained model, its gradients and optimizer state
+``sync_weights()``     actor and engine weights (the engine's KV cache stays freed)
+=====================  =========================================================================
+
+Each phase is a context manager: on exit, also when its block raises, everything it brought in
+goes back to rest, so an exception in one phase never leaves the next one with the wrong models on
+the device. Transitions are timed as phases of the timer (``engine_wake``, ``engine_sleep``,
+``actor_offload``, ``actor_reload``, ``weight_sync``) and reported to its observers as events
+(``wake_up/engine:before`` / ``:after``, ``reload_model/reference:before``, ...), which is how
+tools watch memory move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+from tidal.distributed.runtime import Runtime
+from tidal.engine.base import RolloutEngine
+from tidal.logging.timer import PhaseTimer
+from tidal.strategy.base import Strategy, TrainState
+from tidal.sync import update_engine_weights
+
+
+@dataclasses.dataclass(kw_only=True)
+class Models:
+    """The models of a run. ``actor`` (and ``critic``) are trained; ``reference`` is frozen (the KL
+    anchor; None without KL). ``tokenizer`` is the actor's."""
+
+    tokenizer: Any
+    actor: TrainState
+    critic: TrainState | None = None
+    reference: torch.nn.Module | None = None
+
+
+class Colocation:
+    """Owns the device's phases for one run (see the module docstring).
+
+    Construction puts the models at rest (frozen models parked and the critic offloaded as
+    configured: ``strategy.offload_*``), before the engine exists, so the two never peak together;
+    :meth:`attach_engine` then gives the engine the actor's weights (first weight sync) and puts it
+    to sleep. Every rank makes the same calls in the same order (weight sync and sharded forwards
+    are collectives).
+    """
+
+    def __init__(self, *, strategy: Strategy, models: Models, timer: PhaseTimer):
+        self.strategy = strategy
+        self.models = models
+        self.timer = timer
+        placement = strategy.cfg
+        self._offload_actor = placement.offload_actor_during_rollout
+        self._offload_optimizer = placement.offload_optimizer
+        self._away: set[int] = set()  # ids of models kept off the device at rest
+        self._roles = {id(models.actor.model): "actor"}  # what the observers' events call a model
+        if models.critic is not None:
+            self._roles[id(models.critic.model)] = "critic"
+        if models.reference is not None:
+            self._roles[id(models.reference)] = "reference"
+        if models.reference is not None and placement.offload_reference:
+            self._rest_away(models.reference)
+        if models.critic is not None and placement.offload_critic:
+            self._rest_away(models.critic.model)
+        self.engine: RolloutEngine | None = None
+        self.engine_dtype: torch.dtype | None = None
+        self.sleep_level = 0
+        self.engine_memory: dict[str, int] = {}  # the engine's device bytes by kind, at the end of the last rollout
+
+    def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int) -> None:
+        """Take charge of the rollout engine: sync the actor's weights into it and put it to rest.
+        ``dtype``: its weight dtype (``engine.dtype`` resolved); ``sleep_level``:
+        ``engine.sleep_level``, what it frees at rest."""
+        self.engine, self.engine_dtype, self.sleep_level = engine, dtype, sleep_level
+        self.sync_weights()
+        self._sleep()
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.strategy.runtime
+
+    # ---- frozen models registered later (reward models, a teacher) ---------------------------------
+    def prepare_frozen(self, model: torch.nn.Module, *, resident: bool) -> torch.nn.Module:
+        """Shard a frozen model for inference and give it its rest place: on the device when
+        ``resident``, else parked (it comes in only inside :meth:`using`). Implements
+        :class:`tidal.rewards.placement.ModelPlacement` for the reward layer."""
+        model = self.strategy.prepare_frozen(model, offload=False)
+        if not resident:
+            self._rest_away(model)
+        return model
+
+    # ---- phases ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def rollout(self) -> Iterator[RolloutEngine]:
+        """Generation (training rollouts and evaluation): yields the awake engine."""
+        actor = self.models.actor.model
+        done: list[str] = []
+        try:
+            if self._offload_actor:
+                with self.timer.phase("actor_offload"):
+                    self._move("offload_model", actor, self.strategy.offload_model)
+                done.append("actor")
+            done.append("engine")
+            with self.timer.phase("engine_wake"):
+                self._move("wake_up", "engine", self.engine.wake_up)
+            yield self.engine
+        finally:
+            if "engine" in done:
+                self.engine_memory = self.engine.memory_report()
+                with self.timer.phase("engine_sleep"):
+                    self._sleep()
+            if "actor" in done:
+                with self.timer.phase("actor_reload"):
+                    self._move("reload_model", actor, self.strategy.reload_model)
+
+    @contextlib.contextmanager
+    def using(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """A no-grad forward of ``model``: on the device inside, back at rest after."""
+        away = id(model) in self._away
+        if away:
+            self._move("reload_model", model, self.strategy.reload_model)
+        try:
+            yield model
+        finally:
+            if away:
+                self._move("offload_model", model, self.strategy.offload_model)
+
+    @contextlib.contextmanager
+    def update(self, state: TrainState) -> Iterator[TrainState]:
+        """An optimizer step of ``state`` (its forward/backward passes and the step): the model and
+        its optimizer state on the device inside, back at rest after."""
+        model_away = id(state.model) in self._away
+        try:
+            if model_away:
+                self._move("reload_model", state.model, self.strategy.reload_model)
+            if self._offload_optimizer:
+                self._move("reload_optimizer", state.model, self.strategy.reload_optimizer, state)
+            yield state
+        finally:
+            if self._offload_optimizer:
+                self._move("offload_optimizer", state.model, self.strategy.offload_optimizer, state)
+            if model_away:
+                self._move("offload_model", state.model, self.strategy.offload_model)
+
+    def sync_weights(self) -> int:
+        """The actor's current weights into the engine (a collective; the engine may be asleep: its
+        KV cache stays freed). Returns the bytes sent."""
+        with self.timer.phase("weight_sync"):
+            return self._move(
+                "update_engine_weights", "engine", update_engine_weights, self.strategy, self.models.actor.model,
+                self.engine, dtype=self.engine_dtype,
+            )
+
+    # ---- mechanics -------------------------------------------------------------------------------
+    def _rest_away(self, model: torch.nn.Module) -> None:
+        self._away.add(id(model))
+        self._move("offload_model", model, self.strategy.offload_model)
+
+    def _sleep(self) -> None:
+        if self.sleep_level > 0:
+            self._move("sleep", "engine", self.engine.sleep, self.sleep_level)
+
+    def _move(self, action: str, target: torch.nn.Module | str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run one placement mechanism ``fn`` (with ``args``, or on the model ``target`` itself),
+        marked for the timer's observers as ``<action>/<role>:before`` and ``:after`` (bytes moved
+        in ``info`` when the mechanism returns them)."""
+        role = target if isinstance(target, str) else self._roles.get(id(target), "frozen")
+        self.timer.event(f"{action}/{role}:before")
+        out = fn(*args, **kwargs) if args or isinstance(target, str) else fn(target)
+        self.timer.event(f"{action}/{role}:after", {"bytes": out} if isinstance(out, int) else None)
+        return out
