@@ -30,7 +30,9 @@ from tidal.distributed import Runtime, init_runtime
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
+from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
+from tidal.models.loading import check_same_tokenizer, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
@@ -102,6 +104,8 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
         folders.append(("model.critic_path", m.critic_path))
     if algorithm.needs_reference:
         folders.append(("model.reference_path", m.reference_path))
+    if m.teacher.path:
+        folders.append(("model.teacher.path", m.teacher.path))
     for key, path in folders:
         check(not path or os.path.isdir(path), key, f"{path!r} is not a local directory (Tidal never downloads; pass a local Hugging Face folder)")
     for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
@@ -127,7 +131,19 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
         reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
     elif algorithm.needs_reference:
         reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=False)
-    return Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference), hf_config
+    teacher = remote_teacher = None
+    t = cfg.model.teacher
+    if t.path:
+        teacher_tok = load_tokenizer(t.path)
+        check_same_tokenizer(tokenizer, tokenizer_fingerprint(teacher_tok), key="model.teacher.path",
+                             teacher_vocab=len(getattr(teacher_tok, "tokenizer", teacher_tok).get_vocab()))
+        teacher = strategy.prepare_frozen(load_causal_lm(t.path, what="model.teacher.path"), offload=False)
+    elif t.url:
+        remote_teacher = RemoteTeacher(t)
+        check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")
+    models = Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference, teacher=teacher,
+                    remote_teacher=remote_teacher)
+    return models, hf_config
 
 
 def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runtime) -> RunData:

@@ -4,6 +4,7 @@
     tidal eval CONFIG --checkpoint DIR [overrides]
     tidal export CONFIG --checkpoint DIR --out OUT [overrides]
     tidal serve-reward ...                         # see `tidal serve-reward --help`
+    tidal serve-teacher --model DIR ...            # a distillation teacher's token logprobs over HTTP
     tidal report RUN_DIR
 
 Run under ``torchrun --nproc_per_node N`` for several ranks; every rank runs the same command.
@@ -77,6 +78,12 @@ def cmd_serve_reward(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def cmd_serve_teacher(argv: list[str]) -> int:
+    from tidal.distill.server import main as serve_main
+
+    return serve_main(argv)
+
+
 def cmd_report(argv: list[str]) -> int:
     from tidal.report import main as report_main
 
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True)
     x.add_argument("overrides", nargs="*")
     sub.add_parser("serve-reward", help="serve a reward model or function over HTTP", add_help=False)
+    sub.add_parser("serve-teacher", help="serve a distillation teacher's token logprobs over HTTP", add_help=False)
     sub.add_parser("report", help="draw a run's metric curves (PNG + HTML)", add_help=False)
     return p
 
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve-reward":
         return cmd_serve_reward(argv[1:])
+    if argv and argv[0] == "serve-teacher":
+        return cmd_serve_teacher(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
     args = build_parser().parse_args(argv)

@@ -53,6 +53,19 @@ class TidalConfig:
         else:
             check(bool(self.model.path), "model.path", "must be a local Hugging Face model folder (or set task.name)")
             check(bool(self.data.train), "data.train", "needs at least one prompt source (or set task.name)")
+        distill = self.algorithm.distill_coef > 0
+        check(not distill or self.model.teacher.enabled, "model.teacher",
+              "algorithm.distill_coef > 0 needs a teacher: model.teacher.path (local folder) or model.teacher.url")
+        check(distill or not self.model.teacher.enabled, "algorithm.distill_coef",
+              "is 0 but model.teacher is set: set distill_coef > 0 to distil from it, or remove the teacher")
+        check(distill or bool(self.reward.components), "reward.components",
+              "no reward components and no distillation (algorithm.distill_coef): nothing to learn from")
+        check(bool(self.reward.components) or self.algorithm.distill_task_weight == 1.0, "algorithm.distill_task_weight",
+              "weights task rewards, but reward.components is empty")
+        has_eval = bool(self.data.eval or self.task.name) and (self.eval.every > 0 or self.eval.at_start or self.eval.at_end)
+        check(bool(self.reward.components) or not has_eval, "eval",
+              "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
+              "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")
         check(
             self.rollout.prompts_per_step % self.train.mini_batches == 0,
             "train.mini_batches",

@@ -82,6 +82,11 @@ class Algorithm:
         return self.cfg.kl_coef > 0
 
     @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation is on: the experience needs the teacher's logprobs of the sampled tokens."""
+        return self.cfg.distill_coef > 0
+
+    @property
     def entropy_needs_grad(self) -> bool:
         """The loss differentiates through entropy_BT (an entropy bonus); a top-q mask does not."""
         return self.cfg.entropy_coef > 0
@@ -168,11 +173,15 @@ class Algorithm:
     def advantages(
         self, *, total_B: torch.Tensor, action_mask_BT: torch.Tensor, group_ids_B: torch.Tensor,
         truncated_B: torch.Tensor, old_logp_BT: torch.Tensor | None, ref_logp_BT: torch.Tensor | None,
-        values_BT: torch.Tensor | None,
+        values_BT: torch.Tensor | None, student_logp_BT: torch.Tensor | None = None,
+        teacher_logp_BT: torch.Tensor | None = None,
     ) -> AdvantageResult:
         """Reward processing, the KL to the reference (in the reward when ``kl_in_reward``) and the
         estimator's advantages/returns for one rollout batch (see :meth:`process_rewards`,
-        :meth:`kl_reward_BT`, :meth:`compute_advantages`)."""
+        :meth:`kl_reward_BT`, :meth:`compute_advantages`); with distillation on, the advantages are
+        ``distill_task_weight * task advantages + distill term`` (:meth:`distill_advantage_BT`;
+        ``student_logp_BT``: the student's logprobs of the sampled tokens; ``teacher_logp_BT``: the
+        teacher's); returns (a critic's targets) stay the task's."""
         rewards_B, metrics = self.process_rewards(total_B, group_ids_B, action_mask_BT.sum(-1), truncated_B)
         token_rewards_BT = kl_BT = None
         if self.cfg.kl_in_reward and old_logp_BT is None:
@@ -187,10 +196,28 @@ class Algorithm:
                 token_rewards_BT=token_rewards_BT, values_BT=values_BT,
             )
         )
+        if self.needs_teacher:
+            if teacher_logp_BT is None or student_logp_BT is None:
+                raise ValueError("algorithm.distill_coef > 0: advantages needs the student's and the teacher's logprobs")
+            distill_BT = self.distill_advantage_BT(student_logp_BT, teacher_logp_BT, action_mask_BT)
+            adv_BT = self.cfg.distill_task_weight * adv_BT + distill_BT
+            mask = action_mask_BT.to(torch.float32)
+            ntok = mask.sum().clamp_min(1)
+            metrics["distill/reverse_kl"] = float(((student_logp_BT - teacher_logp_BT) * mask).sum() / ntok)
+            metrics["distill/advantage_mean"] = float(distill_BT.sum() / ntok)
         return AdvantageResult(
             rewards_B=rewards_B, advantages_BT=adv_BT * action_mask_BT, returns_BT=ret_BT * action_mask_BT,
             kl_BT=kl_BT, metrics=metrics,
         )
+
+    def distill_advantage_BT(self, student_logp_BT: torch.Tensor, teacher_logp_BT: torch.Tensor,
+                             mask_BT: torch.Tensor) -> torch.Tensor:
+        """On-policy distillation's per-token advantage: ``distill_coef * (log pi_T(y_t) - log pi_S(y_t))``
+        on sampled tokens, the negative single-sample estimate of the reverse KL(pi_S || pi_T) at token t
+        (Agarwal et al. 2024, GKD with on-policy samples; Lu & Thinking Machines 2025). It is not
+        discounted, normalised or group-centred: each token is pushed towards the teacher by how much
+        more likely the teacher finds it."""
+        return self.cfg.distill_coef * (teacher_logp_BT - student_logp_BT).detach() * mask_BT
 
     # ---- training side -------------------------------------------------------------------
     def policy_loss(

@@ -120,6 +120,13 @@ class AlgorithmConfig:
         CISPO clips its IS weight with the same range (clip_low = 1: no lower bound).
     dual_clip: dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c * A
         (ppo_clip only; 0: off).
+    distill_coef: weight of on-policy distillation (0: off): each sampled token's advantage gets
+        ``distill_coef * (log pi_teacher(y_t) - log pi_student(y_t))``, the negative per-token reverse
+        KL of the student against the teacher (``model.teacher``), added to the estimator's task
+        advantages scaled by ``distill_task_weight``.
+    distill_task_weight: weight of the task advantages when distilling (1: task rewards and the
+        teacher together; 0: the teacher alone, while the rewards are still computed, logged and used
+        for evaluation). Only with distill_coef > 0.
     kl_coef: KL coefficient beta (0: no KL and no reference model).
     kl_estimator: k1, k2 or k3 (Schulman's low-variance estimator).
     kl_in_reward: False: beta * KL is a loss term; True: -beta * KL_t is added to each token's reward.
@@ -144,6 +151,8 @@ class AlgorithmConfig:
     clip_high: float = 0.2
     dual_clip: float = 0.0
     kl_coef: float = 0.0
+    distill_coef: float = 0.0
+    distill_task_weight: float = 1.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
@@ -199,6 +208,10 @@ class AlgorithmConfig:
 
     def _check_kl(self):
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(self.distill_coef >= 0, "distill_coef", "must be >= 0 (0: no distillation)")
+        check(self.distill_task_weight >= 0, "distill_task_weight", "must be >= 0")
+        check(self.distill_coef > 0 or self.distill_task_weight == 1.0, "distill_task_weight",
+              "only applies with distill_coef > 0 (on-policy distillation)")
         check(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward", "needs kl_coef > 0")
         if self.kl_controller == "adaptive":
             check(self.kl_coef > 0, "kl_controller", "adaptive needs kl_coef > 0 (its initial value)")

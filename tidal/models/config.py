@@ -39,6 +39,43 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class TeacherConfig:
+    """The teacher of on-policy distillation (``model.teacher.*``; used when ``algorithm.distill_coef > 0``):
+    it scores the tokens the student sampled. Exactly one of:
+
+    path: a local Hugging Face folder; the model is frozen, sharded like the reference and parked
+        between uses (``strategy.offload_teacher``). Its tokenizer must be the student's.
+    url: a remote endpoint speaking Tidal's token-logprob API (``POST <url>/v1/token_logprobs``, see
+        docs/distillation.md; ``tidal serve-teacher`` serves one); its tokenizer fingerprint
+        (``GET <url>/v1/info``) must be the student's.
+    The remaining keys configure the remote client: ``batch_size`` sequences per request,
+    ``concurrency`` requests in flight, ``timeout_s`` per attempt, ``max_retries`` after a timeout,
+    connection error or HTTP 408/429/5xx, ``token_env`` the environment variable holding a bearer
+    token. A request that fails after its retries, or a malformed reply, follows ``reward.on_error``.
+    """
+
+    path: str = ""
+    url: str = ""
+    batch_size: int = 32
+    concurrency: int = 4
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    token_env: str | None = None
+
+    def __post_init__(self):
+        check(not (self.path and self.url), "url", "give the teacher as path (local folder) or url (remote endpoint), not both")
+        check(not self.url or self.url.startswith(("http://", "https://")), "url", "must start with http:// or https://")
+        check(self.batch_size >= 1, "batch_size", "must be >= 1")
+        check(self.concurrency >= 1, "concurrency", "must be >= 1")
+        check(self.timeout_s > 0 and self.timeout_s != float("inf"), "timeout_s", "must be a finite number > 0")
+        check(self.max_retries >= 0, "max_retries", "must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.url)
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """Which checkpoints to train.
 
@@ -52,6 +89,7 @@ class ModelConfig:
     logprob_chunk_tokens: tokens per LM-head chunk when computing logprobs (bounds the logits held at once).
     lora: LoRA adapters on the actor (see :class:`LoraConfig`). With LoRA the reference model is the
         actor with its adapters disabled (no second copy), so ``reference_path`` must stay empty.
+    teacher: the teacher of on-policy distillation (see :class:`TeacherConfig`).
     """
 
     path: str = ""
@@ -61,6 +99,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = 2048
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
 
     def __post_init__(self):
         check(self.logprob_chunk_tokens >= 1, "logprob_chunk_tokens", "must be >= 1")

@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+from tidal.config_base import ConfigError
 from tidal.models.logprobs import attach_logprob_method
 from tidal.models.vision import auto_model_class, is_vision_language
 
@@ -55,6 +56,29 @@ def load_tokenizer(path: str):
         tok.pad_token = tok.eos_token
     image_processor = load_image_processor(path)
     return VisionProcessor(tok, image_processor) if image_processor is not None else tok
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of a tokenizer's token -> id map and its special-token ids: equal fingerprints mean the
+    two tokenizers give every token the same id (what on-policy distillation needs of a teacher)."""
+    import hashlib
+    import json
+
+    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor's text tokenizer
+    special = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    blob = json.dumps([sorted(tok.get_vocab().items()), special], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_same_tokenizer(student, teacher_fingerprint: str, *, key: str, teacher_vocab: int | None = None) -> None:
+    """ConfigError at ``key`` when the teacher's tokenizer is not the student's."""
+    if tokenizer_fingerprint(student) == teacher_fingerprint:
+        return
+    sizes = f" (vocab sizes {len(getattr(student, 'tokenizer', student).get_vocab())} vs {teacher_vocab})" if teacher_vocab else ""
+    raise ConfigError(
+        key, f"the teacher's tokenizer differs from the student's{sizes}: distillation scores the student's token "
+        "ids with the teacher, so both must use one tokenizer (same vocabulary, ids and special tokens)",
+    )
 
 
 def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ from typing import Any, Coroutine
 
 import torch
 
-from tidal.config_base import check
 from tidal.rewards.base import AsyncComponent, ComponentResult, RewardError, SyncComponent
 from tidal.rewards.config import ComponentSpec, RewardConfig
 from tidal.rewards.placement import LocalPlacement, ModelPlacement
@@ -73,7 +72,9 @@ class RewardEngine:
     """Scores batches of :class:`RewardSample` under a :class:`RewardConfig` (see module docstring)."""
 
     def __init__(self, cfg: RewardConfig, *, device: torch.device, placement: ModelPlacement | None = None):
-        check(bool(cfg.specs), "reward.components", "no reward components configured")
+        """An empty ``reward.components`` scores every sample 0 (valid): a run that learns from another
+        signal only (on-policy distillation); whether a run has something to learn from is checked
+        with the whole config."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.placement = placement if placement is not None else LocalPlacement(self.device)
@@ -104,6 +105,10 @@ class RewardEngine:
     # -- scoring ---------------------------------------------------------------------------------
 
     def score(self, samples: list[RewardSample]) -> RewardOutput:
+        if not self.components:
+            zeros_B = torch.zeros(len(samples), dtype=torch.float32)
+            return RewardOutput(total_B=zeros_B, components={}, valid_B=torch.ones(len(samples), dtype=torch.bool),
+                                metrics={"reward/valid": float(len(samples)), "reward/dropped": 0.0})
         recipes = [self._recipe_of(i, s) for i, s in enumerate(samples)]
         positions = self._positions(recipes)
         results, seconds = self._run_components(samples, positions)

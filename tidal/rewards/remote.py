@@ -25,7 +25,9 @@ from tidal.rewards.types import RewardSample
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
+    """An attempt that may succeed when repeated (timeout, connection error, HTTP 408/429/5xx)."""
+
     def __init__(self, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.retry_after = retry_after
@@ -36,6 +38,36 @@ def _retry_after(headers) -> float | None:
         return max(0.0, float(headers.get("Retry-After", "")))
     except ValueError:
         return None
+
+
+def backoff_seconds(attempt: int, retry_after: float | None, base_s: float, max_s: float) -> float:
+    """The wait before retry ``attempt``: ``Retry-After`` (capped) when the server gave one, else
+    ``min(max_s, base_s * 2**attempt)`` jittered to 50-100%."""
+    if retry_after is not None:
+        return min(max_s, retry_after)
+    return min(max_s, base_s * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+async def post_once(session: aiohttp.ClientSession, url: str, payload: bytes, timeout_s: float) -> bytes:
+    """One POST attempt: the 200 reply's body; raises Retryable (timeout, connection error,
+    408/429/5xx), RewardError (401/403: a configuration error) or ProtocolError (another status)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.post(url, data=payload, timeout=timeout) as resp:
+            body = await resp.read()
+            status, headers = resp.status, resp.headers
+    except asyncio.TimeoutError:
+        raise Retryable(f"timed out after {timeout_s:g} s") from None
+    except aiohttp.ClientError as e:
+        raise Retryable(f"{type(e).__name__}: {e}") from None
+    if status == 200:
+        return body
+    detail = body[:200].decode(errors="replace")
+    if status in RETRY_STATUSES:
+        raise Retryable(f"HTTP {status}: {detail}", _retry_after(headers))
+    if status in (401, 403):
+        raise RewardError(f"{url}: HTTP {status} (bearer token missing or wrong; see token_env): {detail}")
+    raise protocol.ProtocolError(f"HTTP {status}: {detail}")
 
 
 class RemoteReward(AsyncComponent):
@@ -92,35 +124,17 @@ class RemoteReward(AsyncComponent):
             except protocol.ProtocolError as e:
                 msg = f"remote reward {self.cfg.score_url}: bad reply: {e}"
                 return ComponentResult.failed(len(batch), msg, retries=float(attempt), failed_requests=1.0)
-            except _Retryable as e:
+            except Retryable as e:
                 last = str(e)
                 if attempt < self.cfg.max_retries:
-                    await asyncio.sleep(self._backoff(attempt, e.retry_after))
+                    await asyncio.sleep(backoff_seconds(attempt, e.retry_after, self.cfg.backoff_s, self.cfg.max_backoff_s))
         msg = f"remote reward {self.cfg.score_url}: failed after {self.cfg.max_retries + 1} attempts; last: {last}"
         return ComponentResult.failed(len(batch), msg, retries=float(self.cfg.max_retries), failed_requests=1.0)
 
-    def _backoff(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return min(self.cfg.max_backoff_s, retry_after)
-        delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2**attempt)
-        return delay * random.uniform(0.5, 1.0)
-
     async def _post(self, payload: bytes, n: int) -> tuple[list[float], dict[int, str]]:
-        """One attempt: (scores, errors), or _Retryable / ProtocolError / RewardError."""
-        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        """One attempt: (scores, errors), or Retryable / ProtocolError / RewardError."""
         try:
-            async with self._get_session().post(self.cfg.score_url, data=payload, timeout=timeout) as resp:
-                body = await resp.read()
-                status, headers = resp.status, resp.headers
-        except asyncio.TimeoutError:
-            raise _Retryable(f"timed out after {self.cfg.timeout_s:g} s") from None
-        except aiohttp.ClientError as e:
-            raise _Retryable(f"{type(e).__name__}: {e}") from None
-        if status == 200:
-            return protocol.decode_response(body, n)
-        detail = body[:200].decode(errors="replace")
-        if status in RETRY_STATUSES:
-            raise _Retryable(f"HTTP {status}: {detail}", _retry_after(headers))
-        if status in (401, 403):
-            raise RewardError(f"remote reward {self.cfg.score_url}: HTTP {status} (bearer token missing or wrong; see token_env): {detail}")
-        raise protocol.ProtocolError(f"HTTP {status}: {detail}")
+            body = await post_once(self._get_session(), self.cfg.score_url, payload, self.cfg.timeout_s)
+        except RewardError as e:
+            raise RewardError(f"remote reward {e}") from None
+        return protocol.decode_response(body, n)

@@ -23,6 +23,7 @@ class StrategyConfig:
         fp32 master weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam,
         compiled on first use).
     offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
+    offload_teacher: keep a local distillation teacher (``model.teacher.path``) on CPU between uses.
     offload_critic: keep the critic on CPU outside its forward and update.
     offload_actor_during_rollout: move the actor's parameters to CPU while the engine generates.
     zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); with fsdp2 it must stay at its default.
@@ -40,6 +41,7 @@ class StrategyConfig:
     reshard_after_forward: bool = True
     offload_optimizer: bool = False
     offload_reference: bool = True
+    offload_teacher: bool = True
     offload_critic: bool = False
     offload_actor_during_rollout: bool = False
     zero_stage: int = 3

@@ -9,7 +9,8 @@ rollout with ``strategy.offload_actor_during_rollout``):
 
 =====================  =========================================================================
 at rest (between       the engine asleep at ``engine.sleep_level`` (0: awake); frozen models
-phases)                (reference with ``strategy.offload_reference``, reward models) parked; the
+phases)                (reference with ``strategy.offload_reference``, a distillation teacher
+                       with ``strategy.offload_teacher``, reward models) parked; the
                        critic off with ``strategy.offload_critic``; optimizer state off with
                        ``strategy.offload_optimizer``
 ``rollout()``          the engine awake (KV cache, weights); used for training rollouts AND
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from tidal.distill.remote import RemoteTeacher
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import RolloutEngine
 from tidal.logging.timer import PhaseTimer
@@ -45,12 +47,15 @@ from tidal.sync import update_engine_weights
 @dataclasses.dataclass(kw_only=True)
 class Models:
     """The models of a run. ``actor`` (and ``critic``) are trained; ``reference`` is frozen (the KL
-    anchor; None without KL). ``tokenizer`` is the actor's."""
+    anchor; None without KL); the distillation teacher is a frozen local model (``teacher``) or a
+    remote endpoint (``remote_teacher``), or neither. ``tokenizer`` is the actor's."""
 
     tokenizer: Any
     actor: TrainState
     critic: TrainState | None = None
     reference: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None
+    remote_teacher: RemoteTeacher | None = None
 
 
 class Colocation:
@@ -76,8 +81,12 @@ class Colocation:
             self._roles[id(models.critic.model)] = "critic"
         if models.reference is not None:
             self._roles[id(models.reference)] = "reference"
+        if models.teacher is not None:
+            self._roles[id(models.teacher)] = "teacher"
         if models.reference is not None and placement.offload_reference:
             self._rest_away(models.reference)
+        if models.teacher is not None and placement.offload_teacher:
+            self._rest_away(models.teacher)
         if models.critic is not None and placement.offload_critic:
             self._rest_away(models.critic.model)
         self.engine: RolloutEngine | None = None

@@ -28,6 +28,7 @@ from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
 from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
+from tidal.rewards.base import RewardError
 from tidal.rewards.types import RewardSample
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig
@@ -146,10 +147,14 @@ class ExperienceMaker:
         run_forward_passes(self.runtime, batches, fn)
         return out_BT * t["action_mask_BT"]
 
-    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]],
+                  temperature: float | None = None) -> torch.Tensor:
+        """``model``'s logprobs of the sampled tokens, at ``temperature`` (default: the rollout's)."""
+        temp = self.rollout_cfg.temperature if temperature is None else temperature
+
         def forward(ids, am, act, mm):  # the LM head runs on the response tokens only
-            return token_logprobs(model, ids, am, temperature=self.rollout_cfg.temperature,
-                                  chunk_tokens=self.model_cfg.logprob_chunk_tokens, mm_inputs=mm, positions_BT=act)[0]
+            return token_logprobs(model, ids, am, temperature=temp, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
+                                  mm_inputs=mm, positions_BT=act)[0]
 
         with self.phases.using(model):
             return self._per_token(forward, t, batches)
@@ -201,6 +206,10 @@ class ExperienceMaker:
         if m.critic is not None:
             with self.timer.phase("critic_values"):
                 values_BT = self._values(m.critic.model, t, batches)
+        teacher_logp_BT, teacher_ok_B, teacher_metrics = None, None, {}
+        if self.algo.needs_teacher:
+            with self.timer.phase("teacher_logprobs"):
+                teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(rollout, t, batches)
         with self.timer.phase("reward"):
             samples, rew = self.score(rollout)
         action_BT = t["action_mask_BT"]
@@ -210,8 +219,12 @@ class ExperienceMaker:
             adv = self.algo.advantages(
                 total_B=rew.total_B.float(), action_mask_BT=action_BT, group_ids_B=group_ids_B, truncated_B=truncated_B,
                 old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT, values_BT=values_BT,
+                student_logp_BT=old_logp_BT if old_logp_BT is not None else t["rollout_logp_BT"],
+                teacher_logp_BT=teacher_logp_BT,
             )
         loss_mask_B = rew.valid_B.float() * self.algo.loss_mask_B(truncated_B).float()
+        if teacher_ok_B is not None:
+            loss_mask_B = loss_mask_B * teacher_ok_B.float()
         exp = Experience(
             sequences_BT=t["sequences_BT"], attention_mask_BT=t["attention_mask_BT"], action_mask_BT=action_BT,
             old_logp_BT=old_logp_BT, rollout_logp_BT=t["rollout_logp_BT"], ref_logp_BT=ref_logp_BT,
@@ -220,7 +233,34 @@ class ExperienceMaker:
         )
         metrics = self._metrics(exp, rew, truncated_B, adv.kl_BT)
         metrics.update(adv.metrics)
+        metrics.update(teacher_metrics)
         return exp, metrics, samples
+
+    def _teacher_logprobs(self, rollout: Rollout, t: dict, batches: list[list[int]]):
+        """The teacher's logprobs of the sampled tokens (temperature 1: the teacher's own
+        distribution), the rows it scored, and its metrics. A local teacher is a frozen model's
+        forward; a remote one's failed sequences follow ``reward.on_error``: ``raise`` names the
+        teacher and the sample, ``drop`` leaves the sample out of the loss and counts it."""
+        m = self.models
+        B = len(rollout.completions)
+        if m.teacher is not None:
+            return self._logprobs(m.teacher, t, batches, temperature=1.0), torch.ones(B, dtype=torch.bool), {}
+        comps = rollout.completions
+        lps, errors, counters = m.remote_teacher.token_logprobs([c.prompt_ids for c in comps], [c.token_ids for c in comps])
+        if errors and self.rewards.cfg.on_error == "raise":
+            i = min(errors)
+            more = f" ({len(errors) - 1} more samples failed)" if len(errors) > 1 else ""
+            raise RewardError(f"distillation teacher failed on sample {i}: {errors[i]}{more}")
+        out_BT = torch.zeros_like(t["rollout_logp_BT"])
+        ok_B = torch.ones(B, dtype=torch.bool)
+        for b, (c, lp) in enumerate(zip(comps, lps)):
+            if lp is None:
+                ok_B[b] = False
+                continue
+            P = len(c.prompt_ids)
+            out_BT[b, P : P + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        metrics = {"distill/teacher_dropped": float(len(errors)), **{f"distill/teacher_{k}": v for k, v in counters.items()}}
+        return out_BT, ok_B, metrics
 
     def _metrics(self, exp: Experience, rew, truncated_B: torch.Tensor, kl_BT) -> dict[str, float]:
         act = exp.action_mask_BT
