@@ -164,6 +164,27 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
     return RunData(train=train, sampler=sampler, eval_items=eval_items)
 
 
+def announce_run_dir(cfg: TidalConfig) -> None:
+    """Write the resolved config into the run directory and say where the run lives and how to watch it."""
+    import yaml
+
+    run_dir = Path(cfg.run.output_dir)
+    config_path = run_dir / "config.yaml"
+    tmp = config_path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, config_path)
+    lines = [f"[tidal] run directory: {run_dir}", f"[tidal]   resolved config: {config_path}"]
+    if "jsonl" in cfg.logging.backends:
+        lines.append(f"[tidal]   metrics: {run_dir / 'metrics.jsonl'}")
+    if checkpoints_enabled(cfg):
+        lines.append(f"[tidal]   checkpoints: {ckpt.checkpoint_root(cfg.run.output_dir)}")
+    watch = [f"tidal report {run_dir}"]
+    if "tensorboard" in cfg.logging.backends:
+        watch.insert(0, f"tensorboard --logdir {run_dir / 'tb'}")
+    lines.append(f"[tidal]   watch: {'  |  '.join(watch)}")
+    print("\n".join(lines), flush=True)
+
+
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
@@ -195,5 +216,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
         start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict(),
     )
+    if runtime.is_main:
+        announce_run_dir(cfg)
     return PPOTrainer(cfg=cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
                       logger=logger, resume=resume)

@@ -16,6 +16,8 @@ import argparse
 import sys
 
 from tidal.config_base import ConfigError
+from tidal.trainer.stop import EXIT_CODE as STOP_EXIT_CODE
+from tidal.trainer.stop import StopRun
 
 
 def _load(args):
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tidal: {e}", file=sys.stderr)
         return 2
+    except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
+        print(f"tidal: {e}", file=sys.stderr)
+        return STOP_EXIT_CODE
 
 
 if __name__ == "__main__":

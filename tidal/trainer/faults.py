@@ -11,6 +11,7 @@ ACTION
     ``hang``    sleep forever (a rank that never enters its next collective).
     ``enospc``  raise ``OSError(ENOSPC)`` (a full disk at that point).
     ``nan`` / ``inf``  :func:`corrupt` returns the tensor plus NaN / +Inf (gradients flow).
+    ``sigterm`` / ``sigint``  send this process SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C).
     ``record``  append ``{"point", "step", "rank", "attempt", "data"}`` as one JSON line to
                 ``<dir>/rank<R>.jsonl`` (needs ``dir=``); an observation, not a fault.
 POINT
@@ -39,7 +40,7 @@ import time
 from typing import Any
 
 ENV = "TIDAL_FAULT"
-ACTIONS = ("kill", "hang", "enospc", "nan", "inf", "record")
+ACTIONS = ("kill", "hang", "enospc", "nan", "inf", "record", "sigterm", "sigint")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,8 @@ def set_step(step: int) -> None:
 
 
 def hit(point: str, *, step: int | None = None, rank: int | None = None, data: Any = None) -> None:
-    """Run the ``kill`` / ``hang`` / ``enospc`` / ``record`` rules matching ``point`` (no-op when unset)."""
+    """Run the ``kill`` / ``hang`` / ``enospc`` / ``sigterm`` / ``sigint`` / ``record`` rules matching
+    ``point`` (no-op when unset)."""
     if not _RULES:
         return
     step, rank = (_step if step is None else step), _rank(rank)
@@ -142,6 +144,9 @@ def hit(point: str, *, step: int | None = None, rank: int | None = None, data: A
                 time.sleep(3600)
         elif rule.action == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV} at {point})")
+        elif rule.action in ("sigterm", "sigint"):
+            print(f"[tidal.faults] {rule.action.upper()} to rank {rank} at {point} step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM if rule.action == "sigterm" else signal.SIGINT)
 
 
 def corrupt(point: str, tensor, *, step: int | None = None, rank: int | None = None):

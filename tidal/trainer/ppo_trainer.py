@@ -30,6 +30,7 @@ from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.trainer.resume import ResumePoint
+from tidal.trainer.stop import StopRequest, StopRun
 from tidal.trainer.update import Updater
 from tidal.trainer.watchdog import StageTimer
 
@@ -246,7 +247,16 @@ class PPOTrainer:
 
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Run to ``run.steps``; returns the final metrics (with start/end eval when configured)."""
+        """Run to ``run.steps``; returns the final metrics (with start/end eval when configured).
+        A SIGINT/SIGTERM stops it after the current step, with a checkpoint (:mod:`tidal.trainer.stop`)."""
+        with StopRequest() as stop:
+            try:
+                return self._fit(stop)
+            finally:
+                self.logger.close()
+                self.watchdog.close()
+
+    def _fit(self, stop: StopRequest) -> dict[str, float]:
         self.timer.pop()  # setup's phases (the first weight sync) are not step 1's
         with self.watchdog.stage("resume"):
             start = self.resume()
@@ -259,17 +269,19 @@ class PPOTrainer:
             self.watchdog.set_step(step)
             metrics = self.train_step(step)
             final = step == cfg.run.steps
-            if self.data.eval_items and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
+            signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
+            if self.data.eval_items and not signum and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
                 metrics.update(self.evaluate(step))
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (final and cfg.checkpoint.at_end):
+            checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (final and cfg.checkpoint.at_end) or (signum and checkpoints):
                 self.save(step)
                 metrics.update(self.timer.pop())
             self.logger.log(step, metrics)
             last = metrics
+            if signum and not final:
+                raise StopRun(step, signum, saved=checkpoints)
         if self.state.initial_eval and any(k.startswith("eval/") for k in last):
             self._announce("end", {k: v for k, v in last.items() if k.startswith("eval/")})
-        self.logger.close()
-        self.watchdog.close()
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:

@@ -1,0 +1,63 @@
+"""SIGINT / SIGTERM stop a run gracefully: every rank finishes the step in which the first signal
+arrived, a checkpoint of that step is saved, the process exits with tidal.trainer.stop.EXIT_CODE (75),
+and the same command resumes exactly; a second signal aborts at once. Signals are delivered by
+TIDAL_FAULT (sigterm/sigint at a stage of a step, on one rank)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.faults.test_torchrun_faults import COMMON, assert_same_metrics, metrics, torchrun
+from tidal.trainer.stop import EXIT_CODE
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tidal_train(out: Path, overrides: list[str], fault: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDAL_FAULT=fault)
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={out}", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_sigint_saves_the_step_and_the_rerun_resumes_exactly(tmp_path, tiny_task_overrides):
+    overrides = tiny_task_overrides + COMMON + ["checkpoint.every=0"]  # only the stop and the end save
+    ref = tidal_train(tmp_path / "ref", overrides)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    stopped = tidal_train(out, overrides, fault="sigint@stage/reward:step=3")
+    assert stopped.returncode == EXIT_CODE, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "stopped by SIGINT: checkpoint of step 3 saved; rerun the same command to resume" in stopped.stderr
+    assert sorted(metrics(out)) == [1, 2, 3]
+    assert (out / "checkpoints" / "step_000003" / "trainer.json").is_file()
+    resumed = tidal_train(out, overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_000003'} (step 3)" in resumed.stdout
+    assert_same_metrics(metrics(out), metrics(tmp_path / "ref"))
+
+
+def test_a_second_signal_aborts_at_once(tmp_path, tiny_task_overrides):
+    out = tmp_path / "run"
+    proc = tidal_train(out, tiny_task_overrides + COMMON, fault="sigterm@stage/reward:step=3;sigterm@stage/train:step=3")
+    assert proc.returncode == -15, proc.stderr[-3000:]  # killed by the second SIGTERM, inside step 3
+    assert sorted(metrics(out)) == [1, 2]
+    assert not (out / "checkpoints" / "step_000003").exists()
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_task_overrides):
+    """torchrun, 2 ranks: only rank 1 is signalled; both finish step 3, save it and exit 75."""
+    out = tmp_path / "run"
+    proc, _ = torchrun(out, tiny_task_overrides + COMMON, fault="sigterm@stage/train:rank=1:step=3")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"exitcode  : {EXIT_CODE}" in text, text[-4000:]
+    assert "stopped by SIGTERM: checkpoint of step 3 saved" in text
+    assert sorted(metrics(out)) == [1, 2, 3]
+    trainer_json = json.loads((out / "checkpoints" / "step_000003" / "trainer.json").read_text())
+    assert trainer_json["step"] == 3
+    resumed, _ = torchrun(out, tiny_task_overrides + COMMON)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert sorted(metrics(out)) == [1, 2, 3, 4]
