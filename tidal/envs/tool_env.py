@@ -59,7 +59,8 @@ class ToolEnv(Environment):
     def step(self, turn: ModelTurn) -> StepResult:
         parsed = parse_turn(turn.text)
         if not parsed.blocks:
-            return StepResult(done=True, reward=self.final_reward(parsed, turn))
+            zeros = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_failures": 0.0}
+            return StepResult(done=True, reward=self.final_reward(parsed, turn), counters=zeros)
         results = self.toolset.run(parsed.blocks)
         counters = {
             "tool_calls": float(len(parsed.calls)),
