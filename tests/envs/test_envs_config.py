@@ -155,3 +155,33 @@ def test_tool_environments_refuse_a_template_without_tool_messages():
     with pytest.raises(TemplateError, match="<tool_response>"):
         EnvRollout(EnvConfig(name="calculator"), train_tokenizer(["Calculate 1+2"]))
     EnvRollout(EnvConfig(), train_tokenizer(["Calculate 1+2"]))  # single_turn needs no tool template
+
+
+def test_multi_turn_refuses_the_vllm_and_sglang_adapters():
+    from tidal.envs.base import check_engine_backend
+
+    for backend in ("native", "hf"):
+        check_engine_backend(EnvConfig(name="calculator"), backend)
+    check_engine_backend(EnvConfig(), "vllm")  # single_turn: today's path on every engine
+    for backend in ("vllm", "sglang"):
+        with pytest.raises(ConfigError, match=f"the {backend} adapter generates single completions") as e:
+            check_engine_backend(EnvConfig(name="python"), backend)
+        assert e.value.key == "engine.backend"
+
+
+def test_env_row_from_a_dataset_item(qwen25_tok, tmp_path):
+    import json
+
+    from tidal.data.config import DataConfig, DataSource
+    from tidal.data.dataset import PromptDataset
+    from tidal.envs import EnvRow
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "Calculate 2+2", "reference": "4", "label": "calc", "extra": 1}) + "\n")
+    data = PromptDataset([DataSource(path=str(path))], qwen25_tok, DataConfig(system_prompt="Be brief."), seed=0)
+    row = EnvRow.from_prompt_item(data[0])
+    assert row.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Calculate 2+2"}]
+    assert row.prompt_ids == data[0].prompt_ids and row.reference == "4" and row.label == "calc"
+    assert row.metadata == {"extra": 1} and row.where == f"{path}:0"
+    data[0].messages.append({"role": "user", "content": "x"})  # a copy per access
+    assert len(data[0].messages) == 2

@@ -48,6 +48,12 @@ class EnvRow:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     where: str = "?"
 
+    @classmethod
+    def from_prompt_item(cls, item: Any) -> "EnvRow":
+        """The row of a :class:`tidal.data.dataset.PromptItem` (the trainer's prompt type)."""
+        return cls(prompt_ids=list(item.prompt_ids), prompt_text=item.prompt_text, messages=item.messages,
+                   reference=item.reference, label=item.label, metadata=dict(item.metadata), where=f"{item.source}:{item.row}")
+
 
 @dataclasses.dataclass(kw_only=True)
 class Observation:
@@ -150,6 +156,22 @@ def env_class(cfg: EnvConfig) -> type[Environment]:
     if cls.name == Environment.name:
         cls.name = cfg.name
     return cls
+
+
+# Engines whose adapters the environment path supports (exact token ids and sampling logprobs of a
+# prompt given as ids, verified here). The vLLM and SGLang adapters are refused (docs/agentic.md).
+MULTI_TURN_BACKENDS = ("native", "hf")
+
+
+def check_engine_backend(cfg: EnvConfig, backend: str) -> None:
+    """Raise ConfigError when ``env`` is a multi-turn environment and ``engine.backend`` cannot run it."""
+    if cfg.name != "single_turn" and backend not in MULTI_TURN_BACKENDS:
+        raise ConfigError(
+            "engine.backend",
+            f"env.name={cfg.name!r} is a multi-turn environment, which needs engine.backend in {list(MULTI_TURN_BACKENDS)}; "
+            f"the {backend} adapter generates single completions only (its token-in/token-out across turns and its "
+            "logprobs are not verified, and it has no incremental requests). Use engine.backend=native, or env.name=single_turn",
+        )
 
 
 def make_env_factory(cfg: EnvConfig) -> EnvFactory:
