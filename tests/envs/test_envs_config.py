@@ -66,8 +66,10 @@ def test_environments_by_name_and_import_path():
     assert isinstance(env, MyEnv) and env.greeting == "hello" and env.name == "tests.envs.test_envs_config:MyEnv"
     with pytest.raises(TypeError, match="unexpected keyword"):
         make_env_factory(EnvConfig(name="tests.envs.test_envs_config:MyEnv", kwargs={"colour": 1}))
-    with pytest.raises(ConfigError, match="takes no settings"):
+    with pytest.raises(ConfigError, match=r"does not take the settings \['x'\]"):
         make_env_factory(EnvConfig(kwargs={"x": 1}))
+    with pytest.raises(ConfigError, match=r"'calculator' does not take the settings \['colour'\]"):
+        make_env_factory(EnvConfig(name="calculator", kwargs={"colour": 1, "system_prompt": "hi"}))
     with pytest.raises(ConfigError, match="not a subclass"):
         make_env_factory(EnvConfig(name="tidal.envs.calculator:calculate"))
     with pytest.raises(ConfigError, match="cannot import module"):

@@ -34,12 +34,15 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("backend", ["native", "hf"])
-def test_rollout_logprobs_equal_trainer_logprobs_on_sampled_tokens(qwen25_tok, backend):
+@pytest.mark.parametrize("backend, device", [
+    ("native", "cpu"), ("hf", "cpu"),
+    pytest.param("native", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_rollout_logprobs_equal_trainer_logprobs_on_sampled_tokens(qwen25_tok, backend, device):
     tok = qwen25_tok
-    model = tiny_hf("qwen2", vocab_size=len(tok), max_position_embeddings=512)
+    model = tiny_hf("qwen2", vocab_size=len(tok), max_position_embeddings=512).to(device)
     if backend == "native":
-        engine = engine_for(model, kv_cache_max_tokens=4096)
+        engine = engine_for(model, device=device, kv_cache_max_tokens=4096)
     else:
         engine = HFEngine(model.config, EngineConfig(backend="hf"), device=torch.device("cpu"), dtype=torch.float32)
         engine.load_weights(model.named_parameters())
@@ -54,6 +57,8 @@ def test_rollout_logprobs_equal_trainer_logprobs_on_sampled_tokens(qwen25_tok, b
     assert gapped, "no trajectory reached a second turn"  # the test must cover observation gaps
     attach_logprob_method(model)
     with torch.no_grad():
-        logp_BT, _ = token_logprobs(model, packed.sequences_BT, packed.attention_mask_BT, positions_BT=act)
+        logp_BT, _ = token_logprobs(model, packed.sequences_BT.to(device), packed.attention_mask_BT.to(device),
+                                    positions_BT=act.to(device))
     mask = act.bool()
-    assert torch.allclose(logp_BT[mask], packed.rollout_logp_BT[mask], atol=2e-4), (logp_BT[mask] - packed.rollout_logp_BT[mask]).abs().max()
+    diff = (logp_BT.cpu()[mask] - packed.rollout_logp_BT[mask]).abs().max()
+    assert diff < (2e-4 if device == "cpu" else 2e-3), diff  # fp32 on both sides (TF32 kernels on CUDA)

@@ -293,3 +293,10 @@ def test_other_trajectories_keep_decoding_while_a_tool_runs(qwen25_tok):
     slow, fast = result.trajectories
     assert slow.valid and fast.valid and len(fast.turns) == 4 and len(slow.turns) == 2
     assert result.metrics["env/wait_s"] >= 0.0
+
+
+def test_max_tokens_per_turn_replaces_the_samplers_limit(qwen25_tok):
+    _, engine = _run(qwen25_tok, EnvConfig(name="calculator", max_tokens_per_turn=300), calculator_policy, max_new_tokens=16)
+    assert engine.calls[0].params.max_new_tokens == 300
+    _, engine = _run(qwen25_tok, EnvConfig(name="calculator"), calculator_policy, max_new_tokens=200)
+    assert engine.calls[0].params.max_new_tokens == 200

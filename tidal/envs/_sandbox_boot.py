@@ -38,6 +38,8 @@ def _limit(kind: int, value: int) -> None:
 
 
 def main() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # Tidal's modules are not the code's
     cfg = json.loads(sys.argv[1])
     code = sys.stdin.read()
     if cfg["isolate_network"]:
@@ -61,4 +63,5 @@ def main() -> None:
         sys.exit(1)
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -123,7 +123,7 @@ class Environment(abc.ABC):
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:
-            raise ConfigError("env.kwargs", f"environment '{self.name}' takes no settings, got {sorted(kwargs)}")
+            raise ConfigError("env.kwargs", f"environment '{self.name}' does not take the settings {sorted(kwargs)}")
         self.cfg = cfg
 
     @abc.abstractmethod

@@ -77,10 +77,26 @@ class ChatRenderer:
                                 "observations cannot be rendered without re-encoding the turn")
         return text[i + len(_SENTINEL):]
 
+    def defuse(self, text: str) -> str:
+        """``text`` with every special-token string (``<|im_end|>``, ``<|im_start|>``, ...) broken by a
+        zero-width space after its first character, so that content from a tool or a user cannot
+        encode to control tokens and forge turns."""
+        for special in self._special_strings():
+            if special in text:
+                text = text.replace(special, special[0] + "\u200b" + special[1:])
+        return text
+
+    def _special_strings(self) -> list[str]:
+        names = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        names |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+        return sorted((n for n in names if len(n) > 1), key=len, reverse=True)
+
     def observation_ids(self, messages: list[Message], turn: ModelTurn) -> list[int]:
         """Ids to append after ``turn``: the template's closing of the assistant turn (without the
-        stop token when the turn ended on exactly the token that closing starts with), ``messages``,
-        and the generation prompt."""
+        stop token when the turn ended on exactly the token that closing starts with), ``messages``
+        (their string contents defused, see :meth:`defuse`), and the generation prompt."""
+        messages = [dict(m, content=self.defuse(m["content"])) if isinstance(m.get("content"), str) else m for m in messages]
         ids = self.encode(self.observation_text(messages))
         if turn.finish_reason == "stop" and turn.token_ids and ids and ids[0] == turn.token_ids[-1]:
             ids = ids[1:]

@@ -12,8 +12,8 @@ Single turn: with ``env.name: single_turn`` this makes exactly one ``generate(pr
 call, with the same prompts (each row's ids) and the same sampling parameters (``n`` included) as
 a plain rollout, so the completions are those of a plain rollout.
 
-Limits (``env.*``): ``max_turns``; ``max_tokens_per_turn`` (each turn's ``max_new_tokens`` is the
-smallest of it, the sampler's and what is left of ``max_total_tokens``); ``max_total_tokens``
+Limits (``env.*``): ``max_turns``; ``max_tokens_per_turn`` (each turn's ``max_new_tokens``: it, or
+the sampler's when it is 0, and never more than what is left of ``max_total_tokens``); ``max_total_tokens``
 (an observation that leaves no room for one more sampled token ends the trajectory).
 """
 
@@ -47,6 +47,7 @@ class _Episode:
     builder: TrajectoryBuilder | None = None
     tools: list[dict] | None = None  # tool schemas of the first observation (history: template)
     last_turn: ModelTurn | None = None
+    rendered: list[dict] = dataclasses.field(default_factory=list)  # history: template, what is re-rendered
     counters: Counter = dataclasses.field(default_factory=Counter)
     result: Trajectory | None = None
 
@@ -152,6 +153,7 @@ class _Run:
         else:
             prompt, messages = self.renderer.prompt_ids(obs.messages, obs.tools), obs.messages
         ep.tools = obs.tools
+        ep.rendered = [dict(m) for m in messages]
         ep.builder = TrajectoryBuilder(prompt, messages)
 
     def _advance(self, ep: _Episode, res: StepResult) -> bool:
@@ -185,8 +187,14 @@ class _Run:
             if obs.token_ids:
                 raise TypeError("env.history=template re-renders the conversation: observations must be messages, not token_ids")
             b.count_observation(len(obs_ids), obs.messages)
-            b.new_row(self.renderer.prompt_ids(b.messages, ep.tools))
+            # the conversation as rendered: observation contents defused like appended ones
+            ep.rendered += [{"role": "assistant", "content": ep.last_turn.text}, *self._defused(obs.messages)]
+            b.new_row(self.renderer.prompt_ids(ep.rendered, ep.tools))
         return True
+
+    def _defused(self, messages: list[dict]) -> list[dict]:
+        return [dict(m, content=self.renderer.defuse(m["content"])) if isinstance(m.get("content"), str) else dict(m)
+                for m in messages]
 
     def _finish(self, ep: _Episode, reason: FinishReason, *, outcome_reward: float = 0.0, valid: bool = True,
                 error: str | None = None) -> None:
@@ -203,7 +211,7 @@ class _Run:
 
     # ---- decoding ----------------------------------------------------------------------------------------
     def _turn_limit(self, ep: _Episode) -> int:
-        limit = min(self.cfg.max_tokens_per_turn or self.params.max_new_tokens, self.params.max_new_tokens)
+        limit = self.cfg.max_tokens_per_turn or self.params.max_new_tokens
         if self.cfg.max_total_tokens:
             limit = min(limit, self.cfg.max_total_tokens - ep.builder.num_response_tokens)
         return limit
