@@ -300,3 +300,24 @@ def test_max_tokens_per_turn_replaces_the_samplers_limit(qwen25_tok):
     assert engine.calls[0].params.max_new_tokens == 300
     _, engine = _run(qwen25_tok, EnvConfig(name="calculator"), calculator_policy, max_new_tokens=200)
     assert engine.calls[0].params.max_new_tokens == 200
+
+
+def test_image_inputs_reach_the_engine_with_every_turn(qwen25_tok):
+    """A row with images: single_turn passes its pixel inputs exactly as a plain rollout does;
+    rows without images pass none (engines without image support never see the argument)."""
+    seen = []
+
+    class VisionEngine(ScriptedEngine):
+        def generate(self, prompts, params, **kw):
+            seen.append(kw.get("mm_inputs", "absent"))
+            return super().generate(prompts, params)
+
+    pix = {"pixel_values": torch.ones(1)}
+    rows = [chat_row(qwen25_tok, "one"), chat_row(qwen25_tok, "two")]
+    rows[0].mm_inputs = pix
+    engine = VisionEngine(qwen25_tok, lambda text, turn: "3")
+    EnvRollout(EnvConfig(), qwen25_tok).run(engine.generate, rows, SamplingParams(max_new_tokens=8, n=2))
+    assert seen == [[pix, None]] and engine.calls[0].params.n == 2
+    seen.clear()
+    EnvRollout(EnvConfig(), qwen25_tok).run(engine.generate, rows[1:], SamplingParams(max_new_tokens=8))
+    assert seen == ["absent"]

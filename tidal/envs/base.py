@@ -38,6 +38,8 @@ class EnvRow:
     messages: the row's chat messages before rendering (None for a raw-text prompt).
     reference / label / metadata: the row's reference answer, recipe label and other fields.
     where: the row's location (``file:row``) for error messages.
+    mm_inputs: the pixel inputs of the prompt's images (``prompt_ids`` hold their tokens), or None;
+        passed to the engine with every turn of the row's trajectories.
     """
 
     prompt_ids: list[int]
@@ -47,12 +49,14 @@ class EnvRow:
     label: str = ""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     where: str = "?"
+    mm_inputs: dict | None = None
 
     @classmethod
     def from_prompt_item(cls, item: Any) -> "EnvRow":
         """The row of a :class:`tidal.data.dataset.PromptItem` (the trainer's prompt type)."""
         return cls(prompt_ids=list(item.prompt_ids), prompt_text=item.prompt_text, messages=item.messages,
-                   reference=item.reference, label=item.label, metadata=dict(item.metadata), where=f"{item.source}:{item.row}")
+                   reference=item.reference, label=item.label, metadata=dict(item.metadata), where=f"{item.source}:{item.row}",
+                   mm_inputs=item.mm_inputs)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -32,7 +32,8 @@ from tidal.envs.executor import Outcome, StepPool
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.trajectory import FinishReason, Trajectory, TrajectoryBuilder
 
-Generate = Callable[[list[list[int]], SamplingParams], list[Completion]]
+# engine.generate(prompts, params[, mm_inputs=...]): mm_inputs is passed only when a row has images
+Generate = Callable[..., list[Completion]]
 
 
 class EnvError(RuntimeError):
@@ -223,12 +224,15 @@ class _Run:
             by_limit[self._turn_limit(self.episodes[i])].append(i)
         self.ready = []
         for limit, idx in sorted(by_limit.items()):
-            prompts, n = _shared_prompts([self.episodes[i].builder.context_ids for i in idx])
+            contexts = [self.episodes[i].builder.context_ids for i in idx]
+            reps, n = _shared_prompts(contexts)
             params = dataclasses.replace(self.params, n=n, max_new_tokens=limit,
                                          seed=None if self.params.seed is None else self.params.seed + self.calls)
             self.calls += 1
+            mm = [self.episodes[idx[j]].row.mm_inputs for j in reps]
+            extra = {"mm_inputs": mm} if any(m is not None for m in mm) else {}  # only engines with images take it
             t0 = time.perf_counter()
-            completions = self.generate(prompts, params)
+            completions = self.generate([contexts[j] for j in reps], params, **extra)
             self.timing["generate_s"] += time.perf_counter() - t0
             if len(completions) != len(idx):
                 raise RuntimeError(f"the engine returned {len(completions)} completions for {len(idx)} trajectories")
@@ -260,14 +264,14 @@ class _Run:
         return out
 
 
-def _shared_prompts(contexts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """(prompts, n): when the contexts are runs of k identical ones (the n samples of each row at
-    their first turn), the k-th ones and n = k, so the engine shares each prompt's prefill; else
-    every context with n = 1."""
+def _shared_prompts(contexts: list[list[int]]) -> tuple[list[int], int]:
+    """(representatives, n): when the contexts are runs of k identical ones (the n samples of each
+    row at their first turn), the index of each run's first context and n = k, so the engine
+    shares each prompt's prefill; else every index with n = 1."""
     for k in range(len(contexts), 1, -1):
         if len(contexts) % k:
             continue
-        runs = [contexts[j: j + k] for j in range(0, len(contexts), k)]
-        if all(all(c == run[0] for c in run) for run in runs):
-            return [run[0] for run in runs], k
-    return contexts, 1
+        starts = range(0, len(contexts), k)
+        if all(contexts[j] == contexts[s] for s in starts for j in range(s + 1, s + k)):
+            return list(starts), k
+    return list(range(len(contexts))), 1

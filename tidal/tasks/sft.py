@@ -2,6 +2,8 @@
 
 The SFT loop is deliberately plain torch: prompt -> answer + EOS, cross-entropy on the answer
 tokens only, AdamW with linear warmup (first 10% of steps) then linear decay to zero.
+:func:`train_masked` is the same loop over (ids, loss mask) pairs, for multi-turn transcripts whose
+loss covers the assistant's turns only (the calculator task).
 """
 
 from __future__ import annotations
