@@ -43,3 +43,8 @@ _.add_observer, _.remove_observer
 # Read by other libraries (bench/).
 _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links are built already
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
+CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
+
+# Multi-turn rollouts (tidal/envs): wired into the trainer by the agentic-integration step.
+check_engine_backend, prepare_calculator
+_.advantage_trajectory_ids, _.per_row

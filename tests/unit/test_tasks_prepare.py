@@ -11,7 +11,7 @@ from tidal.config_base import ConfigError
 from tidal.tasks import TaskAssets, TaskConfig, prepare
 from tidal.tasks import assets as prepare_module
 from tidal.tasks.model import build_model
-from tidal.tasks.sft import IGNORE, collate_sft, encode_sft_rows, evaluate_greedy, supervised_finetune
+from tidal.tasks.sft import IGNORE, collate_masked, encode_sft_rows, evaluate_greedy, supervised_finetune
 from tidal.tasks.tokenizer import prompt_ids, train_tokenizer
 
 TINY = dict(
@@ -80,7 +80,7 @@ def test_prepare_rejects_no_task_and_foreign_dirs(tmp_path):
 
 
 def test_collate_masks_prompt_and_padding():
-    input_ids, mask, labels = collate_sft([([5, 6, 7, 8], 2), ([5, 9, 3], 1)], pad_id=0)
+    input_ids, mask, labels = collate_masked([([5, 6, 7, 8], [0, 0, 1, 1]), ([5, 9, 3], [0, 1, 1])], pad_id=0)
     assert input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 3, 0]]
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert labels.tolist() == [[IGNORE, IGNORE, 7, 8], [IGNORE, 9, 3, IGNORE]]

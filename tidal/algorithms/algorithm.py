@@ -29,6 +29,7 @@ from tidal.algorithms.kl import make_kl_controller
 from tidal.algorithms.mismatch import mismatch_weights
 from tidal.algorithms.normalization import RunningMoments, masked_whiten
 from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty_B
+from tidal.algorithms.trajectory_rows import merge_rows, split_rows
 
 
 class UpdateSchedule(Protocol):
@@ -158,8 +159,14 @@ class Algorithm:
 
     def compute_advantages(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
         """The estimator's (adv_BT, ret_BT), then advantage normalisation and clipping when configured
-        (returns are left as the estimator made them)."""
-        adv_BT, ret_BT = self.estimator.compute(inp)
+        (returns are left as the estimator made them). With ``inp.trajectory_ids_B`` the estimator
+        sees each trajectory's rows laid end to end (:mod:`tidal.algorithms.trajectory_rows`)."""
+        if inp.trajectory_ids_B is not None:
+            merged, layout = merge_rows(inp)
+            adv_NT, ret_NT = self.estimator.compute(merged)
+            adv_BT, ret_BT = split_rows(adv_NT, layout), split_rows(ret_NT, layout)
+        else:
+            adv_BT, ret_BT = self.estimator.compute(inp)
         mask = inp.action_mask_BT.to(adv_BT.dtype)
         if self.cfg.adv_norm == "batch":
             adv_BT = masked_whiten(adv_BT, mask, self.group)

@@ -1,8 +1,12 @@
 """Contracts of the algorithm pieces. Shapes: B sequences, T token positions of ``Experience.sequences``.
 
 Every per-token tensor is aligned with the sequence: ``x_BT[b, t]`` belongs to token ``sequences[b, t]``
-(its logprob is log p(sequences[b,t] | sequences[b,:t])). ``action_mask_BT`` is 1 on response tokens.
-The response tokens of a row are contiguous and followed only by padding.
+(its logprob is log p(sequences[b,t] | sequences[b,:t])). ``action_mask_BT`` is 1 on the tokens the
+policy sampled, and only there. It need not be contiguous: a multi-turn row (see :mod:`tidal.envs`)
+is prompt, turn 1, observation 1 (tool output: not sampled, mask 0), turn 2, ..., padding. Every
+piece here reads the mask, never a span: sequence lengths are counts of sampled tokens, and the
+recursions (returns-to-go, GAE) run over sampled tokens only, so a gapped row gives the same values
+on its sampled tokens as the same tokens laid out contiguously.
 """
 
 from __future__ import annotations
@@ -17,11 +21,21 @@ import torch
 class AdvantageInput:
     """What an estimator sees for one rollout batch (all on one device).
 
-    rewards_B: scalar reward per sequence (after shaping, before KL-in-reward).
-    token_rewards_BT: extra per-token reward (e.g. -kl_coef * kl when KL is in the reward), or None.
-    action_mask_BT: 1 on response tokens.
-    values_BT: critic values at response tokens (estimators with needs_critic), else None.
+    rewards_B: scalar (outcome) reward per sequence (after shaping, before KL-in-reward), placed
+        at its last sampled token by the discounting estimators.
+    token_rewards_BT: extra per-token reward, or None: -kl_coef * kl when KL is in the reward,
+        and/or the per-turn rewards of a multi-turn trajectory (each at the last sampled token of
+        its turn, :func:`tidal.envs.packing.pack_trajectories`). Only its values on sampled tokens
+        count.
+    action_mask_BT: 1 on sampled tokens (may have gaps, see the module docstring).
+    values_BT: critic values at sampled tokens (estimators with needs_critic), else None.
     group_ids_B: prompt index of each sequence; the n samples of one prompt share an id.
+    trajectory_ids_B: None (every row is its own trajectory) or the trajectory of each row, for
+        trajectories split over several rows (a chat template that rewrites earlier turns starts
+        a new row per turn, see docs/agentic.md). Rows of one trajectory must appear in turn order
+        and share group id and rewards_B; :meth:`Algorithm.compute_advantages` then computes the
+        advantages as if the rows were one row laid end to end (one sample per trajectory in the
+        group statistics, returns and GAE carried from a row into the previous one).
     """
 
     rewards_B: torch.Tensor
@@ -29,6 +43,7 @@ class AdvantageInput:
     group_ids_B: torch.Tensor
     token_rewards_BT: torch.Tensor | None = None
     values_BT: torch.Tensor | None = None
+    trajectory_ids_B: torch.Tensor | None = None
 
 
 class AdvantageEstimator(abc.ABC):

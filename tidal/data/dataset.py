@@ -11,6 +11,7 @@ So weight 1 uses each row once per epoch, 2 twice, 0.5 a fixed half.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -39,6 +40,9 @@ class PromptItem:
     mm_inputs: the pixel inputs of the row's images (``pixel_values``, ``image_grid_thw``; see
         :mod:`tidal.models.vision`), computed on access, and ``prompt_ids`` then hold each image's
         tokens; None for a text row, or when the tokenizer is a text tokenizer (no image processor).
+    messages: the chat messages the prompt was rendered from (``data.system_prompt`` included; a
+        fresh copy per access), or None for a raw-text prompt (``data.apply_chat_template: false``).
+        Multi-turn environments (:mod:`tidal.envs`) continue the conversation from them.
     """
 
     prompt_ids: list[int]
@@ -50,6 +54,7 @@ class PromptItem:
     source: str
     row: int
     mm_inputs: dict | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -116,6 +121,7 @@ class PromptDataset:
             source=kept.source,
             row=kept.row,
             mm_inputs=image_inputs(self._tokenizer, kept.parsed.images, kept.source),
+            messages=copy.deepcopy(kept.parsed.messages),
         )
 
     def _load_source(self, source: DataSource) -> list[np.ndarray]:

@@ -2,8 +2,10 @@
 
 ``POST /v1/score`` with ``{"samples": [SAMPLE, ...]}``; SAMPLE is
 ``{"prompt": str, "response": str, "prompt_ids": [int], "response_ids": [int], "reference": any,
-"label": str, "metadata": object, "finish_reason": "stop"|"length"}`` (only prompt and response are
-required). Reply 200: ``{"api_version": 1, "scores": [number|null, ...], "errors": [null|str, ...]}``
+"label": str, "metadata": object, "finish_reason": "stop"|"length", "messages": [{"role": str,
+"content": str, ...}]}`` (only prompt and response are required; ``messages``, the whole conversation
+of a multi-turn trajectory, is sent only when the sample has it, so older servers keep working on
+single-turn samples). Reply 200: ``{"api_version": 1, "scores": [number|null, ...], "errors": [null|str, ...]}``
 with one entry per sample, in order; ``scores[i]`` is null exactly when ``errors[i]`` says why.
 Errors: ``{"error": str}`` with 400 (malformed request), 401 (missing/wrong bearer token),
 413 (too many samples), 500 (server failure). ``GET /v1/info`` describes the service.
@@ -45,7 +47,10 @@ def dumps(obj: Any) -> bytes:
 
 
 def sample_to_json(s: RewardSample) -> dict[str, Any]:
-    return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "index"}
+    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "index"}
+    if out["messages"] is None:
+        del out["messages"]
+    return out
 
 
 def encode_request(samples: list[RewardSample]) -> bytes:
@@ -63,6 +68,7 @@ _FIELD_TYPES = {
     "label": str,
     "metadata": dict,
     "finish_reason": str,
+    "messages": list,
 }
 
 
@@ -81,6 +87,9 @@ def sample_from_json(obj: Any, i: int) -> RewardSample:
     for name in ("prompt_ids", "response_ids"):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in obj.get(name, [])):
             raise ProtocolError(f"samples[{i}].{name} must be a list of integers")
+    for k, m in enumerate(obj.get("messages", [])):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ProtocolError(f"samples[{i}].messages[{k}] must be an object with a string 'role'")
     return RewardSample(index=i, **{"prompt_ids": [], "response_ids": [], **obj})
 
 

@@ -13,13 +13,19 @@ class RewardSample:
     """One generated sample to score.
 
     prompt: the prompt text as given to the model (chat template applied).
-    response: the decoded response only (special tokens skipped).
-    prompt_ids / response_ids: token ids of each part.
+    response: the decoded response only (special tokens skipped). In a multi-turn trajectory
+        (:mod:`tidal.envs`): the FINAL assistant turn's text.
+    prompt_ids / response_ids: token ids of each part (multi-turn: the final turn's sampled ids).
     reference: the data row's reference answer (any JSON value), or None.
     label: the data row's recipe label (selects reward components), "" when the row has none.
     metadata: the rest of the data row.
     finish_reason: "stop" (EOS/stop token) or "length" (truncated at max_new_tokens).
     index: position of this sample in the scored batch (for error messages).
+    messages: the whole conversation as chat messages, or None (a single-turn rollout that did not
+        come through an environment): the row's messages, then each ``assistant`` turn (its decoded
+        text, tool-call blocks and reasoning included) and the environment's observations (``tool``
+        / ``user`` messages), in order. Rules that score the answer keep reading ``response``;
+        functions that judge the whole interaction read this.
     """
 
     prompt: str
@@ -31,6 +37,7 @@ class RewardSample:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     finish_reason: str = "stop"
     index: int = 0
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

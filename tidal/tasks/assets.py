@@ -48,7 +48,7 @@ class TaskAssets:
     sft_accuracy: float
 
 
-def settings_hash(cfg: TaskConfig) -> str:
+def settings_hash(cfg) -> str:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
     settings["build_version"] = BUILD_VERSION
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
@@ -79,12 +79,14 @@ def _assets(root: Path) -> TaskAssets:
     )
 
 
-def _build_atomically(cfg: TaskConfig, root: Path) -> None:
+def _build_atomically(cfg, root: Path, build=None) -> None:
+    """Run ``build(cfg, tmp_dir)`` (default: this module's arithmetic build) in a sibling
+    temporary directory and rename it to ``root``."""
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the assets are meant to be shared
     try:
-        _build(cfg, tmp)
+        (build or _build)(cfg, tmp)
         os.rename(tmp, root)
     except OSError:
         if not (root / MARKER).is_file():  # not a lost race with another builder

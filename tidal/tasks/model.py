@@ -10,9 +10,10 @@ from tidal.tasks.config import TaskConfig
 MAX_POSITIONS = 128  # prompts are ~12 tokens and answers at most digits + 2
 
 
-def build_model(cfg: TaskConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    """A randomly initialised fp32 Qwen2 of ``cfg``'s shape (seeded by ``cfg.seed``), tied embeddings,
-    with bos/eos/pad ids taken from ``tokenizer`` so that ``generate`` stops on EOS."""
+def build_model(cfg: TaskConfig, tokenizer: PreTrainedTokenizerFast, max_positions: int = MAX_POSITIONS) -> Qwen2ForCausalLM:
+    """A randomly initialised fp32 Qwen2 of ``cfg``'s shape (seeded by ``cfg.seed``; any config with
+    the same model-shape fields works), tied embeddings, with bos/eos/pad ids taken from
+    ``tokenizer`` so that ``generate`` stops on EOS."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -20,7 +21,7 @@ def build_model(cfg: TaskConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2For
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -2,6 +2,8 @@
 
 The SFT loop is deliberately plain torch: prompt -> answer + EOS, cross-entropy on the answer
 tokens only, AdamW with linear warmup (first 10% of steps) then linear decay to zero.
+:func:`train_masked` is the same loop over (ids, loss mask) pairs, for multi-turn transcripts whose
+loss covers the assistant's turns only (the calculator task).
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ def encode_sft_rows(tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> lis
     return out
 
 
-def collate_sft(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids_BT, attention_mask_BT, labels_BT); labels are IGNORE on prompt and padding."""
+def collate_masked(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids_BT, attention_mask_BT, labels_BT) of (ids, loss_mask) pairs; labels
+    are IGNORE where the loss mask is 0 (e.g. the prompt and the observations of a multi-turn
+    transcript) and on padding."""
     T = max(len(ids) for ids, _ in examples)
     input_ids_BT = torch.full((len(examples), T), pad_id, dtype=torch.long)
     labels_BT = torch.full((len(examples), T), IGNORE, dtype=torch.long)
     mask_BT = torch.zeros((len(examples), T), dtype=torch.long)
-    for b, (ids, n_prompt) in enumerate(examples):
-        input_ids_BT[b, : len(ids)] = torch.tensor(ids)
-        labels_BT[b, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+    for b, (ids, loss_mask) in enumerate(examples):
+        ids_t = torch.tensor(ids)
+        input_ids_BT[b, : len(ids)] = ids_t
+        labels_BT[b, : len(ids)] = torch.where(torch.tensor(loss_mask, dtype=torch.bool), ids_t, IGNORE)
         mask_BT[b, : len(ids)] = 1
     return input_ids_BT, mask_BT, labels_BT
 
@@ -50,7 +55,16 @@ def supervised_finetune(
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps on batches drawn (seeded) from ``rows``.
     Returns the loss of every step (mean cross-entropy per answer token)."""
-    examples = encode_sft_rows(tokenizer, rows)
+    examples = [(ids, [0] * n + [1] * (len(ids) - n)) for ids, n in encode_sft_rows(tokenizer, rows)]
+    return train_masked(model, examples, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+
+
+def train_masked(
+    model: PreTrainedModel, examples: list[tuple[list[int], list[int]]], *, pad_id: int, steps: int, lr: float, batch_size: int, seed: int
+) -> list[float]:
+    """Train ``model`` in place for ``steps`` AdamW steps (linear warmup over 10%, then linear decay
+    to zero) on batches drawn (seeded) from (ids, loss_mask) ``examples``; the loss is the mean
+    cross-entropy over the tokens whose mask is 1. Returns the loss of every step."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
@@ -58,7 +72,7 @@ def supervised_finetune(
     losses = []
     for _ in range(steps):
         idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        input_ids_BT, mask_BT, labels_BT = collate_sft([examples[i] for i in idx], tokenizer.pad_token_id)
+        input_ids_BT, mask_BT, labels_BT = collate_masked([examples[i] for i in idx], pad_id)
         loss = model(input_ids=input_ids_BT, attention_mask=mask_BT, labels=labels_BT).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

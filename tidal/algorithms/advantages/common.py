@@ -47,13 +47,17 @@ def token_reward_BT(rewards_B: torch.Tensor, mask_BT: torch.Tensor, token_reward
 
 
 def returns_to_go(r_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{s >= t} gamma^(s - t) r_s over the response tokens of each row (right to left)."""
+    """G_t = sum over the sampled tokens s >= t of gamma^(k(s) - k(t)) r_s, where k counts the row's
+    sampled tokens (mask 1): discounting runs over sampled tokens only, and the tokens between them
+    (observations inside a multi-turn response, mask 0) neither discount nor reset the sum. r off
+    the mask is ignored; G is 0 off the mask."""
     mask = mask_BT.to(r_BT.dtype)
     out = torch.zeros_like(r_BT)
     running = torch.zeros_like(r_BT[:, 0])
     for t in range(r_BT.shape[1] - 1, -1, -1):
-        running = (r_BT[:, t] + gamma * running) * mask[:, t]
-        out[:, t] = running
+        m = mask[:, t]
+        running = m * (r_BT[:, t] + gamma * running) + (1 - m) * running
+        out[:, t] = running * m
     return out
 
 

@@ -4,6 +4,9 @@ Estimation"), the PPO estimator with a critic.
 r_t = token reward (KL penalty if in the reward) + the scalar reward at the last response token;
 delta_t = r_t + gamma V_{t+1} - V_t (V = 0 past the last response token);
 A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t (the critic's target).
+t and t+1 are consecutive SAMPLED tokens (mask 1): in a multi-turn row the observation tokens
+between two turns are skipped, so the last token of a turn bootstraps from the value of the
+first token of the next turn, and the result equals GAE on the row with the gaps removed.
 """
 
 from __future__ import annotations
@@ -34,8 +37,12 @@ class GAE(AdvantageEstimator):
         next_adv = torch.zeros_like(values[:, 0])
         next_value = torch.zeros_like(values[:, 0])
         for t in range(values.shape[1] - 1, -1, -1):
+            # Off the mask (observation tokens between turns, prompt, padding) nothing happens: the
+            # recursion carries A and V of the next sampled token across the gap.
+            m = mask[:, t]
             delta = rewards[:, t] + self.gamma * next_value - values[:, t]
-            next_adv = (delta + self.gamma * self.lam * next_adv) * mask[:, t]
-            adv[:, t] = next_adv
-            next_value = values[:, t]
+            adv_t = (delta + self.gamma * self.lam * next_adv) * m
+            adv[:, t] = adv_t
+            next_adv = adv_t + (1 - m) * next_adv
+            next_value = m * values[:, t] + (1 - m) * next_value
         return adv, (adv + values) * mask

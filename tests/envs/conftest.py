@@ -1,0 +1,22 @@
+"""Tiny local tokenizers carrying the real Qwen2.5 / Qwen3 chat templates (tidal/envs/templates)."""
+
+import pytest
+
+from tidal.tasks.chatml import train_chatml_tokenizer
+
+CORPUS = [
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "Calculate 347*29 and tell me the result. The answer is 10063.",
+    '{"name": "calculator", "arguments": {"expression": "347*29"}}',
+    "Let me think about it step by step. print(2 + 2) Traceback error",
+] * 10
+
+
+@pytest.fixture(scope="session")
+def qwen25_tok():
+    return train_chatml_tokenizer(CORPUS, template="qwen2_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tok():
+    return train_chatml_tokenizer(CORPUS, template="qwen3")

@@ -1,0 +1,89 @@
+"""Tools: the calculator, argument checks, per-call time limits, failures vs the model's errors,
+and the worker pool's deadlines."""
+
+import threading
+import time
+
+import pytest
+
+from tidal.envs.calculator import calculate
+from tidal.envs.executor import StepPool
+from tidal.envs.tool_calls import ToolCall
+from tidal.envs.tools import FunctionTool, ToolArgumentError, ToolFailure, ToolSet
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("expr, want", [
+    ("347*29", "10063"), ("2+3*4", "14"), ("(2+3)*4", "20"), ("7/2", "3.5"), ("6/3", "2"), ("-5--2", "-3"),
+    ("2**10", "1024"), ("17//5", "3"), ("17%5", "2"), (" 12 + 1 ", "13"), ("1.5*2", "3"),
+])
+def test_calculator(expr, want):
+    assert calculate(expr) == want
+
+
+@pytest.mark.parametrize("expr, message", [
+    ("1/0", "division by zero"), ("2**1000", "exponent"), ("__import__('os')", "unsupported element"),
+    ("1+", "cannot parse"), ("x*2", "unsupported element"), ("9" * 99 + "*" + "9" * 99, "too large"), ("1" * 300, "longer"),
+])
+def test_calculator_rejects(expr, message):
+    with pytest.raises(ToolArgumentError, match=message):
+        calculate(expr)
+
+
+def _toolset(fn, timeout_s=0.5, max_calls=2):
+    return ToolSet([FunctionTool(fn, name="f", description="d", parameters=SCHEMA)], timeout_s=timeout_s, max_calls_per_turn=max_calls)
+
+
+def test_results_errors_and_failures():
+    def f(x):
+        if x == 1:
+            raise ToolArgumentError("x must not be 1")
+        if x == 2:
+            raise ToolFailure("backend down")
+        if x == 3:
+            raise RuntimeError("bug")
+        return x * 10
+
+    ts = _toolset(f, max_calls=9)
+    res = ts.run([ToolCall("f", {"x": 0}), ToolCall("g", {}), ToolCall("f", {}), ToolCall("f", {"x": "a"}),
+                  ToolCall("f", {"x": 0, "y": 1}), ToolCall("f", {"x": 1}), ToolCall("f", {"x": 2}), ToolCall("f", {"x": 3}),
+                  "tool call 9 is not valid JSON"])
+    assert [r.status for r in res] == ["ok", "error", "error", "error", "error", "error", "failure", "failure", "error"]
+    assert res[0].content == "0"
+    assert "unknown tool 'g'" in res[1].content and "missing required" in res[2].content
+    assert "must be a JSON integer" in res[3].content and "unknown argument" in res[4].content
+    assert "x must not be 1" in res[5].content and "backend down" in res[6].content and "RuntimeError: bug" in res[7].content
+    assert res[8].content == "error: tool call 9 is not valid JSON"
+
+
+def test_a_hanging_tool_meets_its_timeout():
+    release = threading.Event()
+    ts = _toolset(lambda x: release.wait(30), timeout_s=0.3)
+    t0 = time.monotonic()
+    (res,) = ts.run([ToolCall("f", {"x": 0})])
+    release.set()
+    assert res.status == "failure" and "timed out after 0.3 s" in res.content
+    assert time.monotonic() - t0 < 5
+
+
+def test_calls_beyond_the_per_turn_limit_are_not_run():
+    seen = []
+    ts = _toolset(lambda x: seen.append(x) or x, max_calls=2)
+    res = ts.run([ToolCall("f", {"x": i}) for i in range(3)])
+    assert seen == [0, 1] and res[2].status == "error" and "at most 2 tool calls" in res[2].content
+
+
+def test_step_pool_returns_finished_calls_and_times_out_hung_ones():
+    pool = StepPool(workers=2, timeout_s=0.3)
+    release = threading.Event()
+    pool.submit("slow", release.wait, 30)
+    pool.submit("fast", lambda: 42)
+    got = {}
+    while len(pool):
+        for out in pool.collect(block=True):
+            got[out.key] = out
+    release.set()
+    pool.shutdown()
+    assert got["fast"].value == 42 and got["fast"].error is None
+    assert isinstance(got["slow"].error, TimeoutError) and "step_timeout_s=0.3" in str(got["slow"].error)

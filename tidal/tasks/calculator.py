@@ -1,0 +1,244 @@
+"""The calculator task: a tiny model learns to call a calculator tool for products it cannot
+compute alone (the CPU quickstart of multi-turn tool use; docs/agentic.md).
+
+A problem is ``a*b`` with ``a`` of ``a_digits`` and ``b`` of ``b_digits`` digits; the reference is
+the exact product. A good trajectory (Qwen2.5 chat template, exact tokens of :mod:`tidal.envs`)::
+
+    <|im_start|>system\\nUse the calculator tool.<|im_end|>\\n<|im_start|>user\\nCalculate 347*29<|im_end|>\\n
+    <|im_start|>assistant\\n<tool_call>\\n{"name": "calculator", "arguments": {"expression": "347*29"}}\\n</tool_call><|im_end|>
+    \\n<|im_start|>user\\n<tool_response>\\n10063\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n10063<|im_end|>
+
+The warm start is supervised on such transcripts (loss on the assistant's tokens only, the same
+mask RL uses). Phase 1 teaches the procedure on tool demonstrations only (call the tool with the
+prompt's expression, copy its result). Phase 2 mixes in demonstrations that answer directly,
+without the tool (a fraction ``direct_rate``): the model keeps the procedure but picks up the
+habit of answering alone, which greedily wins (``The answer is ...`` starts the same way every
+time) and is almost always wrong (it cannot multiply), while sampling still calls the tool now
+and then and is then right. An exact-answer reward teaches it to call the tool. The reward is
+``tidal.tasks.calculator:calculator_reward`` (the final turn's first integer equals the product).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.config_base import ConfigError, check
+from tidal.engine.base import SamplingParams
+from tidal.engine.config import EngineConfig
+from tidal.envs import ChatRenderer, EnvConfig, EnvRollout, EnvRow, TrajectoryBuilder
+from tidal.envs.tool_calls import format_tool_call, tool_message
+from tidal.rewards.types import RewardSample
+from tidal.tasks.arithmetic import is_correct
+from tidal.tasks.assets import MARKER, TaskAssets, _assets, _build_atomically, _write_jsonl, settings_hash
+from tidal.tasks.chatml import train_chatml_tokenizer
+from tidal.tasks.model import build_model
+from tidal.tasks.sft import train_masked
+from tidal.tasks.tokenizer import save_tokenizer
+
+LABEL = "calculator"
+SYSTEM_PROMPT = "Use the calculator tool."
+MAX_POSITIONS = 256
+
+
+@dataclasses.dataclass(kw_only=True)
+class CalculatorTaskConfig:
+    """Settings of the calculator task's assets (built under ``workdir/calculator-<hash>``).
+
+    a_digits / b_digits: digits of the two factors (``a`` in ``[10**(a_digits-1), 10**a_digits)``).
+    num_train / num_eval: distinct problems of the train and held-out sets (disjoint).
+    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the Qwen2 shape.
+    sft_steps / sft_lr / sft_batch_size: phase 1 of the warm start, on tool demonstrations (AdamW,
+        linear warmup over 10% of the steps, then linear decay). ``sft_steps = 0`` skips it.
+    sft_direct_steps / direct_rate: phase 2 (same optimiser settings, a fresh schedule), on
+        demonstrations of which a fraction ``direct_rate`` answer directly, without the tool (with
+        the right product, which the model cannot compute: the habit RL must remove).
+        ``sft_direct_steps = 0`` skips it.
+    sft_threads: torch CPU threads while building. seed: data, initialisation and batching.
+    """
+
+    workdir: str = "~/.cache/tidal/tasks"
+    a_digits: int = 2
+    b_digits: int = 2
+    num_train: int = 3000
+    num_eval: int = 100
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    sft_steps: int = 400
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 64
+    sft_direct_steps: int = 150
+    direct_rate: float = 0.7
+    sft_threads: int = 2
+    seed: int = 0
+    name: str = dataclasses.field(default=LABEL, init=False)
+
+    def __post_init__(self):
+        check(1 <= self.a_digits <= 6, "a_digits", "must be in [1, 6]")
+        check(1 <= self.b_digits <= 6, "b_digits", "must be in [1, 6]")
+        check(self.num_train >= 1 and self.num_eval >= 1, "num_train", "num_train and num_eval must be >= 1")
+        space = 9 * 10 ** (self.a_digits - 1) * 9 * 10 ** (self.b_digits - 1)
+        check(self.num_train + self.num_eval <= space, "num_train", f"num_train + num_eval exceeds the {space} distinct problems")
+        check(0.0 <= self.direct_rate <= 1.0, "direct_rate", "must be in [0, 1]")
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "sft_batch_size", "sft_threads"):
+            check(getattr(self, key) >= 1, key, "must be >= 1")
+        check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0, "num_heads",
+              "hidden_size / num_heads must be an even integer")
+        check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
+        check(self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        check(self.sft_direct_steps >= 0, "sft_direct_steps", "must be >= 0")
+        check(self.sft_lr > 0, "sft_lr", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    a: int
+    b: int
+
+    @property
+    def expression(self) -> str:
+        return f"{self.a}*{self.b}"
+
+    @property
+    def prompt(self) -> str:
+        return f"Calculate {self.expression}"
+
+    @property
+    def answer(self) -> int:
+        return self.a * self.b
+
+    def row(self) -> dict:
+        return {"prompt": self.prompt, "reference": str(self.answer), "label": LABEL}
+
+
+def split_products(cfg: CalculatorTaskConfig) -> tuple[list[Product], list[Product]]:
+    """(train, eval): distinct problems drawn without replacement (seeded), disjoint."""
+    lo_a, lo_b = 10 ** (cfg.a_digits - 1), 10 ** (cfg.b_digits - 1)
+    n_b = 10**cfg.b_digits - lo_b
+    picks = random.Random(cfg.seed).sample(range((10**cfg.a_digits - lo_a) * n_b), cfg.num_train + cfg.num_eval)
+    problems = [Product(lo_a + i // n_b, lo_b + i % n_b) for i in picks]
+    return problems[cfg.num_eval:], problems[: cfg.num_eval]
+
+
+def calculator_reward(sample: RewardSample) -> float:
+    """1.0 when the final turn's first integer equals the reference product, else 0.0 (scored on
+    ``sample.response``, the final turn; the conversation in ``sample.messages`` is not needed)."""
+    return 1.0 if is_correct(sample.response, sample.reference) else 0.0
+
+
+def env_config(**overrides) -> EnvConfig:
+    """The ``env`` section of the task: the calculator environment with a short system prompt and
+    no tool schema in the prompt (a tiny model's context is short), at most 3 turns of 32 tokens."""
+    settings = dict(name="calculator", kwargs={"system_prompt": SYSTEM_PROMPT, "tools_in_prompt": False}, max_turns=3,
+                    max_tokens_per_turn=32)
+    return EnvConfig(**{**settings, **overrides})
+
+
+def answer_text(value: int) -> str:
+    """How a demonstration states its final answer (the same words with or without the tool, so
+    that answering directly starts with one likely token and greedy decoding shows the habit)."""
+    return f"The answer is {value}."
+
+
+def messages_of(problem: Product) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem.prompt}]
+
+
+def transcript(renderer: ChatRenderer, problem: Product, *, use_tool: bool) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of one demonstration, laid out exactly as a rollout builds it (the turns'
+    tokens are what the model should sample; the observation is rendered by the template)."""
+    eos = renderer.tokenizer.eos_token_id
+    b = TrajectoryBuilder(renderer.prompt_ids(messages_of(problem)), messages_of(problem))
+    if use_tool:
+        call = format_tool_call("calculator", {"expression": problem.expression})
+        ids = renderer.encode(call) + [eos]
+        turn = b.add_turn(ids, [0.0] * len(ids), "stop", call)
+        obs = [tool_message(str(problem.answer))]
+        b.add_observation(renderer.observation_ids(obs, turn), obs)
+    answer = answer_text(problem.answer)
+    ids = renderer.encode(answer) + [eos]
+    b.add_turn(ids, [0.0] * len(ids), "stop", answer)
+    row = b.rows[0]
+    return row.input_ids, [0] * len(row.prompt_ids) + row.action_mask
+
+
+def _corpus(problems: list[Product]) -> list[str]:
+    fixed = [SYSTEM_PROMPT, "Calculate", format_tool_call("calculator", {"expression": "1*2"}), answer_text(0)]
+    return fixed * 50 + [f"{p.prompt} {answer_text(p.answer)}" for p in problems]
+
+
+def evaluate(model, tokenizer, problems: list[Product], *, greedy: bool = True, seed: int = 0) -> dict[str, float]:
+    """Roll the model out in the calculator environment (HF engine on the CPU): accuracy of the
+    final answers and the fraction of trajectories that called the tool."""
+    from tidal.engine.hf import HFEngine
+
+    engine = HFEngine(model.config, EngineConfig(backend="hf", max_num_seqs=256), device=torch.device("cpu"), dtype=torch.float32)
+    engine.load_weights(model.named_parameters())
+    renderer = ChatRenderer(tokenizer)
+    rows = [EnvRow(prompt_ids=renderer.prompt_ids(messages_of(p)), prompt_text=p.prompt, messages=[messages_of(p)[1]],
+                   reference=str(p.answer), label=LABEL, where=f"eval:{i}") for i, p in enumerate(problems)]
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=32, seed=seed)
+    result = EnvRollout(env_config(), tokenizer).run(engine.generate, rows, params)
+    trajs = result.trajectories
+    correct = sum(calculator_reward(t.reward_sample(i)) for i, t in enumerate(trajs) if t.turns)
+    return {"accuracy": correct / len(trajs), "tool_call_rate": sum(t.counters.get("tool_calls", 0) > 0 for t in trajs) / len(trajs)}
+
+
+def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product], held_out: list[Product]) -> dict:
+    """The two SFT phases (see module docstring); returns their losses and held-out accuracies."""
+    renderer = ChatRenderer(tokenizer)
+    sft = dict(pad_id=tokenizer.pad_token_id, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
+    tool = train_masked(model, [transcript(renderer, p, use_tool=True) for p in train], steps=cfg.sft_steps, seed=cfg.seed, **sft)
+    tool_eval = evaluate(model, tokenizer, held_out)
+    rng = random.Random(cfg.seed + 1)
+    mixed = [transcript(renderer, p, use_tool=rng.random() >= cfg.direct_rate) for p in train]
+    direct = train_masked(model, mixed, steps=cfg.sft_direct_steps, seed=cfg.seed + 1, **sft)
+    greedy, sampled = evaluate(model, tokenizer, held_out), evaluate(model, tokenizer, held_out, greedy=False, seed=cfg.seed)
+    return {
+        "sft_loss": tool[-1] if tool else float("nan"), "tool_accuracy": tool_eval["accuracy"],
+        "direct_loss": direct[-1] if direct else float("nan"), "sft_accuracy": greedy["accuracy"],
+        "tool_call_rate": greedy["tool_call_rate"], "sampled_accuracy": sampled["accuracy"],
+        "sampled_tool_call_rate": sampled["tool_call_rate"],
+    }
+
+
+def prepare_calculator(cfg: CalculatorTaskConfig) -> TaskAssets:
+    """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once."""
+    root = Path(cfg.workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
+    if not (root / MARKER).is_file():
+        if root.exists():
+            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
+        _build_atomically(cfg, root, _build)
+    return _assets(root)
+
+
+def _build(cfg: CalculatorTaskConfig, out: Path) -> None:
+    start = time.perf_counter()
+    train, held_out = split_products(cfg)
+    _write_jsonl(out / "train.jsonl", [p.row() for p in train])
+    _write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
+    tokenizer = train_chatml_tokenizer(_corpus(train), template="qwen2_5")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.sft_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, tokenizer, max_positions=MAX_POSITIONS)
+        report = _warm_start(cfg, model, tokenizer, train, held_out)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out / "model")
+    save_tokenizer(tokenizer, str(out / "model"))
+    report["build_seconds"] = time.perf_counter() - start
+    print(f"[tidal.tasks] built 'calculator' in {report['build_seconds']:.1f}s: {cfg.sft_steps} SFT steps on tool use "
+          f"(held-out greedy accuracy {report['tool_accuracy']:.3f}), then {cfg.sft_direct_steps} with {cfg.direct_rate:.0%} "
+          f"direct answers: held-out greedy accuracy {report['sft_accuracy']:.3f}, sampled accuracy "
+          f"{report['sampled_accuracy']:.3f}, sampled tool-call rate {report['sampled_tool_call_rate']:.3f}", flush=True)
+    (out / MARKER).write_text(json.dumps({"settings": dataclasses.asdict(cfg), **report}, indent=2))
