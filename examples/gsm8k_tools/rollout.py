@@ -39,11 +39,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_engine(args, hf_config, model):
+    from tidal.dtypes import resolve_dtype
     from tidal.engine.config import EngineConfig
     from tidal.engine.factory import create_engine
 
-    cfg = EngineConfig(backend=args.engine, kv_cache_max_tokens=args.kv_cache_max_tokens, cuda_graphs=args.device.startswith("cuda"))
-    engine = create_engine(hf_config, cfg, device=torch.device(args.device))
+    paged = {"kv_cache_max_tokens": args.kv_cache_max_tokens, "cuda_graphs": args.device.startswith("cuda")} if args.engine == "native" else {}
+    cfg = EngineConfig(backend=args.engine, **paged)
+    device = torch.device(args.device)
+    engine = create_engine(hf_config, cfg, device=device, dtype=resolve_dtype(cfg.dtype, device))
     engine.load_weights(model.named_parameters())
     return engine
 
