@@ -208,7 +208,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     engine_dtype = resolve_dtype(cfg.engine.dtype, runtime.device)
     engine = create_engine(hf_config, cfg.engine, device=runtime.device, dtype=engine_dtype,
                            tp_group=runtime.tp_group)
-    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=cfg.engine.sleep_level)
+    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=cfg.engine.sleep_level, verify=cfg.sync.verify)
 
     rewards = RewardEngine(cfg.reward, device=runtime.device, placement=phases)
     data = build_data(cfg, paths, tokenizer, runtime)

@@ -23,6 +23,7 @@ from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
+from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
 from tidal.trainer.config import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig, TrainConfig
 
@@ -37,6 +38,7 @@ class TidalConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -81,3 +81,6 @@ class RolloutEngine(Protocol):
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes held now, by kind (weights, kv_cache, graphs, ...)."""
+
+    # Optional: ``verify_weights(named_tensors) -> list[str]``, the names whose values in the engine
+    # differ from the given full tensors (weight-sync verification, ``sync.verify``).

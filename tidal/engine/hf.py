@@ -35,6 +35,15 @@ class HFEngine:
                     raise KeyError(f"HFEngine.load_weights: unknown weight {name!r}")
                 self._params[name].copy_(t)
 
+    @torch.no_grad()
+    def verify_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """The names whose values differ from the given tensors (empty: this engine holds them)."""
+        named = list(named_tensors)
+        if not named:
+            return []
+        flags = torch.stack([(self._params[n] != t.to(self._params[n].device, self._params[n].dtype)).any() for n, t in named]).tolist()
+        return sorted(n for (n, _), bad in zip(named, flags) if bad)
+
     def sleep(self, level: int = 1) -> int:
         if level >= 2 and not self.weights_on_cpu:
             freed = self._weight_bytes() if self.device.type != "cpu" else 0

@@ -92,13 +92,15 @@ class Colocation:
         self.engine: RolloutEngine | None = None
         self.engine_dtype: torch.dtype | None = None
         self.sleep_level = 0
+        self.verify_sync = False
         self.engine_memory: dict[str, int] = {}  # the engine's device bytes by kind, at the end of the last rollout
 
-    def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int) -> None:
+    def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int, verify: bool) -> None:
         """Take charge of the rollout engine: sync the actor's weights into it and put it to rest.
         ``dtype``: its weight dtype (``engine.dtype`` resolved); ``sleep_level``:
-        ``engine.sleep_level``, what it frees at rest."""
-        self.engine, self.engine_dtype, self.sleep_level = engine, dtype, sleep_level
+        ``engine.sleep_level``, what it frees at rest; ``verify``: ``sync.verify``, every weight
+        sync is read back and compared."""
+        self.engine, self.engine_dtype, self.sleep_level, self.verify_sync = engine, dtype, sleep_level, verify
         self.sync_weights()
         self._sleep()
 
@@ -175,7 +177,7 @@ class Colocation:
         with self.timer.phase("weight_sync"):
             return self._move(
                 "update_engine_weights", "engine", update_engine_weights, self.strategy, self.models.actor.model,
-                self.engine, dtype=self.engine_dtype,
+                self.engine, dtype=self.engine_dtype, verify=self.verify_sync,
             )
 
     # ---- mechanics -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 from tidal.config_base import check
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
+from tidal.sync.config import SyncConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -142,6 +143,7 @@ class TrainerSections(Protocol):
 
     run: RunConfig
     model: ModelConfig
+    sync: SyncConfig
     rollout: RolloutConfig
     train: TrainConfig
     eval: EvalConfig

@@ -22,6 +22,7 @@ from tidal.distributed.runtime import Runtime
 from tidal.engine.base import SamplingParams
 from tidal.logging import MetricsLogger, TrajectoryWriter
 from tidal.rewards import RewardEngine
+from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.trainer import checkpoint as ckpt
 from tidal.trainer import faults
 from tidal.trainer.colocation import Colocation, Models
@@ -57,6 +58,7 @@ class TrainerState:
     step: int = 0
     skipped_in_a_row: int = 0
     skipped_total: int = 0
+    sync_alarms: int = 0
     initial_eval: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -157,6 +159,7 @@ class PPOTrainer:
         self.phases.sync_weights()
         self.algo.update_after_step(update.actor)
         self._track_skips(metrics)
+        self._mismatch_alarm(metrics)
         metrics.update(self.timer.pop())
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")
         device = self.rt.device
@@ -169,6 +172,20 @@ class PPOTrainer:
         if self.trajectories is not None and self.cfg.logging.trajectories_due(step):
             self.trajectories.write(step, self._trajectory_records(samples, exp))
         return metrics
+
+    def _mismatch_alarm(self, metrics: dict[str, float]) -> None:
+        """``sync.max_logp_diff``: warn (counted in ``sync/alarms``) or stop when the engine samples
+        from a policy far from the trainer's. The metrics are reduced over ranks: all ranks agree."""
+        sync = self.cfg.sync
+        message = mismatch_alarm(metrics, sync.max_logp_diff)
+        self.state.sync_alarms += message is not None
+        metrics["sync/alarms"] = float(self.state.sync_alarms)
+        if message is None:
+            return
+        if sync.on_alarm == "stop":
+            raise WeightSyncError(f"{message} (sync.on_alarm=stop)")
+        if self.rt.is_main:
+            print(f"[tidal] warning: {message}", flush=True)
 
     def _track_skips(self, metrics: dict[str, float]) -> None:
         skipped = metrics.get("actor/skipped", 0.0) > 0

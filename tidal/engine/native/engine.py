@@ -182,6 +182,11 @@ class NativeEngine:
         if self.block_manager is not None:
             self.block_manager.reset_prefix_cache()
 
+    def verify_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """The HF names whose values in this engine differ from the given full tensors (on this TP
+        rank's shard); empty when the engine holds exactly what it was sent."""
+        return self.model.verify_weights(named_tensors)
+
     def memory_report(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.numel())
         kv = self.runner.kv_cache

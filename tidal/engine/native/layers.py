@@ -1,5 +1,7 @@
 """Tensor-parallel building blocks. Each layer owns how a full (unsharded) HF tensor lands in its shard:
-``weight_loader(param, full_tensor, shard_id)`` copies in place (no reallocation).
+``weight_slices(param, full_tensor, shard_id)`` gives the (destination view of ``param``, source view
+of the full tensor) pairs -- a None source means zeros -- that loading copies in place (no
+reallocation) and that weight-sync verification compares.
 
 Column-parallel layers split the output dim over the TP group, row-parallel ones the input dim
 (followed by an all-reduce); vocabulary-parallel embedding / LM head split the vocabulary
@@ -39,10 +41,9 @@ class MergedColumnParallelLinear(_Linear):
         self.out_sizes = [_divide(s, tp.size, "out_features") for s in out_sizes]
         super().__init__(in_features, sum(self.out_sizes), bias, tp, dtype)
 
-    def weight_loader(self, param, full, shard_id: int) -> None:
+    def weight_slices(self, param, full, shard_id: int):
         n = self.out_sizes[shard_id]
-        dst = param.data.narrow(0, sum(self.out_sizes[:shard_id]), n)
-        dst.copy_(full.narrow(0, self.tp.rank * n, n))
+        return [(param.data.narrow(0, sum(self.out_sizes[:shard_id]), n), full.narrow(0, self.tp.rank * n, n))]
 
 
 class QKVParallelLinear(_Linear):
@@ -62,12 +63,12 @@ class QKVParallelLinear(_Linear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden, out, bias, tp, dtype)
 
-    def weight_loader(self, param, full, shard_id: str) -> None:
+    def weight_slices(self, param, full, shard_id: str):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size, rank = {"q": (0, q, self.tp.rank), "k": (q, kv, self.kv_rank), "v": (q + kv, kv, self.kv_rank)}[
             shard_id
         ]
-        param.data.narrow(0, offset, size).copy_(full.narrow(0, rank * size, size))
+        return [(param.data.narrow(0, offset, size), full.narrow(0, rank * size, size))]
 
 
 class RowParallelLinear(_Linear):
@@ -76,12 +77,11 @@ class RowParallelLinear(_Linear):
     def __init__(self, in_features, out_features, bias, tp, dtype):
         super().__init__(_divide(in_features, tp.size, "in_features"), out_features, bias, tp, dtype)
 
-    def weight_loader(self, param, full, shard_id=None) -> None:
+    def weight_slices(self, param, full, shard_id=None):
         if param.dim() == 1:  # the bias is added once, after the reduction
-            param.data.copy_(full)
-            return
+            return [(param.data, full)]
         n = param.shape[1]
-        param.data.copy_(full.narrow(1, self.tp.rank * n, n))
+        return [(param.data, full.narrow(1, self.tp.rank * n, n))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
@@ -99,10 +99,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
 
-    def weight_loader(self, param, full, shard_id=None) -> None:
+    def weight_slices(self, param, full, shard_id=None):
         rows = full[self.start : self.start + self.shard]
-        param.data[: rows.shape[0]].copy_(rows)
-        param.data[rows.shape[0] :].zero_()
+        return [(param.data[: rows.shape[0]], rows), (param.data[rows.shape[0] :], None)]  # padding rows: zeros
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -126,10 +125,10 @@ class ParallelLMHead(nn.Module):
             self.weight = embed.weight
         else:
             self.weight = nn.Parameter(torch.zeros_like(embed.weight), requires_grad=False)
-            self._loader = embed.weight_loader
+            self._slices = embed.weight_slices
 
-    def weight_loader(self, param, full, shard_id=None) -> None:
-        self._loader(param, full)
+    def weight_slices(self, param, full, shard_id=None):
+        return self._slices(param, full)
 
     def forward(self, hidden_BH: torch.Tensor) -> torch.Tensor | None:
         logits = self.tp.gather_last_dim(F.linear(hidden_BH, self.weight))
@@ -145,8 +144,8 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def weight_loader(self, param, full, shard_id=None) -> None:
-        param.data.copy_(full)
+    def weight_slices(self, param, full, shard_id=None):
+        return [(param.data, full)]
 
     def forward(self, x, residual=None):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)

@@ -162,15 +162,35 @@ class DecoderLM(nn.Module):
         """Copy HF-named full tensors into the (sharded, packed) parameters in place. Returns the
         names loaded. Raises KeyError on a name this model has no place for."""
         loaded = set()
+        with torch.no_grad():
+            for name, slices in self.weight_slices(named_tensors):
+                for dst, src in slices:
+                    dst.copy_(src) if src is not None else dst.zero_()
+                loaded.add(name)
+        return loaded
+
+    @torch.no_grad()
+    def verify_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """The HF names whose live parameter values differ from the given full tensors (empty: the
+        engine holds exactly what was sent); one device read of the weights and one host sync."""
+        names, flags = [], []
+        for name, slices in self.weight_slices(named_tensors):
+            for dst, src in slices:
+                names.append(name)
+                flags.append((dst != src.to(dst.dtype)).any() if src is not None else dst.any())
+        bad = torch.stack(flags).tolist() if flags else []
+        return sorted({n for n, b in zip(names, bad) if b})
+
+    def weight_slices(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """(HF name, [(destination view, source view or None for zeros), ...]) of each weight this
+        model keeps (the layers' ``weight_slices``: TP shard, packed q/k/v and gate/up); skipped
+        weights (RoPE frequencies, a tied LM head) are left out. KeyError on a name with no place."""
         for name, full in named_tensors:
             target = self._load_target(name)
             if target is None:
                 continue
             module, param, shard_id = target
-            with torch.no_grad():
-                module.weight_loader(param, full, shard_id)
-            loaded.add(name)
-        return loaded
+            yield name, module.weight_slices(param, full, shard_id)
 
     def _load_target(self, name: str):
         """(module, parameter, shard id) that HF weight ``name`` loads into; None for a weight this
@@ -192,7 +212,7 @@ class DecoderLM(nn.Module):
             param = getattr(module, param_name)
         except AttributeError:
             raise KeyError(f"weight {name!r} has no place in {type(self).__name__}") from None
-        if not isinstance(param, nn.Parameter) or not hasattr(module, "weight_loader"):
+        if not isinstance(param, nn.Parameter) or not hasattr(module, "weight_slices"):
             raise KeyError(f"weight {name!r} has no place in {type(self).__name__}")
         cache[name] = (module, param, shard_id)
         return cache[name]
@@ -265,26 +285,20 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     def rope_rows(self, positions_3T: torch.Tensor) -> torch.Tensor:
         return mrope_cos_sin(self.cos_sin_PD, positions_3T, self.mrope_columns_D)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Vision weights are copied as they are; text weights go through :meth:`DecoderLM.load_weights`."""
+    def weight_slices(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """Vision weights map onto the (replicated) tower as they are; text weights as in
+        :meth:`DecoderLM.weight_slices`, named either way (``model.language_model.*`` or ``model.*``)."""
         visual = dict(self.visual.named_parameters())
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, full in named_tensors:
-                if name.startswith(("model.visual.", "visual.")):
-                    key = name.split("visual.", 1)[1]
-                    if key not in visual:
-                        raise KeyError(f"weight {name!r} has no place in the vision tower")
-                    with torch.no_grad():
-                        visual[key].copy_(full)
-                    loaded.add(name)
-                    continue
-                if name.startswith("model.language_model."):
-                    name = "model." + name[len("model.language_model."):]
-                yield name, full
-
-        return loaded | super().load_weights(text_weights())
+        for name, full in named_tensors:
+            if name.startswith(("model.visual.", "visual.")):
+                key = name.split("visual.", 1)[1]
+                if key not in visual:
+                    raise KeyError(f"weight {name!r} has no place in the vision tower")
+                yield name, [(visual[key].data, full)]
+                continue
+            text = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+            for _, slices in super().weight_slices([(text, full)]):
+                yield name, slices
 
 
 @MODELS.register("qwen2_5_vl")
