@@ -58,8 +58,9 @@ class TidalConfig:
         distill = self.algorithm.distill_coef > 0
         check(not distill or self.model.teacher.enabled, "model.teacher",
               "algorithm.distill_coef > 0 needs a teacher: model.teacher.path (local folder) or model.teacher.url")
-        check(distill or not self.model.teacher.enabled, "algorithm.distill_coef",
-              "is 0 but model.teacher is set: set distill_coef > 0 to distil from it, or remove the teacher")
+        teacher_key = "model.teacher.path" if self.model.teacher.path else "model.teacher.url"
+        check(distill or not self.model.teacher.enabled, teacher_key,
+              "a teacher is set but algorithm.distill_coef is 0: set distill_coef > 0 to distil from it, or remove the teacher")
         check(distill or bool(self.reward.components), "reward.components",
               "no reward components and no distillation (algorithm.distill_coef): nothing to learn from")
         check(bool(self.reward.components) or self.algorithm.distill_task_weight == 1.0, "algorithm.distill_task_weight",

@@ -85,7 +85,7 @@ def build(**strategy_cfg):
     models = Models(tokenizer=None, actor=_state(actor), critic=_state(critic), reference=ref)
     phases = Colocation(strategy=strategy, models=models, timer=PhaseTimer(sync=lambda: None))
     engine = FakeEngine(log)
-    phases.attach_engine(engine, dtype=torch.float32, sleep_level=1)
+    phases.attach_engine(engine, dtype=torch.float32, sleep_level=1, verify=False)
     return phases, log, strategy, engine
 
 
