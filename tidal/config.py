@@ -69,11 +69,40 @@ class TidalConfig:
         check(bool(self.reward.components) or not has_eval, "eval",
               "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
               "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")
+        self._check_unused()
         check(
             self.rollout.prompts_per_step % self.train.mini_batches == 0,
             "train.mini_batches",
             f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must divide into {self.train.mini_batches} mini-batches",
         )
+
+    def _check_unused(self) -> None:
+        """A setting that this run would never read, set away from its default, is an error naming
+        it (no silent ignores)."""
+        from tidal.algorithms import registry
+
+        critic = registry.ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage, "algorithm.advantage").needs_critic
+        kl = self.algorithm.kl_coef > 0
+        unused = [
+            (not critic, "model.critic_path", self.model.critic_path, "", "estimators with a critic (gae)"),
+            (not critic, "optim.critic_lr", self.optim.critic_lr, OptimConfig().critic_lr, "estimators with a critic (gae)"),
+            (not critic, "strategy.offload_critic", self.strategy.offload_critic, False, "estimators with a critic (gae)"),
+            (not kl, "model.reference_path", self.model.reference_path, "", "KL to a reference (algorithm.kl_coef > 0)"),
+            (not kl, "strategy.offload_reference", self.strategy.offload_reference, True, "KL to a reference (algorithm.kl_coef > 0)"),
+            (not self.model.teacher.path, "strategy.offload_teacher", self.strategy.offload_teacher, True,
+             "a local distillation teacher (model.teacher.path)"),
+            ("wandb" not in self.logging.backends, "logging.wandb_project", self.logging.wandb_project, "tidal", "logging.backends with wandb"),
+            ("wandb" not in self.logging.backends, "logging.wandb_mode", self.logging.wandb_mode, "offline", "logging.backends with wandb"),
+        ]
+        if not self.task.name:
+            defaults = TaskConfig()
+            unused += [(True, f"task.{f.name}", getattr(self.task, f.name), getattr(defaults, f.name), "a built-in task (task.name)")
+                       for f in dataclasses.fields(TaskConfig) if f.name not in ("name", "workdir")]
+        if self.engine.backend == "sglang":  # its logprobs are before top-k/top-p renormalisation
+            unused += [(True, "rollout.top_k", self.rollout.top_k, 0, "engine.backend other than sglang"),
+                       (True, "rollout.top_p", self.rollout.top_p, 1.0, "engine.backend other than sglang")]
+        for applies, key, value, default, used_by in unused:
+            check(not applies or value == default, key, f"is only used by {used_by}; leave it at its default ({default!r}) in this run")
 
     def check_world(self, world_size: int) -> None:
         """Checks that depend on the number of ranks (``engine.tp_size`` against the world is checked

@@ -37,6 +37,11 @@ def assets(tiny_task_overrides):
     return prepare(load_config("quickstart", tiny_task_overrides).task)
 
 
+def _no_task(overrides: list[str]) -> list[str]:
+    """``overrides`` without the task's settings (a run on its own paths reads none of them)."""
+    return [o for o in overrides if not o.startswith("task.")]
+
+
 def _own_paths(assets, tmp_path, **changes) -> list[str]:
     """Overrides for a run on explicit model/data paths (no task), copies of the task's assets."""
     model = tmp_path / "model"
@@ -78,12 +83,12 @@ def test_too_little_disk_space_for_a_checkpoint(tmp_path):
 
 
 def test_missing_model_path(tmp_path, assets, tiny_task_overrides, capsys):
-    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, model="/no/such/model"), loads_models=False)
+    err = _cli_error(capsys, _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, model="/no/such/model"), loads_models=False)
     assert "'model.path'" in err and "'/no/such/model' is not a local directory" in err
 
 
 def test_missing_data_path(tmp_path, assets, tiny_task_overrides, capsys):
-    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, train="/no/such.jsonl"), loads_models=False)
+    err = _cli_error(capsys, _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path, train="/no/such.jsonl"), loads_models=False)
     assert "'data.train[0].path'" in err and "'/no/such.jsonl' does not exist" in err
 
 
@@ -93,7 +98,7 @@ def test_resume_from_a_missing_checkpoint(tmp_path, tiny_task_overrides, capsys)
 
 
 def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, capsys):
-    overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    overrides = _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
     model = tmp_path / "model"
     (model / "chat_template.jinja").unlink(missing_ok=True)
     cfg_file = model / "tokenizer_config.json"
@@ -110,7 +115,7 @@ def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, 
     ('[1, 2]', r"train.jsonl:3: a row must be a JSON object, got list"),
 ])
 def test_malformed_row_names_file_and_line(tmp_path, assets, tiny_task_overrides, bad_line, message):
-    overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    overrides = _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
     train = tmp_path / "train.jsonl"
     lines = train.read_text().splitlines()
     train.write_text("\n".join(lines[:2] + [bad_line] + lines[2:]) + "\n")

@@ -117,7 +117,7 @@ def test_estimators_gapped_equal_contiguous(estimator, adv_norm):
     values, tok_r = torch.randn(B, T), 0.1 * torch.randn(B, T)
     rewards, groups = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.tensor([0, 0, 1, 1])
     gamma = 0.9 if estimator in ("gae", "reinforce", "reinforce_pp", "reinforce_pp_baseline") else 1.0
-    cfg = AlgorithmConfig(advantage=estimator, gamma=gamma, lam=0.8, adv_norm=adv_norm)
+    cfg = AlgorithmConfig(advantage=estimator, gamma=gamma, lam=0.8 if estimator == "gae" else 0.95, adv_norm=adv_norm)
     common = dict(rewards_B=rewards, group_ids_B=groups, values_BT=values if estimator == "gae" else None)
     adv_g, ret_g = _adv(cfg, action_mask_BT=gapped, token_rewards_BT=tok_r, **common)
     adv_c, ret_c = _adv(cfg, action_mask_BT=contig, token_rewards_BT=_to_contiguous(tok_r, pos),
@@ -169,7 +169,7 @@ def test_losses_gapped_equal_contiguous(policy_loss, loss_agg, mode):
     cfg = AlgorithmConfig(
         policy_loss=policy_loss, loss_agg=loss_agg, loss_agg_constant=16.0 if loss_agg == "constant" else 0.0,
         clip_low=0.2 if policy_loss != "cispo" else 1.0, kl_coef=0.05, entropy_coef=0.01,
-        mismatch=MismatchConfig(mode=mode, cap=1.3, lower=0.8 if mode.endswith("_mask") else 0.0),
+        mismatch=MismatchConfig(mode=mode, cap=1.3 if mode != "none" else 2.0, lower=0.8 if mode.endswith("_mask") else 0.0),
     )
     tensors = dict(logp=logp, old=old, adv=adv, ref=ref, rollout=rollout, entropy=entropy)
     loss_g, m_g, gl_g, ge_g = _policy_loss(cfg, gapped, **tensors)
@@ -244,7 +244,7 @@ def test_trajectory_split_over_rows_equals_one_row(estimator):
     val_split[0, 1:3], val_split[1, 3:5], val_split[2] = val_one[0, 1:3], val_one[0, 5:7], val_one[1]
     tr_split[0, 1:3], tr_split[1, 3:5], tr_split[2] = tr_one[0, 1:3], tr_one[0, 5:7], tr_one[1]
     gamma = 0.9 if estimator in ("gae", "reinforce", "reinforce_pp", "reinforce_pp_baseline") else 1.0
-    cfg = AlgorithmConfig(advantage=estimator, gamma=gamma, lam=0.7)
+    cfg = AlgorithmConfig(advantage=estimator, gamma=gamma, lam=0.7 if estimator == "gae" else 0.95)
     use_v = estimator == "gae"
     adv_one, ret_one = _adv(cfg, rewards_B=torch.tensor([1.0, 0.0]), action_mask_BT=one, group_ids_B=torch.tensor([0, 0]),
                             token_rewards_BT=tr_one, values_BT=val_one if use_v else None)

@@ -112,3 +112,29 @@ def test_every_backend_takes_the_defaults_and_what_it_honours(backend):
                 "vllm": ["engine.block_size=32", "engine.kv_cache_max_tokens=4096"], "sglang": ["engine.cuda_graphs=false"]}[backend]
     cfg = build(TidalConfig, apply_overrides(BASE, [f"engine.backend={backend}", *honoured]))
     assert cfg.engine.backend == backend
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.critic_path=/c", "model.critic_path"), ("optim.critic_lr=1e-4", "optim.critic_lr"),
+    ("strategy.offload_critic=true", "strategy.offload_critic"), ("model.reference_path=/r", "model.reference_path"),
+    ("strategy.offload_reference=false", "strategy.offload_reference"), ("strategy.offload_teacher=false", "strategy.offload_teacher"),
+    ("logging.wandb_project=x", "logging.wandb_project"), ("task.digits=3", "task.digits"),
+    ("eval.temperature=0.7", "eval.temperature"), ("algorithm.lam=0.9", "algorithm.lam"),
+    ("algorithm.value_clip=0.5", "algorithm.value_clip"), ("algorithm.kl_estimator=k1", "algorithm.kl_estimator"),
+    ("algorithm.kl_horizon_steps=5", "algorithm.kl_horizon_steps"), ("algorithm.mismatch.cap=3.0", "algorithm.mismatch.cap"),
+    ("algorithm.dynamic_sampling.max_tries=5", "algorithm.dynamic_sampling.max_tries"),
+    ("algorithm.overlong.penalty_factor=2.0", "algorithm.overlong.penalty_factor"),
+])
+def test_a_setting_this_run_never_reads_is_refused(override, key):
+    with pytest.raises(ConfigError) as e:
+        build(TidalConfig, apply_overrides(BASE, [override]))
+    assert e.value.key == key, str(e.value)
+
+
+def test_the_same_settings_are_taken_where_they_are_read():
+    cfg = build(TidalConfig, apply_overrides(BASE, [
+        "algorithm.advantage=gae", "algorithm.gamma=0.99", "algorithm.lam=0.9", "algorithm.value_clip=0.5", "optim.critic_lr=1e-4",
+        "strategy.offload_critic=true", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1", "strategy.offload_reference=false",
+        "eval.n_samples=4", "eval.temperature=0.7", "algorithm.mismatch.mode=token_truncate", "algorithm.mismatch.cap=3.0",
+    ]))
+    assert cfg.algorithm.lam == 0.9 and cfg.eval.temperature == 0.7

@@ -36,6 +36,7 @@ class MismatchConfig:
         check(self.cap >= 1.0, "cap", "must be >= 1")
         check(0.0 <= self.lower < 1.0, "lower", "must be in [0, 1)")
         check(self.lower == 0.0 or self.mode.endswith("_mask"), "lower", f"only used by the *_mask modes, not '{self.mode}'")
+        check(self.cap == 2.0 or self.mode != "none", "cap", "only used when mode is not none (metrics only)")
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +220,10 @@ class AlgorithmConfig:
         else:
             check(self.kl_target == 0, "kl_target", "only used by kl_controller=adaptive")
         check(self.kl_horizon_steps >= 1, "kl_horizon_steps", "must be >= 1")
+        if self.kl_controller != "adaptive":
+            check(self.kl_horizon_steps == _DEFAULTS["kl_horizon_steps"], "kl_horizon_steps", "only used by kl_controller=adaptive")
+        if self.kl_coef == 0:
+            check(self.kl_estimator == _DEFAULTS["kl_estimator"], "kl_estimator", "only used with kl_coef > 0 (no KL is computed)")
 
     def _check_estimator(self):
         estimator = registry.ADVANTAGE_ESTIMATORS.get(self.advantage, "advantage")
@@ -228,14 +233,27 @@ class AlgorithmConfig:
             check(self.gamma == 1.0, "gamma", f"must be 1 for advantage={self.advantage} (it does not discount)")
         if estimator.needs_critic:
             check(self.value_loss_coef > 0, "value_loss_coef", f"{self.advantage} trains a critic: must be > 0")
+        else:  # settings of the critic and of GAE, which this estimator does not have
+            for name in ("lam", "value_clip", "value_loss_coef"):
+                check(getattr(self, name) == _DEFAULTS[name], name, f"only used by estimators with a critic (gae), not advantage={self.advantage}")
         if estimator.whitens_batch:
             check(self.adv_norm != "batch", "adv_norm", f"advantage={self.advantage} already whitens over the batch")
         check(self.reward_clip >= 0, "reward_clip", "must be >= 0 (0: off)")
         check(self.adv_clip >= 0, "adv_clip", "must be >= 0 (0: off)")
 
     def _check_shaping(self):
+        if not self.dynamic_sampling.enabled:
+            check(self.dynamic_sampling.max_tries == DynamicSamplingConfig().max_tries, "dynamic_sampling.max_tries",
+                  "only used when dynamic_sampling.enabled is true")
+        if not self.overlong.shaping:
+            for name in ("penalty_factor", "max_len"):
+                check(getattr(self.overlong, name) == getattr(OverlongConfig(), name), f"overlong.{name}",
+                      "only used by overlong shaping (overlong.buffer_len > 0)")
         default = CPGDConfig()
         if self.cpgd.weight != default.weight:
             check(self.advantage == "cpgd", "cpgd.weight", f"only used by advantage=cpgd, not '{self.advantage}'")
         if self.cpgd.drift_coef != default.drift_coef:
             check(self.policy_loss == "cpgd", "cpgd.drift_coef", f"only used by policy_loss=cpgd, not '{self.policy_loss}'")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig) if f.default is not dataclasses.MISSING}

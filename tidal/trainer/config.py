@@ -116,6 +116,7 @@ class EvalConfig:
         check(self.n_samples >= 0, "n_samples", "must be >= 0")
         check(self.greedy or self.n_samples > 0, "greedy", "evaluation needs greedy: true or n_samples > 0")
         check(self.temperature > 0, "temperature", "must be > 0")
+        check(self.n_samples > 0 or self.temperature == 1.0, "temperature", "only used by sampled evaluation (n_samples > 0)")
         check(self.max_prompts >= 0, "max_prompts", "must be >= 0")
 
 
