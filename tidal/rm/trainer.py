@@ -26,6 +26,7 @@ from tidal.rm.loss import PairMeans, bradley_terry_loss, pair_sums
 from tidal.rm.model import score_pairs
 from tidal.strategy.base import Strategy, TrainState
 from tidal.trainer import checkpoint as ckpt
+from tidal.trainer import faults
 from tidal.trainer.experience import token_budget_batches
 from tidal.trainer.update import nonfinite_guard
 from tidal.trainer.watchdog import Watchdog
@@ -83,7 +84,9 @@ class RewardModelTrainer:
     # ---- one step ----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         rm, train = self.cfg.reward_model, self.cfg.train
-        pairs = [self.train_data[i] for i in self.sampler.next_batch()]
+        idx = self.sampler.next_batch()
+        faults.hit("sampled", rank=self.rt.rank, data=idx)
+        pairs = [self.train_data[i] for i in idx]
         batches, total = self._passes(pairs, train.micro_batch_tokens, train.micro_batch_max_seqs)
         means = PairMeans()
         offload = self.cfg.strategy.offload_optimizer
@@ -94,6 +97,7 @@ class RewardModelTrainer:
                 real = i < len(batches)
                 batch = batches[i] if real else batches[0]
                 r_c, r_r = self._score(batch)
+                r_c = faults.corrupt("rm_scores", r_c)  # test-only NaN/Inf injection (TIDAL_FAULT)
                 loss_P = bradley_terry_loss(r_c, r_r, center_coef=rm.center_rewards_coef)
                 share = loss_P.sum() / rm.batch_pairs  # sums to the global batch's mean loss over micro-batches and ranks
                 if real:
