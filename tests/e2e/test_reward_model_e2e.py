@@ -92,7 +92,7 @@ def test_shipped_rm_quickstart_with_report_eval_and_export(tmp_path):
     assert (run / "report.png").stat().st_size > 1000
     ckpt = run / "checkpoints" / "step_000060"
     res = json.loads(_cli("eval", *common, "--checkpoint", str(ckpt)).strip().splitlines()[-1])
-    assert res["step"] == 60 and res["eval/pairs"] == 200 and res["eval/accuracy"] == pytest.approx(end)
+    assert res["step"] == 60 and res["data/eval_pairs"] == 200 and res["eval/accuracy"] == pytest.approx(end)
     _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
     a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run / "export" / "model.safetensors")
     assert a.keys() == b.keys() and "score.weight" in a and all(torch.equal(a[k], b[k]) for k in a)

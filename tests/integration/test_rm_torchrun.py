@@ -73,7 +73,7 @@ def runs(tmp_path_factory, tiny_rm_overrides):
 def test_fsdp2_and_deepspeed_agree(runs):
     a, b = metrics(runs["fsdp2"]), metrics(runs["deepspeed"])
     assert_close(a, b, rel=1e-5)
-    assert all(a[s]["train/grad_norm"] > 0 for s in a) and a[4]["eval/pairs"] == 32
+    assert all(a[s]["train/grad_norm"] > 0 for s in a) and a[4]["data/eval_pairs"] == 32
     assert trained_pairs(runs["fsdp2"]) == trained_pairs(runs["deepspeed"])
     ea, eb = load_file(runs["fsdp2"] / "export" / "model.safetensors"), load_file(runs["deepspeed"] / "export" / "model.safetensors")
     assert ea.keys() == eb.keys() and "score.weight" in ea

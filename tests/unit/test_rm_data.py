@@ -64,7 +64,8 @@ def test_explicit_string_prompt_is_templated_and_ids_match_the_reward_component(
     {"prompt": [SYS, USER], "chosen": A("It is blue."), "rejected": A("It is green.")},  # TRL: prompt as a chat
     {"messages": [SYS, USER], "chosen": "It is blue.", "rejected": "It is green."},  # messages + strings
     {"chosen": [SYS, USER, *A("It is blue.")], "rejected": [SYS, USER, *A("It is green.")]},  # implicit prompt
-], ids=["messages", "trl_prompt_chat", "messages_strings", "implicit"])
+    {"prompt": USER["content"], "chosen": [SYS, USER, *A("It is blue.")], "rejected": [SYS, USER, *A("It is green.")]},  # UltraFeedback
+], ids=["messages", "trl_prompt_chat", "messages_strings", "implicit", "ultrafeedback"])
 def test_every_convention_gives_the_same_texts(tmp_path, tok, row):
     ds = make(tmp_path, tok, [row])
     prompt = templated(tok, [SYS, USER])
@@ -104,6 +105,7 @@ BAD_ROWS = [
     ("malformed", {"chosen": [USER, *A("a"), USER], "rejected": [USER, *A("b")]}, "exactly one assistant reply"),
     ("malformed", {"chosen": "a", "rejected": [USER, *A("b")]}, "both be strings or both be conversations"),
     ("malformed", {"prompt": "x", "messages": [USER], "chosen": "a", "rejected": "b"}, "exactly one of"),
+    ("malformed", {"prompt": "other", "chosen": [USER, *A("a")], "rejected": [USER, *A("b")]}, "prompt field differs"),
 ]
 
 

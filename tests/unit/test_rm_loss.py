@@ -94,3 +94,23 @@ def test_non_finite_scores_skip_the_step_and_stop_after_k_in_a_row(tmp_path, tin
     finally:
         shutdown()
     assert first["train/skipped"] == 0.0 and second["train/skipped"] == 1.0 and second["train/skipped_total"] == 1.0
+
+
+def test_center_rewards_coef_adds_its_term(tmp_path, tiny_rm_overrides):
+    (base,), _ = _step([], tiny_rm_overrides, tmp_path / "a")
+    (centred,), _ = _step(["reward_model.center_rewards_coef=0.5"], tiny_rm_overrides, tmp_path / "b")
+    assert centred["train/margin"] == pytest.approx(base["train/margin"], rel=1e-6)  # same model, same pairs
+    mean_sum = base["train/reward_chosen"] + base["train/reward_rejected"]
+    assert centred["train/loss"] - base["train/loss"] >= 0.5 * mean_sum**2 - 1e-6  # mean of squares >= square of mean
+
+
+def test_fit_without_export_and_with_fewer_eval_pairs(tmp_path, tiny_rm_overrides):
+    cfg = load_config("rm_quickstart", tiny_rm_overrides + [f"run.output_dir={tmp_path}", "run.steps=1",
+                                                             "reward_model.export_at_end=false", "eval.max_prompts=5"])
+    trainer = build_reward_model_trainer(cfg)
+    try:
+        metrics = trainer.fit()
+    finally:
+        shutdown()
+    assert metrics["initial_data/eval_pairs"] == 5 and metrics["data/eval_pairs"] == 5
+    assert not (tmp_path / "export").exists() and (tmp_path / "metrics.jsonl").is_file()

@@ -9,6 +9,8 @@ Row conventions (field names from ``data.prompt_key`` / ``data.messages_key`` an
 - implicit prompt, conversations: no prompt field; ``chosen`` and ``rejected`` are whole chats
   that share their first messages (the prompt) and differ in their last, an assistant message
   (the response);
+- conversations with a prompt field (UltraFeedback-binarized): as the implicit form, the prompt field
+  being the shared prompt's messages or its last message's text (else a bad row);
 - implicit prompt, strings: no prompt field; ``chosen`` / ``rejected`` are strings, scored as
   they are (no template, no separator).
 
@@ -90,6 +92,15 @@ def _split_conversations(where: str, chosen: list, rejected: list, keys: tuple[s
     return chosen[:n], _assistant_text(where, rest_c[0], keys[0]), _assistant_text(where, rest_r[0], keys[1])
 
 
+def _check_same_prompt(where: str, row: dict, messages: list, data: DataConfig, keys: tuple[str, str]) -> None:
+    """A row with a prompt field AND whole conversations (as UltraFeedback-binarized writes them):
+    the field must be the conversations' shared prompt (its messages, or its last message's text)."""
+    given = row[data.prompt_key] if data.prompt_key in row else row[data.messages_key]
+    if given != messages and given != messages[-1].get("content"):
+        raise BadPair(f"{where}: the prompt field differs from the prompt that the conversations in '{keys[0]}' and "
+                      f"'{keys[1]}' share; leave it out or make them agree")
+
+
 def _prompt_text(where: str, row: dict, data: DataConfig, tokenizer: Any) -> str:
     """The rendered prompt of a row with an explicit prompt (``parse_row`` validates and templates it)."""
     prompt = row.get(data.prompt_key)
@@ -111,17 +122,20 @@ def pair_texts(where: str, row: dict[str, Any], data: DataConfig, rm: RewardMode
     for key, value in zip(keys, (chosen, rejected)):
         if value is None or value == "" or value == []:
             raise BadPair(f"{where}: '{key}' is missing or empty")
-    if data.prompt_key in row or data.messages_key in row:
+    has_prompt = data.prompt_key in row or data.messages_key in row
+    if _is_chat(chosen) and _is_chat(rejected) and (len(chosen) > 1 or len(rejected) > 1 or not has_prompt):
+        messages, c, r = _split_conversations(where, chosen, rejected, keys)
+        if has_prompt:
+            _check_same_prompt(where, row, messages, data, keys)
+        prompt = _prompt_text(where, {data.messages_key: messages}, data, tokenizer)
+        texts = (c, r)
+        full = (prompt + rm.separator + c, prompt + rm.separator + r)
+    elif has_prompt:
         prompt = _prompt_text(where, row, data, tokenizer)
         texts = (_reply(where, chosen, keys[0]), _reply(where, rejected, keys[1]))
         full = tuple(prompt + rm.separator + t for t in texts)
     elif isinstance(chosen, str) and isinstance(rejected, str):
         texts = full = (chosen, rejected)
-    elif _is_chat(chosen) and _is_chat(rejected):
-        messages, c, r = _split_conversations(where, chosen, rejected, keys)
-        prompt = _prompt_text(where, {data.messages_key: messages}, data, tokenizer)
-        texts = (c, r)
-        full = (prompt + rm.separator + c, prompt + rm.separator + r)
     else:
         raise BadPair(f"{where}: with no '{data.prompt_key}' or '{data.messages_key}', '{keys[0]}' and '{keys[1]}' "
                       f"must both be strings or both be conversations, got {_describe(chosen)} and {_describe(rejected)}")

@@ -146,7 +146,9 @@ class RewardModelTrainer:
                         means.add(pair_sums(r_c, r_r, bradley_terry_loss(r_c, r_r, center_coef=self.cfg.reward_model.center_rewards_coef)), len(batch))
         finally:
             self.model.train()
-        return {f"eval/{k}": v for k, v in means.result(self.strategy.all_reduce_sum).items()}
+        result = means.result(self.strategy.all_reduce_sum)
+        # the count goes with the data, not among the eval curves (a panel of report.png each)
+        return {"data/eval_pairs": result.pop("pairs"), **{f"eval/{k}": v for k, v in result.items()}}
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _model_states(self) -> dict:
@@ -206,7 +208,7 @@ class RewardModelTrainer:
             self.logger.log(step, metrics)
             last = metrics
         if any(k.startswith("eval/") for k in last):
-            self._announce("end", {k: v for k, v in last.items() if k.startswith("eval/")})
+            self._announce("end", last)
         if cfg.reward_model.export_at_end:
             with self.timer.phase("export"):
                 out = export_reward_model(self, Path(cfg.run.output_dir) / EXPORT_DIR)
@@ -218,5 +220,5 @@ class RewardModelTrainer:
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:
         if self.rt.is_main:
-            shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(metrics.items()) if not math.isnan(v))
+            shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("eval/") and not math.isnan(v))
             print(f"[tidal] reward-model eval at {when}: {shown}", flush=True)
