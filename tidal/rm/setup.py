@@ -18,6 +18,7 @@ import torch
 from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, StatefulDistributedSampler
 from tidal.data.prompts import require_chat_template
+from tidal.data.vision import VisionProcessor
 from tidal.distributed import Runtime, init_runtime
 from tidal.logging import MetricsLogger
 from tidal.models import load_tokenizer
@@ -115,7 +116,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     check_inputs(paths)
     strategy = get_strategy(cfg.strategy, runtime)
     tokenizer = load_tokenizer(paths.tokenizer)
-    if hasattr(tokenizer, "image_processor"):
+    if isinstance(tokenizer, VisionProcessor):
         raise ConfigError("model.tokenizer_path", "has an image processor; reward-model training supports text models only")
     require_chat_template(tokenizer, cfg.data)
     train_data, eval_pairs = load_data(cfg, paths, tokenizer, runtime)

@@ -136,6 +136,7 @@ class RewardModelTrainer:
         pairs = self.eval_pairs[self.rt.rank :: self.rt.world_size]
         batches, total = self._passes(pairs, train.forward_micro_batch_tokens, train.forward_micro_batch_max_seqs)
         means = PairMeans()
+        coef = self.cfg.reward_model.center_rewards_coef
         self.model.eval()
         try:
             with self.timer.phase("eval"):
@@ -143,7 +144,7 @@ class RewardModelTrainer:
                     batch = batches[i] if i < len(batches) else [self.eval_pairs[0]]  # a pass the others need
                     r_c, r_r = self._score(batch)
                     if i < len(batches):
-                        means.add(pair_sums(r_c, r_r, bradley_terry_loss(r_c, r_r, center_coef=self.cfg.reward_model.center_rewards_coef)), len(batch))
+                        means.add(pair_sums(r_c, r_r, bradley_terry_loss(r_c, r_r, center_coef=coef)), len(batch))
         finally:
             self.model.train()
         result = means.result(self.strategy.all_reduce_sum)
