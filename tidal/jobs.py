@@ -17,8 +17,6 @@ from typing import Any
 
 from tidal.config_base import ConfigError
 
-JOBS = ("rl", "reward_model")
-
 # Keys (a whole section or one of its keys) read by the reward-model job; every other key keeps its default.
 REWARD_MODEL_READS = (
     "run", "reward_model", "checkpoint",

@@ -2,7 +2,8 @@
 point as RL (`python -m tidal.cli train`): FSDP2 and DeepSpeed ZeRO-3 give the same losses,
 gradient norms, accuracies and export; a rank SIGKILLed mid-run is restarted by torchrun, resumes
 from the newest checkpoint and ends exactly where an uninterrupted run ends, each step and rank
-training on the same pairs."""
+training on the same pairs; a SIGTERM on one rank stops both after the same step with a checkpoint
+(exit 75), and the rerun ends where the uninterrupted run ends."""
 
 import json
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tidal.trainer.stop import EXIT_CODE
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +25,7 @@ COMMON = ["run.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "eval.every=
 BACKENDS = {"fsdp2": [], "deepspeed": ["strategy.backend=deepspeed", "strategy.zero_stage=3"]}
 
 
-def torchrun(out: Path, overrides: list[str], *, fault: str = "", max_restarts: int = 0) -> subprocess.CompletedProcess:
+def torchrun(out: Path, overrides: list[str], *, fault: str = "", max_restarts: int = 0, check: bool = True) -> subprocess.CompletedProcess:
     rules = [f"record@sampled:attempt=any:dir={out / 'ledger'}"] + ([fault] if fault else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TIDAL_FAULT=";".join(rules))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", str(max_restarts),
@@ -34,7 +37,7 @@ def torchrun(out: Path, overrides: list[str], *, fault: str = "", max_restarts: 
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"torchrun hung\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    assert proc.returncode == 0 or not check, stdout[-3000:] + stderr[-5000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -92,3 +95,16 @@ def test_killed_rank_resumes_exactly(runs, tmp_path, tiny_rm_overrides, backend)
     seen = [i for v in pairs.values() for i in v]
     assert len(seen) == len(set(seen)) == 4 * 8 and per_epoch > 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_sigterm_stops_every_rank_after_the_same_step_and_the_rerun_resumes(runs, tmp_path, tiny_rm_overrides):
+    out = tmp_path / "stopped"
+    overrides = tiny_rm_overrides + COMMON
+    proc = torchrun(out, overrides, fault="sigterm@stage/train:rank=1:step=3", check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"exitcode  : {EXIT_CODE}" in text, text[-4000:]
+    assert "stopped by SIGTERM: checkpoint of step 3 saved" in text
+    assert sorted(metrics(out)) == [1, 2, 3] and (out / "checkpoints" / "step_000003" / "trainer.json").is_file()
+    resumed = torchrun(out, overrides)
+    assert "resumed from" in resumed.stdout and "step_000003" in resumed.stdout
+    assert_close(metrics(out), metrics(runs["fsdp2"]), rel=1e-6)

@@ -21,12 +21,12 @@ def run(cfg, command: str, *, checkpoint: str | None = None, out: str | None = N
         elif command == "eval":
             if not trainer.eval_pairs:
                 raise ConfigError("data.eval", "tidal eval needs eval pairs (set data.eval)")
-            step = trainer.maybe_resume()
+            step = trainer.resume()
             metrics = trainer.evaluate(step)
             if trainer.rt.is_main:
                 print(json.dumps({"checkpoint": checkpoint, "step": step, **metrics}))
         elif command == "export":
-            trainer.maybe_resume()
+            trainer.resume()
             export_reward_model(trainer, out)
         else:
             raise ValueError(f"unknown command {command!r}")

@@ -46,5 +46,5 @@ def export_reward_model(trainer, out_dir: str | os.PathLike) -> Path:
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    trainer.strategy.barrier()
+    trainer.rt.barrier()
     return out

@@ -7,7 +7,6 @@ data are checked before the model loads, so bad input fails in seconds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 from pathlib import Path
@@ -27,6 +26,8 @@ from tidal.rm.model import load_trainable_reward_model
 from tidal.rm.trainer import RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.trainer import checkpoint as ckpt
+from tidal.trainer.resume import resolve_resume_point
+from tidal.trainer.run_dir import announce_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
@@ -50,7 +51,7 @@ def resolve_paths(cfg, runtime: Runtime) -> RMPaths:
 
     if runtime.is_main:
         prepare(task)
-    torch.distributed.barrier()
+    runtime.barrier()
     assets = prepare(task)  # idempotent: the paths of what rank 0 built
     return RMPaths(model=assets.model_path, tokenizer=assets.model_path,
                    train=[DataSource(path=assets.train_path)], eval=[DataSource(path=assets.eval_path)])
@@ -64,21 +65,6 @@ def check_inputs(paths: RMPaths) -> None:
     for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
         for i, source in enumerate(sources):
             check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
-
-
-def resume_step_hint(cfg, runtime: Runtime) -> int:
-    """The step a resume continues from (for the logger), without loading anything; what an
-    interrupted save left is settled first (rank 0; the others wait). A bad ``checkpoint.resume``
-    fails here."""
-    root = ckpt.checkpoint_root(cfg.run.output_dir)
-    if runtime.is_main:
-        ckpt.clean_partial(root)
-    torch.distributed.barrier()
-    path = ckpt.resolve_resume(cfg.checkpoint.resume, root)
-    if path is None:
-        return 0
-    with open(path / ckpt.COMPLETE_MARKER) as f:
-        return int(json.load(f)["step"])
 
 
 def seed_everything(seed: int) -> None:
@@ -108,7 +94,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
     if saves:
         ckpt.check_writable(ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank)
-    start_step = resume_step_hint(cfg, runtime)
+    resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # a bad checkpoint.resume fails here
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
@@ -132,8 +118,10 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
         batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
     )
     logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
-                           start_step=start_step, hparams=cfg.to_dict())
+                           start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict())
+    if runtime.is_main:
+        announce_run_dir(cfg)
     return RewardModelTrainer(
         cfg=cfg, strategy=strategy, tokenizer=tokenizer, state=state, pad_id=pad_id, train_data=train_data,
-        eval_pairs=eval_pairs, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog,
+        eval_pairs=eval_pairs, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog, resume=resume,
     )

@@ -7,7 +7,8 @@ sum to the global batch's mean loss: the Strategy's gradient contract) -> ``opti
 skip on a non-finite norm, LR schedule). Every rank runs the same number of forward passes (padding
 with zero-weight ones), because sharded forwards are collectives. Evaluation (pairwise accuracy,
 margin) at the start, every ``eval.every`` steps and at the end; checkpoints and exact resume
-through :mod:`tidal.trainer.checkpoint`; metrics through the MetricsLogger.
+through :mod:`tidal.trainer.checkpoint`; metrics through the MetricsLogger; a SIGINT/SIGTERM stops
+after the current step with a checkpoint (:mod:`tidal.trainer.stop`, exit code 75).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from tidal.strategy.base import Strategy, TrainState
 from tidal.trainer import checkpoint as ckpt
 from tidal.trainer import faults
 from tidal.trainer.experience import token_budget_batches
+from tidal.trainer.resume import ResumePoint
+from tidal.trainer.stop import StopRequest, StopRun
 from tidal.trainer.update import nonfinite_guard
 from tidal.trainer.watchdog import Watchdog
 
@@ -51,8 +54,9 @@ class RewardModelTrainer:
     def __init__(
         self, *, cfg, strategy: Strategy, tokenizer, state: TrainState, pad_id: int, train_data: PreferenceDataset,
         eval_pairs: list[Pair], sampler: StatefulDistributedSampler, logger: MetricsLogger, timer: PhaseTimer,
-        watchdog: Watchdog,
+        watchdog: Watchdog, resume: ResumePoint | None,
     ):
+        """``resume``: the checkpoint :meth:`resume` loads (resolved at setup), None for a fresh run."""
         self.cfg = cfg
         self.strategy = strategy
         self.rt = strategy.runtime
@@ -66,6 +70,7 @@ class RewardModelTrainer:
         self.timer = timer
         self.watchdog = watchdog
         self.state = RMTrainerState()
+        self.resume_point = resume
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
 
     @property
@@ -76,7 +81,7 @@ class RewardModelTrainer:
     def _passes(self, pairs: list[Pair], max_tokens: int, max_seqs: int) -> tuple[list[list[Pair]], int]:
         """This rank's micro-batches of ``pairs`` and the number of passes every rank runs (the max)."""
         batches = [[pairs[i] for i in idx] for idx in pair_micro_batches(pairs, max_tokens, max_seqs)] if pairs else []
-        return batches, int(self.strategy.all_reduce_max([float(len(batches))])[0])
+        return batches, int(self.rt.all_reduce_max([float(len(batches))])[0])
 
     def _score(self, batch: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
         return score_pairs(self.model, batch, pad_id=self.pad_id, device=self.strategy.device)
@@ -109,7 +114,7 @@ class RewardModelTrainer:
             step_metrics = self.strategy.optimizer_step(self.model_state)
             if offload:
                 self.strategy.offload_optimizer(self.model_state)
-        metrics = {f"train/{k}": v for k, v in means.result(self.strategy.all_reduce_sum).items() if k != "pairs"}
+        metrics = {f"train/{k}": v for k, v in means.result(self.rt.all_reduce_sum).items() if k != "pairs"}
         metrics.update({f"train/{k}": v for k, v in step_metrics.items()})
         self._track_skips(metrics)
         metrics["data/epoch"] = self.sampler.epoch + self.sampler.step_in_epoch / self.sampler.steps_per_epoch
@@ -147,7 +152,7 @@ class RewardModelTrainer:
                         means.add(pair_sums(r_c, r_r, bradley_terry_loss(r_c, r_r, center_coef=coef)), len(batch))
         finally:
             self.model.train()
-        result = means.result(self.strategy.all_reduce_sum)
+        result = means.result(self.rt.all_reduce_sum)
         # the count goes with the data, not among the eval curves (a panel of report.png each)
         return {"data/eval_pairs": result.pop("pairs"), **{f"eval/{k}": v for k, v in result.items()}}
 
@@ -161,53 +166,65 @@ class RewardModelTrainer:
             ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
                                  rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
 
-    def maybe_resume(self) -> int:
-        """Load the checkpoint ``checkpoint.resume`` names (model, optimizer, schedule, sampler
-        position, RNG); returns its step, 0 when there is none."""
-        if self.rt.is_main:
-            ckpt.clean_partial(self.ckpt_root)
-        self.strategy.barrier()
-        path = ckpt.resolve_resume(self.cfg.checkpoint.resume, self.ckpt_root)
-        if path is None:
+    def resume(self) -> int:
+        """Load the resume point's checkpoint (model, optimizer, schedule, sampler position, RNG);
+        returns its step, 0 for a fresh run. A second call is a no-op."""
+        point = self.resume_point
+        if point is None:
             return 0
-        with open(path / ckpt.COMPLETE_MARKER) as f:
+        with open(point.path / ckpt.COMPLETE_MARKER) as f:
             job = json.load(f).get("job", "rl")
         if job != "reward_model":
-            raise ValueError(f"{path} is a checkpoint of job={job}, not of job=reward_model; set checkpoint.resume to a reward-model checkpoint")
+            raise ValueError(f"{point.path} is a checkpoint of job={job}, not of job=reward_model; set checkpoint.resume to a reward-model checkpoint")
         states = self._model_states()
-        st = ckpt.load_checkpoint(path, model_states=states, rank=self.rt.rank)
+        st = ckpt.load_checkpoint(point.path, model_states=states, rank=self.rt.rank)
         self.strategy.load_state_dict(self.model_state, states["reward_model"])
         self.sampler.load_state_dict(st["sampler"])
         self.state = RMTrainerState(**st["trainer"])
+        self.resume_point = None
         if self.rt.is_main:
-            print(f"[tidal] resumed from {path} (step {st['step']})", flush=True)
-        return int(st["step"])
+            print(f"[tidal] resumed from {point.path} (step {point.step})", flush=True)
+        return point.step
 
     # ---- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Train to ``run.steps``; returns the last step's metrics with the first evaluation's as
-        ``initial_eval/*``. Writes the export at the end when ``reward_model.export_at_end``."""
+        ``initial_*``. Writes the export at the end when ``reward_model.export_at_end``. A SIGINT /
+        SIGTERM stops it after the current step, with a checkpoint (raises StopRun)."""
+        with StopRequest() as stop:
+            try:
+                last = self._fit(stop)
+            finally:
+                self.logger.close()
+                self.watchdog.close()
+        return last
+
+    def _fit(self, stop: StopRequest) -> dict[str, float]:
         from tidal.rm.export import export_reward_model
 
         with self.watchdog.stage("resume"):
-            start = self.maybe_resume()
+            start = self.resume()
         cfg = self.cfg
         if start == 0 and cfg.eval.at_start and self.eval_pairs:
             self.state.initial_eval = self.evaluate(0)
             self.timer.pop()
             self._announce("start", self.state.initial_eval)
+        checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
             metrics = self.train_step(step)
             final = step == cfg.run.steps
-            if self.eval_pairs and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
+            signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
+            if self.eval_pairs and not signum and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
                 metrics.update(self.evaluate(step))
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (final and cfg.checkpoint.at_end):
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (final and cfg.checkpoint.at_end) or (signum and checkpoints):
                 self.save(step)
             metrics.update(self.timer.pop())
             self.logger.log(step, metrics)
             last = metrics
+            if signum and not final:
+                raise StopRun(step, signum, saved=checkpoints)
         if any(k.startswith("eval/") for k in last):
             self._announce("end", last)
         if cfg.reward_model.export_at_end:
@@ -215,8 +232,6 @@ class RewardModelTrainer:
                 out = export_reward_model(self, Path(cfg.run.output_dir) / EXPORT_DIR)
             if self.rt.is_main:
                 print(f"[tidal] reward model exported to {out}", flush=True)
-        self.logger.close()
-        self.watchdog.close()
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:
