@@ -110,3 +110,11 @@ def test_the_read_list_names_real_keys():
     keys = [k for k, _, _ in config_reference_rows()]
     for entry in list(REWARD_MODEL_READS) + list(REWARD_MODEL_HINTS):
         assert any(k == entry or k.startswith(entry + ".") for k in keys), entry
+
+
+def test_settings_this_run_never_reads_are_errors():
+    no_task = ["reward_model.task.name=''", *RM[1:]]
+    e = error_key("rm_quickstart", no_task + ["reward_model.task.num_train=10"])
+    assert e.key == "reward_model.task.num_train" and "reward_model.task.name" in e.message
+    assert error_key("rm_quickstart", ["logging.wandb_project=x"]).key == "logging.wandb_project"
+    load_config("rm_quickstart", no_task + ["reward_model.task.workdir=/tmp/x"])  # a workdir is harmless

@@ -131,6 +131,7 @@ def check_reward_model_job(cfg) -> None:
         name = getattr(rm, key)
         check(name not in (data.prompt_key, data.messages_key), f"reward_model.{key}",
               f"'{name}' is already data.prompt_key or data.messages_key")
+    _check_unused(cfg)
     check(cfg.train.micro_batch_max_seqs >= 2, "train.micro_batch_max_seqs", "must be >= 2 for job=reward_model (a pair is two sequences)")
     check(cfg.train.forward_micro_batch_max_seqs >= 2, "train.forward_micro_batch_max_seqs",
           "must be >= 2 for job=reward_model (a pair is two sequences)")
@@ -141,3 +142,18 @@ def check_reward_model_world(cfg, world_size: int) -> None:
         cfg.reward_model.batch_pairs % world_size == 0, "reward_model.batch_pairs",
         f"({cfg.reward_model.batch_pairs}) must be divisible by WORLD_SIZE ({world_size}) so every rank gets the same number of pairs",
     )
+
+
+def _check_unused(cfg) -> None:
+    """Keys of read sections that this run still never reads (no silent ignores): the task's
+    settings without a task, the W&B settings without the wandb backend."""
+    task, defaults = cfg.reward_model.task, PreferenceTaskConfig()
+    unused = []
+    if not task.name:
+        unused += [(f"reward_model.task.{f.name}", getattr(task, f.name), getattr(defaults, f.name), "a built-in task (reward_model.task.name)")
+                   for f in dataclasses.fields(PreferenceTaskConfig) if f.name not in ("name", "workdir")]
+    if "wandb" not in cfg.logging.backends:
+        unused += [("logging.wandb_project", cfg.logging.wandb_project, "tidal", "logging.backends with wandb"),
+                   ("logging.wandb_mode", cfg.logging.wandb_mode, "offline", "logging.backends with wandb")]
+    for key, value, default, used_by in unused:
+        check(value == default, key, f"is only used by {used_by}; leave it at its default ({default!r}) in this run")
