@@ -22,3 +22,19 @@ def tiny_task_overrides(tmp_path_factory):
         "engine.kv_cache_max_tokens=1024", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
         "logging.backends=[jsonl]",
     ]
+
+TINY_RM_TASK = [
+    "reward_model.task.num_train=96", "reward_model.task.num_eval=32", "reward_model.task.max_digits=2",
+    "reward_model.task.hidden_size=32", "reward_model.task.num_layers=1", "reward_model.task.num_heads=2",
+    "reward_model.task.num_kv_heads=1", "reward_model.task.intermediate_size=64",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_rm_overrides(tmp_path_factory):
+    """Overrides for `tidal train rm_quickstart` that make a seconds-long reward-model run."""
+    workdir = tmp_path_factory.mktemp("rm_tasks")
+    return TINY_RM_TASK + [
+        f"reward_model.task.workdir={workdir}", "reward_model.batch_pairs=8", "optim.lr=3e-3", "optim.warmup_steps=0",
+        "eval.every=0", "checkpoint.every=0", "checkpoint.at_end=false", "logging.backends=[jsonl]",
+    ]

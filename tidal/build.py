@@ -40,6 +40,7 @@ from tidal.trainer import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.ppo_trainer import PPOTrainer, RunData
 from tidal.trainer.resume import resolve_resume_point
+from tidal.trainer.run_dir import announce_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
@@ -162,27 +163,6 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
         batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
     )
     return RunData(train=train, sampler=sampler, eval_items=eval_items)
-
-
-def announce_run_dir(cfg: TidalConfig) -> None:
-    """Write the resolved config into the run directory and say where the run lives and how to watch it."""
-    import yaml
-
-    run_dir = Path(cfg.run.output_dir)
-    config_path = run_dir / "config.yaml"
-    tmp = config_path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, config_path)
-    lines = [f"[tidal] run directory: {run_dir}", f"[tidal]   resolved config: {config_path}"]
-    if "jsonl" in cfg.logging.backends:
-        lines.append(f"[tidal]   metrics: {run_dir / 'metrics.jsonl'}")
-    if checkpoints_enabled(cfg):
-        lines.append(f"[tidal]   checkpoints: {ckpt.checkpoint_root(cfg.run.output_dir)}")
-    watch = [f"tidal report {run_dir}"]
-    if "tensorboard" in cfg.logging.backends:
-        watch.insert(0, f"tensorboard --logdir {run_dir / 'tb'}")
-    lines.append(f"[tidal]   watch: {'  |  '.join(watch)}")
-    print("\n".join(lines), flush=True)
 
 
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:

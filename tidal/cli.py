@@ -1,6 +1,7 @@
 """The ``tidal`` command: train, eval, export, serve-reward, report.
 
     tidal train CONFIG [key.sub=value ...]        # CONFIG: a shipped name (quickstart) or a YAML path
+                                                   # its root key `job` picks what runs (rl, reward_model)
     tidal eval CONFIG --checkpoint DIR [overrides]
     tidal export CONFIG --checkpoint DIR --out OUT [overrides]
     tidal serve-reward ...                         # see `tidal serve-reward --help`
@@ -28,6 +29,10 @@ def _load(args):
 
 def cmd_train(args) -> int:
     cfg = _load(args)
+    if cfg.job != "rl":
+        from tidal.jobs import run_job
+
+        return run_job(cfg, "train")
     from tidal.distributed import shutdown
     from tidal.build import build_trainer
 
@@ -42,6 +47,10 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}", "run.steps=1"]
     cfg = _load(args)
+    if cfg.job != "rl":
+        from tidal.jobs import run_job
+
+        return run_job(cfg, "eval", checkpoint=args.checkpoint)
     from tidal.distributed import shutdown
     from tidal.build import build_trainer
 
@@ -61,6 +70,10 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}"]
     cfg = _load(args)
+    if cfg.job != "rl":
+        from tidal.jobs import run_job
+
+        return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out)
     from tidal.distributed import shutdown
     from tidal.trainer.export import export_hf
     from tidal.build import build_trainer
@@ -95,7 +108,7 @@ def cmd_report(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Colocated RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run RL training")
+    t = sub.add_parser("train", help="run the config's job: RL training (job: rl) or reward-model training (job: reward_model)")
     t.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -19,9 +20,11 @@ from tidal.algorithms.config import AlgorithmConfig
 from tidal.config_base import ConfigError, apply_overrides, build, check, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
+from tidal.jobs import check_job, check_job_world
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
+from tidal.rm.config import RewardModelConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
@@ -32,6 +35,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 @dataclasses.dataclass(kw_only=True)
 class TidalConfig:
+    """job: what ``tidal train`` runs: ``rl`` (RL fine-tuning) or ``reward_model`` (Bradley-Terry
+    reward-model training, settings under ``reward_model.*``); a key the job does not read must keep
+    its default (see :mod:`tidal.jobs`)."""
+
+    job: Literal["rl", "reward_model"] = "rl"
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -47,8 +55,12 @@ class TidalConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
 
     def __post_init__(self):
+        check_job(self)
+        if self.job != "rl":
+            return
         if self.task.name:
             check(not self.model.path, "model.path", f"must be empty with task.name={self.task.name!r}: the task builds the model")
             check(not self.data.train, "data.train", f"must be empty with task.name={self.task.name!r}: the task builds the data")
@@ -107,6 +119,8 @@ class TidalConfig:
     def check_world(self, world_size: int) -> None:
         """Checks that depend on the number of ranks (``engine.tp_size`` against the world is checked
         where the rollout groups are made, :func:`tidal.distributed.runtime.rollout_group_ranks`)."""
+        if self.job != "rl":
+            return check_job_world(self, world_size)
         check(
             self.rollout.prompts_per_step % (world_size * self.train.mini_batches) == 0,
             "rollout.prompts_per_step",

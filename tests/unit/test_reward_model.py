@@ -139,3 +139,28 @@ def test_non_finite_score_is_an_error(rm_dirs):
         eng.components["rm"].model.score.weight.fill_(math.inf)
     out = eng.score([S("one", "two")])
     assert out.valid_B.tolist() == [False] and out.metrics["reward/rm/errors"] == 1.0
+
+
+def test_separator_recorded_by_reward_model_training_is_used(rm_dirs, tmp_path):
+    import json
+    import shutil
+
+    from tidal.config_base import ConfigError
+    from tidal.rewards.model import FORMAT_FILE
+
+    trained = tmp_path / "trained"
+    shutil.copytree(rm_dirs / "rm", trained)
+    (trained / FORMAT_FILE).write_text(json.dumps({"version": 1, "separator": " "}))
+    samples = [S("what is one", "the answer is one")]
+    expected = reference_scores(rm_dirs, "rm", ["what is one the answer is one"])
+    for separator in ({}, {"separator": " "}):  # unset: the recorded one; set: must agree
+        spec = {"type": "model", "path": str(trained), "tokenizer": str(rm_dirs / "tok"), **separator}
+        out = RewardEngine(cfg_for(rm_dirs, {"rm": spec}, {"default": [["rm", 1.0]]}), device=torch.device("cpu")).score(samples)
+        assert out.total_B.tolist() == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ConfigError) as info:
+        RewardEngine(cfg_for(rm_dirs, {"rm": {**spec, "separator": ""}}, {"default": [["rm", 1.0]]}), device=torch.device("cpu"))
+    assert info.value.key == "reward.components.rm.separator" and FORMAT_FILE in info.value.message
+    # without a record an unset separator is empty
+    spec = {"type": "model", "path": str(rm_dirs / "rm"), "tokenizer": str(rm_dirs / "tok")}
+    out = RewardEngine(cfg_for(rm_dirs, {"rm": spec}, {"default": [["rm", 1.0]]}), device=torch.device("cpu")).score(samples)
+    assert out.total_B.tolist() == pytest.approx(reference_scores(rm_dirs, "rm", ["what is onethe answer is one"]), abs=1e-5)

@@ -96,7 +96,7 @@ class PromptDataset:
         self._ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32)
         lengths = np.array([len(p) for p in ids_parts], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(lengths)])
-        self._index = _blend(sources, per_source, seed)
+        self._index = blend_index(sources, per_source, seed)
 
     @property
     def num_rows(self) -> int:
@@ -169,7 +169,7 @@ class PromptDataset:
         return ids[-limit:]
 
 
-def _blend(sources: Sequence[DataSource], per_source: list[np.ndarray], seed: int) -> np.ndarray:
+def blend_index(sources: Sequence[DataSource], per_source: list[np.ndarray], seed: int) -> np.ndarray:
     """The dataset's index list over kept rows, by the rule in the module docstring."""
     rng = np.random.default_rng(seed)
     parts = []

@@ -58,7 +58,9 @@ class ModelRewardConfig:
         start of the prompt.
     dtype: ``auto`` is bfloat16 on CUDA and float32 elsewhere.
     separator: text put between the prompt text and the response text before tokenising with the
-        reward model's own tokenizer.
+        reward model's own tokenizer. Unset (null): the separator recorded in the folder by Tidal's
+        reward-model training (``tidal_reward_format.json``), else ``""``; set, it must equal the
+        recorded one.
     """
 
     path: str
@@ -66,7 +68,7 @@ class ModelRewardConfig:
     micro_batch_size: int = 8
     max_length: int = 4096
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    separator: str = ""
+    separator: str | None = None
 
     def __post_init__(self):
         check(bool(self.path.strip()), "path", "must be a local model directory")

@@ -6,10 +6,15 @@ ITS OWN tokenizer (not the policy's). The model is on its device only inside eac
 decision (the phase owner in training).
 It scores every sample of a call (``scores_every_sample``) in ``ceil(B / micro_batch_size)``
 forward passes, so ranks with equal batch sizes do identical work even when recipes differ.
+
+A folder exported by Tidal's reward-model job (:mod:`tidal.rm`) holds :data:`FORMAT_FILE`, which
+records how its training texts were built (the separator among them); the component then uses the
+recorded separator, and a different ``separator`` set in the component is a ConfigError.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -21,6 +26,7 @@ from tidal.rewards.config import ModelRewardConfig
 from tidal.rewards.placement import ModelPlacement
 from tidal.rewards.types import RewardSample
 
+FORMAT_FILE = "tidal_reward_format.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -50,6 +56,45 @@ def load_reward_model(cfg: ModelRewardConfig, *, device: torch.device, key: str)
     return model, tokenizer, int(pad_id)
 
 
+def encode_for_reward(tokenizer, texts: list[str], *, max_length: int | None) -> list[list[int]]:
+    """Token ids of ``texts`` as a reward model reads them: its own tokenizer with its own special
+    tokens; a text longer than ``max_length`` keeps its END (the response), losing the start of the
+    prompt; ``None`` keeps every token. Reward-model training (:mod:`tidal.rm`) encodes with this
+    same function, so a trained model scores exactly what it was trained on."""
+    if max_length is None:
+        return [list(ids) for ids in tokenizer(texts)["input_ids"]]
+    side = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"
+    try:
+        enc = tokenizer(texts, truncation=True, max_length=max_length)
+    finally:
+        tokenizer.truncation_side = side
+    return [list(ids) for ids in enc["input_ids"]]
+
+
+def read_reward_format(path: str) -> dict | None:
+    """The training-text format recorded in a reward-model folder (:data:`FORMAT_FILE`), or None."""
+    file = os.path.join(path, FORMAT_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def resolve_separator(cfg: ModelRewardConfig, *, key: str) -> str:
+    """The separator the component uses: the one recorded by training when the folder has a
+    record (a different explicit ``separator`` is a ConfigError at ``key.separator``), else the
+    configured one (``""`` when unset)."""
+    record = read_reward_format(cfg.path)
+    if record is None:
+        return cfg.separator or ""
+    recorded = record["separator"]
+    check(cfg.separator is None or cfg.separator == recorded, f"{key}.separator",
+          f"{cfg.separator!r} differs from {recorded!r}, with which the model in {cfg.path} was trained "
+          f"({FORMAT_FILE}); leave separator unset to use the recorded one")
+    return recorded
+
+
 class ModelReward(SyncComponent):
     """A local reward model as a component; the score is the model's single logit (fp32)."""
 
@@ -65,13 +110,12 @@ class ModelReward(SyncComponent):
         self.placement = placement
         self.resident = resident
         model, self.tokenizer, self.pad_id = load_reward_model(cfg, device=device, key=key)
-        self.tokenizer.truncation_side = "left"  # keep the response, cut the prompt's start
+        self.separator = resolve_separator(cfg, key=key)
         self.model = placement.prepare_frozen(model, resident=resident)
 
     def _encode(self, samples: list[RewardSample]) -> list[list[int]]:
-        texts = [s.prompt + self.cfg.separator + s.response for s in samples]
-        enc = self.tokenizer(texts, truncation=True, max_length=self.cfg.max_length)
-        return [list(ids) for ids in enc["input_ids"]]
+        texts = [s.prompt + self.separator + s.response for s in samples]
+        return encode_for_reward(self.tokenizer, texts, max_length=self.cfg.max_length)
 
     @torch.no_grad()
     def _forward(self, batch: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -114,7 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="--model: dtype")
     p.add_argument("--micro-batch-size", type=int, default=8, help="--model: sequences per forward pass")
     p.add_argument("--max-length", type=int, default=4096, help="--model: tokens per sequence (left-truncated)")
-    p.add_argument("--separator", default="", help="--model: text between prompt and response")
+    p.add_argument("--separator", default=None, help="--model: text between prompt and response (default: the one recorded by Tidal's reward-model training, else empty)")
     return p.parse_args(argv)
 
 

@@ -19,7 +19,9 @@ POINT
     timed phases ``generate``, ``reward``, ``train``, ``checkpoint``, ...); ``checkpoint/<when>``:
     inside :func:`tidal.trainer.checkpoint.save_checkpoint` (``begin``, ``shards``, ``marker``,
     ``swapped``, ``renamed``, ``rotating``); ``policy_logp``: the actor's logprobs in the update (for ``nan``);
-    ``sampled``: the prompt indices a rank takes for a step (for ``record``).
+    ``sampled``: the prompt (or, in the reward-model job, pair) indices a rank takes for a step
+    (for ``record``); ``rm_scores``: the reward model's scores of the chosen replies in its
+    training step (for ``nan``).
 keys
     ``rank=R`` (default: every rank), ``step=S`` / ``S-`` / ``S-E`` (default: every step),
     ``attempt=A`` or ``any``: torchrun's restart count ``TORCHELASTIC_RESTART_COUNT`` (default 0,

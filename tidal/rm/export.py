@@ -1,0 +1,50 @@
+"""Export a trained reward model as a Hugging Face folder that an RL run loads as a reward component.
+
+The folder holds the one-label sequence classifier (safetensors, ``config.json`` with its
+``pad_token_id``), its tokenizer, and :data:`tidal.rewards.model.FORMAT_FILE`, which records how
+the training texts were built, so that ``reward.components.X: {type: model, path: FOLDER}``
+scores ``prompt + separator + response`` exactly as training did (see
+:func:`tidal.rewards.model.resolve_separator`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tidal.models.lora import save_hf
+from tidal.rewards.model import FORMAT_FILE
+
+FORMAT_VERSION = 1
+
+
+def reward_format(cfg) -> dict:
+    """What :data:`FORMAT_FILE` records for a run's config (the root ``TidalConfig``)."""
+    return {
+        "version": FORMAT_VERSION,
+        "sequence": "prompt + separator + response",
+        "separator": cfg.reward_model.separator,
+        "prompt": "chat_template" if cfg.data.apply_chat_template else "raw",
+        "system_prompt": cfg.data.system_prompt,
+        "max_length": cfg.reward_model.max_length,
+    }
+
+
+def export_reward_model(trainer, out_dir: str | os.PathLike) -> Path:
+    """Gather the full weights (a collective on every rank) and write ``out_dir`` on rank 0,
+    atomically (``out_dir.tmp`` renamed into place). Returns the folder."""
+    out = Path(out_dir)
+    full_sd = trainer.strategy.full_model_state_dict(trainer.model)
+    if trainer.rt.is_main:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf(trainer.model, full_sd, tmp)
+        trainer.tokenizer.save_pretrained(tmp)
+        (tmp / FORMAT_FILE).write_text(json.dumps(reward_format(trainer.cfg), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    trainer.rt.barrier()
+    return out

@@ -1,0 +1,127 @@
+"""Wiring a reward-model run from its config: runtime, strategy, tokenizer, data, model, logging.
+
+Each function builds one thing; :func:`build_reward_model_trainer` calls them in order. Paths and
+data are checked before the model loads, so bad input fails in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tidal.config_base import ConfigError, check
+from tidal.data import DataSource, StatefulDistributedSampler
+from tidal.data.prompts import require_chat_template
+from tidal.data.vision import VisionProcessor
+from tidal.distributed import Runtime, init_runtime
+from tidal.logging import MetricsLogger
+from tidal.models import load_tokenizer
+from tidal.rm.dataset import PreferenceDataset
+from tidal.rm.model import load_trainable_reward_model
+from tidal.rm.trainer import RewardModelTrainer
+from tidal.strategy import get_strategy
+from tidal.trainer import checkpoint as ckpt
+from tidal.trainer.resume import resolve_resume_point
+from tidal.trainer.run_dir import announce_run_dir
+from tidal.trainer.watchdog import StageTimer, Watchdog
+
+
+@dataclasses.dataclass(kw_only=True)
+class RMPaths:
+    """Where the model, tokenizer and pairs come from: the config's paths or the built-in task's."""
+
+    model: str
+    tokenizer: str
+    train: list[DataSource]
+    eval: list[DataSource]
+
+
+def resolve_paths(cfg, runtime: Runtime) -> RMPaths:
+    """The config's paths, or the task's assets (built on rank 0 while the others wait)."""
+    task = cfg.reward_model.task
+    if not task.name:
+        m = cfg.model
+        return RMPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
+    from tidal.rm.task import prepare
+
+    if runtime.is_main:
+        prepare(task)
+    runtime.barrier()
+    assets = prepare(task)  # idempotent: the paths of what rank 0 built
+    return RMPaths(model=assets.model_path, tokenizer=assets.model_path,
+                   train=[DataSource(path=assets.train_path)], eval=[DataSource(path=assets.eval_path)])
+
+
+def check_inputs(paths: RMPaths) -> None:
+    """Every local path the run reads exists (ConfigError naming the key), before anything loads."""
+    for key, path in (("model.path", paths.model), ("model.tokenizer_path", paths.tokenizer)):
+        check(os.path.isdir(path), key, f"{path!r} is not a local directory (Tidal never downloads; pass a local Hugging Face folder)")
+    check(os.path.isfile(os.path.join(paths.model, "config.json")), "model.path", f"{paths.model!r} has no config.json; is it a Hugging Face model folder?")
+    for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
+        for i, source in enumerate(sources):
+            check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def load_data(cfg, paths: RMPaths, tokenizer, runtime: Runtime) -> tuple[PreferenceDataset, list]:
+    """The training pairs and the first ``eval.max_prompts`` eval pairs (all when 0)."""
+    train = PreferenceDataset(paths.train, tokenizer, cfg.data, cfg.reward_model, seed=cfg.run.seed)
+    eval_pairs = []
+    if paths.eval:
+        held_out = PreferenceDataset(paths.eval, tokenizer, cfg.data, cfg.reward_model, seed=cfg.run.seed)
+        n = len(held_out) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(held_out))
+        eval_pairs = [held_out[i] for i in range(n)]
+    if runtime.is_main:
+        print(f"[tidal] preference pairs: train {train.summary()}; eval {len(eval_pairs)} pairs", flush=True)
+    return train, eval_pairs
+
+
+def build_reward_model_trainer(cfg) -> RewardModelTrainer:
+    """Everything a ``job: reward_model`` run needs, from its config (the root ``TidalConfig``)."""
+    runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
+    cfg.check_world(runtime.world_size)
+    ckpt.check_writable(Path(cfg.run.output_dir), rank=runtime.rank)
+    saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
+    if saves:
+        ckpt.check_writable(ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank)
+    resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # a bad checkpoint.resume fails here
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    watchdog.start(runtime.cpu_group).mark("setup")
+    seed_everything(cfg.run.seed)
+    paths = resolve_paths(cfg, runtime)
+    check_inputs(paths)
+    strategy = get_strategy(cfg.strategy, runtime)
+    tokenizer = load_tokenizer(paths.tokenizer)
+    if isinstance(tokenizer, VisionProcessor):
+        raise ConfigError("model.tokenizer_path", "has an image processor; reward-model training supports text models only")
+    require_chat_template(tokenizer, cfg.data)
+    train_data, eval_pairs = load_data(cfg, paths, tokenizer, runtime)
+    model = load_trainable_reward_model(paths.model, tokenizer_pad_id=tokenizer.pad_token_id, seed=cfg.run.seed)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    pad_id = model.config.pad_token_id
+    state = strategy.prepare_trainable(model, cfg.optim, lr=cfg.optim.lr, total_steps=cfg.run.steps)
+    if saves:
+        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes([state.model]))
+    sampler = StatefulDistributedSampler(
+        len(train_data), rank=runtime.rank, world_size=runtime.world_size,
+        batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+    )
+    logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
+                           start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict())
+    if runtime.is_main:
+        announce_run_dir(cfg)
+    return RewardModelTrainer(
+        cfg=cfg, strategy=strategy, tokenizer=tokenizer, state=state, pad_id=pad_id, train_data=train_data,
+        eval_pairs=eval_pairs, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog, resume=resume,
+    )
