@@ -73,7 +73,7 @@ def test_too_little_disk_space_for_a_checkpoint(tmp_path):
     model = torch.nn.Linear(3, 2)  # 8 parameters: weights + two AdamW moments in fp32
     assert ckpt.checkpoint_bytes([model]) == 8 * 12
     ckpt.check_free_space(tmp_path, ckpt.checkpoint_bytes([model]))
-    with pytest.raises(ConfigError, match=rf"'run.output_dir'.*{tmp_path} has .* GiB free but a checkpoint needs about"):
+    with pytest.raises(ConfigError, match=rf"'run.output_dir'.*{tmp_path} has .* GiB free but the checkpoints of this run need about"):
         ckpt.check_free_space(tmp_path, 1 << 62)
 
 
