@@ -321,3 +321,17 @@ def test_training_resumes_past_a_truncated_newest_checkpoint(tmp_path, tiny_task
     assert f"resumed from {out / 'checkpoints' / 'step_000001'} (step 1)" in captured.out
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3], steps
+
+
+@pytest.mark.slow
+def test_ranks_agree_when_one_rank_fails_to_load(tmp_path):
+    """A checkpoint that only rank 1 cannot load: every rank skips it and loads the same older one."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    cmd = [__import__("sys").executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(repo / "tests" / "faults" / "scripts" / "resume_agree.py"), str(tmp_path / "checkpoints")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for r in (0, 1):
+        assert f"RESUMED rank {r} step 1 w 1.0 lr 1.0" in proc.stdout, proc.stdout
+    assert "checkpoint.resume=auto skips" in proc.stderr and "step_000002: loading failed: rank 1: " in proc.stderr, proc.stderr[-3000:]

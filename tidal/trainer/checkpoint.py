@@ -66,7 +66,8 @@ def _summary(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if not failures:
         text = str(exc).strip()
-        return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        line = text.splitlines()[0] if text else ""
+        return f"{type(exc).__name__}: {line if len(line) <= 160 else line[:157] + '...'}"
     parts = []
     for r, pair in sorted(failures.items()):
         inner = pair[0] if isinstance(pair, tuple) else pair
@@ -438,7 +439,7 @@ def load_resume(
         try:
             trainer_state = load_checkpoint(path, model_states=states, rank=rank)
         except Exception as e:  # noqa: BLE001 -- reported and decided on below, the same on every rank
-            error = str(e) if isinstance(e, CheckpointLoadError) else _summary(e)
+            error = _summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)
         if _all_ok(error is None, group):
             return path, states, trainer_state
         why = error or "it failed to load on another rank"
