@@ -12,6 +12,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
@@ -19,6 +20,12 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 T = TypeVar("T")
+
+# Every number a config holds fits the machine type it ends up in: ints in int64 (seeds, sizes), floats
+# finite; a float field named ``*_s`` is a duration in seconds, at most MAX_SECONDS (timers and
+# timedeltas overflow on larger ones).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SECONDS = 1e7
 
 
 class ConfigError(ValueError):
@@ -90,9 +97,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 raise ConfigError(key, f"expected a number, got {value!r}") from None
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int beyond float's range
+            raise ConfigError(key, f"{value:.3g} is beyond the range of a float") from None
+        check(math.isfinite(out), key, f"expected a finite number, got {out}")
+        if key.rpartition(".")[2].endswith("_s"):
+            check(abs(out) <= MAX_SECONDS, key, f"{out:g} s is longer than any duration Tidal takes (at most {MAX_SECONDS:g} s)")
+        return out
     if tp is int:
         check(isinstance(value, int) and not isinstance(value, bool), key, f"expected an integer, got {value!r}")
+        check(INT64_MIN <= value <= INT64_MAX, key, f"{value} does not fit in a 64-bit integer")
         return value
     if tp is bool:
         check(isinstance(value, bool), key, f"expected true/false, got {value!r}")

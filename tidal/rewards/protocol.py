@@ -17,6 +17,7 @@ import json
 import math
 from typing import Any
 
+from tidal.rewards.base import score_problem
 from tidal.rewards.types import RewardSample
 
 API_VERSION = 1
@@ -33,10 +34,19 @@ def _reject_constant(name: str) -> float:
 
 
 def loads(body: bytes | str) -> Any:
-    """Strict JSON: NaN/Infinity are rejected."""
+    """Strict JSON (UTF-8): NaN/Infinity are rejected; anything that is not JSON -- invalid UTF-8,
+    nesting too deep to parse -- is a ProtocolError saying why."""
     try:
         return json.loads(body, parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
     except json.JSONDecodeError as e:
+        raise ProtocolError(f"malformed JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"body is not UTF-8: {e.reason} at byte {e.start}") from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer literal too long to convert
         raise ProtocolError(f"malformed JSON: {e}") from None
 
 
@@ -95,7 +105,8 @@ def encode_response(scores: list[float], errors: dict[int, str]) -> bytes:
     out_scores: list[float | None] = []
     out_errors: list[str | None] = []
     for i, v in enumerate(scores):
-        err = errors.get(i) or (None if math.isfinite(v) else f"non-finite score {v}")
+        problem = score_problem(v)
+        err = errors.get(i) or (None if problem is None else f"score {problem}")
         out_scores.append(None if err else v)
         out_errors.append(err)
     return dumps({"api_version": API_VERSION, "scores": out_scores, "errors": out_errors})
@@ -122,5 +133,13 @@ def decode_response(body: bytes, n: int) -> tuple[list[float], dict[int, str]]:
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ProtocolError(f"reply scores[{i}] is {v!r:.60}, not a number")
         else:
-            out.append(float(v))
+            try:
+                problem = score_problem(float(v))
+            except OverflowError:
+                problem = "an integer beyond float's range"
+            if problem is not None:  # invalid like NaN: this sample's error, not a score
+                errs[i] = f"server returned {problem}"
+                out.append(math.nan)
+            else:
+                out.append(float(v))
     return out, errs
