@@ -140,7 +140,7 @@ def test_server_rejects_bad_requests(serve_app):
     assert body["errors"][0] is None and "exploded" in body["errors"][1]
     with urllib.request.urlopen(url + "/v1/info", timeout=5) as r:
         assert json.loads(r.read()) == {"api_version": 1, "max_batch_size": 2, "max_body_bytes": 2 * 256 * 1024 + 64 * 1024,
-                                        "kind": "function", "target": "length_reward"}
+                                        "kind": "function", "target": "length_reward", "replies": {"200": 1, "400": 3, "413": 1}}
 
 
 def misbehaving_app(handler):

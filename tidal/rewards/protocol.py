@@ -22,6 +22,7 @@ from tidal.rewards.types import RewardSample
 
 API_VERSION = 1
 SCORE_PATH = "/v1/score"
+FINISH_REASONS = ("stop", "length")
 INFO_PATH = "/v1/info"
 
 
@@ -37,7 +38,8 @@ def loads(body: bytes | str) -> Any:
     """Strict JSON (UTF-8): NaN/Infinity are rejected; anything that is not JSON -- invalid UTF-8,
     nesting too deep to parse -- is a ProtocolError saying why."""
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body  # not json's encoding sniffing
+        return json.loads(text, parse_constant=_reject_constant)
     except ProtocolError:
         raise
     except json.JSONDecodeError as e:
@@ -89,8 +91,10 @@ def sample_from_json(obj: Any, i: int) -> RewardSample:
         if name in obj and not isinstance(obj[name], tp):
             raise ProtocolError(f"samples[{i}].{name} must be a JSON {tp.__name__}")
     for name in ("prompt_ids", "response_ids"):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in obj.get(name, [])):
-            raise ProtocolError(f"samples[{i}].{name} must be a list of integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in obj.get(name, [])):
+            raise ProtocolError(f"samples[{i}].{name} must be a list of token ids (integers >= 0)")
+    if obj.get("finish_reason", "stop") not in FINISH_REASONS:
+        raise ProtocolError(f"samples[{i}].finish_reason must be one of {list(FINISH_REASONS)}")
     return RewardSample(index=i, **{"prompt_ids": [], "response_ids": [], **obj})
 
 

@@ -154,7 +154,8 @@ def build_app(scorer: Scorer, *, info: dict, token: str | None = None, limits: S
         if not authorised(request):
             return error(401, "missing or wrong bearer token")
         body = {"api_version": protocol.API_VERSION, "max_batch_size": limits.max_batch_size,
-                "max_body_bytes": limits.max_body_bytes, **info}
+                "max_body_bytes": limits.max_body_bytes, **info,
+                "replies": {str(k): v for k, v in sorted(stats["replies"].items())}}
         return web.json_response(body)
 
     app = web.Application(client_max_size=limits.max_body_bytes)
