@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from tidal.algorithms.config import AlgorithmConfig
-from tidal.config_base import ConfigError, apply_overrides, build, check, to_dict
+from tidal.config_base import ConfigError, apply_overrides, build, check, decode_utf8, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
 from tidal.logging.config import LoggingConfig
@@ -100,11 +100,15 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalConfig:
     path = resolve_config_path(name_or_path)
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
+    try:
+        text = decode_utf8(path.read_bytes(), str(path))
+        data = yaml.safe_load(text) or {}
+    except ValueError as e:  # not UTF-8
+        raise ConfigError("<config>", str(e)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
+    except OSError as e:
+        raise ConfigError("<config>", f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise ConfigError("<config>", f"{path} must hold a mapping of sections")
     return build(TidalConfig, apply_overrides(data, overrides or []))

@@ -139,6 +139,18 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         raise ConfigError(prefix or "<root>", str(e)) from None
 
 
+def decode_utf8(data: bytes, what: str) -> str:
+    """``data`` as UTF-8 text, or ValueError naming ``what`` (a file), the line, and the byte offset
+    of the first invalid byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{what}:{line}: not UTF-8 text: byte 0x{data[e.start]:02x} at column {column} "
+                         f"(byte offset {e.start}): {e.reason}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``a.b.c=value`` (value parsed as YAML) into (["a","b","c"], value)."""
     if "=" not in text:

@@ -131,6 +131,9 @@ class AlgorithmConfig:
         (ppo_clip only; 0: off).
     kl_coef: KL coefficient beta (0: no KL and no reference model).
     kl_estimator: k1, k2 or k3 (Schulman's low-variance estimator).
+    kl_clamp: each token's KL estimate is clamped to [-kl_clamp, kl_clamp] (10, as verl and
+        OpenRLHF): a token far off the reference adds at most this much and no gradient past it.
+        0: no clamp (log pi_ref - log pi is still bounded to [-20, 20], so k3 stays finite).
     kl_in_reward: False: beta * KL is a loss term; True: -beta * KL_t is added to each token's reward.
     kl_controller: ``fixed`` or ``adaptive`` (Ziegler et al. 2019; needs kl_target).
     kl_target: target per-token KL of the adaptive controller. kl_horizon_steps: its horizon in
@@ -154,6 +157,7 @@ class AlgorithmConfig:
     dual_clip: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float = 10.0
     kl_in_reward: bool = False
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = 0.0
@@ -208,6 +212,7 @@ class AlgorithmConfig:
 
     def _check_kl(self):
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(self.kl_clamp >= 0, "kl_clamp", "must be >= 0 (0: no clamp)")
         check(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward", "needs kl_coef > 0")
         if self.kl_controller == "adaptive":
             check(self.kl_coef > 0, "kl_controller", "adaptive needs kl_coef > 0 (its initial value)")

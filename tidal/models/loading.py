@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+from tidal.config_base import ConfigError
 from tidal.models.logprobs import attach_logprob_method
 from tidal.models.vision import auto_model_class, is_vision_language
 
@@ -41,6 +42,31 @@ def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
     return model
+
+
+def model_positions(hf_config) -> int | None:
+    """How many positions the model has (``max_position_embeddings`` of its text config, which a
+    vision-language config keeps apart), or None when its config does not say."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    n = getattr(text, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_context_fits(hf_config, *, max_prompt_len: int, max_new_tokens: int) -> None:
+    """At setup, not mid-training: a prompt of up to ``data.max_prompt_len`` tokens plus
+    ``rollout.max_new_tokens`` generated ones must fit the model's positions (positions past them
+    are an index error or silent garbage, depending on the kernel). ConfigError naming the key to
+    change; nothing is checked when the config gives no ``max_position_embeddings``."""
+    positions = model_positions(hf_config)
+    if positions is None:
+        return
+    if max_prompt_len >= positions:
+        raise ConfigError("data.max_prompt_len", f"{max_prompt_len} leaves no room to generate: the model has {positions} "
+                          "positions (max_position_embeddings); lower it")
+    if max_prompt_len + max_new_tokens > positions:
+        raise ConfigError("rollout.max_new_tokens", f"data.max_prompt_len ({max_prompt_len}) + rollout.max_new_tokens "
+                          f"({max_new_tokens}) = {max_prompt_len + max_new_tokens} exceeds the model's {positions} positions "
+                          f"(max_position_embeddings); lower one of them")
 
 
 def load_tokenizer(path: str):
