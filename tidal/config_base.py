@@ -100,7 +100,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         try:
             out = float(value)
         except OverflowError:  # an int beyond float's range
-            raise ConfigError(key, f"{value:.3g} is beyond the range of a float") from None
+            raise ConfigError(key, f"an integer of {len(str(value))} digits is beyond the range of a float") from None
         check(math.isfinite(out), key, f"expected a finite number, got {out}")
         if key.rpartition(".")[2].endswith("_s"):
             check(abs(out) <= MAX_SECONDS, key, f"{out:g} s is longer than any duration Tidal takes (at most {MAX_SECONDS:g} s)")

@@ -104,6 +104,19 @@ def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, 
     assert "'data.apply_chat_template'" in err and "tokenizer has no chat template" in err
 
 
+def test_tokenizer_without_pad_and_eos_tokens(tmp_path, assets, tiny_task_overrides, capsys):
+    """Qwen2Tokenizer then invents '<|endoftext|>' as a token past the model's embedding: that used to
+    be an IndexError in the first generation; now an error at start naming the token."""
+    overrides = tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    cfg_file = tmp_path / "model" / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    for k in ("pad_token", "eos_token"):
+        tok_cfg.pop(k, None)
+    cfg_file.write_text(json.dumps(tok_cfg))
+    err = _cli_error(capsys, overrides, loads_models=False)
+    assert "'model.tokenizer_path'" in err and "'<|endoftext|>' (id " in err and "have none" in err, err
+
+
 @pytest.mark.parametrize("bad_line, message", [
     ('{"prompt": "1+1=", "reference": 2', r"train.jsonl:3: invalid JSON"),
     ('{"question": "1+1="}', r"train.jsonl:3: a row needs exactly one of 'prompt' or 'messages', it has neither"),

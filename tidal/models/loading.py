@@ -69,16 +69,42 @@ def check_context_fits(hf_config, *, max_prompt_len: int, max_new_tokens: int) -
                           f"(max_position_embeddings); lower one of them")
 
 
+def check_tokenizer_fits(tokenizer, hf_config, *, key: str = "model.tokenizer_path") -> None:
+    """Every id the tokenizer can produce has a row in the model's embedding (``vocab_size`` of its
+    text config); else ConfigError at ``key`` naming the tokens without one. The usual cause: a
+    tokenizer_config.json without pad/eos tokens, for which the tokenizer class invents its default
+    (Qwen2's ``<|endoftext|>``) as a new token past the model's vocabulary -- an IndexError in the
+    first forward pass otherwise."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    rows = getattr(text, "vocab_size", None)
+    if not isinstance(rows, int) or len(tokenizer) <= rows:
+        return
+    extra = sorted((i, t) for t, i in tokenizer.get_added_vocab().items() if i >= rows)
+    names = ", ".join(f"{t!r} (id {i})" for i, t in extra[:5]) or f"ids {rows}..{len(tokenizer) - 1}"
+    raise ConfigError(key, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows: {names} "
+                      "have none (a special token the tokenizer class invented because tokenizer_config.json names no "
+                      "pad/eos token?); name tokens of the model's vocabulary there")
+
+
 def load_tokenizer(path: str):
     """The tokenizer of a model folder; for a folder with an image processor (``preprocessor_config.json``,
     a vision-language model) a :class:`~tidal.data.vision.VisionProcessor` that behaves as the tokenizer
-    for text and also turns images into image tokens and pixel inputs."""
+    for text and also turns images into image tokens and pixel inputs.
+
+    Padding: a tokenizer without a pad token pads with its EOS token (pad positions are masked out);
+    one with neither is a ConfigError at ``model.tokenizer_path``. In a model folder every token id
+    must have an embedding row (:func:`check_tokenizer_fits`)."""
     from tidal.data.vision import VisionProcessor, load_image_processor
 
     _require_dir(path, "model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:
+    if tok.pad_token_id is None:  # padding is masked out everywhere: any real token will do, EOS by convention
+        if tok.eos_token_id is None:
+            raise ConfigError("model.tokenizer_path", f"the tokenizer in {path} has neither a pad token nor an EOS token; "
+                              "set pad_token (and eos_token) in its tokenizer_config.json to tokens of its vocabulary")
         tok.pad_token = tok.eos_token
+    if os.path.exists(os.path.join(path, "config.json")):  # a model folder: its ids must all have embedding rows
+        check_tokenizer_fits(tok, AutoConfig.from_pretrained(path))
     image_processor = load_image_processor(path)
     return VisionProcessor(tok, image_processor) if image_processor is not None else tok
 
