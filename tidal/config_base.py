@@ -123,7 +123,7 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted((k for k in data if k not in fields), key=str)  # YAML keys may be ints, None, ...
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(key, f"unknown key; valid keys under '{prefix or '<root>'}' are {sorted(fields)}")
@@ -159,7 +159,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key or text, "empty key in override")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    if raw == "":
+        return key.split("."), ""
+    try:
+        return key.split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r:.80} is not valid YAML: {str(e).splitlines()[0]}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -104,3 +104,22 @@ def pid(sample) -> float:
 def huge(sample) -> float:
     """1e39: finite in float64, inf in float32."""
     return 1e39 if sample.response == "huge" else 1.0
+
+
+# ---- fuzzing (tests/faults/test_fuzz_properties.py): return whatever the test put here ----
+FUZZ_VALUES: list = []
+
+
+def fuzz_value(sample):
+    return FUZZ_VALUES[sample.index]
+
+
+def fuzz_batched(samples):
+    return FUZZ_VALUES[0] if len(FUZZ_VALUES) == 1 else list(FUZZ_VALUES)
+
+
+fuzz_batched.batched = True
+
+
+def near_float32_max(sample) -> float:
+    return 3e38

@@ -130,3 +130,16 @@ def test_reward_beyond_float32_is_invalid_like_nan(isolation):
     with engine("huge", on_error="drop", isolation=isolation) as eng:
         out = eng.score([S("a"), S("huge")])
     assert out.valid_B.tolist() == [True, False] and torch.isfinite(out.total_B).all()
+
+
+def test_weighted_total_beyond_float32_is_invalid():
+    spec = {"type": "function", "path": f"{F}:near_float32_max"}
+    for on_error in ("raise", "drop"):
+        cfg = RewardConfig(components={"a": spec, "b": dict(spec)}, recipes={"default": [["a", 1.0], ["b", 1.0]]}, on_error=on_error)
+        with RewardEngine(cfg, device=torch.device("cpu")) as eng:
+            if on_error == "raise":  # each score is a finite float32, their sum (6e38) is not
+                with pytest.raises(RewardError, match=r"reward total failed on sample 0: the weighted sum of its scores, 6e\+38, is beyond float32's range"):
+                    eng.score([S("a")])
+            else:
+                out = eng.score([S("a"), S("b")])
+                assert out.valid_B.tolist() == [False, False] and out.total_B.tolist() == [0.0, 0.0]

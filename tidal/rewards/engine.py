@@ -30,7 +30,7 @@ from typing import Any, Coroutine
 import torch
 
 from tidal.config_base import check
-from tidal.rewards.base import AsyncComponent, ComponentResult, RewardError, SyncComponent, score_problem
+from tidal.rewards.base import FLOAT32_MAX, AsyncComponent, ComponentResult, RewardError, SyncComponent, score_problem
 from tidal.rewards.config import ComponentSpec, RewardConfig
 from tidal.rewards.placement import LocalPlacement, ModelPlacement
 from tidal.rewards.types import RewardOutput, RewardSample
@@ -246,13 +246,24 @@ class RewardEngine:
             metrics[f"reward/{name}/errors"] = float(len(res.errors))
             for k, v in res.counters.items():
                 metrics[f"reward/{name}/{k}"] = float(v)
-        # total_B = sum_c w_c * r_c over each sample's recipe; dropped samples get 0.
-        total_B = torch.zeros(B, dtype=torch.float32)
+        # total_B = sum_c w_c * r_c over each sample's recipe (in float64: a sum of float32 scores may
+        # overflow float32, and such a sample is invalid like a NaN one); dropped samples get 0.
+        total64_B = torch.zeros(B, dtype=torch.float64)
         for name in self.components:
-            total_B += weights[name] * components[name]
-        total_B = torch.where(valid_B, total_B, torch.zeros_like(total_B))
+            total64_B += weights[name].double() * components[name].double()
+        self._check_totals(total64_B, valid_B)
+        total_B = torch.where(valid_B, total64_B, torch.zeros_like(total64_B)).float()
         self._summaries(metrics, components, masks, uses, valid_B, total_B)
         return RewardOutput(total_B=total_B, components=components, valid_B=valid_B, metrics=metrics, component_masks=masks)
+
+    def _check_totals(self, total64_B: torch.Tensor, valid_B: torch.Tensor) -> None:
+        """A valid sample whose weighted total is not finite in float32 fails like a component error."""
+        bad = (valid_B & ~(total64_B.abs() <= FLOAT32_MAX)).nonzero().flatten().tolist()
+        if bad and self.cfg.on_error == "raise":
+            more = f" ({len(bad) - 1} more samples)" if len(bad) > 1 else ""
+            raise RewardError(f"reward total failed on sample {bad[0]}: the weighted sum of its scores, "
+                              f"{total64_B[bad[0]].item():g}, is beyond float32's range{more}")
+        valid_B[bad] = False
 
     def _apply_errors(self, name, pos, res: ComponentResult, valid_B, uses_B) -> None:
         for j, msg in sorted(res.errors.items()):
@@ -270,9 +281,9 @@ class RewardEngine:
         combine ranks: sum(mean * count) / sum(count)); NaN when the count is 0."""
         for name, score_B in components.items():
             keep = masks[name] & valid_B
-            metrics[f"reward/{name}"] = score_B[keep].mean().item() if keep.any() else math.nan
+            metrics[f"reward/{name}"] = score_B[keep].double().mean().item() if keep.any() else math.nan
             metrics[f"reward/{name}/count"] = float(keep.sum())
-        metrics["reward/total"] = total_B[valid_B].mean().item() if valid_B.any() else math.nan
+        metrics["reward/total"] = total_B[valid_B].double().mean().item() if valid_B.any() else math.nan
         metrics["reward/valid"] = float(valid_B.sum())
         metrics["reward/dropped"] = float((~valid_B).sum())
 
