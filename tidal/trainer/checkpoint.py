@@ -22,6 +22,7 @@ agree on the outcome of each load attempt; without one every rank validates the 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -231,12 +232,32 @@ class SafeFileSystemReader(FileSystemReader):
         return md
 
 
+def _state_globals() -> list[Any]:
+    """The classes, beyond tensors and containers, that Tidal's own state dicts hold: DeepSpeed's
+    ZeRO optimizer state (its loss scaler, ZeRO stage enum and parameter fragment addresses) when
+    DeepSpeed is in use. Plain data holders: unpickling one sets its fields and runs no code."""
+    if "deepspeed" not in sys.modules:
+        return []
+    found = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        found += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return found
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but the non-tensor items of a state dict (optimizer
-    hyper-parameters, scheduler state) are read with ``torch.load(weights_only=True)``."""
+    hyper-parameters, scheduler state, DeepSpeed's optimizer settings) are read with
+    ``torch.load(weights_only=True)`` and the allow-list of :func:`_state_globals`."""
 
     def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
+        with torch.serialization.safe_globals(_state_globals()):
+            obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
