@@ -6,7 +6,8 @@
 required). Reply 200: ``{"api_version": 1, "scores": [number|null, ...], "errors": [null|str, ...]}``
 with one entry per sample, in order; ``scores[i]`` is null exactly when ``errors[i]`` says why.
 Errors: ``{"error": str}`` with 400 (malformed request), 401 (missing/wrong bearer token),
-413 (too many samples), 500 (server failure). ``GET /v1/info`` describes the service.
+408 (body too slow), 413 (body too large, or too many samples), 503 (busy; ``Retry-After``),
+500 (server failure). ``GET /v1/info`` describes the service and its limits. Bodies are UTF-8.
 See docs/rewards.md.
 """
 
