@@ -83,8 +83,8 @@ def _bad_trainer_json(path: Path) -> str:
 
 
 def _trainer_json_lacks_keys(path: Path) -> str:
-    (path / "trainer.json").write_text('{"step": 3}')
-    return "trainer.json lacks ['sampler', 'algorithm', 'trainer']"
+    (path / "trainer.json").write_text('{"sampler": {}}')
+    return "trainer.json lacks ['step']"
 
 
 def _bad_rng(path: Path) -> str:
@@ -111,6 +111,15 @@ def test_corrupt_newest_checkpoint(tmp_path, capsys, corrupt):
     with pytest.raises(ConfigError) as info:
         ckpt.resolve_resume(str(newest), root)
     assert info.value.key == "checkpoint.resume" and str(newest) in info.value.message and problem in info.value.message
+
+
+def test_a_job_names_the_keys_its_trainer_json_needs(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    _save_steps(root, [1, 2])
+    (root / "step_000002" / "trainer.json").write_text('{"step": 2, "sampler": {}}')
+    assert ckpt.resolve_resume("auto", root) == root / "step_000002"  # step is all a resume needs by default
+    assert ckpt.resolve_resume("auto", root, required_keys=ckpt.TRAINER_STATE_KEYS) == root / "step_000001"
+    assert "trainer.json lacks ['algorithm', 'trainer']" in capsys.readouterr().err
 
 
 def test_every_checkpoint_corrupt_means_no_resume(tmp_path, capsys):

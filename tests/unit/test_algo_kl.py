@@ -118,3 +118,5 @@ def test_kl_clamp_is_validated():
 
     with pytest.raises(ConfigError, match="kl_clamp"):
         AlgorithmConfig(kl_coef=0.1, kl_clamp=-1.0)
+    with pytest.raises(ConfigError, match="'kl_clamp': only used with kl_coef > 0"):
+        AlgorithmConfig(kl_clamp=5.0)

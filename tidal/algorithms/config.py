@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 from tidal.algorithms import registry
+from tidal.algorithms.kl import DEFAULT_KL_CLAMP
 from tidal.config_base import check, check_choice
 
 # Estimators that discount with gamma; for the others (group baselines) gamma must stay 1.
@@ -157,7 +158,7 @@ class AlgorithmConfig:
     dual_clip: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    kl_clamp: float = 10.0
+    kl_clamp: float = DEFAULT_KL_CLAMP
     kl_in_reward: bool = False
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = 0.0
@@ -213,6 +214,7 @@ class AlgorithmConfig:
     def _check_kl(self):
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         check(self.kl_clamp >= 0, "kl_clamp", "must be >= 0 (0: no clamp)")
+        check(self.kl_coef > 0 or self.kl_clamp == DEFAULT_KL_CLAMP, "kl_clamp", "only used with kl_coef > 0 (no KL is computed)")
         check(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward", "needs kl_coef > 0")
         if self.kl_controller == "adaptive":
             check(self.kl_coef > 0, "kl_controller", "adaptive needs kl_coef > 0 (its initial value)")

@@ -47,7 +47,8 @@ from tidal.config_base import ConfigError
 from tidal.trainer import faults
 
 COMPLETE_MARKER = "trainer.json"
-TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")
+REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
+TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RNG_RE = re.compile(r"^rng_rank(\d+)\.pt$")
 _FULL_DISK_BYTES = 64 * 2**20  # less free than this after a failed write: say the disk is full
@@ -363,10 +364,10 @@ def _rng_problems(path: Path) -> list[str]:
     return problems
 
 
-def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = TRAINER_STATE_KEYS) -> list[str]:
+def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED_KEYS) -> list[str]:
     """What would keep ``path`` from loading, found without loading a tensor (empty: it looks
-    loadable): ``trainer.json`` is a JSON object with ``required_keys`` (by default those the trainer
-    reads); ``models/.metadata``
+    loadable): ``trainer.json`` is a JSON object with ``required_keys`` (``step`` by default; the RL
+    trainer's are ``TRAINER_STATE_KEYS``); ``models/.metadata``
     unpickles under the allow-list; every shard file it references exists and is at least as long
     as the byte ranges it holds there; every ``rng_rank<R>.pt`` loads with ``weights_only=True``."""
     if not path.is_dir():
@@ -396,7 +397,7 @@ def _from_rank0(compute: Callable[[], Any], group) -> Any:
 
 
 def resume_candidates(
-    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = TRAINER_STATE_KEYS
+    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
 ) -> list[Path]:
     """The checkpoints a resume may load, in the order to try them (every rank gets the same list):
     ``never`` -> []; ``auto`` -> the complete checkpoints under ``root`` that look loadable
@@ -427,7 +428,7 @@ def resume_candidates(
 
 
 def resolve_resume(
-    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = TRAINER_STATE_KEYS
+    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
 ) -> Path | None:
     """The checkpoint to resume from: ``auto`` -> the newest complete one that looks loadable (or
     None), ``never`` -> None, else the given directory (a ConfigError naming what is wrong when it
@@ -447,7 +448,7 @@ def _all_ok(ok: bool, group) -> bool:
 
 def load_resume(
     resume: str, root: Path, *, model_states: Callable[[], dict[str, Any]], rank: int, group=None,
-    required_keys: tuple[str, ...] = TRAINER_STATE_KEYS,
+    required_keys: tuple[str, ...] = REQUIRED_KEYS,
 ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     """Resolve and load a resume (collective): ``(path, model_states, trainer_state)``, or None when
     there is nothing to resume. ``model_states()`` builds fresh state dicts to load into (called
