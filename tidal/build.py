@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 
 from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig
@@ -32,15 +33,14 @@ from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
 from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
-from tidal.models.loading import check_same_tokenizer, tokenizer_fingerprint
+from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.ppo_trainer import PPOTrainer, RunData
-from tidal.trainer.resume import resolve_resume_point
-from tidal.trainer.run_dir import announce_run_dir
+from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
@@ -88,13 +88,6 @@ def total_optimizer_steps(cfg: TidalConfig) -> int:
 
 def checkpoints_enabled(cfg: TidalConfig) -> bool:
     return cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
-
-
-def check_run_dirs(cfg: TidalConfig, runtime: Runtime) -> None:
-    """The run directory (and the checkpoint directory, when checkpoints are saved) is writable: fail at start."""
-    ckpt.check_writable(Path(cfg.run.output_dir), rank=runtime.rank)
-    if checkpoints_enabled(cfg):
-        ckpt.check_writable(ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank)
 
 
 def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -> None:
@@ -168,8 +161,8 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
-    check_run_dirs(cfg, runtime)
-    resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # a bad checkpoint.resume fails here
+    # the directory's lock, partial saves settled, writability, the resume point: before anything loads
+    run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
@@ -177,13 +170,17 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     strategy = get_strategy(cfg.strategy, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
+    hf_config = AutoConfig.from_pretrained(paths.model)
+    check_context_fits(hf_config, max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens)
     tokenizer = load_tokenizer(paths.tokenizer)
+    if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
+        check_tokenizer_fits(tokenizer, hf_config)
     require_chat_template(tokenizer, cfg.data)  # before any model is loaded
 
     models, hf_config = build_models(cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
         trained = [models.actor.model] + ([models.critic.model] if models.critic is not None else [])
-        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained))
+        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained), keep=cfg.checkpoint.keep)
     phases = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
     engine_dtype = resolve_dtype(cfg.engine.dtype, runtime.device)
     engine = create_engine(hf_config, cfg.engine, device=runtime.device, dtype=engine_dtype,
@@ -194,9 +191,9 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     data = build_data(cfg, paths, tokenizer, runtime)
     logger = MetricsLogger(
         cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
-        start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict(),
+        start_step=run_dir.resume.step if run_dir.resume is not None else 0, hparams=cfg.to_dict(),
     )
     if runtime.is_main:
         announce_run_dir(cfg)
     return PPOTrainer(cfg=cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
-                      logger=logger, resume=resume)
+                      logger=logger, run_dir=run_dir)

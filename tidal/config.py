@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 
 from tidal.algorithms.config import AlgorithmConfig
-from tidal.config_base import ConfigError, apply_overrides, build, check, to_dict
+from tidal.config_base import ConfigError, apply_overrides, build, check, decode_utf8, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
 from tidal.jobs import check_job, check_job_world
@@ -68,7 +68,7 @@ class TidalConfig:
             check(bool(self.model.path), "model.path", "must be a local Hugging Face model folder (or set task.name)")
             check(bool(self.data.train), "data.train", "needs at least one prompt source (or set task.name)")
         distill = self.algorithm.distill_coef > 0
-        check(not distill or self.model.teacher.enabled, "model.teacher",
+        check(not distill or self.model.teacher.enabled, "algorithm.distill_coef",
               "algorithm.distill_coef > 0 needs a teacher: model.teacher.path (local folder) or model.teacher.url")
         teacher_key = "model.teacher.path" if self.model.teacher.path else "model.teacher.url"
         check(distill or not self.model.teacher.enabled, teacher_key,
@@ -148,11 +148,15 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalConfig:
     path = resolve_config_path(name_or_path)
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
+    try:
+        text = decode_utf8(path.read_bytes(), str(path))
+        data = yaml.safe_load(text) or {}
+    except ValueError as e:  # not UTF-8
+        raise ConfigError("<config>", str(e)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
+    except OSError as e:
+        raise ConfigError("<config>", f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise ConfigError("<config>", f"{path} must hold a mapping of sections")
     return build(TidalConfig, apply_overrides(data, overrides or []))

@@ -12,6 +12,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
@@ -19,6 +20,12 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 T = TypeVar("T")
+
+# Every number a config holds fits the machine type it ends up in: ints in int64 (seeds, sizes), floats
+# finite; a float field named ``*_s`` is a duration in seconds, at most MAX_SECONDS (timers and
+# timedeltas overflow on larger ones).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SECONDS = 1e7
 
 
 class ConfigError(ValueError):
@@ -90,9 +97,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 raise ConfigError(key, f"expected a number, got {value!r}") from None
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int beyond float's range
+            raise ConfigError(key, f"an integer of {len(str(value))} digits is beyond the range of a float") from None
+        check(math.isfinite(out), key, f"expected a finite number, got {out}")
+        if key.rpartition(".")[2].endswith("_s"):
+            check(abs(out) <= MAX_SECONDS, key, f"{out:g} s is longer than any duration Tidal takes (at most {MAX_SECONDS:g} s)")
+        return out
     if tp is int:
         check(isinstance(value, int) and not isinstance(value, bool), key, f"expected an integer, got {value!r}")
+        check(INT64_MIN <= value <= INT64_MAX, key, f"{value} does not fit in a 64-bit integer")
         return value
     if tp is bool:
         check(isinstance(value, bool), key, f"expected true/false, got {value!r}")
@@ -108,7 +123,7 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted((k for k in data if k not in fields), key=str)  # YAML keys may be ints, None, ...
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(key, f"unknown key; valid keys under '{prefix or '<root>'}' are {sorted(fields)}")
@@ -124,6 +139,18 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         raise ConfigError(prefix or "<root>", str(e)) from None
 
 
+def decode_utf8(data: bytes, what: str) -> str:
+    """``data`` as UTF-8 text, or ValueError naming ``what`` (a file), the line, and the byte offset
+    of the first invalid byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{what}:{line}: not UTF-8 text: byte 0x{data[e.start]:02x} at column {column} "
+                         f"(byte offset {e.start}): {e.reason}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``a.b.c=value`` (value parsed as YAML) into (["a","b","c"], value)."""
     if "=" not in text:
@@ -132,7 +159,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key or text, "empty key in override")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    if raw == "":
+        return key.split("."), ""
+    try:
+        return key.split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {raw!r:.80} is not valid YAML: {str(e).splitlines()[0]}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

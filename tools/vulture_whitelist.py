@@ -48,3 +48,5 @@ CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
 # Multi-turn rollouts (tidal/envs): wired into the trainer by the agentic-integration step.
 check_engine_backend, prepare_calculator
 _.advantage_trajectory_ids, _.per_row
+__getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
+_.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner

@@ -49,7 +49,7 @@ def test_advantages_mix_task_and_teacher(task_weight):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["algorithm.distill_coef=1.0"], "model.teacher"),
+    (["algorithm.distill_coef=1.0"], "algorithm.distill_coef"),
     (["model.teacher.path=/t"], "model.teacher.path"),
     (["algorithm.distill_task_weight=0.5"], "algorithm.distill_task_weight"),
     (["algorithm.distill_coef=1.0", "model.teacher.path=/t", "model.teacher.url=http://x"], "model.teacher.url"),

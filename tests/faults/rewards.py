@@ -30,3 +30,96 @@ def wrong_length_batched(samples) -> list[float]:
 
 
 wrong_length_batched.batched = True
+
+
+# ---- reward functions that misbehave as badly as Python allows (tests/faults/test_reward_faults.py) ----
+def exits(sample) -> float:
+    """sys.exit() on the sample whose response is 'exit' (a BaseException, not an Exception)."""
+    import sys
+
+    if sample.response == "exit":
+        sys.exit(3)
+    return 1.0
+
+
+def interrupts(sample) -> float:
+    if sample.response == "exit":
+        raise KeyboardInterrupt("pressed ^C inside a reward")
+    return 1.0
+
+
+async def async_exits(sample) -> float:
+    import sys
+
+    if sample.response == "exit":
+        sys.exit(4)
+    return 1.0
+
+
+def batched_exits(samples) -> list[float]:
+    import sys
+
+    if any(s.response == "exit" for s in samples):
+        sys.exit(5)
+    return [1.0] * len(samples)
+
+
+batched_exits.batched = True
+
+
+def hangs_forever(sample) -> float:
+    """Never returns on 'hang' (a thread or process stuck in a C call, a deadlock)."""
+    import time
+
+    if sample.response == "hang":
+        while True:
+            time.sleep(0.05)
+    return 1.0
+
+
+async def blocks_the_loop(sample) -> float:
+    """An async function that blocks its event loop (time.sleep instead of asyncio.sleep)."""
+    import time
+
+    if sample.response == "hang":
+        time.sleep(8)
+    return 1.0
+
+
+def dies(sample) -> float:
+    """Ends its process at once on 'die' (os._exit: no exception to catch anywhere)."""
+    import os
+
+    if sample.response == "die":
+        os._exit(7)
+    return 1.0
+
+
+def pid(sample) -> float:
+    import os
+
+    return float(os.getpid())
+
+
+def huge(sample) -> float:
+    """1e39: finite in float64, inf in float32."""
+    return 1e39 if sample.response == "huge" else 1.0
+
+
+# ---- fuzzing (tests/faults/test_fuzz_properties.py): return whatever the test put here ----
+FUZZ_VALUES: list = []
+
+
+def fuzz_value(sample):
+    return FUZZ_VALUES[sample.index]
+
+
+def fuzz_batched(samples):
+    return FUZZ_VALUES[0] if len(FUZZ_VALUES) == 1 else list(FUZZ_VALUES)
+
+
+fuzz_batched.batched = True
+
+
+def near_float32_max(sample) -> float:
+    return 3e38

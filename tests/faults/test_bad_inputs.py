@@ -71,14 +71,14 @@ def test_unwritable_checkpoint_dir_fails_at_start(tmp_path, tiny_task_overrides,
 
 def test_unwritable_run_dir_fails_at_start(tiny_task_overrides, capsys):
     err = _cli_error(capsys, tiny_task_overrides + ["run.output_dir=/proc/tidal-run"], loads_models=False)  # unwritable even for root
-    assert "'run.output_dir'" in err and "cannot write to /proc/tidal-run" in err
+    assert "'run.output_dir'" in err and "cannot create /proc/tidal-run" in err
 
 
 def test_too_little_disk_space_for_a_checkpoint(tmp_path):
     model = torch.nn.Linear(3, 2)  # 8 parameters: weights + two AdamW moments in fp32
     assert ckpt.checkpoint_bytes([model]) == 8 * 12
     ckpt.check_free_space(tmp_path, ckpt.checkpoint_bytes([model]))
-    with pytest.raises(ConfigError, match=rf"'run.output_dir'.*{tmp_path} has .* GiB free but a checkpoint needs about"):
+    with pytest.raises(ConfigError, match=rf"'run.output_dir'.*{tmp_path} has .* GiB free but the checkpoints of this run need about"):
         ckpt.check_free_space(tmp_path, 1 << 62)
 
 
@@ -107,6 +107,19 @@ def test_tokenizer_without_chat_template(tmp_path, assets, tiny_task_overrides, 
     cfg_file.write_text(json.dumps(tok_cfg))
     err = _cli_error(capsys, overrides, loads_models=False)
     assert "'data.apply_chat_template'" in err and "tokenizer has no chat template" in err
+
+
+def test_tokenizer_without_pad_and_eos_tokens(tmp_path, assets, tiny_task_overrides, capsys):
+    """Qwen2Tokenizer then invents '<|endoftext|>' as a token past the model's embedding: that used to
+    be an IndexError in the first generation; now an error at start naming the token."""
+    overrides = _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)
+    cfg_file = tmp_path / "model" / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    for k in ("pad_token", "eos_token"):
+        tok_cfg.pop(k, None)
+    cfg_file.write_text(json.dumps(tok_cfg))
+    err = _cli_error(capsys, overrides, loads_models=False)
+    assert "'model.tokenizer_path'" in err and "'<|endoftext|>' (id " in err and "have none" in err, err
 
 
 @pytest.mark.parametrize("bad_line, message", [

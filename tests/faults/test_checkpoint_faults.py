@@ -28,7 +28,7 @@ def _save(root: Path, saves: list[str], fault: str = "", keep: int = 3) -> subpr
 def _resume(root: Path) -> tuple[int, float]:
     """What PPOTrainer.maybe_resume does: clean partial saves, pick the newest complete one, load it."""
     ckpt.clean_partial(root)
-    path = ckpt.resolve_resume("auto", root)
+    path = ckpt.resolve_resume("auto", root, required_keys=("step", "value"))
     assert path is not None, sorted(p.name for p in root.iterdir())
     states = {"m": {"w": torch.zeros(4)}}
     state = ckpt.load_checkpoint(path, model_states=states, rank=0)

@@ -139,7 +139,7 @@ def _model_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
     out = ckpt_dir.parent / f"{ckpt_dir.name}.pt"
     dcp_to_torch_save(str(ckpt_dir / "models"), str(out))
-    sd = torch.load(out, weights_only=False)
+    sd = torch.load(out, weights_only=True)
     return {k: v for k, v in sd["actor"]["model"].items()}
 
 

@@ -16,7 +16,7 @@ from tidal.config_base import ConfigError
 from tidal.rewards import RewardConfig, RewardEngine, RewardError, RewardSample
 from tidal.rewards.function import FunctionReward
 from tidal.rewards.config import FunctionRewardConfig
-from tidal.rewards.server import build_app, serve
+from tidal.rewards.server import ServerLimits, build_app, serve
 
 HERE = __name__
 
@@ -66,9 +66,10 @@ def serve_app():
         s.close()
 
 
-def function_app(token=None, max_batch_size=1024):
+def function_app(token=None, max_batch_size=64):
     comp = FunctionReward(FunctionRewardConfig(path=f"{HERE}:length_reward", timeout_s=5), key="t")
-    return build_app(comp.score_async, info={"kind": "function", "target": "length_reward"}, token=token, max_batch_size=max_batch_size)
+    limits = ServerLimits(max_batch_size=max_batch_size)
+    return build_app(comp.score_async, info={"kind": "function", "target": "length_reward"}, token=token, limits=limits)
 
 
 def samples(*responses):
@@ -138,7 +139,8 @@ def test_server_rejects_bad_requests(serve_app):
     assert status == 200 and body["api_version"] == 1 and body["scores"] == [2.0, None]
     assert body["errors"][0] is None and "exploded" in body["errors"][1]
     with urllib.request.urlopen(url + "/v1/info", timeout=5) as r:
-        assert json.loads(r.read()) == {"api_version": 1, "max_batch_size": 2, "kind": "function", "target": "length_reward"}
+        assert json.loads(r.read()) == {"api_version": 1, "max_batch_size": 2, "max_body_bytes": 2 * 256 * 1024 + 64 * 1024,
+                                        "kind": "function", "target": "length_reward", "replies": {"200": 1, "400": 3, "413": 1}}
 
 
 def misbehaving_app(handler):

@@ -80,3 +80,43 @@ def test_adaptive_controller_by_hand():
     assert fresh.kl_coef == pytest.approx(0.102 * 0.99)
     with pytest.raises(KeyError, match="kl"):
         algo.update_after_step({"loss": 1.0})
+
+
+# ---- kl_clamp: extreme inputs give finite values and gradients --------------------------------------
+EXTREME_LOGP = [-math.inf, -1e30, -200.0, -30.0, 0.0]  # against ref_logp = -1: log r = +inf, 1e30, 199, 29, -1
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("clamp", [10.0, 0.0])
+def test_extreme_log_ratios_give_finite_kl_and_gradients(name, clamp):
+    algo = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_estimator=name, kl_clamp=clamp))
+    logp = torch.tensor(EXTREME_LOGP + [-1.0 - 1e30, -1.0 - 25.0], requires_grad=True)  # and log r = -1e30, -25
+    kl = algo.token_kl(logp, torch.full_like(logp, -1.0))
+    assert torch.isfinite(kl).all(), kl
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    assert torch.isfinite(grad).all(), grad
+    if clamp:
+        assert (kl.abs() <= clamp).all()
+
+
+def test_kl_clamp_bounds_each_token_and_stops_its_gradient():
+    logp = torch.tensor([-1.0, -4.0], requires_grad=True)  # log r = 0.5, 3.5 against ref -0.5
+    ref = torch.tensor([-0.5, -0.5])
+    k3 = lambda lr: math.exp(lr) - 1 - lr  # noqa: E731
+    clamped = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", kl_clamp=10.0)).token_kl(logp, ref)
+    assert clamped.tolist() == pytest.approx([k3(0.5), 10.0])  # k3(3.5) = 28.6 > 10
+    (grad,) = torch.autograd.grad(clamped.sum(), logp)
+    assert grad.tolist() == pytest.approx([1 - math.exp(0.5), 0.0])
+    unclamped = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", kl_clamp=0.0)).token_kl(logp, ref)
+    assert unclamped.tolist() == pytest.approx([k3(0.5), k3(3.5)], rel=1e-6)
+    wide = Algorithm(AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_clamp=2.0)).token_kl(logp, ref)
+    assert wide.tolist() == pytest.approx([-0.5, -2.0])  # k1 = log pi - log pi_ref, clamped to [-2, 2]
+
+
+def test_kl_clamp_is_validated():
+    from tidal.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_clamp"):
+        AlgorithmConfig(kl_coef=0.1, kl_clamp=-1.0)
+    with pytest.raises(ConfigError, match="'kl_clamp': only used with kl_coef > 0"):
+        AlgorithmConfig(kl_clamp=5.0)

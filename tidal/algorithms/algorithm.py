@@ -68,7 +68,7 @@ class Algorithm:
         self.estimator = registry.ADVANTAGE_ESTIMATORS.get(cfg.advantage, "algorithm.advantage")(cfg, group)
         self.pg_loss = registry.POLICY_LOSSES.get(cfg.policy_loss, "algorithm.policy_loss")(cfg)
         self.agg = registry.LOSS_AGGREGATORS.get(cfg.loss_agg, "algorithm.loss_agg")(cfg)
-        self.kl = registry.KL_ESTIMATORS.get(cfg.kl_estimator, "algorithm.kl_estimator")()
+        self.kl = registry.KL_ESTIMATORS.get(cfg.kl_estimator, "algorithm.kl_estimator")(clamp=cfg.kl_clamp)
         self.kl_ctl = make_kl_controller(cfg)
         self.reward_moments = RunningMoments()
         self.adv_moments = RunningMoments()

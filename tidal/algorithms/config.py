@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 from tidal.algorithms import advantages, aggregation, kl, losses, registry  # noqa: F401 (the first four register the variants)
+from tidal.algorithms.kl import DEFAULT_KL_CLAMP
 from tidal.config_base import check, check_choice
 
 
@@ -130,6 +131,9 @@ class AlgorithmConfig:
         for evaluation). Only with distill_coef > 0.
     kl_coef: KL coefficient beta (0: no KL and no reference model).
     kl_estimator: k1, k2 or k3 (Schulman's low-variance estimator).
+    kl_clamp: each token's KL estimate is clamped to [-kl_clamp, kl_clamp] (10, as verl and
+        OpenRLHF): a token far off the reference adds at most this much and no gradient past it.
+        0: no clamp (log pi_ref - log pi is still bounded to [-20, 20], so k3 stays finite).
     kl_in_reward: False: beta * KL is a loss term; True: -beta * KL_t is added to each token's reward.
     kl_controller: ``fixed`` or ``adaptive`` (Ziegler et al. 2019; needs kl_target).
     kl_target: target per-token KL of the adaptive controller. kl_horizon_steps: its horizon in
@@ -155,6 +159,7 @@ class AlgorithmConfig:
     distill_coef: float = 0.0
     distill_task_weight: float = 1.0
     kl_estimator: str = "k3"
+    kl_clamp: float = DEFAULT_KL_CLAMP
     kl_in_reward: bool = False
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = 0.0
@@ -213,6 +218,8 @@ class AlgorithmConfig:
         check(self.distill_task_weight >= 0, "distill_task_weight", "must be >= 0")
         check(self.distill_coef > 0 or self.distill_task_weight == 1.0, "distill_task_weight",
               "only applies with distill_coef > 0 (on-policy distillation)")
+        check(self.kl_clamp >= 0, "kl_clamp", "must be >= 0 (0: no clamp)")
+        check(self.kl_coef > 0 or self.kl_clamp == DEFAULT_KL_CLAMP, "kl_clamp", "only used with kl_coef > 0 (no KL is computed)")
         check(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward", "needs kl_coef > 0")
         if self.kl_controller == "adaptive":
             check(self.kl_coef > 0, "kl_controller", "adaptive needs kl_coef > 0 (its initial value)")

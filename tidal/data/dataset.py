@@ -65,6 +65,14 @@ class _Kept:
     row: int
 
 
+def _render(where: str, parsed: ParsedRow, tokenizer: Any) -> str:
+    """:func:`render`, with a failure of the chat template on this row named by file and line."""
+    try:
+        return render(parsed, tokenizer)
+    except Exception as e:  # noqa: BLE001 -- jinja raises anything the row's values provoke
+        raise ValueError(f"{where}: the chat template cannot render this row ({type(e).__name__}: {e})") from None
+
+
 class PromptDataset:
     """All prompt rows of ``sources``, tokenized with ``tokenizer`` under ``cfg`` (see module docstring).
 
@@ -128,7 +136,7 @@ class PromptDataset:
         """Parse, render and tokenize one source; append kept rows; return their token ids."""
         rows = load_rows(source)
         parsed = [place_row_images(where, parse_row(where, row, self._cfg), self._cfg, self._tokenizer) for where, row in rows]
-        texts = [render(p, self._tokenizer) for p in parsed]
+        texts = [_render(where, p, self._tokenizer) for (where, _row), p in zip(rows, parsed)]
         ids_list = self._tokenize(texts)
         ids_list = expand_image_rows(self._tokenizer, self._cfg, source.path, [w for w, _ in rows], parsed, texts, ids_list)
         out = []

@@ -3,7 +3,8 @@
 Contract: :func:`load_rows` returns every row of the source in file order as ``(where, row)`` pairs,
 ``where`` being the human-readable location used in error messages (``file.jsonl:12`` for the
 12th line of a JSONL file, ``file.parquet row 3`` (0-based) for the others). A row that is not a
-JSON object, or a line that is not valid JSON, raises ``ValueError`` naming file and line.
+JSON object, a line that is not valid JSON, or text that is not UTF-8 raises ``ValueError`` naming
+file and line (and the column of the first invalid byte).
 This module knows nothing about prompts, tokenizers or field mapping.
 """
 
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tidal.config_base import decode_utf8
 from tidal.data.config import DataSource
 
 Row = dict[str, Any]
@@ -53,15 +55,21 @@ def load_rows(source: DataSource) -> list[tuple[str, Row]]:
 
 def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
     rows = []
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1}: {e.reason}") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
+                raise ValueError(f"{where}: invalid JSON ({type(e).__name__}: {str(e) or 'nested too deeply'})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             rows.append((where, row))
@@ -69,10 +77,13 @@ def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
 
 
 def _load_json(path: Path) -> list[Any]:
+    text = decode_utf8(path.read_bytes(), str(path))
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
+        raise ValueError(f"{path}: invalid JSON ({type(e).__name__}: {str(e) or 'nested too deeply'})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json source must hold a list of rows, got {type(data).__name__}")
     return data

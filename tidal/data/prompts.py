@@ -64,7 +64,11 @@ def _check_messages(where: str, messages: Any, key: str) -> None:
         raise ValueError(f"{where}: '{key}' must be a non-empty list of {{role, content}} messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError(f"{where}: '{key}'[{i}] must be an object with a string 'role' and a 'content', got {m!r}")
+            raise ValueError(f"{where}: '{key}'[{i}] must be an object with a string 'role' and a 'content', got {m!r:.200}")
+        content = m["content"]
+        parts_ok = isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("type"), str) for c in content)
+        if not isinstance(content, str) and not parts_ok:
+            raise ValueError(f"{where}: '{key}'[{i}].content must be a string or a list of {{type, ...}} parts, got {content!r:.200}")
 
 
 def _with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:

@@ -56,6 +56,19 @@ class MetricsLogger:
             kwargs = dict(total_steps=total_steps, start_step=start_step, hparams=hparams)
             self._backends = [make_backend(name, cfg, self.run_dir, **kwargs) for name in cfg.backends]
 
+    def rewind(self, start_step: int) -> None:
+        """Continue from ``start_step`` after all (a resume fell back to an older checkpoint than the
+        one this logger was started for): the JSONL record drops what it had after it. TensorBoard
+        and W&B purge only when they start; their later points are overwritten as steps repeat."""
+        from tidal.logging.backends import JsonlBackend, _truncate_after
+
+        self._last_step = start_step
+        for backend in self._backends:
+            if isinstance(backend, JsonlBackend):
+                backend._f.close()
+                _truncate_after(backend.path, start_step)
+                backend._f = backend.path.open("a", encoding="utf-8")
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if step <= self._last_step:
             raise ValueError(f"step {step} logged after step {self._last_step}; steps must increase")

@@ -44,16 +44,67 @@ def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     return model
 
 
+def model_positions(hf_config) -> int | None:
+    """How many positions the model has (``max_position_embeddings`` of its text config, which a
+    vision-language config keeps apart), or None when its config does not say."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    n = getattr(text, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_context_fits(hf_config, *, max_prompt_len: int, max_new_tokens: int) -> None:
+    """At setup, not mid-training: a prompt of up to ``data.max_prompt_len`` tokens plus
+    ``rollout.max_new_tokens`` generated ones must fit the model's positions (positions past them
+    are an index error or silent garbage, depending on the kernel). ConfigError naming the key to
+    change; nothing is checked when the config gives no ``max_position_embeddings``."""
+    positions = model_positions(hf_config)
+    if positions is None:
+        return
+    if max_prompt_len >= positions:
+        raise ConfigError("data.max_prompt_len", f"{max_prompt_len} leaves no room to generate: the model has {positions} "
+                          "positions (max_position_embeddings); lower it")
+    if max_prompt_len + max_new_tokens > positions:
+        raise ConfigError("rollout.max_new_tokens", f"data.max_prompt_len ({max_prompt_len}) + rollout.max_new_tokens "
+                          f"({max_new_tokens}) = {max_prompt_len + max_new_tokens} exceeds the model's {positions} positions "
+                          f"(max_position_embeddings); lower one of them")
+
+
+def check_tokenizer_fits(tokenizer, hf_config, *, key: str = "model.tokenizer_path") -> None:
+    """Every id the tokenizer can produce has a row in the model's embedding (``vocab_size`` of its
+    text config); else ConfigError at ``key`` naming the tokens without one. The usual cause: a
+    tokenizer_config.json without pad/eos tokens, for which the tokenizer class invents its default
+    (Qwen2's ``<|endoftext|>``) as a new token past the model's vocabulary -- an IndexError in the
+    first forward pass otherwise."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    rows = getattr(text, "vocab_size", None)
+    if not isinstance(rows, int) or len(tokenizer) <= rows:
+        return
+    extra = sorted((i, t) for t, i in tokenizer.get_added_vocab().items() if i >= rows)
+    names = ", ".join(f"{t!r} (id {i})" for i, t in extra[:5]) or f"ids {rows}..{len(tokenizer) - 1}"
+    raise ConfigError(key, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows: {names} "
+                      "have none (a special token the tokenizer class invented because tokenizer_config.json names no "
+                      "pad/eos token?); name tokens of the model's vocabulary there")
+
+
 def load_tokenizer(path: str):
     """The tokenizer of a model folder; for a folder with an image processor (``preprocessor_config.json``,
     a vision-language model) a :class:`~tidal.data.vision.VisionProcessor` that behaves as the tokenizer
-    for text and also turns images into image tokens and pixel inputs."""
+    for text and also turns images into image tokens and pixel inputs.
+
+    Padding: a tokenizer without a pad token pads with its EOS token (pad positions are masked out);
+    one with neither is a ConfigError at ``model.tokenizer_path``. In a model folder every token id
+    must have an embedding row (:func:`check_tokenizer_fits`)."""
     from tidal.data.vision import VisionProcessor, load_image_processor
 
     _require_dir(path, "model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:
+    if tok.pad_token_id is None:  # padding is masked out everywhere: any real token will do, EOS by convention
+        if tok.eos_token_id is None:
+            raise ConfigError("model.tokenizer_path", f"the tokenizer in {path} has neither a pad token nor an EOS token; "
+                              "set pad_token (and eos_token) in its tokenizer_config.json to tokens of its vocabulary")
         tok.pad_token = tok.eos_token
+    if os.path.exists(os.path.join(path, "config.json")):  # a model folder: its ids must all have embedding rows
+        check_tokenizer_fits(tok, AutoConfig.from_pretrained(path))
     image_processor = load_image_processor(path)
     return VisionProcessor(tok, image_processor) if image_processor is not None else tok
 

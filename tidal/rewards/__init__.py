@@ -1,21 +1,37 @@
 """The reward layer: rule rewards, custom functions, local reward models and remote reward services,
-combined per data-row label by recipes (see docs/rewards.md)."""
+combined per data-row label by recipes (see docs/rewards.md).
 
-from tidal.rewards.base import RewardError
-from tidal.rewards.config import FunctionRewardConfig, ModelRewardConfig, RemoteRewardConfig, RewardConfig
-from tidal.rewards.engine import RewardEngine
-from tidal.rewards.placement import LocalPlacement, ModelPlacement
-from tidal.rewards.types import RewardOutput, RewardSample
+The names below are imported on first use, so that ``from tidal.rewards import RewardSample`` (what
+a reward function's module does, also inside a reward worker process) does not import torch."""
 
-__all__ = [
-    "FunctionRewardConfig",
-    "LocalPlacement",
-    "ModelPlacement",
-    "ModelRewardConfig",
-    "RemoteRewardConfig",
-    "RewardConfig",
-    "RewardEngine",
-    "RewardError",
-    "RewardOutput",
-    "RewardSample",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "RewardError": "tidal.rewards.base",
+    "FunctionRewardConfig": "tidal.rewards.config",
+    "ModelRewardConfig": "tidal.rewards.config",
+    "RemoteRewardConfig": "tidal.rewards.config",
+    "RewardConfig": "tidal.rewards.config",
+    "RewardEngine": "tidal.rewards.engine",
+    "LocalPlacement": "tidal.rewards.placement",
+    "ModelPlacement": "tidal.rewards.placement",
+    "RewardOutput": "tidal.rewards.types",
+    "RewardSample": "tidal.rewards.types",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tidal.rewards' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

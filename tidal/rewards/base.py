@@ -6,11 +6,13 @@ import abc
 import dataclasses
 import math
 import numbers
+import sys
 from typing import Any
 
-import torch
-
 from tidal.rewards.types import RewardSample
+
+# The largest finite float32: scores are stored as float32, so a larger one (1e39) would become inf.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RewardError(RuntimeError):
@@ -35,17 +37,33 @@ class ComponentResult:
         return cls(scores=[math.nan] * n, errors={i: message for i in range(n)}, counters=dict(counters))
 
 
+def score_problem(value: float) -> str | None:
+    """Why the float ``value`` is not a usable score (None when it is): not finite, or beyond float32's
+    range, where it would be stored as inf (a reward of 1e39 is as invalid as NaN)."""
+    if not math.isfinite(value):
+        return f"{value}, expected a finite number"
+    if abs(value) > FLOAT32_MAX:
+        return f"{value:g}, beyond float32's range (|score| <= 3.4e38): it would be stored as inf"
+    return None
+
+
 def as_score(value: Any) -> float:
-    """``value`` as a finite float; raises ValueError/TypeError saying what was wrong with it."""
-    if isinstance(value, torch.Tensor):
+    """``value`` as a finite float32-representable float; raises ValueError/TypeError saying what was
+    wrong with it. Needs no torch import (a tensor can only come from code that imported torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"returned a tensor of shape {tuple(value.shape)}, expected one number")
         value = value.item()
     if not isinstance(value, numbers.Real):
         raise TypeError(f"returned {type(value).__name__} {value!r:.80}, expected a number")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"returned {out}, expected a finite number")
+    try:
+        out = float(value)
+    except (OverflowError, ValueError) as e:  # e.g. an int beyond float's range
+        raise ValueError(f"returned {value!r:.40}, which is not a float ({e})") from None
+    problem = score_problem(out)
+    if problem is not None:
+        raise ValueError(f"returned {problem}")
     return out
 
 
@@ -74,6 +92,20 @@ class AsyncComponent(abc.ABC):
 
     @abc.abstractmethod
     async def score_async(self, samples: list[RewardSample]) -> ComponentResult: ...
+
+    @abc.abstractmethod
+    def deadline_s(self, n: int) -> float:
+        """The longest ``score_async`` of n samples can take while the component keeps its own
+        limits (per-call timeouts, concurrency, retries): what ``reward.timeout_s: null`` derives from."""
+
+    def detach_loop(self) -> None:
+        """Forget what is bound to the engine's event loop (e.g. an HTTP session): the engine gave
+        that loop up (it stopped answering) and runs the next calls on a new one."""
+
+    def needs_close(self) -> bool:
+        """True while it holds something that ``aclose`` must release even if the event loop it
+        was used on has been given up (worker processes)."""
+        return False
 
     async def aclose(self) -> None:
         pass

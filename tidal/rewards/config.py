@@ -33,18 +33,25 @@ class FunctionRewardConfig:
         A function with the attribute ``batched = True`` takes ``list[RewardSample]`` and returns
         ``list[number]`` of the same length.
     timeout_s: limit of one call (one sample; one whole call for a batched function). A timed-out
-        call is an error of that sample (see ``reward.on_error``).
-    concurrency: calls of this function in flight at once (threads for ``def``, tasks for ``async def``).
+        call is an error of that sample (see ``reward.on_error``), counted in ``reward/<name>/timeouts``.
+    concurrency: calls of this function in flight at once (threads for ``def``, tasks for
+        ``async def``; worker processes with ``isolation: process``).
+    isolation: where calls run. ``thread``: in the trainer's process (``async def`` on the reward
+        event loop, ``def`` on a thread per call; a ``def`` call past its limit is given up on but
+        keeps running in the background). ``process``: in a pool of ``concurrency`` worker processes;
+        a call past its limit is killed and its worker replaced (costs a pickling round trip per call).
     """
 
     path: str
     timeout_s: float = 30.0
     concurrency: int = 8
+    isolation: Literal["thread", "process"] = "thread"
 
     def __post_init__(self):
         check(bool(self.path.strip()), "path", "must name a function as 'module:function'")
         check(self.timeout_s > 0, "timeout_s", "must be > 0")
         check(self.concurrency >= 1, "concurrency", "must be >= 1")
+        check_choice(self.isolation, ("thread", "process"), "isolation")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -180,10 +187,19 @@ class RewardConfig:
         must be used by some recipe, and every recipe entry must name a component.
     default_recipe: the recipe of rows whose label is empty; ``null`` makes unlabeled rows an error.
     on_error: what a failed component does to a sample (a raising or timed-out function, a remote
-        request that failed after its retries, a NaN or non-number score): ``raise`` stops the step
-        with an error naming the component and the sample; ``drop`` marks the sample invalid
-        (``valid_B`` False, total 0, excluded from training) and counts it in ``reward/dropped``.
-        Nothing is ever silently scored 0.
+        request that failed after its retries, a NaN, infinite, beyond-float32 or non-number score):
+        ``raise`` stops the step with an error naming the component and the sample; ``drop`` marks
+        the sample invalid (``valid_B`` False, total 0, excluded from training) and counts it in
+        ``reward/dropped``. Nothing is ever silently scored 0.
+    timeout_s: deadline of one scoring call for its function and remote components together, so
+        that scoring can never hang training. Past it the call stops waiting: every sample of a
+        component that has not answered is an error of that component (``on_error``), and
+        ``reward/deadline_exceeded`` is 1. ``null`` (default) derives it from the components' own
+        limits -- the longest their ``timeout_s``, ``concurrency``, retries and backoff allow for
+        the call's sample count, plus a minute -- so it fires only when a component breaks its own
+        limits (an ``async def`` function that blocks the event loop, a wedged connection). A
+        number caps the whole call instead. (Rules and local reward models run on the caller's
+        thread and are not covered: ``math_answer`` has its own ``timeout_s``.)
 
     An empty ``components`` mapping is a valid config meaning "no rewards configured";
     :class:`~tidal.rewards.engine.RewardEngine` refuses it.
@@ -193,12 +209,14 @@ class RewardConfig:
     recipes: dict[str, Any] = dataclasses.field(default_factory=dict)
     default_recipe: str | None = "default"
     on_error: Literal["raise", "drop"] = "raise"
+    timeout_s: float | None = None
 
     specs: dict[str, ComponentSpec] = dataclasses.field(init=False, repr=False, compare=False)
     recipe_weights: dict[str, list[tuple[str, float]]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_choice(self.on_error, ("raise", "drop"), "on_error")
+        check(self.timeout_s is None or self.timeout_s > 0, "timeout_s", "must be > 0 seconds, or null (derived)")
         specs = {}
         for name, spec in self.components.items():
             key = f"components.{name}"

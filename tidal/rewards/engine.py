@@ -6,8 +6,13 @@ Contract:
   empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
 - Rules and local reward models run on the calling thread; functions and remote services run
   concurrently on the engine's own event loop (a daemon thread), overlapping with them.
+- ``score`` always returns: function and remote components get a deadline (``reward.timeout_s``,
+  or one derived from their own limits); a component that has not answered by then has failed on
+  each of its samples, and an event loop that does not answer its cancellation is given up for a
+  new one. No exception of a user's function reaches the caller (``SystemExit`` included).
 - A component error on a sample raises :class:`RewardError` naming the component and the sample
-  (``on_error: raise``), or marks the sample invalid and counts it (``on_error: drop``).
+  (``on_error: raise``), or marks the sample invalid and counts it (``on_error: drop``). A score
+  that is not finite in float32 (NaN, inf, 1e39) is such an error, whatever component gave it.
 - No collectives: every rank calls ``score`` for its own samples. Local reward models score every
   sample of every call (fixed forward count per batch size), so ranks stay in step if a strategy's
   placement shards them.
@@ -16,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import threading
 import time
@@ -23,7 +29,8 @@ from typing import Any, Coroutine
 
 import torch
 
-from tidal.rewards.base import AsyncComponent, ComponentResult, RewardError, SyncComponent
+from tidal.config_base import check
+from tidal.rewards.base import FLOAT32_MAX, AsyncComponent, ComponentResult, RewardError, SyncComponent, score_problem
 from tidal.rewards.config import ComponentSpec, RewardConfig
 from tidal.rewards.placement import LocalPlacement, ModelPlacement
 from tidal.rewards.types import RewardOutput, RewardSample
@@ -61,11 +68,28 @@ class _LoopThread:
     def submit(self, coro: Coroutine[Any, Any, Any]):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.loop.is_running()
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+DEADLINE_GRACE_S = 60.0  # added to the derived deadline: timers fire late, workers start
+_CANCEL_GRACE_S = 2.0  # how long a late component has to acknowledge its cancellation
+
+
+def _invalid_scores_are_errors(name: str, res: ComponentResult) -> None:
+    """Every component, whatever it checked itself: a score that float32 cannot hold (NaN, inf,
+    1e39) is an error of its sample, never a score."""
+    for j, v in enumerate(res.scores):
+        if j not in res.errors:
+            problem = score_problem(float(v))
+            if problem is not None:
+                res.errors[j] = f"component '{name}' gave {problem}"
 
 
 class RewardEngine:
@@ -111,16 +135,25 @@ class RewardEngine:
                                 metrics={"reward/valid": float(len(samples)), "reward/dropped": 0.0})
         recipes = [self._recipe_of(i, s) for i, s in enumerate(samples)]
         positions = self._positions(recipes)
-        results, seconds = self._run_components(samples, positions)
-        return self._assemble(len(samples), recipes, positions, results, seconds)
+        results, seconds, late = self._run_components(samples, positions)
+        out = self._assemble(len(samples), recipes, positions, results, seconds)
+        out.metrics["reward/deadline_exceeded"] = float(late)
+        return out
+
+    def deadline_s(self, counts: dict[str, int]) -> float:
+        """The deadline of a call whose async components score ``counts[name]`` samples each."""
+        if self.cfg.timeout_s is not None:
+            return self.cfg.timeout_s
+        return max(self.components[n].deadline_s(k) for n, k in counts.items()) + DEADLINE_GRACE_S
 
     def _run_components(self, samples, positions):
         async_names = [n for n, c in self.components.items() if isinstance(c, AsyncComponent) and positions[n]]
-        pending = None
+        pending: dict[str, concurrent.futures.Future] = {}
+        deadline = time.monotonic() + (self.deadline_s({n: len(positions[n]) for n in async_names}) if async_names else 0.0)
         if async_names:
-            if self._loop is None:
-                self._loop = _LoopThread()
-            pending = self._loop.submit(self._gather(async_names, samples, positions))
+            if self._loop is None or not self._loop.alive():
+                self._new_loop()
+            pending = {n: self._loop.submit(self._timed(n, [samples[b] for b in positions[n]])) for n in async_names}
         results: dict[str, ComponentResult] = {}
         seconds: dict[str, float] = {}
         try:
@@ -130,21 +163,58 @@ class RewardEngine:
                     results[name] = comp.score([samples[b] for b in positions[name]])
                     seconds[name] = time.perf_counter() - t0
         finally:
-            if pending is not None:  # never leave async work running past this call
-                async_results = pending.result()
-        if pending is not None:
-            for name, (res, sec) in async_results.items():
-                results[name], seconds[name] = res, sec
-        return results, seconds
+            late, loop_died = self._await(pending, deadline)  # never leave async work running past this call
+        for name, fut in pending.items():
+            if name in late:
+                msg = ("the reward event loop stopped (did the function end it, e.g. SystemExit in a task of its own?)"
+                       if loop_died else f"no answer within the scoring call's deadline ({self._deadline_text()})")
+                results[name], seconds[name] = ComponentResult.failed(len(positions[name]), msg), math.nan
+            else:
+                results[name], seconds[name] = fut.result()  # a component's own exception (e.g. HTTP 401) propagates
+        return results, seconds, bool(late)
 
-    async def _gather(self, names, samples, positions):
-        async def timed(name):
-            t0 = time.perf_counter()
-            res = await self.components[name].score_async([samples[b] for b in positions[name]])
-            return res, time.perf_counter() - t0
+    def _deadline_text(self) -> str:
+        if self.cfg.timeout_s is not None:
+            return f"reward.timeout_s={self.cfg.timeout_s:g}"
+        return "reward.timeout_s=null: derived from the components' own limits"
 
-        outs = await asyncio.gather(*(timed(n) for n in names))
-        return dict(zip(names, outs))
+    def _await(self, pending: dict[str, concurrent.futures.Future], deadline: float) -> tuple[set[str], bool]:
+        """Wait for ``pending`` until ``deadline`` (or until the loop's thread has died); cancel what
+        is late. Returns (late names, whether the loop died). A loop that does not process the
+        cancellations (blocked) or has died is given up."""
+        if not pending:
+            return set(), False
+        futs = list(pending.values())
+        while time.monotonic() < deadline and self._loop.alive():
+            _, not_done = concurrent.futures.wait(futs, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if not not_done:
+                break
+        late = {n for n, f in pending.items() if not f.done()}
+        died = bool(late) and not self._loop.alive()
+        for n in late:
+            pending[n].cancel()
+        if late:
+            _, stuck = concurrent.futures.wait([pending[n] for n in late], timeout=0.0 if died else _CANCEL_GRACE_S)
+            if stuck or died:
+                self._abandon_loop()
+        return late, died
+
+    def _new_loop(self) -> None:
+        if self._loop is not None:
+            self._abandon_loop()
+        self._loop = _LoopThread()
+
+    def _abandon_loop(self) -> None:
+        """Give the event loop up (its daemon thread may stay blocked); components forget what is bound to it."""
+        self._loop = None
+        for comp in self.components.values():
+            if isinstance(comp, AsyncComponent):
+                comp.detach_loop()
+
+    async def _timed(self, name: str, batch: list[RewardSample]) -> tuple[ComponentResult, float]:
+        t0 = time.perf_counter()
+        res = await self.components[name].score_async(batch)
+        return res, time.perf_counter() - t0
 
     def _weights(self, recipes: list[list[tuple[str, float]]]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(w, uses): w[c][b] is the weight of component c in sample b's recipe (0 where the recipe
@@ -172,6 +242,7 @@ class RewardEngine:
             pos = positions[name]
             if len(res.scores) != len(pos):
                 raise RewardError(f"reward component '{name}' returned {len(res.scores)} scores for {len(pos)} samples")
+            _invalid_scores_are_errors(name, res)
             self._apply_errors(name, pos, res, valid_B, uses[name])
             ok = [j for j in range(len(pos)) if j not in res.errors and uses[name][pos[j]]]
             if ok:
@@ -181,13 +252,24 @@ class RewardEngine:
             metrics[f"reward/{name}/errors"] = float(len(res.errors))
             for k, v in res.counters.items():
                 metrics[f"reward/{name}/{k}"] = float(v)
-        # total_B = sum_c w_c * r_c over each sample's recipe; dropped samples get 0.
-        total_B = torch.zeros(B, dtype=torch.float32)
+        # total_B = sum_c w_c * r_c over each sample's recipe (in float64: a sum of float32 scores may
+        # overflow float32, and such a sample is invalid like a NaN one); dropped samples get 0.
+        total64_B = torch.zeros(B, dtype=torch.float64)
         for name in self.components:
-            total_B += weights[name] * components[name]
-        total_B = torch.where(valid_B, total_B, torch.zeros_like(total_B))
+            total64_B += weights[name].double() * components[name].double()
+        self._check_totals(total64_B, valid_B)
+        total_B = torch.where(valid_B, total64_B, torch.zeros_like(total64_B)).float()
         self._summaries(metrics, components, masks, uses, valid_B, total_B)
         return RewardOutput(total_B=total_B, components=components, valid_B=valid_B, metrics=metrics, component_masks=masks)
+
+    def _check_totals(self, total64_B: torch.Tensor, valid_B: torch.Tensor) -> None:
+        """A valid sample whose weighted total is not finite in float32 fails like a component error."""
+        bad = (valid_B & ~(total64_B.abs() <= FLOAT32_MAX)).nonzero().flatten().tolist()
+        if bad and self.cfg.on_error == "raise":
+            more = f" ({len(bad) - 1} more samples)" if len(bad) > 1 else ""
+            raise RewardError(f"reward total failed on sample {bad[0]}: the weighted sum of its scores, "
+                              f"{total64_B[bad[0]].item():g}, is beyond float32's range{more}")
+        valid_B[bad] = False
 
     def _apply_errors(self, name, pos, res: ComponentResult, valid_B, uses_B) -> None:
         for j, msg in sorted(res.errors.items()):
@@ -205,23 +287,28 @@ class RewardEngine:
         combine ranks: sum(mean * count) / sum(count)); NaN when the count is 0."""
         for name, score_B in components.items():
             keep = masks[name] & valid_B
-            metrics[f"reward/{name}"] = score_B[keep].mean().item() if keep.any() else math.nan
+            metrics[f"reward/{name}"] = score_B[keep].double().mean().item() if keep.any() else math.nan
             metrics[f"reward/{name}/count"] = float(keep.sum())
-        metrics["reward/total"] = total_B[valid_B].mean().item() if valid_B.any() else math.nan
+        metrics["reward/total"] = total_B[valid_B].double().mean().item() if valid_B.any() else math.nan
         metrics["reward/valid"] = float(valid_B.sum())
         metrics["reward/dropped"] = float((~valid_B).sum())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close HTTP sessions and the event loop (idempotent)."""
-        if self._loop is not None:
+        """Close HTTP sessions, worker processes and the event loop (idempotent)."""
+        if self._loop is not None or any(isinstance(c, AsyncComponent) and c.needs_close() for c in self.components.values()):
+            if self._loop is None or not self._loop.alive():
+                self._new_loop()
             aclosers = [c.aclose() for c in self.components.values() if isinstance(c, AsyncComponent)]
 
             async def _all():
                 await asyncio.gather(*aclosers)
 
-            self._loop.submit(_all()).result(timeout=10)
+            try:
+                self._loop.submit(_all()).result(timeout=10)
+            except concurrent.futures.TimeoutError:  # a blocked loop: give it up
+                pass
             self._loop.close()
             self._loop = None
         for c in self.components.values():

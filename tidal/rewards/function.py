@@ -3,53 +3,46 @@
 Contract of a reward function: ``fn(sample: RewardSample) -> number`` (``def`` or ``async def``);
 with ``fn.batched = True``: ``fn(samples: list[RewardSample]) -> list[number]`` of the same length.
 
-Every call has a time limit. An ``async def`` function is cancelled at its limit (at its next
-``await``). A ``def`` function runs on its own daemon thread; at its limit the sample is given up on
-and training goes on, but Python cannot stop a thread, so the call keeps running in the background
-until it returns (counted in ``reward/<name>/timeouts``; write long-running functions as ``async``
-or give them their own internal limit).
+Whatever a function does -- return garbage, raise any exception (``SystemExit`` and
+``KeyboardInterrupt`` included), or never return -- it is an error of its sample(s), never a hang
+or the end of the caller. Every call has a time limit (``timeout_s``), counted in
+``reward/<name>/timeouts`` when it runs out. Where the call runs is ``isolation``:
+
+- ``thread`` (default): an ``async def`` function runs on the reward engine's event loop and is
+  cancelled at its limit (at its next ``await``); a ``def`` function runs on a daemon thread of its
+  own, and at its limit its sample is given up on, but Python cannot stop a thread, so the call
+  keeps running in the background until it returns.
+- ``process``: calls run in a pool of ``concurrency`` worker processes (``pebble``, started with
+  ``spawn``); a call past its limit is killed with its worker, which is replaced. Arguments and
+  results cross a process boundary (each call pays a pickling round trip; the function's module is
+  imported once per worker). ``tidal serve-reward --function`` always uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
-import inspect
 import math
+import multiprocessing
 import threading
 from typing import Any, Callable
 
-from tidal.config_base import ConfigError, check
 from tidal.rewards.base import AsyncComponent, ComponentResult, as_score
 from tidal.rewards.config import FunctionRewardConfig
 from tidal.rewards.types import RewardSample
+from tidal.rewards.worker import UserBaseException, call_in_worker, describe, guarded, is_async, load_function
 
+__all__ = ["FunctionReward", "load_function"]
 
-def load_function(path: str, key: str) -> Callable[..., Any]:
-    """Import ``module:attr.sub`` or ``module.attr``; ConfigError at ``key`` when it cannot."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    check(bool(module_name) and bool(attr), key, f"{path!r} is not 'module:function' or 'module.function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:
-        raise ConfigError(key, f"cannot import module '{module_name}': {type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        check(hasattr(obj, part), key, f"'{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    check(callable(obj), key, f"'{path}' is not callable")
-    return obj
-
-
-def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+# What a worker needs beyond its limit to start (spawn + importing the function's module): part of
+# the bound deadline_s() gives, never of the limit of a call.
+_WORKER_START_S = 60.0
 
 
 def _start_daemon_call(fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future:
-    """Run ``fn(arg)`` on a new daemon thread (a hung call never blocks interpreter exit)."""
+    """Run ``fn(arg)`` on a new daemon thread (a hung call never blocks interpreter exit). A
+    BaseException of ``fn`` is delivered as :class:`UserBaseException`: awaited on the event loop,
+    a raw SystemExit would stop the loop itself."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def run():
@@ -57,29 +50,95 @@ def _start_daemon_call(fn: Callable[[Any], Any], arg: Any) -> concurrent.futures
             return
         try:
             fut.set_result(fn(arg))
-        except BaseException as e:  # delivered to the waiting coroutine
+        except Exception as e:  # delivered to the waiting coroutine
             fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 -- SystemExit / KeyboardInterrupt of the function
+            fut.set_exception(UserBaseException(e))
 
     threading.Thread(target=run, name="tidal-reward-fn", daemon=True).start()
     return fut
 
 
+class _TimedOut(Exception):
+    pass
+
+
 class FunctionReward(AsyncComponent):
-    """A Python reward function as a component."""
+    """A Python reward function as a component (see the module docstring)."""
 
     counter_names = ("timeouts",)
 
     def __init__(self, cfg: FunctionRewardConfig, *, key: str):
         self.cfg = cfg
-        self.fn = load_function(cfg.path, f"{key}.path")
-        self.is_async = _is_async(self.fn)
+        self.fn = load_function(cfg.path, f"{key}.path")  # imported here too: a bad path fails at start
+        self.is_async = is_async(self.fn)
         self.batched = getattr(self.fn, "batched", False) is True
         self.label = cfg.path
+        self._pool = None
+        self._pool_lock = threading.Lock()
 
-    async def _call(self, arg: Any) -> Any:
-        if self.is_async:
-            return await asyncio.wait_for(self.fn(arg), self.cfg.timeout_s)
-        return await asyncio.wait_for(asyncio.wrap_future(_start_daemon_call(self.fn, arg)), self.cfg.timeout_s)
+    # -- where a call runs ---------------------------------------------------------------------------
+
+    def _get_pool(self):
+        with self._pool_lock:
+            if self._pool is None:
+                import pebble
+
+                self._pool = pebble.ProcessPool(max_workers=self.cfg.concurrency, context=multiprocessing.get_context("spawn"))
+            return self._pool
+
+    async def _call_in_process(self, arg: Any) -> tuple[str, Any]:
+        import pebble
+
+        fut = self._get_pool().schedule(call_in_worker, args=(self.cfg.path, arg, self.batched), timeout=self.cfg.timeout_s)
+        try:
+            return await asyncio.wrap_future(fut)  # cancelling this cancels fut: pebble ends its worker
+        except concurrent.futures.TimeoutError:
+            raise _TimedOut() from None
+        except pebble.ProcessExpired as e:
+            return "error", f"worker process died ({e}; exit code {e.exitcode})"
+
+    async def _call_in_thread(self, arg: Any) -> Any:
+        try:
+            if self.is_async:
+                return await asyncio.wait_for(guarded(self.fn(arg)), self.cfg.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(_start_daemon_call(self.fn, arg)), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise _TimedOut() from None
+
+    async def _call(self, arg: Any) -> tuple[str, Any]:
+        """``("ok", value)`` or ``("error", message)``; raises _TimedOut past the limit. ``value`` is
+        checked (a float; per sample for a batched function) in the process that ran the call."""
+        if self.cfg.isolation == "process":
+            return await self._call_in_process(arg)
+        try:
+            value = await self._call_in_thread(arg)
+        except _TimedOut:
+            raise
+        except Exception as e:  # UserBaseException included
+            return "error", describe(e)
+        if not self.batched:
+            try:
+                return "ok", as_score(value)
+            except (TypeError, ValueError) as e:
+                return "error", str(e)
+        if not isinstance(value, (list, tuple)) or len(value) != len(arg):
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
+            return "error", f"returned {got} for {len(arg)} samples"
+        checked = []
+        for v in value:
+            try:
+                checked.append((as_score(v), None))
+            except (TypeError, ValueError) as e:
+                checked.append((None, str(e)))
+        return "ok", checked
+
+    # -- scoring -------------------------------------------------------------------------------------
+
+    def deadline_s(self, n: int) -> float:
+        """The longest ``score_async`` of n samples can take under this function's own limits."""
+        waves = 1 if self.batched else math.ceil(n / self.cfg.concurrency)
+        return waves * self.cfg.timeout_s + (_WORKER_START_S if self.cfg.isolation == "process" else 0.0)
 
     async def score_async(self, samples: list[RewardSample]) -> ComponentResult:
         if not samples:
@@ -99,33 +158,36 @@ class FunctionReward(AsyncComponent):
         """(score, error or None, whether it timed out)."""
         async with sem:  # the time limit starts when the call starts, not while it queues
             try:
-                value = await self._call(sample)
-            except asyncio.TimeoutError:
+                status, value = await self._call(sample)
+            except _TimedOut:
                 return math.nan, f"timed out after {self.cfg.timeout_s:g} s in function '{self.label}'", True
-            except Exception as e:
-                return math.nan, f"function '{self.label}' raised {type(e).__name__}: {e}", False
-        try:
-            return as_score(value), None, False
-        except (TypeError, ValueError) as e:
-            return math.nan, f"function '{self.label}' {e}", False
+        if status == "ok":
+            return value, None, False
+        return math.nan, f"function '{self.label}' {value}", False
 
     async def _score_batched(self, samples: list[RewardSample]) -> ComponentResult:
         n = len(samples)
         try:
-            values = await self._call(list(samples))
-        except asyncio.TimeoutError:
+            status, value = await self._call(list(samples))
+        except _TimedOut:
             msg = f"timed out after {self.cfg.timeout_s:g} s in batched function '{self.label}' ({n} samples)"
             return ComponentResult.failed(n, msg, timeouts=1.0)
-        except Exception as e:
-            return ComponentResult.failed(n, f"batched function '{self.label}' raised {type(e).__name__}: {e}")
-        if not isinstance(values, (list, tuple)) or len(values) != n:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            return ComponentResult.failed(n, f"batched function '{self.label}' returned {got} for {n} samples")
+        if status != "ok":
+            return ComponentResult.failed(n, f"batched function '{self.label}' {value}", timeouts=0.0)
         result = ComponentResult(scores=[], counters={"timeouts": 0.0})
-        for i, v in enumerate(values):
-            try:
-                result.scores.append(as_score(v))
-            except (TypeError, ValueError) as e:
-                result.scores.append(math.nan)
-                result.errors[i] = f"batched function '{self.label}' {e}"
+        for i, (score, err) in enumerate(value):
+            result.scores.append(math.nan if score is None else score)
+            if err is not None:
+                result.errors[i] = f"batched function '{self.label}' {err}"
         return result
+
+    def needs_close(self) -> bool:
+        return self._pool is not None
+
+    async def aclose(self) -> None:
+        """Stop the worker processes (process isolation); idempotent."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            await asyncio.to_thread(pool.join, 10)

@@ -8,7 +8,8 @@ of a multi-turn trajectory, is sent only when the sample has it, so older server
 single-turn samples). Reply 200: ``{"api_version": 1, "scores": [number|null, ...], "errors": [null|str, ...]}``
 with one entry per sample, in order; ``scores[i]`` is null exactly when ``errors[i]`` says why.
 Errors: ``{"error": str}`` with 400 (malformed request), 401 (missing/wrong bearer token),
-413 (too many samples), 500 (server failure). ``GET /v1/info`` describes the service.
+408 (body too slow), 413 (body too large, or too many samples), 503 (busy; ``Retry-After``),
+500 (server failure). ``GET /v1/info`` describes the service and its limits. Bodies are UTF-8.
 See docs/rewards.md.
 """
 
@@ -19,10 +20,12 @@ import json
 import math
 from typing import Any
 
+from tidal.rewards.base import score_problem
 from tidal.rewards.types import RewardSample
 
 API_VERSION = 1
 SCORE_PATH = "/v1/score"
+FINISH_REASONS = ("stop", "length")
 INFO_PATH = "/v1/info"
 
 
@@ -35,10 +38,20 @@ def _reject_constant(name: str) -> float:
 
 
 def loads(body: bytes | str) -> Any:
-    """Strict JSON: NaN/Infinity are rejected."""
+    """Strict JSON (UTF-8): NaN/Infinity are rejected; anything that is not JSON -- invalid UTF-8,
+    nesting too deep to parse -- is a ProtocolError saying why."""
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body  # not json's encoding sniffing
+        return json.loads(text, parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
     except json.JSONDecodeError as e:
+        raise ProtocolError(f"malformed JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"body is not UTF-8: {e.reason} at byte {e.start}") from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer literal too long to convert
         raise ProtocolError(f"malformed JSON: {e}") from None
 
 
@@ -85,8 +98,10 @@ def sample_from_json(obj: Any, i: int) -> RewardSample:
         if name in obj and not isinstance(obj[name], tp):
             raise ProtocolError(f"samples[{i}].{name} must be a JSON {tp.__name__}")
     for name in ("prompt_ids", "response_ids"):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in obj.get(name, [])):
-            raise ProtocolError(f"samples[{i}].{name} must be a list of integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in obj.get(name, [])):
+            raise ProtocolError(f"samples[{i}].{name} must be a list of token ids (integers >= 0)")
+    if obj.get("finish_reason", "stop") not in FINISH_REASONS:
+        raise ProtocolError(f"samples[{i}].finish_reason must be one of {list(FINISH_REASONS)}")
     for k, m in enumerate(obj.get("messages", [])):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ProtocolError(f"samples[{i}].messages[{k}] must be an object with a string 'role'")
@@ -104,7 +119,8 @@ def encode_response(scores: list[float], errors: dict[int, str]) -> bytes:
     out_scores: list[float | None] = []
     out_errors: list[str | None] = []
     for i, v in enumerate(scores):
-        err = errors.get(i) or (None if math.isfinite(v) else f"non-finite score {v}")
+        problem = score_problem(v)
+        err = errors.get(i) or (None if problem is None else f"score {problem}")
         out_scores.append(None if err else v)
         out_errors.append(err)
     return dumps({"api_version": API_VERSION, "scores": out_scores, "errors": out_errors})
@@ -131,5 +147,13 @@ def decode_response(body: bytes, n: int) -> tuple[list[float], dict[int, str]]:
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ProtocolError(f"reply scores[{i}] is {v!r:.60}, not a number")
         else:
-            out.append(float(v))
+            try:
+                problem = score_problem(float(v))
+            except OverflowError:
+                problem = "an integer beyond float's range"
+            if problem is not None:  # invalid like NaN: this sample's error, not a score
+                errs[i] = f"server returned {problem}"
+                out.append(math.nan)
+            else:
+                out.append(float(v))
     return out, errs

@@ -11,6 +11,7 @@ configuration error and raises at once, whatever ``on_error`` says.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 
@@ -89,6 +90,15 @@ class RemoteReward(AsyncComponent):
             connector = aiohttp.TCPConnector(limit=self.cfg.concurrency)
             self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self._session
+
+    def deadline_s(self, n: int) -> float:
+        """Every attempt of every batch through ``concurrency`` slots, each at most ``timeout_s``,
+        plus the backoff waits of one batch's retries."""
+        attempts = math.ceil(n / self.cfg.batch_size) * (self.cfg.max_retries + 1)
+        return math.ceil(attempts / self.cfg.concurrency) * self.cfg.timeout_s + self.cfg.max_retries * self.cfg.max_backoff_s
+
+    def detach_loop(self) -> None:
+        self._session = None  # it belongs to the abandoned loop; the next call opens a new one
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is not imported at run time: reward worker processes unpickle RewardSample
+    import torch
 
 
 @dataclasses.dataclass(kw_only=True)

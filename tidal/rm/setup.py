@@ -26,8 +26,7 @@ from tidal.rm.model import load_trainable_reward_model
 from tidal.rm.trainer import RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.resume import resolve_resume_point
-from tidal.trainer.run_dir import announce_run_dir
+from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
 
@@ -90,11 +89,9 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     """Everything a ``job: reward_model`` run needs, from its config (the root ``TidalConfig``)."""
     runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
-    ckpt.check_writable(Path(cfg.run.output_dir), rank=runtime.rank)
     saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
-    if saves:
-        ckpt.check_writable(ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank)
-    resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # a bad checkpoint.resume fails here
+    run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=("step", "sampler", "trainer"))
+    resume = run_dir.resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
@@ -112,7 +109,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     pad_id = model.config.pad_token_id
     state = strategy.prepare_trainable(model, cfg.optim, lr=cfg.optim.lr, total_steps=cfg.run.steps)
     if saves:
-        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes([state.model]))
+        ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes([state.model]), keep=cfg.checkpoint.keep)
     sampler = StatefulDistributedSampler(
         len(train_data), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,

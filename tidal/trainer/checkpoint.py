@@ -6,28 +6,75 @@ its optimizer + scheduler, ``trainer.json`` (step, sampler and algorithm state) 
 every rank has finished: a crash mid-save leaves the previous checkpoint as the newest complete
 one, and the partial ``.tmp`` directory is removed at the next save or resume. With several nodes
 ``output_dir`` must be on a filesystem every node sees.
+
+Reading a checkpoint never runs code from it: DCP's ``.metadata`` pickle is read with an allow-list
+of the classes DCP writes, its non-tensor items and the RNG files with ``torch.load(weights_only=True)``
+(:class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`, :func:`load_rng_file`).
+
+Resume (``checkpoint.resume``): :func:`resolve_resume` picks the checkpoint without loading tensors,
+after checking that it looks loadable (:func:`checkpoint_problems`: trainer.json, DCP metadata, every
+shard file present and long enough, RNG files). ``auto`` skips (with a warning) complete checkpoints
+that do not, newest first; an explicit path that does not is a ConfigError at ``checkpoint.resume``
+naming the problem. :func:`load_resume` also falls back to the next older one when loading itself
+fails under ``auto``. With a ``group`` (a gloo group over every rank) rank 0 decides and the ranks
+agree on the outcome of each load attempt; without one every rank validates the same files.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from tidal.config_base import ConfigError
 from tidal.trainer import faults
 
 COMPLETE_MARKER = "trainer.json"
+REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
+TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_RNG_RE = re.compile(r"^rng_rank(\d+)\.pt$")
+_FULL_DISK_BYTES = 64 * 2**20  # less free than this after a failed write: say the disk is full
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed; the message names the step, each failing rank's error and the
+    free space left (a full disk often shows only as a torch zip-writer error)."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint could not be loaded; the message names it and each failing rank's error."""
+
+
+def _summary(exc: BaseException) -> str:
+    """One line per failing rank of a DCP CheckpointException (its str() holds whole tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        text = str(exc).strip()
+        line = text.splitlines()[0] if text else ""
+        return f"{type(exc).__name__}: {line if len(line) <= 160 else line[:157] + '...'}"
+    parts = []
+    for r, pair in sorted(failures.items()):
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        parts.append(f"rank {r}: {_summary(inner)}")
+    return "; ".join(parts)
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -45,7 +92,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def clean_partial(root: Path) -> list[str]:
     """Settle what an interrupted save left (rank 0 only): remove ``*.tmp`` directories; a
     ``step_N.old`` (an interrupted re-save of step N) is put back when ``step_N`` is missing,
-    else removed. Returns the names removed or put back."""
+    else removed. Returns the names removed or put back.
+
+    Call it before anything writes to the run directory (:func:`settle_and_probe`): a save that
+    failed with ENOSPC leaves a partial ``step_N.tmp`` holding the space every later write needs."""
     removed = []
     if root.is_dir():
         for p in sorted(root.iterdir()):
@@ -75,7 +125,30 @@ def check_writable(directory: Path, *, rank: int, key: str = "run.output_dir") -
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
+        try:  # a probe cut short by a full disk must not stay behind
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise ConfigError(key, f"cannot write to {directory}: {type(e).__name__}: {e.strerror or e}") from None
+
+
+def settle_and_probe(output_dir: str, *, rank: int, checkpoints: bool, barrier: Callable[[], None]) -> list[str]:
+    """The start-of-run order for the run directory (collective through ``barrier``):
+
+    1. rank 0 settles what an interrupted save left (:func:`clean_partial`), the others wait: a
+       partial ``step_N.tmp`` of a save that hit ENOSPC is removed *before* anything else is
+       written, so its space is free again for the probes and the next save;
+    2. every rank probes ``output_dir`` (and the checkpoint directory when ``checkpoints``) with
+       :func:`check_writable`.
+
+    Returns what rank 0 removed or put back (empty on the other ranks)."""
+    root = checkpoint_root(output_dir)
+    settled = clean_partial(root) if rank == 0 else []
+    barrier()
+    check_writable(Path(output_dir), rank=rank)
+    if checkpoints:
+        check_writable(root, rank=rank)
+    return settled
 
 
 def checkpoint_bytes(models: list[torch.nn.Module]) -> int:
@@ -83,19 +156,127 @@ def checkpoint_bytes(models: list[torch.nn.Module]) -> int:
     return sum(12 * p.numel() for m in models for p in m.parameters() if p.requires_grad)
 
 
-def check_free_space(directory: Path, need_bytes: int, *, key: str = "run.output_dir") -> None:
-    """ConfigError at ``key`` when ``directory``'s filesystem has less than ``need_bytes`` free
-    (a new checkpoint is written before the oldest is rotated out)."""
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_free_space(directory: Path, need_bytes: int, *, keep: int = 1, key: str = "run.output_dir") -> None:
+    """ConfigError at ``key`` when ``directory``'s filesystem cannot hold what the run's saves will
+    put there at their peak: a save writes the new checkpoint while the older complete ones still
+    exist, and rotates them down to ``keep`` only after it, so the peak is ``max(n, keep) + 1``
+    checkpoints, ``n`` of them (the complete ones already there) already taking their space.
+
+    One checkpoint is taken as ``need_bytes`` (:func:`checkpoint_bytes`), or as the size of the
+    newest existing one when that is larger. Settle partial saves first (:func:`clean_partial`):
+    their space is free once they are removed."""
+    existing = complete_checkpoints(directory)
+    per_checkpoint = max(need_bytes, _tree_bytes(existing[-1])) if existing else need_bytes
+    new_ones = max(keep - len(existing), 0) + 1
+    need = new_ones * per_checkpoint
     free = shutil.disk_usage(directory).free
-    if free < need_bytes:
+    if free < need:
+        have = f" beside the {len(existing)} already there" if existing else ""
         raise ConfigError(
-            key, f"{directory} has {free / 2**30:.2f} GiB free but a checkpoint needs about {need_bytes / 2**30:.2f} GiB; "
-            "free disk space, point run.output_dir elsewhere or disable checkpoints (checkpoint.every=0, checkpoint.at_end=false)",
+            key, f"{directory} has {free / 2**30:.2f} GiB free but the checkpoints of this run need about "
+            f"{need / 2**30:.2f} GiB ({new_ones} x {per_checkpoint / 2**30:.2f} GiB{have}: a save writes the new one "
+            f"before rotating down to checkpoint.keep={keep}); free disk space, lower checkpoint.keep, point "
+            "run.output_dir elsewhere or disable checkpoints (checkpoint.every=0, checkpoint.at_end=false)",
         )
 
 
+# ---- safe reading -----------------------------------------------------------------------------------
+
+
+def _metadata_allowed(module: str, name: str) -> bool:
+    """The globals a DCP ``.metadata`` pickle may name: DCP's own metadata classes, the storage info
+    of the filesystem writer, torch sizes, dtypes, layouts and memory formats, and paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        import torch.distributed.checkpoint.metadata as md
+
+        return isinstance(getattr(md, name, None), type)
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+    return (module, name) in {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    }
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if _metadata_allowed(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in checkpoint metadata (a crafted file?)")
+
+
+def read_dcp_metadata(models_dir: Path) -> Metadata:
+    """DCP's ``.metadata`` of ``models_dir`` unpickled under the allow-list (no code runs)."""
+    with open(models_dir / ".metadata", "rb") as f:
+        md = _MetadataUnpickler(f).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError(f"holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's filesystem reader whose metadata is read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_dcp_metadata(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def _state_globals() -> list[Any]:
+    """The classes, beyond tensors and containers, that Tidal's own state dicts hold: DeepSpeed's
+    ZeRO optimizer state (its loss scaler, ZeRO stage enum and parameter fragment addresses) when
+    DeepSpeed is in use. Plain data holders: unpickling one sets its fields and runs no code."""
+    if "deepspeed" not in sys.modules:
+        return []
+    found = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        found += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return found
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but the non-tensor items of a state dict (optimizer
+    hyper-parameters, scheduler state, DeepSpeed's optimizer settings) are read with
+    ``torch.load(weights_only=True)`` and the allow-list of :func:`_state_globals`."""
+
+    def load_bytes(self, read_item, value) -> None:
+        with torch.serialization.safe_globals(_state_globals()):
+            obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---- RNG states ----------------------------------------------------------------------------------------
+
+
 def rng_state() -> dict[str, Any]:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG of this process in a form ``torch.load(weights_only=True)`` reads: tensors, tuples,
+    ints, floats, strings (numpy's key array as an int64 tensor)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
@@ -103,10 +284,191 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(st: dict[str, Any]) -> None:
     random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    kind, keys, *rest = st["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What a pickled numpy array needs (RNG files of checkpoints written before the RNG state was
+    stored as tensors): torch's documented allow-list for numpy arrays, no code."""
+    multiarray = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_rng_file(path: Path) -> dict[str, Any]:
+    """An ``rng_rank<R>.pt`` read with ``weights_only=True`` (numpy arrays allowed, nothing that runs code)."""
+    with torch.serialization.safe_globals(_numpy_array_globals()):
+        st = torch.load(path, weights_only=True)
+    if not isinstance(st, dict) or not {"python", "numpy", "torch"} <= set(st):
+        raise ValueError(f"{path.name} is not a Tidal RNG state (keys python, numpy, torch)")
+    return st
+
+
+# ---- validation and resume ----------------------------------------------------------------------------
+
+
+def _trainer_state_problem(path: Path, required_keys: tuple[str, ...]) -> str | None:
+    marker = path / COMPLETE_MARKER
+    try:
+        with open(marker, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return f"no {COMPLETE_MARKER}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{COMPLETE_MARKER} is not valid JSON ({type(e).__name__}: {e})"
+    if not isinstance(state, dict):
+        return f"{COMPLETE_MARKER} holds a {type(state).__name__}, not an object"
+    missing = [k for k in required_keys if k not in state]
+    if missing:
+        return f"{COMPLETE_MARKER} lacks {missing}"
+    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+        return f"{COMPLETE_MARKER} has step={state['step']!r}, not a step number"
+    return None
+
+
+def _shard_problems(models: Path) -> list[str]:
+    if not (models / ".metadata").is_file():
+        return [f"no {models.name}/.metadata"]
+    try:
+        md = read_dcp_metadata(models)
+    except Exception as e:  # noqa: BLE001 -- any failure to read it is the finding
+        return [f"{models.name}/.metadata cannot be read ({type(e).__name__}: {e})"]
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in Path(rel).parts:
+            return [f"{models.name}/.metadata names a shard outside the checkpoint: {rel!r}"]
+        needed[rel] = max(needed.get(rel, 0), end)
+    problems = []
+    for rel, end in sorted(needed.items()):
+        f = models / rel
+        if not f.is_file():
+            problems.append(f"missing shard {models.name}/{rel}")
+        elif f.stat().st_size < end:
+            problems.append(f"truncated shard {models.name}/{rel} ({f.stat().st_size} bytes, its data ends at byte {end})")
+    return problems
+
+
+def _rng_problems(path: Path) -> list[str]:
+    problems = []
+    for f in sorted(path.iterdir()):
+        if _RNG_RE.match(f.name):
+            try:
+                load_rng_file(f)
+            except Exception as e:  # noqa: BLE001 -- any failure to read it is the finding
+                problems.append(f"{f.name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return problems
+
+
+def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED_KEYS) -> list[str]:
+    """What would keep ``path`` from loading, found without loading a tensor (empty: it looks
+    loadable): ``trainer.json`` is a JSON object with ``required_keys`` (``step`` by default; the RL
+    trainer's are ``TRAINER_STATE_KEYS``); ``models/.metadata``
+    unpickles under the allow-list; every shard file it references exists and is at least as long
+    as the byte ranges it holds there; every ``rng_rank<R>.pt`` loads with ``weights_only=True``."""
+    if not path.is_dir():
+        return ["not a directory"]
+    problem = _trainer_state_problem(path, required_keys)
+    if problem is not None:
+        return [problem]
+    return _shard_problems(path / "models") + _rng_problems(path)
+
+
+def _is_main(group) -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _warn(message: str, group=None) -> None:
+    if _is_main(group):
+        print(f"[tidal] warning: {message}", file=sys.stderr, flush=True)
+
+
+def _from_rank0(compute: Callable[[], Any], group) -> Any:
+    """``compute()`` on rank 0, broadcast over ``group``; without a group every rank computes it."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def resume_candidates(
+    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
+) -> list[Path]:
+    """The checkpoints a resume may load, in the order to try them (every rank gets the same list):
+    ``never`` -> []; ``auto`` -> the complete checkpoints under ``root`` that look loadable
+    (:func:`checkpoint_problems`), newest first, each skipped one named in a warning; a path -> [it],
+    or a ConfigError at ``checkpoint.resume`` naming what is wrong with it."""
+    if resume == "never":
+        return []
+    if resume == "auto":
+
+        def scan() -> tuple[list[str], list[str]]:
+            good, skipped = [], []
+            for path in reversed(complete_checkpoints(root)):
+                problems = checkpoint_problems(path, required_keys=required_keys)
+                (skipped.append(f"{path}: {'; '.join(problems)}") if problems else good.append(str(path)))
+            return good, skipped
+
+        good, skipped = _from_rank0(scan, group)
+        for s in skipped:
+            _warn(f"checkpoint.resume=auto skips {s}", group)
+        return [Path(p) for p in good]
+    path = Path(resume)
+    problems = _from_rank0(lambda: checkpoint_problems(path, required_keys=required_keys), group)
+    if problems == [f"no {COMPLETE_MARKER}"] or problems == ["not a directory"]:
+        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
+    if problems:
+        raise ConfigError("checkpoint.resume", f"{resume!r} cannot be loaded: {'; '.join(problems)}")
+    return [path]
+
+
+def resolve_resume(
+    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
+) -> Path | None:
+    """The checkpoint to resume from: ``auto`` -> the newest complete one that looks loadable (or
+    None), ``never`` -> None, else the given directory (a ConfigError naming what is wrong when it
+    does not look loadable). See :func:`resume_candidates`."""
+    found = resume_candidates(resume, root, group=group, required_keys=required_keys)
+    return found[0] if found else None
+
+
+def _all_ok(ok: bool, group) -> bool:
+    """True when ``ok`` holds on every rank of ``group`` (no group: this rank's own answer)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def load_resume(
+    resume: str, root: Path, *, model_states: Callable[[], dict[str, Any]], rank: int, group=None,
+    required_keys: tuple[str, ...] = REQUIRED_KEYS,
+) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
+    """Resolve and load a resume (collective): ``(path, model_states, trainer_state)``, or None when
+    there is nothing to resume. ``model_states()`` builds fresh state dicts to load into (called
+    again for each attempt). Under ``auto`` a checkpoint that fails to load on any rank is skipped
+    with a warning naming the error, and the next older one is tried; an explicit path that fails
+    is a ConfigError at ``checkpoint.resume``. With ``group`` every rank takes the same decision."""
+    for path in resume_candidates(resume, root, group=group, required_keys=required_keys):
+        states = model_states()
+        error = None
+        try:
+            trainer_state = load_checkpoint(path, model_states=states, rank=rank)
+        except Exception as e:  # noqa: BLE001 -- reported and decided on below, the same on every rank
+            error = _summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)
+        if _all_ok(error is None, group):
+            return path, states, trainer_state
+        why = error or "it failed to load on another rank"
+        if resume != "auto":
+            raise ConfigError("checkpoint.resume", f"{resume!r} cannot be loaded: {why}")
+        _warn(f"checkpoint.resume=auto skips {path}: loading failed: {why}", group)
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -115,6 +477,20 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _save_failed(exc: BaseException, tmp: Path, *, step: int, rank: int) -> CheckpointSaveError:
+    """The error to raise for a failed write; rank 0 removes the partial ``tmp`` at once, so a full
+    disk gets its space back (DCP reports a shard failure on every rank after all have written)."""
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = -1
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    full = " -- the disk is full" if 0 <= free < _FULL_DISK_BYTES else ""
+    where = f"{free / 2**30:.2f} GiB were free on its filesystem{full}" if free >= 0 else "free space unknown"
+    return CheckpointSaveError(f"saving checkpoint step {step} into {tmp} failed: {_summary(exc)} ({where}); the previous checkpoint is intact")
 
 
 def save_checkpoint(
@@ -131,9 +507,12 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     faults.hit("checkpoint/begin", step=step, rank=rank)
-    dcp.save(model_states, checkpoint_id=str(tmp / "models"))
-    faults.hit("checkpoint/shards", step=step, rank=rank)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    try:
+        dcp.save(model_states, checkpoint_id=str(tmp / "models"))
+        faults.hit("checkpoint/shards", step=step, rank=rank)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    except (Exception, CheckpointException) as e:
+        raise _save_failed(e, tmp, step=step, rank=rank) from e
     dist.barrier()
     if rank == 0:
         with open(tmp / COMPLETE_MARKER, "w") as f:
@@ -156,25 +535,17 @@ def save_checkpoint(
     return final
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """The checkpoint to resume from: ``auto`` -> newest complete one (or None), ``never`` -> None,
-    else the given directory (which must be complete)."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / COMPLETE_MARKER).is_file():
-        raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
-    return path
-
-
 def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Load shards into ``model_states`` in place (collective); restore this rank's RNG; return trainer state."""
-    dcp.load(model_states, checkpoint_id=str(path / "models"))
+    """Load shards into ``model_states`` in place (collective); restore this rank's RNG; return
+    trainer state. Nothing in the checkpoint can run code (see the module docstring). A failure of
+    DCP's load (on any rank: DCP gathers them) raises :class:`CheckpointLoadError` on every rank."""
+    models = path / "models"
+    try:
+        dcp.load(model_states, storage_reader=SafeFileSystemReader(models), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:
+        raise CheckpointLoadError(f"cannot load {models}: {_summary(e)}") from e
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    with open(path / COMPLETE_MARKER) as f:
+        set_rng_state(load_rng_file(rng_file))
+    with open(path / COMPLETE_MARKER, encoding="utf-8") as f:
         return json.load(f)

@@ -14,7 +14,8 @@ from tidal.sync.config import SyncConfig
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """output_dir: the run directory (metrics, checkpoints, trajectories, report).
-    steps: RL iterations (rollout + update) to run. seed: seeds data order, sampling and init.
+    steps: RL iterations (rollout + update) to run. seed: seeds data order, sampling and init
+        (0 <= seed < 2**63).
     device: ``auto`` (CUDA if available), ``cuda`` or ``cpu``.
     collective_timeout_s: how long a rank waits in a collective before the run fails with the stage named.
     """
@@ -28,6 +29,7 @@ class RunConfig:
     def __post_init__(self):
         check(bool(self.output_dir), "output_dir", "must be set")
         check(self.steps >= 1, "steps", "must be >= 1")
+        check(self.seed >= 0, "seed", "must be >= 0")
         check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
 
 

@@ -30,7 +30,7 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
-from tidal.trainer.resume import ResumePoint
+from tidal.trainer.run_dir import RunDir
 from tidal.trainer.stop import StopRequest, StopRun
 from tidal.trainer.update import Updater
 from tidal.trainer.watchdog import StageTimer
@@ -73,11 +73,11 @@ class RunData:
 
 class PPOTrainer:
     """The RL loop. ``cfg`` holds the config sections it reads (:class:`TrainerSections`); each
-    component it builds gets its own sections. ``resume``: where to continue from (resolved once at
-    setup), or None."""
+    component it builds gets its own sections. ``run_dir``: the run directory's lock (released when
+    :meth:`fit` ends) and the resume point resolved at setup."""
 
     def __init__(self, *, cfg: TrainerSections, phases: Colocation, models: Models, rewards: RewardEngine,
-                 algorithm: Algorithm, data: RunData, logger: MetricsLogger, resume: ResumePoint | None):
+                 algorithm: Algorithm, data: RunData, logger: MetricsLogger, run_dir: RunDir):
         self.cfg = cfg
         self.phases = phases
         self.models = models
@@ -85,7 +85,7 @@ class PPOTrainer:
         self.algo = algorithm
         self.data = data
         self.logger = logger
-        self.resume_point = resume
+        self.run_dir = run_dir
         self.timer: StageTimer = phases.timer
         self.watchdog = self.timer.watchdog
         self.rt = phases.runtime
@@ -241,26 +241,36 @@ class PPOTrainer:
                                  rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
 
     def resume(self) -> int:
-        """Load the resume point chosen at setup (models, optimizer, sampler, algorithm and trainer
-        state, RNG) and sync the engine; returns its step (0 for a fresh run)."""
-        point = self.resume_point
+        """Load the checkpoint chosen at setup (models, optimizer, sampler, algorithm and trainer
+        state, RNG) and sync the engine; returns its step (0 for a fresh run). Under
+        ``checkpoint.resume: auto`` a checkpoint that fails to load on any rank is skipped for the
+        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`)."""
+        point = self.run_dir.resume
         if point is None:
             return 0
         strategy, m = self.phases.strategy, self.models
-        states = self._model_states()
-        st = ckpt.load_checkpoint(point.path, model_states=states, rank=self.rt.rank)
+        which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
+        loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
+                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS)
+        self.run_dir.resume = None  # loaded: a second call is a no-op
+        if loaded is None:  # every candidate failed to load under auto: a fresh run
+            self.logger.rewind(0)
+            return 0
+        path, states, st = loaded
         strategy.load_state_dict(m.actor, states["actor"])
         if m.critic is not None:
             strategy.load_state_dict(m.critic, states["critic"])
         self.data.sampler.load_state_dict(st["sampler"])
         self.algo.load_state_dict(st["algorithm"])
         self.state = TrainerState(**st["trainer"])
+        step = int(st["step"])
+        if step != point.step:
+            self.logger.rewind(step)
         self.phases.sync_weights()
         self.timer.pop()  # loading is not a step's phase
-        self.resume_point = None  # loaded: a second call is a no-op
         if self.rt.is_main:
-            print(f"[tidal] resumed from {point.path} (step {point.step})", flush=True)
-        return point.step
+            print(f"[tidal] resumed from {path} (step {step})", flush=True)
+        return step
 
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -272,6 +282,7 @@ class PPOTrainer:
             finally:
                 self.logger.close()
                 self.watchdog.close()
+                self.run_dir.lock.release()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
         self.timer.pop()  # setup's phases (the first weight sync) are not step 1's

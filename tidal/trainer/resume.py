@@ -23,14 +23,14 @@ class ResumePoint:
     step: int
 
 
-def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtime) -> ResumePoint | None:
-    """The checkpoint to resume from (a collective: rank 0 settles partial saves, all ranks wait).
-    A bad ``checkpoint.resume`` is a ConfigError naming it."""
+def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtime, *,
+                         required_keys: tuple[str, ...] = ckpt.TRAINER_STATE_KEYS) -> ResumePoint | None:
+    """The checkpoint to resume from (a collective; partial saves are settled before, by
+    :func:`tidal.trainer.run_dir.open_run_dir`). Under ``auto`` the newest checkpoint that passes the
+    cheap checks (:func:`tidal.trainer.checkpoint.checkpoint_problems`) is taken, every rank agreeing;
+    a bad explicit ``checkpoint.resume`` is a ConfigError naming what is wrong."""
     root = ckpt.checkpoint_root(output_dir)
-    if runtime.is_main:
-        ckpt.clean_partial(root)
-    runtime.barrier()
-    path = ckpt.resolve_resume(cfg.resume, root)
+    path = ckpt.resolve_resume(cfg.resume, root, group=runtime.cpu_group, required_keys=required_keys)
     if path is None:
         return None
     with open(path / ckpt.COMPLETE_MARKER) as f:

@@ -3,12 +3,71 @@ metrics and checkpoints go and how to watch it. Shared by every job (RL, reward 
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
 from pathlib import Path
 
 import yaml
 
+from tidal.config_base import ConfigError
+from tidal.distributed.runtime import Runtime
 from tidal.trainer import checkpoint as ckpt
+from tidal.trainer.config import CheckpointConfig
+from tidal.trainer.resume import ResumePoint, resolve_resume_point
+from tidal.trainer.run_lock import RunLock, acquire_run_lock
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunDir:
+    """What a run holds of its directory: its lock (released when the run ends, or at exit) and the
+    checkpoint it resumes from (None for a fresh run)."""
+
+    lock: RunLock
+    resume: ResumePoint | None
+
+
+def claim_run_dir(output_dir: str, checkpoint: CheckpointConfig, runtime: Runtime, *,
+                  required_keys: tuple[str, ...] = ckpt.TRAINER_STATE_KEYS) -> RunDir:
+    """:func:`open_run_dir`, then the resume point (resolved once; a bad ``checkpoint.resume`` is a
+    ConfigError here, before anything is loaded)."""
+    saves = checkpoint.every > 0 or checkpoint.at_end
+    lock = open_run_dir(output_dir, runtime, checkpoints=saves)
+    try:
+        resume = resolve_resume_point(checkpoint, output_dir, runtime, required_keys=required_keys)
+    except BaseException:
+        lock.release()
+        raise
+    atexit.register(lock.release)
+    return RunDir(lock=lock, resume=resume)
+
+
+def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> RunLock:
+    """Claim the run directory for this run, before anything is written into it (a collective):
+    rank 0 takes its exclusive lock (a second run in the same directory gets a ConfigError naming
+    the first; every rank raises it), then partial saves are settled and the directory (and the
+    checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
+    when the run ends."""
+    lock, error = None, None
+    if runtime.is_main:
+        try:
+            lock = acquire_run_lock(output_dir, runtime.rank)
+        except ConfigError as e:
+            error = e
+    box = [None if error is None else (error.key, error.message)]
+    if runtime.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0, group=runtime.cpu_group)
+    if box[0] is not None:
+        raise ConfigError(*box[0])
+    lock = lock or acquire_run_lock(output_dir, runtime.rank)  # a non-owning lock on the other ranks
+    try:
+        ckpt.settle_and_probe(output_dir, rank=runtime.rank, checkpoints=checkpoints, barrier=runtime.barrier)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def announce_run_dir(cfg) -> None:

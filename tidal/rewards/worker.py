@@ -1,0 +1,106 @@
+"""Calling a user's reward function, in this process or in a worker process of a pool.
+
+This module imports neither torch nor the rest of the reward layer, so a worker process that runs
+reward functions stays small: it imports this module, :mod:`tidal.rewards.types` (to unpickle
+:class:`RewardSample`) and the user's module.
+
+Contract of :func:`call_in_worker` (what a pool runs): it never raises and never lets an exception
+escape, BaseExceptions included (``SystemExit``, ``KeyboardInterrupt``): it returns
+``("ok", float)``, ``("ok", [(float | None, error | None), ...])`` for a batched function, or
+``("error", message)``. Results cross the process boundary as plain floats and strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from typing import Any, Callable
+
+from tidal.config_base import ConfigError, check
+from tidal.rewards.base import as_score
+
+
+def load_function(path: str, key: str) -> Callable[..., Any]:
+    """Import ``module:attr.sub`` or ``module.attr``; ConfigError at ``key`` when it cannot."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    check(bool(module_name) and bool(attr), key, f"{path!r} is not 'module:function' or 'module.function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except BaseException as e:  # noqa: BLE001 -- an import that calls sys.exit() is a config error too
+        raise ConfigError(key, f"cannot import module '{module_name}': {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        check(hasattr(obj, part), key, f"'{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    check(callable(obj), key, f"'{path}' is not callable")
+    return obj
+
+
+def is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+class UserBaseException(Exception):
+    """A reward function raised a BaseException that is not an Exception (``SystemExit``,
+    ``KeyboardInterrupt``, ...): carried as an ordinary exception so that it is one sample's error
+    and never stops the event loop or the process that called the function."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+
+
+async def guarded(awaitable: Any) -> Any:
+    """Await a user's coroutine; a BaseException it raises (other than our own cancellation) comes
+    out as :class:`UserBaseException` (asyncio re-raises SystemExit/KeyboardInterrupt out of the loop)."""
+    try:
+        return await awaitable
+    except (asyncio.CancelledError, Exception):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt, GeneratorExit
+        raise UserBaseException(e) from None
+
+
+def describe(exc: BaseException) -> str:
+    """``raised <Type>: <message>`` for an exception of a user's function."""
+    if isinstance(exc, UserBaseException):
+        return f"raised {exc}"
+    return f"raised {type(exc).__name__}: {exc}"
+
+
+_LOADED: dict[str, Callable[..., Any]] = {}
+
+
+def _run(fn: Callable[..., Any], arg: Any) -> Any:
+    out = fn(arg)
+    if inspect.isawaitable(out):
+        out = asyncio.run(guarded(out))
+    return out
+
+
+def call_in_worker(path: str, arg: Any, batched: bool) -> tuple[str, Any]:
+    """Run the function at ``path`` on ``arg`` (see the module docstring for the result)."""
+    try:
+        fn = _LOADED.get(path)
+        if fn is None:
+            fn = _LOADED[path] = load_function(path, "function")
+        value = _run(fn, arg)
+    except BaseException as e:  # noqa: BLE001 -- the worker survives whatever the function does
+        return "error", describe(e)
+    if not batched:
+        try:
+            return "ok", as_score(value)
+        except (TypeError, ValueError) as e:
+            return "error", str(e)
+    if not isinstance(value, (list, tuple)) or len(value) != len(arg):
+        got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
+        return "error", f"returned {got} for {len(arg)} samples"
+    out = []
+    for v in value:
+        try:
+            out.append((as_score(v), None))
+        except (TypeError, ValueError) as e:
+            out.append((None, str(e)))
+    return "ok", out
