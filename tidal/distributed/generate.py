@@ -5,9 +5,16 @@ Each rank brings its own prompts. Inside its TP group the prompts are gathered w
 same engine step on its weight shard), and each rank keeps the slice that belongs to its prompts.
 Prompts with images carry their pixel inputs in ``mm_inputs`` (one entry per prompt, None for
 text); they travel with their prompts and reach the engine only when some prompt has images.
+
+Per-sequence budgets (``max_new_tokens``, one per sequence) travel with their prompts too. The
+engine protocol's ``generate`` takes one :class:`SamplingParams` per call, so sequences are grouped
+by budget and each group is one ``generate`` call (n=1 per sequence: the prompt repeated, which the
+native engine's prefix cache prefills once); every TP rank makes the same calls in the same order.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch.distributed as dist
 
@@ -17,11 +24,16 @@ from tidal.engine.base import Completion, RolloutEngine, SamplingParams
 
 def gather_and_generate(
     engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, runtime: Runtime,
-    mm_inputs: list[dict | None] | None = None,
+    mm_inputs: list[dict | None] | None = None, max_new_tokens: list[int] | None = None,
 ) -> list[Completion]:
-    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major)."""
+    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major).
+
+    ``max_new_tokens``: None (every sequence gets ``params.max_new_tokens``) or one budget per
+    sequence, prompt-major (``params.n`` per prompt), each in ``1..params.max_new_tokens``."""
+    if max_new_tokens is not None:
+        check_budgets(max_new_tokens, len(prompts) * params.n, params.max_new_tokens)
     if runtime.tp_size == 1:
-        return _generate(engine, prompts, params, mm_inputs)
+        return _generate(engine, prompts, params, mm_inputs, max_new_tokens)
     gathered: list[list[list[int]] | None] = [None] * runtime.tp_size
     dist.all_gather_object(gathered, prompts, group=runtime.tp_group)
     all_prompts = [p for part in gathered for p in part]
@@ -30,12 +42,55 @@ def gather_and_generate(
         mm_parts: list[list | None] = [None] * runtime.tp_size
         dist.all_gather_object(mm_parts, mm_inputs, group=runtime.tp_group)
         all_mm = [m for part, prompts_part in zip(mm_parts, gathered) for m in (part or [None] * len(prompts_part))]
-    outputs = _generate(engine, all_prompts, params, all_mm)
+    all_budgets = _gather_budgets(max_new_tokens, gathered, params, runtime)
+    outputs = _generate(engine, all_prompts, params, all_mm, all_budgets)
     start = sum(len(part) for part in gathered[: runtime.tp_rank]) * params.n
     return outputs[start : start + len(prompts) * params.n]
 
 
-def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs) -> list[Completion]:
+def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
+    """ValueError unless ``budgets`` has ``n_seqs`` entries, each in ``1..limit``."""
+    if len(budgets) != n_seqs:
+        raise ValueError(f"max_new_tokens: {len(budgets)} budgets for {n_seqs} sequences (one per sequence, prompt-major)")
+    bad = [b for b in budgets if not 1 <= int(b) <= limit]
+    if bad:
+        raise ValueError(f"max_new_tokens: budgets must be in 1..{limit} (params.max_new_tokens), got {bad[:5]}")
+
+
+def _gather_budgets(budgets: list[int] | None, gathered: list, params: SamplingParams, runtime: Runtime) -> list[int] | None:
+    """The TP group's budgets in the gathered prompts' order (None when no rank has any: every rank
+    of a group must agree, since a budgeted call is several engine calls)."""
+    parts: list[list[int] | None] = [None] * runtime.tp_size
+    dist.all_gather_object(parts, budgets, group=runtime.tp_group)
+    if all(p is None for p in parts):
+        return None
+    return [b for part, prompts_part in zip(parts, gathered)
+            for b in (part if part is not None else [params.max_new_tokens] * (len(prompts_part) * params.n))]
+
+
+def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
+              budgets: list[int] | None = None) -> list[Completion]:
+    if budgets is not None and len(set(budgets)) > 1:
+        return _generate_grouped(engine, prompts, params, mm_inputs, budgets)
+    if budgets is not None:
+        params = dataclasses.replace(params, max_new_tokens=budgets[0])
     if mm_inputs is not None and any(m is not None for m in mm_inputs):
         return engine.generate(prompts, params, mm_inputs=mm_inputs)
     return engine.generate(prompts, params)  # text: the plain protocol call every engine has
+
+
+def _generate_grouped(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
+                      budgets: list[int]) -> list[Completion]:
+    """One ``generate`` call per distinct budget (largest first), n=1 per sequence; the completions
+    go back to their sequences' places. Group g samples with seed ``params.seed + g`` (when seeded),
+    so groups of the same prompt do not repeat each other's draws."""
+    out: list[Completion | None] = [None] * len(budgets)
+    for g, budget in enumerate(sorted(set(budgets), reverse=True)):
+        idx = [i for i, b in enumerate(budgets) if b == budget]
+        seed = None if params.seed is None else params.seed + g
+        sub = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed)
+        sub_mm = [mm_inputs[i // params.n] for i in idx] if mm_inputs is not None else None
+        comps = _generate(engine, [prompts[i // params.n] for i in idx], sub, sub_mm)
+        for i, c in zip(idx, comps):
+            out[i] = c
+    return out
