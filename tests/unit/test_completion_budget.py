@@ -1,5 +1,5 @@
-"""Per-sequence generation budgets (``ExperienceMaker.completion_budget``): grouping into engine
-calls, budget forcing of the end token, the checks, and the real native engine on CPU."""
+"""Per-sequence generation budgets (``ExperienceMaker.completion_budget``): one engine call at the
+longest budget, each completion cut at its own, budget forcing of the end token, the checks, and the real native engine on CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from tidal.distributed.generate import gather_and_generate
+from tidal.distributed.generate import cut_to_budget, gather_and_generate
 from tidal.engine.base import Completion, SamplingParams
 from tidal.logging import PhaseObserver, PhaseTimer
 from tidal.trainer.budget import CompletionBudget, force_end
@@ -18,32 +18,41 @@ ONE_RANK = types.SimpleNamespace(tp_size=1)
 
 
 class RecordingEngine:
-    """Completes each prompt with ``max_new_tokens`` copies of the prompt's first token (finish "length")."""
+    """Completes each prompt with ``max_new_tokens`` tokens (finish "length"), except that a prompt
+    starting with 9 stops after 2 tokens (finish "stop")."""
 
     def __init__(self):
         self.calls = []
 
     def generate(self, prompts, params):
         self.calls.append((len(prompts), params))
-        return [Completion(prompt_ids=p, token_ids=[p[0]] * params.max_new_tokens, logprobs=[-1.0] * params.max_new_tokens,
-                           finish_reason="length") for p in prompts for _ in range(params.n)]
+        out = []
+        for p in prompts:
+            for j in range(params.n):
+                n = 2 if p[0] == 9 else params.max_new_tokens
+                out.append(Completion(prompt_ids=p, token_ids=[p[0]] * n, logprobs=[-1.0 - j] * n,
+                                      finish_reason="stop" if p[0] == 9 else "length"))
+        return out
 
 
-def test_budgets_group_into_one_call_per_distinct_budget_and_keep_the_order():
+def test_budgets_are_one_call_at_the_longest_budget_then_cut():
     engine = RecordingEngine()
-    params = SamplingParams(max_new_tokens=5, n=2, seed=10)
-    comps = gather_and_generate(engine, [[1], [2], [3]], params, ONE_RANK, max_new_tokens=[5, 2, 2, 5, 1, 2])
-    assert [(c.prompt_ids[0], len(c.token_ids)) for c in comps] == [(1, 5), (1, 2), (2, 2), (2, 5), (3, 1), (3, 2)]
-    # largest budget first, n=1 per sequence, one seed per group
-    assert [(n, p.max_new_tokens, p.n, p.seed) for n, p in engine.calls] == [(2, 5, 1, 10), (3, 2, 1, 11), (1, 1, 1, 12)]
+    params = SamplingParams(max_new_tokens=8, n=2, seed=10)
+    comps = gather_and_generate(engine, [[1], [2], [9]], params, ONE_RANK, max_new_tokens=[5, 2, 2, 5, 1, 4])
+    assert [(n, p.max_new_tokens, p.n, p.seed) for n, p in engine.calls] == [(3, 5, 2, 10)]  # one call, n kept
+    assert [(c.prompt_ids[0], len(c.token_ids), c.finish_reason) for c in comps] == [
+        (1, 5, "length"), (1, 2, "length"), (2, 2, "length"), (2, 5, "length"),
+        (9, 1, "length"),  # cut before its own stop
+        (9, 2, "stop"),  # stopped within its budget: as generated
+    ]
+    assert [c.logprobs for c in comps[:2]] == [[-1.0] * 5, [-2.0] * 2]
 
 
-def test_equal_budgets_are_one_plain_call():
-    engine = RecordingEngine()
-    params = SamplingParams(max_new_tokens=8, n=2)
-    comps = gather_and_generate(engine, [[1], [2]], params, ONE_RANK, max_new_tokens=[3] * 4)
-    assert [len(c.token_ids) for c in comps] == [3] * 4
-    assert [(n, p.max_new_tokens, p.n) for n, p in engine.calls] == [(2, 3, 2)]
+def test_cut_to_budget_keeps_a_completion_within_it():
+    c = Completion(prompt_ids=[1], token_ids=[4, 5, 6], logprobs=[-1.0, -2.0, -3.0], finish_reason="length")
+    assert cut_to_budget(c, 3) is c and cut_to_budget(c, 7) is c
+    cut = cut_to_budget(c, 2)
+    assert (cut.token_ids, cut.logprobs, cut.finish_reason) == ([4, 5], [-1.0, -2.0], "length")
 
 
 @pytest.mark.parametrize("budgets, match", [([1, 2, 3], "3 budgets for 4 sequences"), ([1, 2, 9, 1], r"in 1\.\.8"),
@@ -116,3 +125,26 @@ def test_native_engine_on_cpu_ends_each_sequence_at_its_budget():
     assert all(c.token_ids[-1] == eos and c.logprobs[-1] == 0.0 and c.finish_reason == "stop" for c in forced)
     assert all(torch.isfinite(torch.tensor(c.logprobs)).all() for c in forced)
     assert [c.prompt_ids for c in forced] == [[3, 17, 99, 5]] * 3 + [[11, 12]] * 3
+
+
+def test_tp_group_gathers_budgets_with_their_prompts(monkeypatch):
+    """Rank 1 of a TP group of 2 (all_gather_object stubbed with what rank 0 brings): one call for the
+    group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
+    import tidal.distributed.generate as gen
+
+    rank0 = {"prompts": [[1]], "budgets": [2, 3]}
+    rank1 = {"prompts": [[2], [3]], "budgets": [1, 1, 4, 2]}
+
+    def all_gather_object(out, obj, group=None):
+        other = rank0["prompts"] if obj is rank1["prompts"] else rank0["budgets"]
+        out[0], out[1] = other, obj
+
+    monkeypatch.setattr(gen.dist, "all_gather_object", all_gather_object)
+    tp2 = types.SimpleNamespace(tp_size=2, tp_rank=1, tp_group=None)
+    engine = RecordingEngine()
+    params = SamplingParams(max_new_tokens=6, n=2)
+    comps = gather_and_generate(engine, rank1["prompts"], params, tp2, max_new_tokens=rank1["budgets"])
+    assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 4)]
+    assert [(c.prompt_ids[0], len(c.token_ids)) for c in comps] == [(2, 1), (2, 1), (3, 4), (3, 2)]
+    rank0["budgets"] = None  # rank 0 brings no budgets: its sequences get max_new_tokens
+    assert gen._gather_budgets(rank1["budgets"], [[[1]], [[2], [3]]], params, tp2) == [6, 6, 1, 1, 4, 2]

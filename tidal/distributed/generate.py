@@ -7,9 +7,12 @@ Prompts with images carry their pixel inputs in ``mm_inputs`` (one entry per pro
 text); they travel with their prompts and reach the engine only when some prompt has images.
 
 Per-sequence budgets (``max_new_tokens``, one per sequence) travel with their prompts too. The
-engine protocol's ``generate`` takes one :class:`SamplingParams` per call, so sequences are grouped
-by budget and each group is one ``generate`` call (n=1 per sequence: the prompt repeated, which the
-native engine's prefix cache prefills once); every TP rank makes the same calls in the same order.
+engine protocol's ``generate`` takes one :class:`SamplingParams` per call, so the call asks for the
+largest budget of the TP group and each completion is cut at its own budget afterwards (a sample
+of the same distribution as with its own ``max_new_tokens``: no token before the cut depends on the
+ones after it).
+The engine then decodes every sequence up to the longest budget, as a plain rollout at that
+``max_new_tokens`` would; an engine with per-request budgets saves those steps.
 """
 
 from __future__ import annotations
@@ -70,27 +73,16 @@ def _gather_budgets(budgets: list[int] | None, gathered: list, params: SamplingP
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
               budgets: list[int] | None = None) -> list[Completion]:
-    if budgets is not None and len(set(budgets)) > 1:
-        return _generate_grouped(engine, prompts, params, mm_inputs, budgets)
     if budgets is not None:
-        params = dataclasses.replace(params, max_new_tokens=budgets[0])
+        longest = dataclasses.replace(params, max_new_tokens=max(budgets))
+        return [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
     if mm_inputs is not None and any(m is not None for m in mm_inputs):
         return engine.generate(prompts, params, mm_inputs=mm_inputs)
     return engine.generate(prompts, params)  # text: the plain protocol call every engine has
 
 
-def _generate_grouped(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
-                      budgets: list[int]) -> list[Completion]:
-    """One ``generate`` call per distinct budget (largest first), n=1 per sequence; the completions
-    go back to their sequences' places. Group g samples with seed ``params.seed + g`` (when seeded),
-    so groups of the same prompt do not repeat each other's draws."""
-    out: list[Completion | None] = [None] * len(budgets)
-    for g, budget in enumerate(sorted(set(budgets), reverse=True)):
-        idx = [i for i, b in enumerate(budgets) if b == budget]
-        seed = None if params.seed is None else params.seed + g
-        sub = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed)
-        sub_mm = [mm_inputs[i // params.n] for i in idx] if mm_inputs is not None else None
-        comps = _generate(engine, [prompts[i // params.n] for i in idx], sub, sub_mm)
-        for i, c in zip(idx, comps):
-            out[i] = c
-    return out
+def cut_to_budget(c: Completion, budget: int) -> Completion:
+    """``c`` as generated with ``max_new_tokens=budget``: its first ``budget`` tokens, ``length``."""
+    if len(c.token_ids) <= budget:
+        return c
+    return dataclasses.replace(c, token_ids=c.token_ids[:budget], logprobs=c.logprobs[:budget], finish_reason="length")
