@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import sys
 
+from bench.grpo.procs import run_worker
+from bench.grpo.setup_worker import worker_setup
+from bench.grpo.tidal_runner import worker_tidal
+from bench.grpo.trl_runner import worker_trl
+
+WORKERS = {"setup": worker_setup, "tidal": worker_tidal, "trl": worker_trl}  # what `worker NAME SPEC` runs
+
 
 def main(argv: list[str]) -> int:
     usage = "usage: python -m bench.grpo {e2e,matrix} [--help | options]"
@@ -12,9 +19,7 @@ def main(argv: list[str]) -> int:
         print(usage, file=sys.stderr)
         return 2
     if argv[0] == "worker":
-        from bench.grpo.procs import run_worker
-
-        return run_worker(*argv[1:3])
+        return run_worker(WORKERS[argv[1]], argv[2])
     if argv[0] == "e2e":
         from bench.grpo.e2e import main as run
     else:

@@ -3,21 +3,13 @@ hang ends only it), with a time limit, writing JSON records that the parent read
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
+from typing import Callable
 
 from bench.grpo.record import REPO
-
-# worker name -> "module:function", imported in the worker process only
-WORKERS = {
-    "setup": "bench.grpo.setup_worker:worker_setup",
-    "tidal": "bench.grpo.tidal_runner:worker_tidal",
-    "trl": "bench.grpo.trl_runner:worker_trl",
-}
-
 
 class Sink:
     """Append-only JSON-lines file, flushed per record (a killed worker leaves every finished record)."""
@@ -92,14 +84,13 @@ class Spawner:
                     f.write(json.dumps({"run_id": self.run_id, **rec}, default=str) + "\n")
 
 
-def run_worker(name: str, spec_path: str) -> int:
-    """Entry of a worker subprocess: read its spec, write records to the spec's result file; an
-    exception becomes an ``error`` record (the parent reports it)."""
+def run_worker(fn: Callable[[dict, Sink], None], spec_path: str) -> int:
+    """Entry of a worker subprocess: read its spec, run ``fn(spec, sink)`` with a sink on the spec's
+    result file; an exception becomes an ``error`` record (the parent reports it)."""
     spec = json.load(open(spec_path))
     sink = Sink(spec["result_file"])
     try:
-        module, _, fn = WORKERS[name].partition(":")
-        getattr(importlib.import_module(module), fn)(spec, sink)
+        fn(spec, sink)
     except BaseException as e:
         import traceback
 

@@ -184,7 +184,8 @@ def test_engine_host_ms_per_engine_step():
              {"engine": {"decode_steps": 3, "prefill_steps": 1, "schedule_s": 0.004, "submit_s": 0.0, "wait_s": 0.0}}]
     # per engine step: schedule 0.2, 0.4, 1.0 ms; submit 0.3, 0.2, 0 ms; host 0.5, 0.6, 1.0 ms; wait 1.0, 2.0, 0.0 ms
     assert tidal_runner.engine_host_ms(steps) == {"schedule": pytest.approx(0.4), "submit": pytest.approx(0.2),
-                                                  "host": pytest.approx(0.6), "wait": pytest.approx(1.0), "engine_steps": 5}
+                                                  "host": pytest.approx(0.6), "wait": pytest.approx(1.0), "engine_steps": 5,
+                                                  "decode_steps": 4}
     assert tidal_runner.engine_host_ms([{"engine": {}}, {}]) is None  # an engine without host timers
 
 
