@@ -16,7 +16,9 @@ Layout (each module owns one thing):
 - :mod:`.profile`: one profiled Tidal iteration, per phase.
 - :mod:`.tidal_runner`, :mod:`.trl_runner`: one runner per framework (a worker subprocess each) and
   the summaries of their records.
-- :mod:`.procs`: worker subprocesses with time limits, their record files.
+- :mod:`.procs`: worker subprocesses with time limits, their record files; :mod:`.setup_worker`:
+  the environment, model folders, prompts and ceilings; :mod:`.session`: the parent's run (deadline,
+  setup, one worker per case and framework, a case's bounds).
 - :mod:`.record`: printed figures and record files, stamped with run id, commit, device, settings.
 - :mod:`.e2e` (Tidal against TRL on one shape) and :mod:`.matrix` (the shape matrix): the entry
   points, ``python -m bench.grpo e2e ...`` and ``python -m bench.grpo matrix ...``.

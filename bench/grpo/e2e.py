@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench.grpo.profile import ITERATION_RANGE, PROFILE_EXTRA_S, TRACE_MAX_MB
+from bench.grpo.profile import PROFILE_EXTRA_S, TRACE_MAX_MB, profile_figure
 from bench.grpo.record import REPO, gib, git_commit
 from bench.grpo.session import Session, median_bounds, median_or_none
 from bench.grpo.settings import RunSettings
@@ -164,32 +164,7 @@ class E2E:
                       returned_bytes={c["name"]: c["returned"] for c in sm["timeline_calls"] if c["returned"] is not None})
 
     def report_profile(self, base: dict, sm: dict) -> None:
-        """The "profile" figure: per phase of the profiled iteration its wall time (and the unprofiled
-        median), device-kernel time, idle fraction, launches, host syncs and top kernel; the full
-        tables are in the profile folder."""
-        prof = sm["profile"]
-        if prof.get("error"):
-            self.emit("profile", **base, dir=prof.get("dir") or self.args.profile, error=prof["error"])
-            return
-        phases = {}
-        for name, ph in prof["phases"].items():
-            top = (ph.get("top_kernels") or ph.get("top_cpu_ops") or [None])[0]
-            phases[name] = {
-                "wall_s": ph["wall_s"], "timer_s": ph.get("timer_s"),
-                "unprofiled_median_s": median_or_none(sm["steady_s"]) if name == ITERATION_RANGE else sm["phases"].get(name),
-                "outside_ops_s": ph.get("range_self_cpu_s"),
-                **{k: ph.get(k) for k in ("device_kernel_s", "device_idle_frac", "kernel_launches", "graph_launches",
-                                          "host_syncs", "memcpy_dtoh") if k in ph},
-                "top": [top[0][:80], top[1], top[2]] if top else None,
-            }
-        trace = prof.get("trace") or {"kept": False, "reason": "not written (worker stopped first)"}
-        files = list(prof.get("files", [])) + (["trace.json.gz"] if trace.get("kept") else [])
-        self.emit("profile", **base, dir=prof["dir"], step=prof.get("step"), files=files,
-                  trace_mib=(trace["bytes"] / 2**20) if trace.get("bytes") else None,
-                  trace_note=None if trace.get("kept") else trace.get("reason"),
-                  events=prof.get("events"), device_events=prof.get("device_events"),
-                  kernels_matched_by=prof.get("kernels_matched_by"), warning=prof.get("warning"),
-                  postprocess_s=prof.get("postprocess_s"), phases=phases)
+        self.emit("profile", **base, **profile_figure(sm, self.args.profile))
 
     def report_ratio(self, case: Case) -> None:
         tidal = self.results.get(Case(framework="tidal", size=case.size, kl=case.kl))

@@ -26,7 +26,7 @@ import time
 
 from bench.grpo.bounds import train_mfu
 from bench.grpo.e2e import TRL_MISSING, add_common_args, resolve_device, trl_available
-from bench.grpo.profile import PROFILE_EXTRA_S
+from bench.grpo.profile import PROFILE_EXTRA_S, profile_figure
 from bench.grpo.record import REPO, gib, git_commit
 from bench.grpo.session import Session, median_bounds, median_or_none
 from bench.grpo.settings import RunSettings
@@ -111,6 +111,9 @@ class Matrix:
         if tidal.get("error") or not tidal["steady_s"]:
             s.emit("error", record=False, framework="tidal", case=w.name, rc=tidal["rc"], log_tail=tail,
                    message=tidal.get("error") or "no steady iteration finished")
+        if profiled:
+            tidal["profile"] = tidal.get("profile") or {"error": "the worker left no profile record (see its error line)"}
+            s.emit("profile", record=False, case=w.name, **profile_figure(tidal, self.args.profile))
         if with_trl and s.remaining() >= need:
             trl, tail = s.run_case("trl", w, budget_s=min(s.remaining(), timeout), tag=f"trl-{w.name}", tidal_set=[])
             if trl.get("error") or not trl["steady_s"]:

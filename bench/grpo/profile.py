@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 from bench.grpo.procs import Sink
@@ -285,3 +286,32 @@ def _avg_table(avg, sort_by: str, top: int, cuda: bool) -> str:
     for e in rows:
         lines.append("  ".join([f"{e.key[:100]:<100}"] + [f"{f(e):>12}" for _, f in cols]))
     return "\n".join(lines)
+
+
+def profile_figure(sm: dict, default_dir: str | None) -> dict:
+    """The fields of the ``profile`` figure from a Tidal summary ``sm``: per phase of the profiled
+    iteration its wall time (and the unprofiled median), device-kernel time, idle fraction,
+    launches, host syncs and top kernel; the files written (the full tables are in the folder)."""
+    prof = sm["profile"]
+    if prof.get("error"):
+        return {"dir": prof.get("dir") or default_dir, "error": prof["error"]}
+    phases = {}
+    for name, ph in prof["phases"].items():
+        top = (ph.get("top_kernels") or ph.get("top_cpu_ops") or [None])[0]
+        phases[name] = {
+            "wall_s": ph["wall_s"], "timer_s": ph.get("timer_s"),
+            "unprofiled_median_s": (statistics.median(sm["steady_s"]) if sm["steady_s"] else None)
+            if name == ITERATION_RANGE else sm["phases"].get(name),
+            "outside_ops_s": ph.get("range_self_cpu_s"),
+            **{k: ph.get(k) for k in ("device_kernel_s", "device_idle_frac", "kernel_launches", "graph_launches",
+                                      "host_syncs", "memcpy_dtoh") if k in ph},
+            "top": [top[0][:80], top[1], top[2]] if top else None,
+        }
+    trace = prof.get("trace") or {"kept": False, "reason": "not written (worker stopped first)"}
+    files = list(prof.get("files", [])) + (["trace.json.gz"] if trace.get("kept") else [])
+    return {"dir": prof["dir"], "step": prof.get("step"), "files": files,
+            "trace_mib": (trace["bytes"] / 2**20) if trace.get("bytes") else None,
+            "trace_note": None if trace.get("kept") else trace.get("reason"),
+            "events": prof.get("events"), "device_events": prof.get("device_events"),
+            "kernels_matched_by": prof.get("kernels_matched_by"), "warning": prof.get("warning"),
+            "postprocess_s": prof.get("postprocess_s"), "phases": phases}
