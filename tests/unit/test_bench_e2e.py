@@ -255,7 +255,7 @@ def test_write_prompts_exact_length(tmp_path):
 
 
 def _run(args, tmp_path, timeout):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, SCRIPT, *args, "--work-dir", str(tmp_path / "w")], capture_output=True,
                          text=True, timeout=timeout, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -315,6 +315,21 @@ def test_tiny_tidal_run_on_cpu(tmp_path):
     assert summary["trace"]["kept"] is True
     text = (prof_dir / "phases.txt").read_text()
     assert "==== train:" in text and "top 25 by self CPU time" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed here (bench/prepare_wheels.sh)")
+def test_tiny_natural_lengths_are_the_same_in_both_frameworks(tmp_path):
+    """Both frameworks on CPU with natural lengths: every rollout has the drawn lengths, EOS-terminated."""
+    figs = _run(["--tiny", "--kl", "off", "--lengths", "natural", "--out-dir", str(tmp_path / "o")], tmp_path, 600)
+    its = {f["framework"]: f for f in figs if f["figure"] == "iteration"}
+    assert its["tidal"]["checks_ok"] and its["trl"]["checks_ok"], its
+    assert its["tidal"]["checks"]["finish_stop"] and its["trl"]["checks"]["clipped_ratio"]
+    raw = [json.loads(x) for x in (tmp_path / "o" / "raw.jsonl").read_text().splitlines()]
+    tidal = [r["rollout"]["lengths"] for r in raw if r["case"].startswith("tidal") and r["kind"] == "step"]
+    trl = [g["lengths"] for r in raw if r["case"].startswith("trl") and r["kind"] == "step" for g in r["generate"]]
+    n = min(len(tidal), len(trl))
+    assert n >= 2 and tidal[:n] == trl[:n]
 
 
 def _synthetic(n, steady, phases, peak_gib, lengths):

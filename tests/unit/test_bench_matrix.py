@@ -102,7 +102,7 @@ def test_case_line_from_synthetic_summaries():
 
 
 def _matrix(args, tmp_path, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "bench.grpo", "matrix", *args], capture_output=True, text=True,
                          timeout=timeout, env=env, cwd=ROOT)
     return out
