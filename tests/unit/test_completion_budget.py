@@ -132,19 +132,21 @@ def test_tp_group_gathers_budgets_with_their_prompts(monkeypatch):
     group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
     import tidal.distributed.generate as gen
 
-    rank0 = {"prompts": [[1]], "budgets": [2, 3]}
-    rank1 = {"prompts": [[2], [3]], "budgets": [1, 1, 4, 2]}
+    rank0 = ([[1]], [2, 3])
 
     def all_gather_object(out, obj, group=None):
-        other = rank0["prompts"] if obj is rank1["prompts"] else rank0["budgets"]
-        out[0], out[1] = other, obj
+        out[0], out[1] = rank0, obj
 
     monkeypatch.setattr(gen.dist, "all_gather_object", all_gather_object)
     tp2 = types.SimpleNamespace(tp_size=2, tp_rank=1, tp_group=None)
     engine = RecordingEngine()
     params = SamplingParams(max_new_tokens=6, n=2)
-    comps = gather_and_generate(engine, rank1["prompts"], params, tp2, max_new_tokens=rank1["budgets"])
+    comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 4)]
     assert [(c.prompt_ids[0], len(c.token_ids)) for c in comps] == [(2, 1), (2, 1), (3, 4), (3, 2)]
-    rank0["budgets"] = None  # rank 0 brings no budgets: its sequences get max_new_tokens
-    assert gen._gather_budgets(rank1["budgets"], [[[1]], [[2], [3]]], params, tp2) == [6, 6, 1, 1, 4, 2]
+    assert gen._group_budgets([None, [1, 1, 4, 2]], [[[1]], [[2], [3]]], params) == [6, 6, 1, 1, 4, 2]
+    assert gen._group_budgets([None, None], [[[1]], [[2], [3]]], params) is None
+    rank0 = ([[1]], None)  # no rank 0 budgets: one call at max_new_tokens; rank 1's sequences are still cut
+    engine = RecordingEngine()
+    comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
+    assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 6)] and [len(c.token_ids) for c in comps] == [1, 1, 4, 2]

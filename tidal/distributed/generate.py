@@ -37,15 +37,16 @@ def gather_and_generate(
         check_budgets(max_new_tokens, len(prompts) * params.n, params.max_new_tokens)
     if runtime.tp_size == 1:
         return _generate(engine, prompts, params, mm_inputs, max_new_tokens)
-    gathered: list[list[list[int]] | None] = [None] * runtime.tp_size
-    dist.all_gather_object(gathered, prompts, group=runtime.tp_group)
+    parts: list[tuple | None] = [None] * runtime.tp_size  # each rank's (prompts, budgets)
+    dist.all_gather_object(parts, (prompts, max_new_tokens), group=runtime.tp_group)
+    gathered = [part[0] for part in parts]
     all_prompts = [p for part in gathered for p in part]
     all_mm = None
     if mm_inputs is not None and any(m is not None for m in mm_inputs):
         mm_parts: list[list | None] = [None] * runtime.tp_size
         dist.all_gather_object(mm_parts, mm_inputs, group=runtime.tp_group)
         all_mm = [m for part, prompts_part in zip(mm_parts, gathered) for m in (part or [None] * len(prompts_part))]
-    all_budgets = _gather_budgets(max_new_tokens, gathered, params, runtime)
+    all_budgets = _group_budgets([part[1] for part in parts], gathered, params)
     outputs = _generate(engine, all_prompts, params, all_mm, all_budgets)
     start = sum(len(part) for part in gathered[: runtime.tp_rank]) * params.n
     return outputs[start : start + len(prompts) * params.n]
@@ -60,15 +61,12 @@ def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
         raise ValueError(f"max_new_tokens: budgets must be in 1..{limit} (params.max_new_tokens), got {bad[:5]}")
 
 
-def _gather_budgets(budgets: list[int] | None, gathered: list, params: SamplingParams, runtime: Runtime) -> list[int] | None:
-    """The TP group's budgets in the gathered prompts' order (None when no rank has any: every rank
-    of a group must agree, since a budgeted call is several engine calls)."""
-    parts: list[list[int] | None] = [None] * runtime.tp_size
-    dist.all_gather_object(parts, budgets, group=runtime.tp_group)
-    if all(p is None for p in parts):
+def _group_budgets(budgets: list[list[int] | None], prompts: list[list[list[int]]], params: SamplingParams) -> list[int] | None:
+    """The TP group's budgets in the gathered prompts' order: None when no rank has any, else each
+    rank's own (``params.max_new_tokens`` for a rank without)."""
+    if all(b is None for b in budgets):
         return None
-    return [b for part, prompts_part in zip(parts, gathered)
-            for b in (part if part is not None else [params.max_new_tokens] * (len(prompts_part) * params.n))]
+    return [x for b, p in zip(budgets, prompts) for x in (b if b is not None else [params.max_new_tokens] * (len(p) * params.n))]
 
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
