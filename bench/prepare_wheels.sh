@@ -19,7 +19,8 @@ python="${PYTHON:-python3}"
 dest=.whl
 wheels=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
 
-exclude="$(git rev-parse --git-dir)/info/exclude"
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
 mkdir -p "$dest"
 rm -f "$dest"/trl-* "$dest"/datasets-* "$dest"/dill-* "$dest"/multiprocess-*  # one version of each

@@ -26,7 +26,8 @@ class PhaseObserver:
         ``wake_up/engine:after`` around each placement move the phase owner makes
         (:class:`tidal.trainer.colocation.Colocation`: ``<action>/<role>``), with ``info`` (e.g.
         bytes moved) on the ``:after`` mark; ``generate:done`` after each generation, with ``info``
-        ``{"prompts": n, "completion_lengths": [...]}`` (this rank's).
+        ``{"prompts": n, "completion_lengths": [...], "finish_reasons": [...]}`` (this rank's
+        sequences, prompt-major; a reason is ``stop`` or ``length``).
     """
 
     def phase_begin(self, name: str) -> None:

@@ -30,6 +30,7 @@ from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.base import RewardError
 from tidal.rewards.types import RewardSample
+from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig
 from tidal.trainer.experience import Experience, token_budget_batches
@@ -64,7 +65,12 @@ class ExperienceMaker:
     ``rollout``, ``train`` and ``model`` are the run's config sections it reads
     (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
     ``model.logprob_chunk_tokens``). Whether the actor's old-logprob pass runs is the algorithm's
-    decision (:meth:`Algorithm.reuses_policy_logprobs`)."""
+    decision (:meth:`Algorithm.reuses_policy_logprobs`).
+
+    ``completion_budget`` (public, None by default): a :class:`~tidal.trainer.budget.CompletionBudget`
+    that gives each sequence of a training rollout (:meth:`generate`) its own ``max_new_tokens``, and
+    optionally forces its end token there; evaluation is not budgeted. Set it after building the
+    trainer: ``trainer.maker.completion_budget = CompletionBudget(lengths=..., end_token_id=...)``."""
 
     def __init__(self, *, models: Models, phases: Colocation, rewards: RewardEngine, algorithm: Algorithm,
                  rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, timer: PhaseTimer):
@@ -77,26 +83,34 @@ class ExperienceMaker:
         self.model_cfg = model
         self.timer = timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
+        self.completion_budget: CompletionBudget | None = None
 
     @property
     def runtime(self) -> Runtime:
         return self.phases.runtime
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
-    def completions(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams) -> list[Completion]:
+    def completions(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams,
+                    budget: CompletionBudget | None = None) -> list[Completion]:
         """This rank's completions of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
-        which the caller holds in the rollout phase (``with phases.rollout() as engine``)."""
+        which the caller holds in the rollout phase (``with phases.rollout() as engine``), each
+        sequence within its ``budget`` when one is given. Observers get ``generate:done``."""
+        budgets = budget.budgets(items, params) if budget is not None else None
         with self.timer.phase("generate"):
             comps = gather_and_generate(
-                engine, [it.prompt_ids for it in items], params, self.runtime, mm_inputs=[it.mm_inputs for it in items]
+                engine, [it.prompt_ids for it in items], params, self.runtime, mm_inputs=[it.mm_inputs for it in items],
+                max_new_tokens=budgets,
             )
-        self.timer.event("generate:done", {"prompts": len(items), "completion_lengths": [len(c.token_ids) for c in comps]})
+        if budget is not None:
+            comps = budget.finish(comps, budgets)
+        self.timer.event("generate:done", {"prompts": len(items), "completion_lengths": [len(c.token_ids) for c in comps],
+                                           "finish_reasons": [c.finish_reason for c in comps]})
         return comps
 
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
         """Generate ``params.n`` completions per item; the group id of item i is ``first_group_id + i``."""
         with self.phases.rollout() as engine:
-            completions = self.completions(engine, items, params)
+            completions = self.completions(engine, items, params, self.completion_budget)
         group_ids = [first_group_id + i for i in range(len(items)) for _ in range(params.n)]
         return Rollout(items=items, completions=completions, group_ids=group_ids)
 

@@ -1,0 +1,67 @@
+"""Model shapes: the real Qwen2.5 configs (random weights) and a tiny one for CPU runs, with the
+counts the bounds need. A shape is the keyword set of ``transformers.Qwen2Config``."""
+
+from __future__ import annotations
+
+_QWEN25 = dict(rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)
+
+SHAPES: dict[str, dict] = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, **_QWEN25),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, **_QWEN25),
+    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True, **_QWEN25),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, **_QWEN25),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1024, tie_word_embeddings=True, rope_theta=10000.0,
+                 max_position_embeddings=4096, rms_norm_eps=1e-6),
+}
+SIZE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
+
+
+def head_dim(shape: dict) -> int:
+    return shape["hidden_size"] // shape["num_attention_heads"]
+
+
+def attention_dim(shape: dict) -> int:
+    """Query width (heads x head_dim): the inner dimension of QK^T and AV."""
+    return shape["num_attention_heads"] * head_dim(shape)
+
+
+def layer_matmul_params(shape: dict) -> int:
+    """Weights of one decoder layer's matmuls (q, k, v, o, gate, up, down; no biases or norms)."""
+    h, q = shape["hidden_size"], attention_dim(shape)
+    kv = shape["num_key_value_heads"] * head_dim(shape)
+    return h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate_size"]
+
+
+def body_matmul_params(shape: dict) -> int:
+    """Matmul weights that every token goes through (all decoder layers)."""
+    return shape["num_hidden_layers"] * layer_matmul_params(shape)
+
+
+def head_params(shape: dict) -> int:
+    """The LM head's weights (V x H); with tied embeddings these are the embedding's."""
+    return shape["vocab_size"] * shape["hidden_size"]
+
+
+def matmul_params(shape: dict) -> int:
+    """Weights in matmuls: the layers plus the LM head (the input embedding is a lookup)."""
+    return body_matmul_params(shape) + head_params(shape)
+
+
+def param_count(shape: dict) -> int:
+    """All parameters of a Qwen2 model (q/k/v biases, no o bias, 2 norms per layer, final norm; the
+    embedding once when tied, twice when not)."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * head_dim(shape)
+    per_layer = layer_matmul_params(shape) + attention_dim(shape) + 2 * kv + 2 * h
+    embeddings = head_params(shape) * (1 if shape.get("tie_word_embeddings", True) else 2)
+    return layers * per_layer + embeddings + h
+
+
+def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token."""
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim(shape) * dtype_bytes

@@ -1,0 +1,128 @@
+"""What one benchmark case generates and trains, the workload matrix, and the ``natural`` lengths.
+
+A :class:`Workload` is a model size, a rollout (``prompts`` x ``samples`` sequences of
+``prompt_len`` prompt tokens) and how long the completions are:
+
+- ``forced``: every completion is exactly ``max_new_tokens`` tokens (EOS ignored).
+- ``natural``: completion j of rollout k is :func:`natural_lengths` ``(...)[j]`` tokens long, its
+  last token EOS (``finish_reason: stop``), drawn from a seeded lognormal whose median is a quarter
+  of ``max_new_tokens`` and of which about 3% reach the maximum (they end with EOS there too). Every
+  framework reproduces the same draws: rollout k of Tidal and rollout k of TRL have the same lengths.
+
+The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
+(``samples`` per prompt), 256 to 4096 new tokens and both length modes; ``--cases`` picks cases by
+name (:func:`select`), e.g. ``0.5b-512x1024-*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import statistics
+from typing import Literal
+
+import numpy as np
+
+from bench.grpo.shapes import SHAPES, SIZE_ORDER
+
+LengthMode = Literal["forced", "natural"]
+LENGTH_MODES: tuple[str, ...] = ("forced", "natural")
+MEDIAN_FRACTION = 0.25  # natural: median length / max_new_tokens
+TRUNCATED_FRACTION = 0.03  # natural: share of draws at or beyond max_new_tokens (cut to it)
+# lognormal sigma with P(X >= max) = TRUNCATED_FRACTION when the median is MEDIAN_FRACTION * max
+SIGMA = math.log(1 / MEDIAN_FRACTION) / statistics.NormalDist().inv_cdf(1 - TRUNCATED_FRACTION)
+
+MATRIX_SEQS = (128, 512, 2048)
+MATRIX_NEW_TOKENS = (256, 1024, 4096)
+MATRIX_SAMPLES = 8
+MATRIX_PROMPT_LEN = 256
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Workload:
+    """One case's rollout and update. ``size``: a key of :data:`~bench.grpo.shapes.SHAPES`;
+    ``prompts`` x ``samples`` sequences (GRPO groups of ``samples``), each prompt exactly
+    ``prompt_len`` tokens; completions of at most ``max_new_tokens`` in ``lengths`` mode; ``kl``: a
+    reference model and a KL loss (coefficient 0.04, k3) in both frameworks. ``partial_rollout`` is
+    recorded as False: partial rollout (issue 20) is not a benchmark setting yet."""
+
+    size: str
+    prompts: int
+    samples: int
+    prompt_len: int
+    max_new_tokens: int
+    lengths: LengthMode = "forced"
+    kl: bool = False
+
+    def __post_init__(self):
+        if self.size not in SHAPES:
+            raise ValueError(f"size: unknown {self.size!r}; known: {sorted(SHAPES)}")
+        for name in ("prompts", "prompt_len", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples < 2:
+            raise ValueError(f"samples must be >= 2 (GRPO groups), got {self.samples}")
+        if self.lengths not in LENGTH_MODES:
+            raise ValueError(f"lengths must be one of {LENGTH_MODES}, got {self.lengths!r}")
+        if self.prompt_len + self.max_new_tokens > SHAPES[self.size]["max_position_embeddings"]:
+            raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
+                             f"{self.size} model's max_position_embeddings")
+
+    @property
+    def seqs(self) -> int:
+        return self.prompts * self.samples
+
+    @property
+    def partial_rollout(self) -> bool:
+        return False
+
+    @property
+    def name(self) -> str:
+        return f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}" + ("-kl" if self.kl else "")
+
+    def completion_lengths(self, rollout: int, seed: int) -> list[int]:
+        """The completion lengths of rollout ``rollout`` (0-based), prompt-major."""
+        if self.lengths == "forced":
+            return [self.max_new_tokens] * self.seqs
+        return natural_lengths(self.seqs, self.max_new_tokens, seed=seed, rollout=rollout)
+
+
+def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> list[int]:
+    """``n`` lengths in ``1..max_new_tokens``: ceil of a lognormal draw with median
+    ``MEDIAN_FRACTION * max_new_tokens`` and sigma :data:`SIGMA` (so about ``TRUNCATED_FRACTION`` of
+    them reach the maximum), from a generator seeded with ``(seed, rollout)`` only."""
+    rng = np.random.default_rng([seed, rollout])
+    x = rng.lognormal(mean=math.log(MEDIAN_FRACTION * max_new_tokens), sigma=SIGMA, size=n)
+    return np.clip(np.ceil(x), 1, max_new_tokens).astype(int).tolist()
+
+
+def matrix(sizes: list[str] | None = None, *, samples: int = MATRIX_SAMPLES, prompt_len: int = MATRIX_PROMPT_LEN,
+           seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS) -> list[Workload]:
+    """Every (size, sequences, new tokens, length mode) case, cheapest first within each size."""
+    out = []
+    for size in sizes or SIZE_ORDER:
+        for s in seqs:
+            for r in new_tokens:
+                for mode in LENGTH_MODES:
+                    out.append(Workload(size=size, prompts=s // samples, samples=samples, prompt_len=prompt_len,
+                                        max_new_tokens=r, lengths=mode))
+    return sorted(out, key=lambda w: (SIZE_ORDER.index(w.size) if w.size in SIZE_ORDER else -1,
+                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.lengths))
+
+
+def tiny_matrix() -> list[Workload]:
+    """The CPU matrix: the tiny model, 2 prompts x 2 samples, 8 prompt tokens, 8 or 16 new tokens."""
+    return matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16))
+
+
+def select(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
+    """The workloads whose name matches one of the shell-style ``patterns`` (all when none), in
+    matrix order. A pattern that matches nothing is an error naming the known cases."""
+    if not patterns:
+        return list(workloads)
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(w.name, p) for w in workloads):
+            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-MODE, e.g. "
+                             f"{workloads[0].name}; known: {', '.join(w.name for w in workloads)}")
+    return [w for w in workloads if any(fnmatch.fnmatchcase(w.name, p) for p in patterns)]
