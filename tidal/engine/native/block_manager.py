@@ -126,6 +126,8 @@ class FreeQueue:
 
     def pop(self, k: int) -> np.ndarray:
         """The ``k`` least recently freed blocks (``k <= len(self)``)."""
+        if k <= 8:  # a new sequence's few blocks: cheaper entry by entry than as array ops
+            return self._pop_few(k)
         out, window = [], max(2 * k, 64)
         while k:
             lo, hi = self._head, min(self._tail, self._head + window)
@@ -140,6 +142,21 @@ class FreeQueue:
         self.is_free[taken] = False
         self.count -= len(taken)
         return taken
+
+    def _pop_few(self, k: int) -> np.ndarray:
+        out = np.empty(k, dtype=np.int32)
+        head, got = self._head, 0
+        bid_q, stamp_q, is_free, stamp = self._bid, self._bstamp, self.is_free, self.stamp
+        while got < k:
+            bid = bid_q[head]
+            if is_free[bid] and stamp[bid] == stamp_q[head]:
+                out[got] = bid
+                is_free[bid] = False
+                got += 1
+            head += 1
+        self._head = head
+        self.count -= k
+        return out
 
     def _compact(self, extra: int) -> None:
         lo, hi = self._head, self._tail
