@@ -287,7 +287,7 @@ class NativeEngine:
         self._sampling = sampling
         for r, m, max_len in zip(requests, mm, lengths):
             stop = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else frozenset(self.eos_token_ids))
-            seq = Sequence(next(self._seq_ids), r.request_id, r.group_id, r.prompt_ids,
+            seq = Sequence(next(self._seq_ids), r.request_id, r.group_id, list(r.prompt_ids),
                            stop_set=self.scheduler.stop_set(stop), mm=m, old_logprobs=list(r.logprobs),
                            old_versions=list(r.versions), version=self._policy_version)
             slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
@@ -320,8 +320,10 @@ class NativeEngine:
         t0 = time.perf_counter()
         if self._pending is None:
             batch = sched.schedule()
+            stats["schedule_s"] += time.perf_counter() - t0
             handle = runner.launch(batch, self.table, self._sampling)
             self._count(batch)
+            t0 = time.perf_counter()
         else:
             batch, handle = self._pending
         ahead = sched.schedule_ahead(batch) if self.cfg.overlap_scheduling else None

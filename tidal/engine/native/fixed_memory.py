@@ -117,8 +117,9 @@ class FixedAddressRegions:
     reserved at ``region_bytes`` (rounded up to the driver's granularity) and backed on demand.
 
     :meth:`map` backs the first ``nbytes`` of every region with new physical memory (one allocation
-    per region, rounded up to the granularity) and returns one uint8 tensor over each (contents
-    undefined); ``nbytes`` may differ from one map to the next, the regions' addresses do not.
+    per region, rounded up to the granularity; PyTorch's allocator cache is emptied first when the
+    driver has too little free) and returns one uint8 tensor over each (contents undefined);
+    ``nbytes`` may differ from one map to the next, the regions' addresses do not.
     :meth:`unmap` gives the physical memory back to the driver. Between the two no tensor over a
     region may be used (the caller drops them; unmap synchronizes the device first). :meth:`map`
     raises :class:`torch.OutOfMemoryError` when the driver has no memory to map. The tensors keep
@@ -157,6 +158,8 @@ class FixedAddressRegions:
         size = self.round_up(nbytes)
         if size > self.region_bytes:
             raise ValueError(f"cannot map {size} bytes per region: each region holds {self.region_bytes}")
+        if self.num_regions * size > torch.cuda.mem_get_info(self.device)[0]:
+            torch.cuda.empty_cache()  # the memory sits in PyTorch's allocator cache: hand it back to the driver
         drv = _driver()
         access = _AccessDesc(location=_Location(_LOCATION_TYPE_DEVICE, self.device.index), flags=_ACCESS_PROT_READWRITE)
         self.mapped_bytes = size

@@ -105,11 +105,7 @@ class ModelRunner:
         assert not self.kv_layers
         shape = (num_blocks + 1, *self.kv_shape_tail)
         if fixed_memory.supported(self.device):
-            regions = self._regions()
-            nbytes = (num_blocks + 1) * self._half_block_bytes()
-            if regions.num_regions * regions.round_up(nbytes) > torch.cuda.mem_get_info(self.device)[0]:
-                torch.cuda.empty_cache()  # the memory is in the allocator's cache (counted as available): hand it back
-            raws = regions.map(nbytes)
+            raws = self._regions().map((num_blocks + 1) * self._half_block_bytes())
             self.kv_layers = [raw.view(self.kv_dtype).view(shape).zero_() for raw in raws]
         else:
             whole = torch.zeros((2 * self.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
