@@ -188,6 +188,19 @@ def test_chunked_prefill_over_the_token_budget():
     assert second.sampling.tolist() == [True, True]
 
 
+def test_schedule_ahead_after_a_prefill_is_the_next_prefill():
+    table, sched = _sched(num_blocks=8, block_size=4, max_num_batched_tokens=5)
+    a, b = _add(table, sched, 0, list(range(7)), max_tokens=2), _add(table, sched, 1, [9, 9], max_tokens=2)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead(first)  # before first's tokens are known: a's last two tokens, then b
+    assert ahead.is_prefill and ahead.rows.tolist() == [a, b]
+    assert ahead.start.tolist() == [5, 0] and ahead.num_new.tolist() == [2, 2] and table.num_cached[a] == 7
+    assert sched.schedule_ahead(ahead) is None  # nothing waits: the decode needs the sampled tokens
+    sched.postprocess(first, np.zeros(0), np.zeros(0))
+    sched.postprocess(ahead, np.array([4, 5]), np.zeros(2))
+    assert _completion(table, a) == [4] and _completion(table, b) == [5]
+
+
 def test_scheduler_respects_max_num_seqs_and_rejects_oversized():
     table, sched = _sched(num_blocks=16, block_size=4, max_num_seqs=2)
     for i in range(3):

@@ -7,8 +7,8 @@ identical on all ranks (TP rank 0 samples and broadcasts).
 Requests: ``generate`` (the :class:`~tidal.engine.base.RolloutEngine` call) is built on the
 incremental API (:class:`~tidal.engine.base.IncrementalEngine`): ``add`` requests, ``step`` until
 none is unfinished, ``abort`` to get partial completions back. One step is
-``scheduler.schedule() -> runner.launch(batch) -> [schedule and launch the next decode step ahead]
--> runner.wait -> scheduler.postprocess``; the step scheduled ahead stays in flight across ``step``
+``scheduler.schedule() -> runner.launch(batch) -> [schedule and launch the next step ahead] ->
+runner.wait -> scheduler.postprocess``; the step scheduled ahead stays in flight across ``step``
 calls (``abort`` drops it: its sequences simply compute that token again).
 
 Memory: construction allocates only the (zero) weights; the KV cache is allocated by ``wake_up``

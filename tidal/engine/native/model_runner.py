@@ -147,8 +147,7 @@ class ModelRunner:
 
     def _prefill_inputs(self, batch: Batch, table: SequenceTable):
         bs = self.block_size
-        rows, num_new = batch.rows, batch.num_new
-        start = table.num_cached[rows]
+        rows, num_new, start = batch.rows, batch.num_new, batch.start
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
         T = int(cu[-1])

@@ -11,11 +11,12 @@ Policy (the nano-vllm shape):
   included) with the tokens they had generated.
 - Finished sequences (stop token, or their length limit) release their blocks at once, so waiting
   ones join the next step.
-- Overlap: while a decode step runs on the device, :meth:`schedule_ahead` may schedule the next one
-  before the sampled tokens are known (every running sequence decodes again, its input token fed
-  on the device). It only does so when that is what :meth:`schedule` would do anyway: nothing
-  waits, no block is short. A sequence that the pending step finishes with a stop token then has
-  a void row in the step ahead, whose token is dropped.
+- Overlap: while a step runs on the device, :meth:`schedule_ahead` may schedule the next one
+  before its sampled tokens are known. After a decode step: every running sequence decodes again,
+  its input token fed on the device, when that is what :meth:`schedule` would do anyway (nothing
+  waits, no block is short); a sequence that the pending step finishes with a stop token then has
+  a void row in the step ahead, whose token is dropped. After a prefill step: the next prefill
+  (more waiting sequences admitted, or the next chunk), which needs no sampled token.
 
 Everything per sequence is read from and written to the :class:`SequenceTable`'s arrays: a decode
 step of thousands of rows costs a few numpy operations (scheduling, stop checks, appending the
@@ -39,7 +40,7 @@ from tidal.engine.native.sequence import ABORT, LENGTH, STOP, SequenceTable, Sta
 class Batch:
     """One step over slots ``rows`` (``gens``: the slots' owners when scheduled).
 
-    Prefill: row i computes ``num_new[i]`` tokens from its ``num_cached``; ``sampling[i]``: it
+    Prefill: row i computes ``num_new[i]`` tokens from position ``start[i]``; ``sampling[i]``: it
     samples a token (the chunk that reaches its last token). Decode: every row computes one token and
     samples; ``src_rows`` (scheduled ahead): the row of the previous batch whose sample is each row's
     input token."""
@@ -49,6 +50,7 @@ class Batch:
     is_prefill: bool
     num_new: np.ndarray | None = None
     sampling: np.ndarray | None = None
+    start: np.ndarray | None = None
     src_rows: np.ndarray | None = None
 
     @property
@@ -113,20 +115,23 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Batch | None:
         t = self.table
-        rows, num_new, sampling = [], [], []
+        rows, num_new, sampling, start = [], [], [], []
         budget = self.max_num_batched_tokens
         running = self.num_running if self.max_num_seqs is not None else 0
         while self.waiting and budget > 0 and (self.max_num_seqs is None or running + len(rows) < self.max_num_seqs):
             s = self.waiting[0]
             if t.num_blocks[s] == 0 and not self._allocate(s):
                 break
-            todo = int(t.num_tokens[s] - t.num_cached[s])
+            cached = int(t.num_cached[s])
+            todo = int(t.num_tokens[s]) - cached
             n = min(todo, budget)
             budget -= n
-            self._register(s, int(t.num_cached[s]) + n)
+            self._register(s, cached + n)
+            t.num_cached[s] = cached + n  # computed by the step being scheduled (before any later one)
             rows.append(s)
             num_new.append(n)
             sampling.append(n == todo)
+            start.append(cached)
             if n < todo:
                 break  # chunked: the rest in the next step(s)
             self.waiting.popleft()
@@ -135,7 +140,8 @@ class Scheduler:
         if not rows:
             return None
         rows = np.array(rows, dtype=np.int64)
-        return Batch(rows, t.gen[rows].copy(), True, np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool))
+        return Batch(rows, t.gen[rows].copy(), True, np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool),
+                     np.array(start, dtype=np.int64))
 
     def _allocate(self, s: int) -> bool:
         """Give the waiting sequence in slot ``s`` its blocks (cached prefix shared); False if short."""
@@ -192,9 +198,12 @@ class Scheduler:
             t.num_blocks[slots] += 1
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The decode step after ``batch`` (still running, tokens unknown), or None when it cannot be
-        known yet: ``batch`` is a prefill, sequences wait, or a block would be short."""
-        if batch.is_prefill or self.waiting:
+        """The step after ``batch`` (still running, tokens unknown), or None when it cannot be known
+        yet. After a prefill: the next prefill, if sequences wait and fit. After a decode: the next
+        decode, unless sequences wait or a block would be short."""
+        if batch.is_prefill:
+            return self._schedule_prefill() if self.waiting else None
+        if self.waiting:
             return None
         t, rows = self.table, batch.rows
         live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
@@ -219,8 +228,7 @@ class Scheduler:
         rows = batch.rows
         status = t.status[rows]
         live = (t.gen[rows] == batch.gens) & ((status == Status.RUNNING) | (status == Status.WAITING))
-        if batch.is_prefill:
-            t.num_cached[rows[live]] += batch.num_new[live]
+        if batch.is_prefill:  # its KV was counted when it was scheduled
             samp = batch.sampling
             keep = live[samp]
             srows, token_ids, logprobs = rows[samp][keep], token_ids[keep], logprobs[keep]

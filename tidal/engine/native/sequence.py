@@ -12,7 +12,8 @@ Per slot ``s`` (``N = num_tokens[s]``, ``P = num_prompt[s]``):
 - ``tokens[s, :N]``: prompt, then every completion token (resumed ones first); ``logprobs[s, i]``
   is the sampling logprob of token ``i`` for the tokens sampled here (``i >= P + num_resumed``).
 - ``max_len[s]``: the length at which it stops (prompt + max new tokens).
-- KV of tokens ``[0, num_cached[s])`` is computed, in blocks ``block_table[s, :num_blocks[s]]``.
+- KV of tokens ``[0, num_cached[s])`` is computed, or computed by a step already scheduled (and so
+  before any later step reads it), in blocks ``block_table[s, :num_blocks[s]]``.
 - ``num_hashed[s]`` leading full blocks are in the prefix cache; ``last_hash[s]`` is the chain hash
   of the last of them (the sequence's ``cache_key`` seed when none).
 - ``gen[s]`` counts the slot's owners: a batch scheduled ahead tells a live row from a row whose
