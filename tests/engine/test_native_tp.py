@@ -61,15 +61,35 @@ def _worker(rank: int, store_path: str, out_dir: str):
         engine.load_weights(hf.state_dict().items())
         assert engine.tp.size == 2 and engine.model.model.layers[0].mlp.down_proj.weight.shape[1] == 48
         results.append((_run(engine), _incremental(engine, family, overrides)))
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save((results, _blocks_with_unequal_memory(rank, group)), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _blocks_with_unequal_memory(rank, group):
+    """Each rank sizes its KV cache from its own free memory (here rank r sees (r + 1) x 64 blocks' worth
+    at half the fraction): the ranks must still agree on the blocks they schedule."""
+    from tidal.engine import sizing
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.native import NativeEngine
+
+    hf = tiny_hf("qwen2")
+    engine = NativeEngine(hf.config, EngineConfig(block_size=4, kv_cache_memory_fraction=0.5), device=torch.device("cpu"),
+                          dtype=torch.float32, tp_group=group)
+    engine.load_weights(hf.state_dict().items())
+    sizing.sized_by_memory = lambda device: True
+    sizing.available_device_bytes = lambda device: (rank + 1) * 64 * engine.runner.block_bytes()
+    engine.wake_up()
+    out = engine.generate(PROMPTS, PARAMS[0])
+    return engine.runner.num_blocks, engine.block_manager.num_blocks, [c.token_ids for c in out]
 
 
 @pytest.mark.slow
 def test_tp2_gloo_equals_tp1(tmp_path):
     mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    (r0, sized0), (r1, sized1) = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0 == r1  # every TP rank returns the same completions
+    assert (sized0[0], sized1[0]) == (31, 63)  # half of 64 or 128 blocks, less the scratch block
+    assert sized0[1] == sized1[1] == 31 and sized0[2] == sized1[2]  # both schedule over the smaller cache
     for (family, overrides), (tp2, inc2) in zip(CASES, r0):
         engine = engine_for(tiny_hf(family, **overrides), block_size=4, max_num_batched_tokens=16)
         tp1 = _run(engine)

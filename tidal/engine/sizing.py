@@ -9,6 +9,8 @@ The rule (issue 20): a rollout is never split into waves when memory allows one 
   allocator holds cached but unused (it is handed back if the cache needs it). ``kv_cache_max_tokens``
   caps it.
 - On CPU (tests) the cache holds the sequences that would run together at their full length.
+- Under tensor parallelism the ranks size their caches from their own memory and schedule over
+  the smallest block count of the group (the engine's one all-reduce at allocation).
 """
 
 from __future__ import annotations

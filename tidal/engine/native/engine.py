@@ -165,6 +165,9 @@ class NativeEngine:
             if need < 1:
                 raise RuntimeError("no memory left for a single KV block") from None
             nbytes = self.runner.allocate_kv_cache(need)
+        # every TP rank must schedule alike: the ranks sized their caches from their own free memory,
+        # so all use the smallest block count (a larger cache leaves its last blocks unused)
+        need = self.tp.min_int(need, self.device)
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
                                    max_num_batched_tokens=self.cfg.max_num_batched_tokens)
