@@ -257,3 +257,15 @@ def test_decode_registers_each_block_it_fills_in_the_prefix_cache():
     assert table.num_hashed[a] == 2
     want = prefix_hashes(np.array([[4, 5], [6, 7]], dtype=np.int32), 0)
     assert table.last_hash[a] == want[-1] and sched.bm.hash_to_block[want[1]] == table.block_table[a, 1]
+
+
+def test_the_table_grows_its_rows_and_columns_keeping_every_sequence():
+    table, sched = _sched(num_blocks=96, block_size=4, max_num_seqs=None, max_num_batched_tokens=512)
+    slots = [_add(table, sched, i, [i + 1] * 3, max_tokens=70) for i in range(5)]  # 5 x 18 blocks fit  # 5 > capacity 2
+    assert table.capacity >= 5 and table.tokens.shape[1] == 64 and table.block_table.shape[1] >= 19
+    while table.num_tokens[slots[0]] < 72:
+        _step(sched, token=9)
+    assert table.tokens.shape[1] >= 72  # grown while decoding past 64 tokens, contents kept
+    assert [table.token_list(s) for s in slots] == [[i + 1] * 3 + [9] * 69 for i in range(5)]
+    _step(sched, token=9)
+    assert len(table) == 0 and table.gen[slots].tolist() == [1] * 5  # all finished (length) and released
