@@ -210,3 +210,21 @@ def test_stop_tokens_are_per_request():
     out = _run(engine)
     assert out["stops"].token_ids == free[: free.index(stop) + 1] and out["stops"].finish_reason == "stop"
     assert out["runs"].token_ids == free and out["runs"].finish_reason == "length"
+
+
+def test_a_failed_generate_leaves_the_engine_idle(monkeypatch):
+    engine = engine_for(tiny_hf("qwen2"))
+    calls = []
+
+    def failing_wait(handle, wait=engine.runner.wait):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return wait(handle)
+
+    monkeypatch.setattr(engine.runner, "wait", failing_wait)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(PROMPTS, GREEDY)
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    monkeypatch.undo()
+    assert len(engine.generate(PROMPTS, GREEDY)) == 4

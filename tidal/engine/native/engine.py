@@ -368,9 +368,9 @@ class NativeEngine:
         """Stop the given unfinished requests (all when None) and return their partial completions
         (``finish_reason="abort"``), in the order they were added. A step in flight is dropped (the
         sequences that go on compute its token again); unknown ids are ignored."""
-        if self._pending is not None:
-            self.runner.wait(self._pending[1])
-            self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.runner.wait(pending[1])
         ids = list(self._requests) if request_ids is None else [i for i in request_ids if i in self._requests]
         if not ids:
             return []
@@ -414,9 +414,13 @@ class NativeEngine:
                     for i, p in enumerate(prompts) for j in range(n)]
         self._add(requests, [m for m in mm for _ in range(n)])
         out: list[Completion | None] = [None] * len(requests)
-        while self._requests:
-            for c in self.step():
-                out[c.request_id] = c
+        try:
+            while self._requests:
+                for c in self.step():
+                    out[c.request_id] = c
+        except BaseException:
+            self.abort()  # leave the engine idle: the next call starts clean
+            raise
         return out
 
     def _count(self, batch) -> None:
