@@ -161,6 +161,9 @@ class RolloutEngine(Protocol):
     def memory_report(self) -> dict[str, int]:
         """Device bytes held now, by kind (weights, kv_cache, graphs, ...)."""
 
+    # Optional: ``verify_weights(named_tensors) -> list[str]``, the names whose values in the engine
+    # differ from the given full tensors (weight-sync verification, ``sync.verify``).
+
 
 @runtime_checkable
 class IncrementalEngine(Protocol):

@@ -1,23 +1,65 @@
-"""How large a rollout engine's KV cache and decode batch are (pure functions; the native engine
-calls them at each wake-up, tests call them with numbers).
-
-The rule (issue 20): a rollout is never split into waves when memory allows one wave.
-- ``engine.max_num_seqs: auto`` puts no cap on the sequences decoded together: as many run as the
-  KV cache holds. An explicit number caps them.
-- On CUDA the KV cache takes ``kv_cache_memory_fraction`` of the memory available when the engine
-  wakes up, i.e. after the phases before the rollout: the driver's free memory plus what PyTorch's
-  allocator holds cached but unused (it is handed back if the cache needs it). ``kv_cache_max_tokens``
-  caps it.
-- On CPU (tests) the cache holds the sequences that would run together at their full length.
-- Under tensor parallelism the ranks size their caches from their own memory and schedule over
-  the smallest block count of the group (the engine's one all-reduce at allocation).
-"""
+"""Sizing facts of a model for an engine, from its HF config alone (no engine import): KV bytes per
+token, weight bytes per TP rank, EOS ids, and the device's free memory as the driver sees it; and
+the sizing rules of the engine's KV cache and decode batch (pure functions of the config and the
+memory, called by the native engine at each wake-up)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tidal.engine.config import EngineConfig
+if TYPE_CHECKING:
+    from tidal.engine.config import EngineConfig
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int) -> int:
+    """KV-cache bytes of one token on one TP rank (K and V of every layer; KV heads are replicated
+    when there are fewer than ``tp_size``)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads_per_rank = max(1, kv_heads // tp_size)
+    return 2 * hf_config.num_hidden_layers * kv_heads_per_rank * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def weight_bytes_per_rank(hf_config, dtype: torch.dtype, tp_size: int) -> int:
+    """Approximate device bytes of the weights on one TP rank (parameters counted on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    n = sum(p.numel() for p in model.parameters())
+    return n * torch.empty(0, dtype=dtype).element_size() // tp_size
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free device memory as the driver sees it (vLLM's sleep mode unmaps memory behind PyTorch's
+    allocator, so allocator statistics would miss it); 0 on CPU."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def eos_ids(hf_config) -> set[int]:
+    value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+# ---- the engine's KV cache and decode batch (issue 20) ----------------------------------------
+# A rollout is never split into waves when memory allows one wave:
+# - ``engine.max_num_seqs: auto`` puts no cap on the sequences decoded together: as many run as the
+#   KV cache holds. An explicit number caps them.
+# - On CUDA the KV cache takes ``kv_cache_memory_fraction`` of the memory available when the engine
+#   wakes up, i.e. after the phases before the rollout: the driver's free memory plus what PyTorch's
+#   allocator holds cached but unused (it is handed back if the cache needs it).
+#   ``kv_cache_max_tokens`` fixes it instead.
+# - On CPU (tests) the cache holds the sequences that would run together at their full length.
+# - Under tensor parallelism the ranks size their caches from their own memory and schedule over
+#   the smallest block count of the group (the engine's one all-reduce at allocation).
 
 
 def sized_by_memory(device: torch.device) -> bool:
