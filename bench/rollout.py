@@ -9,6 +9,8 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
   by stop tokens (a random model's EOS is never sampled, so ``--stop-ids`` token ids act as EOS:
   each step stops with probability ~stop_ids/vocab, a geometric length capped at 1024).
 - ``512``, ``2048``: 64 / 256 prompts x 8 samples, otherwise like ``main``.
+- ``partial``: the ``mixed`` workload through the incremental requests, stopped once 24 of its 32
+  groups are complete (``tidal.engine.partial.run_until_groups``); the long tail is left unfinished.
 
 Every native case records the host time per engine step (``host_ms_per_step``: the engine's timers,
 ``host_busy_ms_per_step``: all of them but ``wait``) next to the wall time per step
@@ -24,12 +26,13 @@ again with a graph of their batch, and records the graph pool's bytes.
 ``--check`` first verifies the CUDA engine: exact greedy equality with HF on tiny fp32 models
 (Qwen2, Qwen3, Llama; Triton kernels and CUDA graphs), and bf16 logprob agreement on the 0.5B model.
 
-Usage: python bench/rollout.py [--check] [--cases main,mixed,512,2048] [--hf-new-tokens 256] [--out PATH]
+Usage: python bench/rollout.py [--check] [--cases main,mixed,512,2048,partial] [--hf-new-tokens 256] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -147,6 +150,28 @@ def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, set
           "wall_ms_per_step": round(wall / max(1, host["steps"]) * 1e3, 3),
           "kv_blocks": engine.block_manager.num_blocks, "max_num_seqs": engine.cfg.max_num_seqs,
           **settings}, sink)
+
+
+def bench_partial(engine, prompts, params, groups_needed: int, sink, settings) -> None:
+    """The ``mixed`` workload through the incremental requests, stopped once ``groups_needed``
+    groups are complete (partial rollout): the unfinished sequences are returned, not waited for."""
+    from tidal.engine.base import Request, require_incremental
+    from tidal.engine.partial import run_until_groups
+
+    incremental = require_incremental(engine, "the partial case")
+    one = dataclasses.replace(params, n=1)
+    requests = [Request(request_id=i * params.n + j, prompt_ids=p, params=one, group_id=i)
+                for i, p in enumerate(prompts) for j in range(params.n)]
+    for _ in range(2):  # the first compiles kernels and captures graphs
+        engine.block_manager.reset_prefix_cache()
+        t0 = sync_time()
+        got = run_until_groups(incremental, requests, groups_needed)
+        wall = sync_time() - t0
+    done, left = sum(len(c.token_ids) for c in got.finished), sum(len(c.token_ids) for c in got.unfinished)
+    emit({"case": "partial", "engine": "native", "groups_needed": groups_needed,
+          "complete_groups": len(got.complete_groups), "finished": len(got.finished), "unfinished": len(got.unfinished),
+          "steps": got.steps, "wall_s": round(wall, 4), "generated_tokens": done + left,
+          "gen_tokens_per_s": round((done + left) / wall, 1), "finished_tokens": done, **settings}, sink)
 
 
 def bench_hf(model, prompts, n: int, new_tokens: int, sink, settings) -> None:
@@ -369,7 +394,7 @@ def main() -> None:
                 bench_hf(hf_model, prompts, 8, args.hf_new_tokens, sink, settings)
             torch.cuda.empty_cache()
             engine.wake_up()
-    if "mixed" in cases:
+    if "mixed" in cases or "partial" in cases:
         g = torch.Generator().manual_seed(3)
         lengths = torch.randint(64, 513, (32,), generator=g).tolist()
         prompts = prompts_of(32, lengths, V, seed=2)
@@ -377,8 +402,12 @@ def main() -> None:
         params = SamplingParams(temperature=1.0, max_new_tokens=1024, n=8, stop_token_ids=stop, seed=0)
         settings = {**base, "prompts": 32, "n": 8, "prompt_len": "64-512", "new_tokens": "stop or 1024",
                     "stop_ids": len(stop)}
-        with guard("mixed", sink):
-            bench_native("mixed", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+        if "mixed" in cases:
+            with guard("mixed", sink):
+                bench_native("mixed", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+        if "partial" in cases:
+            with guard("partial", sink):
+                bench_partial(engine, prompts, params, 24, sink, settings)
     for seqs in (512, 2048):
         if str(seqs) not in cases:
             continue

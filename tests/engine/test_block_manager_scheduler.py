@@ -133,7 +133,7 @@ def _add(table, sched, i, tokens, max_tokens=8, stop=frozenset()):
 
 def _step(sched, token=1):
     batch = sched.schedule()
-    n = batch.num_sampling
+    n = int(batch.sampling.sum()) if batch.is_prefill else len(batch.rows)
     finished = sched.postprocess(batch, np.full(n, token), np.zeros(n))
     for s in finished.tolist():
         sched.table.release(s)

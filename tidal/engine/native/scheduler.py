@@ -57,10 +57,6 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.num_new.sum()) if self.is_prefill else len(self.rows)
 
-    @property
-    def num_sampling(self) -> int:
-        return int(self.sampling.sum()) if self.is_prefill else len(self.rows)
-
 
 class Scheduler:
     def __init__(self, table: SequenceTable, block_manager: BlockManager, *, max_num_seqs: int | None,
@@ -94,9 +90,6 @@ class Scheduler:
                 f"needs more KV blocks than the cache has ({self.bm.num_blocks} of {self.block_size} tokens)"
             )
         self.waiting.append(slot)
-
-    def is_finished(self) -> bool:
-        return not self.waiting and not self.num_running
 
     @property
     def num_running(self) -> int:
