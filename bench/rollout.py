@@ -8,20 +8,31 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
 - ``mixed``: 32 prompts x 8 samples, prompt lengths uniform in 64-512, up to 1024 new tokens ended
   by stop tokens (a random model's EOS is never sampled, so ``--stop-ids`` token ids act as EOS:
   each step stops with probability ~stop_ids/vocab, a geometric length capped at 1024).
-- ``512``: 64 prompts x 8 samples, otherwise like ``main``.
+- ``512``, ``2048``: 64 / 256 prompts x 8 samples, otherwise like ``main``.
+- ``partial``: the ``mixed`` workload through the incremental requests, stopped once 24 of its 32
+  groups are complete (``tidal.engine.partial.run_until_groups``); the long tail is left unfinished.
+
+Every native case records the host time per engine step (``host_ms_per_step``: the engine's timers,
+``host_busy_ms_per_step``: all of them but ``wait``) next to the wall time per step
+(``wall_ms_per_step``): host work hides behind the device step while ``host_busy`` stays below it.
+The engine runs with its defaults (``max_num_seqs: auto``, the KV cache sized from free memory), so
+each case decodes in one wave.
 
 Roofline: bytes every decode step must read (all weights once, LM head included, plus the KV of
 every running sequence) over the measured device copy bandwidth (bytes read + written per second).
-Variants of ``main``: overlap scheduling off, cuBLASLt preferred (``--no-graph-variant`` adds eager).
+Variants of ``main``: overlap scheduling off, cuBLASLt preferred (``--no-graph-variant`` adds eager);
+``--compare-graphs`` times the cases above ``engine.cuda_graph_max_batch`` (eager decode by default)
+again with a graph of their batch, and records the graph pool's bytes.
 ``--check`` first verifies the CUDA engine: exact greedy equality with HF on tiny fp32 models
 (Qwen2, Qwen3, Llama; Triton kernels and CUDA graphs), and bf16 logprob agreement on the 0.5B model.
 
-Usage: python bench/rollout.py [--check] [--cases main,mixed,512] [--hf-new-tokens 256] [--out PATH]
+Usage: python bench/rollout.py [--check] [--cases main,mixed,512,2048,partial] [--hf-new-tokens 256] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -110,7 +121,8 @@ def roofline(completions, engine, decode_steps: int, bw: float) -> dict:
 
 
 def time_engine(engine, prompts, params, repeats: int = 2):
-    """Generate ``repeats`` times (the first compiles kernels and captures graphs); stats of the last."""
+    """Generate ``repeats`` times (the first compiles kernels and captures graphs); stats of the last,
+    and its host milliseconds per step."""
     for _ in range(repeats):
         engine.block_manager.reset_prefix_cache()  # no reuse of the previous repeat's prompts
         before = dict(engine.stats)
@@ -118,11 +130,11 @@ def time_engine(engine, prompts, params, repeats: int = 2):
         out = engine.generate(prompts, params)
         wall = sync_time() - t0
     steps = {k: engine.stats[k] - before[k] for k in engine.stats}
-    return out, wall, steps
+    return out, wall, steps, engine.host_ms_per_step(before)
 
 
 def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, settings) -> None:
-    out, wall, steps = time_engine(engine, prompts, params)
+    out, wall, steps, host = time_engine(engine, prompts, params)
     gen = sum(len(c.token_ids) for c in out)
     lens = sorted(len(c.token_ids) for c in out)
     rl = roofline(out, engine, steps["decode_steps"], bw)
@@ -133,9 +145,33 @@ def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, set
           "preemptions": steps["preemptions"], "out_len_min_med_max": [lens[0], lens[len(lens) // 2], lens[-1]],
           "roofline_tokens_per_s": round(gen / rl["roofline_s"], 1), "roofline_fraction": round(rl["roofline_s"] / wall, 4),
           "bytes_read_per_decode_step_MB": round(rl["bytes_read"] / max(1, steps["decode_steps"]) / 1e6, 1),
-          "host_ms_per_step": {k[:-2]: round(steps[k] / (steps["decode_steps"] + steps["prefill_steps"]) * 1e3, 3)
-                               for k in steps if k.endswith("_s")},
+          "host_ms_per_step": {k: round(v, 3) for k, v in host.items() if k != "steps"},
+          "host_busy_ms_per_step": round(sum(v for k, v in host.items() if k not in ("steps", "wait")), 3),
+          "wall_ms_per_step": round(wall / max(1, host["steps"]) * 1e3, 3),
+          "kv_blocks": engine.block_manager.num_blocks, "max_num_seqs": engine.cfg.max_num_seqs,
           **settings}, sink)
+
+
+def bench_partial(engine, prompts, params, groups_needed: int, sink, settings) -> None:
+    """The ``mixed`` workload through the incremental requests, stopped once ``groups_needed``
+    groups are complete (partial rollout): the unfinished sequences are returned, not waited for."""
+    from tidal.engine.base import Request, require_incremental
+    from tidal.engine.partial import run_until_groups
+
+    incremental = require_incremental(engine, "the partial case")
+    one = dataclasses.replace(params, n=1)
+    requests = [Request(request_id=i * params.n + j, prompt_ids=p, params=one, group_id=i)
+                for i, p in enumerate(prompts) for j in range(params.n)]
+    for _ in range(2):  # the first compiles kernels and captures graphs
+        engine.block_manager.reset_prefix_cache()
+        t0 = sync_time()
+        got = run_until_groups(incremental, requests, groups_needed)
+        wall = sync_time() - t0
+    done, left = sum(len(c.token_ids) for c in got.finished), sum(len(c.token_ids) for c in got.unfinished)
+    emit({"case": "partial", "engine": "native", "groups_needed": groups_needed,
+          "complete_groups": len(got.complete_groups), "finished": len(got.finished), "unfinished": len(got.unfinished),
+          "steps": got.steps, "wall_s": round(wall, 4), "generated_tokens": done + left,
+          "gen_tokens_per_s": round((done + left) / wall, 1), "finished_tokens": done, **settings}, sink)
 
 
 def bench_hf(model, prompts, n: int, new_tokens: int, sink, settings) -> None:
@@ -296,9 +332,11 @@ def git_commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--cases", default="main,mixed,512")
+    ap.add_argument("--cases", default="main,mixed,512,2048")
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--no-graph-variant", action="store_true", help="also time main without CUDA graphs")
+    ap.add_argument("--compare-graphs", action="store_true",
+                    help="also time the cases above engine.cuda_graph_max_batch with their decode batch in a CUDA graph")
     ap.add_argument("--stop-ids", type=int, default=400)
     ap.add_argument("--profile", default="", help="write a kernel-time table of eager decode to this path")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.jsonl"))
@@ -314,7 +352,7 @@ def main() -> None:
     hf_model = make_hf_model()
     cases = args.cases.split(",")
     V = QWEN2_05B["vocab_size"]
-    engine = make_engine(hf_model, max_num_seqs=512 if "512" in cases else 256)
+    engine = make_engine(hf_model)
     if args.check:
         with guard("check_05b_logprobs", sink):
             check_05b_logprobs(hf_model, engine, sink, base)
@@ -329,12 +367,12 @@ def main() -> None:
             step_breakdown(engine, 128, sink, base)
         with guard("main_no_overlap", sink):
             engine.sleep(1)
-            plain = make_engine(hf_model, overlap_scheduling=False, max_num_seqs=256)
+            plain = make_engine(hf_model, overlap_scheduling=False)
             bench_native("main", plain, prompts, params, bw, "triton+cuda_graphs,no_overlap", sink, settings)
             plain.sleep(1)
             del plain
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            lt = make_engine(hf_model, max_num_seqs=256)
+            lt = make_engine(hf_model)
             bench_native("main", lt, prompts, params, bw, "triton+cuda_graphs,cublaslt", sink, settings)
             lt.sleep(1)
             del lt
@@ -344,7 +382,7 @@ def main() -> None:
         if args.no_graph_variant:
             with guard("main_eager", sink):
                 engine.sleep(1)
-                eager = make_engine(hf_model, cuda_graphs=False, max_num_seqs=256)
+                eager = make_engine(hf_model, cuda_graphs=False)
                 bench_native("main", eager, prompts, params, bw, "triton_eager", sink, settings)
                 eager.sleep(1)
                 del eager
@@ -356,7 +394,7 @@ def main() -> None:
                 bench_hf(hf_model, prompts, 8, args.hf_new_tokens, sink, settings)
             torch.cuda.empty_cache()
             engine.wake_up()
-    if "mixed" in cases:
+    if "mixed" in cases or "partial" in cases:
         g = torch.Generator().manual_seed(3)
         lengths = torch.randint(64, 513, (32,), generator=g).tolist()
         prompts = prompts_of(32, lengths, V, seed=2)
@@ -364,14 +402,33 @@ def main() -> None:
         params = SamplingParams(temperature=1.0, max_new_tokens=1024, n=8, stop_token_ids=stop, seed=0)
         settings = {**base, "prompts": 32, "n": 8, "prompt_len": "64-512", "new_tokens": "stop or 1024",
                     "stop_ids": len(stop)}
-        with guard("mixed", sink):
-            bench_native("mixed", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
-    if "512" in cases:
-        prompts = prompts_of(64, [128] * 64, V, seed=4)
+        if "mixed" in cases:
+            with guard("mixed", sink):
+                bench_native("mixed", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+        if "partial" in cases:
+            with guard("partial", sink):
+                bench_partial(engine, prompts, params, 24, sink, settings)
+    for seqs in (512, 2048):
+        if str(seqs) not in cases:
+            continue
+        prompts = prompts_of(seqs // 8, [128] * (seqs // 8), V, seed=4)
         params = SamplingParams(temperature=1.0, max_new_tokens=256, n=8, ignore_eos=True, seed=0)
-        settings = {**base, "prompts": 64, "n": 8, "prompt_len": 128, "new_tokens": 256}
-        with guard("512", sink):
-            bench_native("512", engine, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+        settings = {**base, "prompts": seqs // 8, "n": 8, "prompt_len": 128, "new_tokens": 256}
+        graphs = seqs <= engine.cfg.cuda_graph_max_batch
+        with guard(str(seqs), sink):
+            bench_native(str(seqs), engine, prompts, params, bw, "triton+cuda_graphs" if graphs else "triton,eager_decode",
+                         sink, settings)
+        if not graphs and args.compare_graphs:  # the same case with its decode batch in a CUDA graph
+            with guard(f"{seqs}_graphs", sink):
+                engine.sleep(1)
+                captured = make_engine(hf_model, cuda_graph_max_batch=seqs)
+                bench_native(str(seqs), captured, prompts, params, bw, "triton+cuda_graphs", sink, settings)
+                emit({"case": str(seqs), "figure": "graph_pool_bytes", "bytes": captured.memory_report()["graphs"],
+                      **base}, sink)
+                captured.sleep(1)
+                del captured
+                torch.cuda.empty_cache()
+                engine.wake_up()
     mem = engine.memory_report()
     emit({"figure": "engine_memory_bytes", **mem, "sleep1_freed": engine.sleep(1), **base}, sink)
     if args.profile:

@@ -125,10 +125,12 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
     sampled = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=4, ignore_eos=True)
     results = {}
     for overlap in (False, True):
-        engine = engine_for(hf, overlap_scheduling=overlap)
+        # a small token budget: the prefill spans steps, the next prefill is scheduled ahead too
+        engine = engine_for(hf, overlap_scheduling=overlap, max_num_batched_tokens=8)
         results[overlap] = [[(c.token_ids, c.logprobs, c.finish_reason) for c in engine.generate(PROMPTS, p)]
                             for p in (greedy, sampled)]
         assert (engine.stats["ahead_steps"] > 0) == overlap
+        assert engine.stats["prefill_steps"] > 2 * 2
     # same tokens and stops; logprobs equal up to float rounding (a step ahead has other batch rows,
     # so the CPU matmuls may block differently)
     for got, want in zip(results[True], results[False]):

@@ -63,49 +63,84 @@ def test_same_prompt_again_hits_the_prefix_cache_with_unchanged_weights():
     assert engine.stats["prefix_hit_tokens"] == 12 and a.token_ids == b.token_ids
 
 
-class _FakeFixedMemory:
-    """Stands in for the CUDA-only FixedAddressMemory: one host buffer whose bytes are scrambled on
-    unmap (the physical memory is gone; a new map's contents are undefined)."""
+class _FakeRegions:
+    """Stands in for the CUDA-only FixedAddressRegions: one host buffer per region, of which a map
+    hands out a prefix; an unmap scrambles the bytes (the physical memory is gone; a new map's
+    contents are undefined)."""
 
     instances = []
 
-    def __init__(self, nbytes, device):
-        self.nbytes, self.buf, self.mapped, self.maps = nbytes, torch.empty(nbytes, dtype=torch.uint8), False, 0
-        _FakeFixedMemory.instances.append(self)
+    def __init__(self, num_regions, region_bytes, device):
+        self.granularity = 256
+        self.num_regions, self.region_bytes = num_regions, region_bytes // 256 * 256
+        self.bufs = [torch.empty(self.region_bytes, dtype=torch.uint8) for _ in range(num_regions)]
+        self.mapped_bytes, self.maps = 0, 0
+        _FakeRegions.instances.append(self)
 
-    def map(self):
-        assert not self.mapped
-        self.mapped, self.maps = True, self.maps + 1
-        return self.buf
+    @property
+    def mapped(self):
+        return self.mapped_bytes > 0
+
+    def map(self, nbytes):
+        assert not self.mapped and nbytes <= self.region_bytes
+        self.mapped_bytes, self.maps = -(-nbytes // 256) * 256, self.maps + 1
+        return [b[:nbytes] for b in self.bufs]
 
     def unmap(self):
-        self.mapped = False
-        self.buf.fill_(0xFF)  # NaN in every float format
-
-    def close(self):
-        self.mapped = False
+        self.mapped_bytes = 0
+        for b in self.bufs:
+            b.fill_(0xFF)  # NaN in every float format
 
 
-def test_fixed_address_kv_cache_is_sized_once_and_remapped_on_wake(monkeypatch):
-    """Where the driver offers fixed-address memory, sleep unmaps the KV cache and wake maps the same
-    range again at the first allocation's size (even when the memory-derived size would differ), zeroed."""
+def _memory_sized(monkeypatch, available: list[int], fixed: bool):
+    """Make a CPU engine size its KV cache like a CUDA one, from ``available`` bytes (one value per
+    allocation), with fake fixed-address regions when ``fixed``."""
+    from tidal.engine import sizing
     from tidal.engine.native import fixed_memory
 
-    monkeypatch.setattr(fixed_memory, "supported", lambda device: True)
-    monkeypatch.setattr(fixed_memory, "FixedAddressMemory", _FakeFixedMemory)
-    _FakeFixedMemory.instances.clear()
+    monkeypatch.setattr(sizing, "sized_by_memory", lambda device: True)
+    monkeypatch.setattr(sizing, "available_device_bytes", lambda device: available.pop(0))
+    monkeypatch.setattr(fixed_memory, "supported", lambda device: fixed)
+    monkeypatch.setattr(fixed_memory, "FixedAddressRegions", _FakeRegions)
+    monkeypatch.setattr(fixed_memory, "device_total_bytes", lambda device: 1 << 20)
+    _FakeRegions.instances.clear()
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-address", "plain"])
+def test_kv_cache_follows_the_memory_available_at_each_wake(monkeypatch, fixed):
+    """The KV cache takes kv_cache_memory_fraction of the memory available at each wake-up. At fixed
+    addresses every layer's K and V cache stays where it was (so decode graphs stay valid) while the
+    number of blocks follows the memory; the new blocks are zeroed; outputs do not change."""
     hf = tiny_hf("qwen2")
-    engine = engine_for(hf, kv_cache_max_tokens=128)
-    before = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
-    assert before == [hf_greedy(hf, p, 6) for p in PROMPTS]
-    (mem,) = _FakeFixedMemory.instances
-    ptr, kv_bytes = engine.runner.kv_cache.data_ptr(), engine.memory_report()["kv_cache"]
-    assert mem.nbytes == kv_bytes and mem.buf.data_ptr() == ptr
-    engine.cfg.kv_cache_max_tokens = 64  # what a fresh sizing would now give: ignored, the range stays
-    for level in (1, 2):
-        assert engine.sleep(level) == kv_bytes and not mem.mapped
-        assert engine.wake_up() == kv_bytes and mem.mapped
-        assert not engine.runner.kv_cache.any()  # zeroed like a fresh cache
-        assert engine.runner.kv_cache.data_ptr() == ptr and len(_FakeFixedMemory.instances) == 1
-        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == before
-    assert mem.maps == 3
+    block = 2 * 2 * 4 * 2 * 16 * 4  # layers x (K, V) x 4 tokens x 2 KV heads x 16 dims x 4 bytes
+    available = [40 * block, 100 * block, 24 * block, 100 * block]
+    _memory_sized(monkeypatch, available, fixed)
+    engine = engine_for(hf, block_size=4, kv_cache_memory_fraction=0.5)
+    want = [hf_greedy(hf, p, 6) for p in PROMPTS]
+    ptrs = None
+    for expect_blocks in (19, 49, 11, 49):  # half the memory, less the scratch block
+        engine.wake_up()
+        runner = engine.runner
+        assert runner.num_blocks == engine.block_manager.num_blocks == expect_blocks
+        assert engine.memory_report()["kv_cache"] == (expect_blocks + 1) * block
+        assert not any(t.any() for t in runner.kv_layers)  # zeroed like a fresh cache
+        if fixed:
+            (regions,) = _FakeRegions.instances  # reserved once
+            assert [t.data_ptr() for t in runner.kv_layers] == (ptrs or [b.data_ptr() for b in regions.bufs])
+            ptrs = [t.data_ptr() for t in runner.kv_layers]
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == want
+        assert engine.sleep(1) == (expect_blocks + 1) * block
+        assert not fixed or not regions.mapped
+    assert not available
+
+
+def test_requests_in_flight_block_sleep_weights_and_generate():
+    engine = engine_for(tiny_hf("qwen2"))
+    from tidal.engine.base import Request
+
+    engine.add([Request(request_id="a", prompt_ids=[1, 2, 3], params=GREEDY)])
+    for call in (lambda: engine.sleep(1), lambda: engine.load_weights([]), lambda: engine.generate([[1]], GREEDY)):
+        with pytest.raises(RuntimeError, match="1 unfinished requests: abort"):
+            call()
+    (partial,) = engine.abort()
+    assert partial.finish_reason == "abort" and engine.sleep(1) > 0

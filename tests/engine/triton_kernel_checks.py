@@ -142,35 +142,54 @@ def test_engine_cuda_graphs_sample_like_eager(top_k):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 def test_decode_graphs_survive_level_1_sleep_at_a_fixed_kv_address():
-    # the KV cache's memory goes back to the driver during sleep(1) and returns at the same address,
-    # so the captured graphs are replayed again, not re-captured; sleep(2) moves the weights: re-capture
+    # the KV cache's memory goes back to the driver during sleep(1) and returns at the same addresses,
+    # sized from the memory free at each wake-up, so the captured graphs are replayed again, not
+    # re-captured; sleep(2) moves the weights: re-capture
     from tidal.engine.native import fixed_memory
 
     if not fixed_memory.supported(DEVICE):
         pytest.skip("the driver has no virtual memory management")
     hf = tiny_hf("qwen2").to(DEVICE)
-    engine = engine_for(hf, device="cuda", kernel_backend="triton", kv_cache_max_tokens=4096)
+    engine = engine_for(hf, device="cuda", kernel_backend="triton", kv_cache_memory_fraction=0.05)
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=7)
     first = [[c.token_ids for c in engine.generate(PROMPTS, p)] for p in (greedy, sampled)]
     assert first[0] == [hf_greedy(hf, p, 6) for p in PROMPTS]
     runner = engine.runner
-    graphs, ptr, kv_bytes = dict(runner.graphs.graphs), runner.kv_cache.data_ptr(), engine.memory_report()["kv_cache"]
+    graphs, kv_bytes = dict(runner.graphs.graphs), engine.memory_report()["kv_cache"]
+    ptrs = [t.data_ptr() for t in runner.kv_layers]
     assert len({t for _, t in graphs}) == 2  # a graph without sampling (greedy) and one with
-    for level in (1, 1, 2):
+    sizes = {runner.num_blocks}
+    for level, hog_gib in ((1, 8), (1, 0), (2, 4)):
         torch.cuda.synchronize()
         free_awake = torch.cuda.mem_get_info(DEVICE)[0]
         assert engine.sleep(level) >= kv_bytes
         assert torch.cuda.mem_get_info(DEVICE)[0] - free_awake >= kv_bytes  # back with the driver
-        hog = torch.empty(kv_bytes, dtype=torch.uint8, device=DEVICE)  # the trainer allocates meanwhile
+        hog = torch.empty(hog_gib << 30, dtype=torch.uint8, device=DEVICE)  # the trainer holds memory meanwhile
         engine.wake_up()
-        del hog
-        assert runner.kv_cache.data_ptr() == ptr
+        kv_bytes = engine.memory_report()["kv_cache"]
+        sizes.add(runner.num_blocks)
+        assert [t.data_ptr() for t in runner.kv_layers] == ptrs
         kept = all(runner.graphs.graphs.get(k) is g for k, g in graphs.items())
         assert kept == (level == 1)
         again = [[c.token_ids for c in engine.generate(PROMPTS, p)] for p in (greedy, sampled)]
         assert again == first
         graphs = dict(runner.graphs.graphs)
+        del hog
+    assert len(sizes) > 1  # the cache followed the free memory
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_batches_above_the_graph_limit_run_eagerly_with_the_same_tokens():
+    hf = tiny_hf("qwen2").to(DEVICE)
+    params = SamplingParams(temperature=0, max_new_tokens=5, n=6, ignore_eos=True)
+    prompts = PROMPTS * 3  # 72 rows decode together
+    small = engine_for(hf, device="cuda", kernel_backend="triton", cuda_graph_max_batch=16)
+    big = engine_for(hf, device="cuda", kernel_backend="triton")
+    assert small.runner.graphs.max_bs == 16 and big.runner.graphs.max_bs == 512
+    a, b = small.generate(prompts, params), big.generate(prompts, params)
+    assert not any(k[0] > 16 for k in small.runner.graphs.graphs)  # no graph was captured above the limit
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
 def test_fused_sampler_seed_buffer_draws_like_generator():

@@ -3,6 +3,7 @@ longest budget, each completion cut at its own, budget forcing of the end token,
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -150,3 +151,19 @@ def test_tp_group_gathers_budgets_with_their_prompts(monkeypatch):
     engine = RecordingEngine()
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 6)] and [len(c.token_ids) for c in comps] == [1, 1, 4, 2]
+
+
+def test_an_incremental_engine_spends_no_step_past_the_longest_running_budget():
+    """The native engine takes one request per sequence with its own budget: when only short budgets
+    remain it stops early (decode steps = the longest budget - 1), and tokens equal the cut-down
+    generation of a call at the longest budget (greedy)."""
+    from tests.engine.helpers import engine_for, tiny_hf
+
+    engine = engine_for(tiny_hf("qwen2"), kv_cache_max_tokens=512)
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, n=2, ignore_eos=True)
+    before = engine.stats["decode_steps"]
+    comps = gather_and_generate(engine, [[3, 17, 99, 5], [11, 12]], params, ONE_RANK, max_new_tokens=[3, 2, 4, 1])
+    assert [len(c.token_ids) for c in comps] == [3, 2, 4, 1]
+    assert engine.stats["decode_steps"] - before == 3  # not 31: no step past the longest budget
+    full = gather_and_generate(engine, [[3, 17, 99, 5], [11, 12]], dataclasses.replace(params, max_new_tokens=4), ONE_RANK)
+    assert [c.token_ids for c in comps] == [f.token_ids[:b] for f, b in zip(full, [3, 2, 4, 1])]

@@ -22,7 +22,7 @@ import dataclasses
 import torch.distributed as dist
 
 from tidal.distributed.runtime import Runtime
-from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, supports_incremental
 
 
 def gather_and_generate(
@@ -71,12 +71,37 @@ def _group_budgets(budgets: list[list[int] | None], prompts: list[list[list[int]
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
               budgets: list[int] | None = None) -> list[Completion]:
-    if budgets is not None:
+    if budgets is not None and supports_incremental(engine):  # one request per sequence, each its own budget
+        return _generate_with_budgets(engine, prompts, params, mm_inputs, budgets)
+    if budgets is not None:  # one call at the longest budget, each completion cut at its own
         longest = dataclasses.replace(params, max_new_tokens=max(budgets))
         return [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
     if mm_inputs is not None and any(m is not None for m in mm_inputs):
         return engine.generate(prompts, params, mm_inputs=mm_inputs)
     return engine.generate(prompts, params)  # text: the plain protocol call every engine has
+
+
+def _generate_with_budgets(engine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
+                           budgets: list[int]) -> list[Completion]:
+    """Prompt-major completions, sequence i generated with ``max_new_tokens=budgets[i]`` through the
+    engine's request API (no step is spent past a sequence's budget)."""
+    n = params.n
+    requests = [
+        Request(request_id=i, prompt_ids=prompts[i // n], group_id=i // n,
+                params=dataclasses.replace(params, n=1, max_new_tokens=b),
+                mm_inputs=mm_inputs[i // n] if mm_inputs is not None else None)
+        for i, b in enumerate(budgets)
+    ]
+    out: list[Completion | None] = [None] * len(requests)
+    engine.add(requests)
+    try:
+        while engine.has_unfinished():
+            for c in engine.step():
+                out[c.request_id] = c
+    except BaseException:
+        engine.abort()
+        raise
+    return out
 
 
 def cut_to_budget(c: Completion, budget: int) -> Completion:

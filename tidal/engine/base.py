@@ -12,12 +12,22 @@ Vision-language prompts: an engine that supports images (``native``, ``hf``) als
 see :mod:`tidal.models.vision`), the prompt ids already holding the image tokens. Callers pass
 ``mm_inputs`` only when some prompt has images; :func:`tidal.engine.factory.create_engine` refuses
 a vision-language model for a backend without image support.
+
+Incremental requests (optional, :class:`IncrementalEngine`; the native engine has it): ``add`` a
+batch of :class:`Request`, call ``step`` until ``has_unfinished`` is False (each step returns the
+completions that finished in it), and ``abort`` what is left to get partial completions back. A
+request may carry tokens generated earlier (a partial completion, possibly under older weights):
+they are prefilled again under the current weights and generation goes on after them. This is what
+partial rollout (stop once enough groups are complete, resume the rest in the next iteration) and
+multi-turn rollouts (the next turn joins while other sequences decode) are built on; see
+:mod:`tidal.engine.partial`. Callers check :func:`supports_incremental` first; an engine without it
+gets a :class:`NotImplementedError` from :func:`require_incremental` that names the way out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -54,14 +64,83 @@ class SamplingParams:
         check(self.n >= 1, "n", "must be >= 1")
 
 
+FinishReason = Literal["stop", "length", "abort"]
+
+
 @dataclasses.dataclass(kw_only=True)
 class Completion:
-    """One generated response. ``logprobs[i]`` is the sampling logprob of ``token_ids[i]``."""
+    """One generated response. ``logprobs[i]`` is the sampling logprob of ``token_ids[i]``.
+
+    finish_reason: ``stop`` (a stop token, included), ``length`` (max_new_tokens or the model's
+        context), ``abort`` (unfinished: returned by ``abort``; resume it with :meth:`Request.resume`).
+    request_id / group_id: those of the :class:`Request` (``generate`` numbers its sequences
+        ``0..len(prompts)*n-1`` in output order and uses the prompt index as the group); None from
+        engines without incremental requests.
+    versions: ``versions[i]`` is the policy version that sampled ``token_ids[i]`` (tokens of a
+        resumed request keep theirs; new ones get the engine's ``policy_version``); None from
+        engines that do not track it (every token is then from the current weights).
+    """
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
+    request_id: int | str | None = None
+    group_id: int | None = None
+    versions: list[int] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != "abort"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Request:
+    """One sequence to generate (a prompt with ``n`` samples is ``n`` requests sharing a group).
+
+    request_id: the caller's name for it, returned on its completion (unique among the requests in
+        flight). group_id: the GRPO group it belongs to (its prompt), or None.
+    params: how to sample; ``n`` must be 1. ``max_new_tokens`` counts the resumed tokens too.
+    mm_inputs: the prompt's pixel inputs (vision-language models), as in ``generate``. Requests
+        added together that share the same dict object share the image features.
+    token_ids / logprobs / versions: tokens generated earlier (a partial completion): prefilled again
+        under the current weights, kept as they are in the completion (with their logprobs and
+        versions), and generation continues after them. Empty for a fresh request.
+    """
+
+    request_id: int | str
+    prompt_ids: list[int]
+    params: SamplingParams
+    group_id: int | None = None
+    mm_inputs: dict | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        where = f"request {self.request_id!r}"
+        if self.params.n != 1:
+            raise ValueError(f"{where}: params.n must be 1 (a prompt with n samples is n requests), got {self.params.n}")
+        if not self.prompt_ids:
+            raise ValueError(f"{where}: prompt_ids is empty")
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"{where}: token_ids, logprobs and versions must have one entry per resumed token, got "
+                             f"{len(self.token_ids)}, {len(self.logprobs)}, {len(self.versions)}")
+        if len(self.token_ids) >= self.params.max_new_tokens:
+            raise ValueError(f"{where}: {len(self.token_ids)} resumed tokens leave nothing to generate under "
+                             f"max_new_tokens={self.params.max_new_tokens}")
+
+    @classmethod
+    def resume(cls, completion: Completion, params: SamplingParams, mm_inputs: dict | None = None) -> "Request":
+        """The request that continues an unfinished ``completion`` (``finish_reason == "abort"``)."""
+        if completion.finished:
+            raise ValueError(f"request {completion.request_id!r} finished ({completion.finish_reason}); only an aborted "
+                             f"completion resumes")
+        if completion.request_id is None or completion.versions is None:
+            raise ValueError("Request.resume needs a completion with request_id and versions (from an incremental engine)")
+        return cls(request_id=completion.request_id, prompt_ids=completion.prompt_ids, params=params,
+                   group_id=completion.group_id, mm_inputs=mm_inputs, token_ids=list(completion.token_ids),
+                   logprobs=list(completion.logprobs), versions=list(completion.versions))
 
 
 @runtime_checkable
@@ -84,3 +163,39 @@ class RolloutEngine(Protocol):
 
     # Optional: ``verify_weights(named_tensors) -> list[str]``, the names whose values in the engine
     # differ from the given full tensors (weight-sync verification, ``sync.verify``).
+
+
+@runtime_checkable
+class IncrementalEngine(Protocol):
+    """The optional request-level API (see the module docstring). Under tensor parallelism every TP
+    rank calls the same methods with the same arguments in the same order, and gets the same results."""
+
+    policy_version: int  # stamped on every token sampled from now on; set it after a weight sync
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Queue ``requests``; they are admitted by the following ``step`` calls."""
+
+    def step(self) -> list[Completion]:
+        """Run one engine step; returns the completions that finished in it."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any added request has not finished (nor been aborted)."""
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> list[Completion]:
+        """Stop the given requests (all unfinished ones when None); returns their partial completions
+        (``finish_reason="abort"``: the tokens, logprobs and versions so far), in the order they were added."""
+
+
+def supports_incremental(engine: RolloutEngine) -> bool:
+    """Whether ``engine`` offers :class:`IncrementalEngine` (partial rollout, multi-turn requests)."""
+    return isinstance(engine, IncrementalEngine)
+
+
+def require_incremental(engine: RolloutEngine, what: str) -> IncrementalEngine:
+    """``engine`` as an :class:`IncrementalEngine`, or NotImplementedError naming ``what`` needs it."""
+    if not supports_incremental(engine):
+        raise NotImplementedError(
+            f"{what} needs incremental requests (add/step/abort), which {type(engine).__name__} does not offer; "
+            f"use engine.backend=native"
+        )
+    return engine

@@ -12,9 +12,9 @@ from tidal.config_base import check
 UNHONOURED_FIELDS: dict[str, tuple[str, ...]] = {
     "native": (),
     "hf": ("max_num_batched_tokens", "block_size", "kv_cache_memory_fraction", "kv_cache_max_tokens",
-           "enable_prefix_caching", "cuda_graphs", "kernel_backend", "overlap_scheduling"),
-    "vllm": ("kernel_backend", "overlap_scheduling"),
-    "sglang": ("kernel_backend", "overlap_scheduling"),
+           "enable_prefix_caching", "cuda_graphs", "kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
+    "vllm": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
+    "sglang": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
 }
 
 
@@ -26,15 +26,21 @@ class EngineConfig:
         over the Hugging Face model with its KV cache), ``vllm`` or ``sglang`` (optional extras).
     tp_size: rollout tensor-parallel size; TP groups are consecutive ranks; WORLD_SIZE % tp_size == 0.
     dtype: weight/activation dtype of the engine (``auto``: bf16 on CUDA, fp32 on CPU).
-    max_num_seqs: most sequences decoded in one step.
+    max_num_seqs: most sequences decoded in one step; ``auto``: as many as the KV cache holds, so a
+        rollout runs in one wave whenever memory allows (native engine; the hf engine then batches
+        all sequences at once).
     max_num_batched_tokens: token budget of one prefill step (chunked prefill above it).
     block_size: tokens per KV-cache block.
-    kv_cache_memory_fraction: fraction of free device memory (after weights) given to the KV cache
-        on CUDA; on CPU ``kv_cache_max_tokens`` bounds the cache instead.
-    kv_cache_max_tokens: hard cap on cached tokens (0: derived from memory on CUDA; required on CPU
-        to be > 0 or it defaults to enough for max_num_seqs full-length sequences).
+    kv_cache_memory_fraction: share of the device memory available at each wake-up (free at the
+        driver plus cached-unused in PyTorch's allocator, i.e. what the phases before the rollout
+        left) given to the KV cache on CUDA; on CPU ``kv_cache_max_tokens`` bounds the cache instead.
+    kv_cache_max_tokens: hard cap on cached tokens (0: derived from memory on CUDA; on CPU, 0 sizes
+        the cache for the sequences of each request that run together, at full length).
     enable_prefix_caching: share KV blocks of identical prompt prefixes (GRPO groups prefill once).
     cuda_graphs: capture decode steps in CUDA graphs at bucketed batch sizes (CUDA only).
+    cuda_graph_max_batch: the largest decode batch replayed from a CUDA graph; larger ones run
+        eagerly (their device time hides the kernel launches; graphs there would cost capture time
+        and graph-pool memory).
     sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights.
     Not every backend honours every field: ``hf`` (a plain loop over the HF model's own cache) takes
     only ``tp_size`` (1), ``dtype``, ``max_num_seqs`` (rows per batch) and ``sleep_level`` (2 moves its
@@ -51,20 +57,23 @@ class EngineConfig:
     backend: Literal["native", "hf", "vllm", "sglang"] = "native"
     tp_size: int = 1
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    max_num_seqs: int = 256
+    max_num_seqs: int | Literal["auto"] = "auto"
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.5
     kv_cache_max_tokens: int = 0
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 512
     sleep_level: int = 1
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     overlap_scheduling: bool = True
 
     def __post_init__(self):
         check(self.tp_size >= 1, "tp_size", "must be >= 1")
-        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_seqs == "auto" or (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1),
+              "max_num_seqs", f"must be 'auto' or an integer >= 1, got {self.max_num_seqs!r}")
+        check(self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction", "must be in (0, 0.95]")
@@ -76,6 +85,6 @@ class EngineConfig:
             check(
                 getattr(self, name) == defaults[name].default, name,
                 f"is not honoured by engine.backend={self.backend} (it is a setting of "
-                f"{'the native engine' if name in ('kernel_backend', 'overlap_scheduling') else 'paged engines'}); "
+                f"{'the native engine' if name in ('kernel_backend', 'overlap_scheduling', 'cuda_graph_max_batch') else 'paged engines'}); "
                 f"leave it at its default ({defaults[name].default!r}) or choose a backend that has it",
             )

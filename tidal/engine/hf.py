@@ -76,7 +76,7 @@ class HFEngine:
         expanded = [p for p in prompts for _ in range(params.n)]
         mm_expanded = [m for m in (mm_inputs or [None] * len(prompts)) for _ in range(params.n)]
         out: list[Completion] = []
-        step = max(1, self.cfg.max_num_seqs)
+        step = max(1, len(expanded)) if self.cfg.max_num_seqs == "auto" else self.cfg.max_num_seqs
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.backends import check_backend_installed
-from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, weight_bytes_per_rank
+from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, max_running, weight_bytes_per_rank
 
 _KV_TAGS = ["kv_cache", "cuda_graph"]
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -71,7 +71,7 @@ def server_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, dtype: torch.
         base_gpu_id=base_gpu_id,
         random_seed=0,
         mem_fraction_static=mem_fraction_static(free=free, total=total, weights=weights, kv_fraction=cfg.kv_cache_memory_fraction),
-        max_running_requests=cfg.max_num_seqs,
+        max_running_requests=max_running(cfg),  # engine.max_num_seqs: auto (None) leaves SGLang its own default
         chunked_prefill_size=cfg.max_num_batched_tokens,
         page_size=cfg.block_size,
         disable_radix_cache=not cfg.enable_prefix_caching,

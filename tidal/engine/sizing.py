@@ -1,9 +1,16 @@
 """Sizing facts of a model for an engine, from its HF config alone (no engine import): KV bytes per
-token, weight bytes per TP rank, EOS ids, and the device's free memory as the driver sees it."""
+token, weight bytes per TP rank, EOS ids, and the device's free memory as the driver sees it; and
+the sizing rules of the engine's KV cache and decode batch (pure functions of the config and the
+memory, called by the native engine at each wake-up)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tidal.engine.config import EngineConfig
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int) -> int:
@@ -40,3 +47,58 @@ def eos_ids(hf_config) -> set[int]:
     if value is None:
         return set()
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+# ---- the engine's KV cache and decode batch (issue 20) ----------------------------------------
+# A rollout is never split into waves when memory allows one wave:
+# - ``engine.max_num_seqs: auto`` puts no cap on the sequences decoded together: as many run as the
+#   KV cache holds. An explicit number caps them.
+# - On CUDA the KV cache takes ``kv_cache_memory_fraction`` of the memory available when the engine
+#   wakes up, i.e. after the phases before the rollout: the driver's free memory plus what PyTorch's
+#   allocator holds cached but unused (it is handed back if the cache needs it).
+#   ``kv_cache_max_tokens`` fixes it instead.
+# - On CPU (tests) the cache holds the sequences that would run together at their full length.
+# - Under tensor parallelism the ranks size their caches from their own memory and schedule over
+#   the smallest block count of the group (the engine's one all-reduce at allocation).
+
+
+def sized_by_memory(device: torch.device) -> bool:
+    """Whether the KV cache on ``device`` is sized from its free memory (CUDA) rather than from the
+    requests (CPU)."""
+    return device.type == "cuda"
+
+
+def available_device_bytes(device: torch.device) -> int:
+    """Device memory the KV cache may take now: free at the driver plus cached-but-unused in PyTorch's allocator."""
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(0, cached)
+
+
+def kv_budget_bytes(cfg: EngineConfig, available_bytes: int) -> int:
+    """Bytes of KV cache to allocate out of ``available_bytes`` (CUDA)."""
+    return int(available_bytes * cfg.kv_cache_memory_fraction)
+
+
+def max_running(cfg: EngineConfig) -> int | None:
+    """The cap on sequences running at once: None for ``auto`` (the KV cache decides)."""
+    return None if cfg.max_num_seqs == "auto" else cfg.max_num_seqs
+
+
+def blocks_for_lengths(lengths: list[int], block_size: int, max_seqs: int | None) -> int:
+    """KV blocks for the longest ``max_seqs`` (all when None) of sequences of full ``lengths`` tokens
+    to run together (CPU sizing)."""
+    blocks = sorted((-(-n // block_size) for n in lengths), reverse=True)
+    return sum(blocks if max_seqs is None else blocks[:max_seqs])
+
+
+def graph_max_batch(cfg: EngineConfig, device: torch.device, graph_safe: bool) -> int:
+    """The largest decode batch replayed from a CUDA graph (0: no graphs). Above
+    ``cuda_graph_max_batch`` a decode step runs eagerly: its device time (a few ms at 0.5B and
+    thousands of rows) hides the ~1 ms of kernel launches behind it (overlap scheduling), while each
+    captured bucket would cost capture time and graph-pool memory for its activations."""
+    if not (cfg.cuda_graphs and device.type == "cuda" and graph_safe):
+        return 0
+    cap = max_running(cfg)
+    return cfg.cuda_graph_max_batch if cap is None else min(cap, cfg.cuda_graph_max_batch)

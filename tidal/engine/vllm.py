@@ -56,7 +56,7 @@ from tidal.config_base import ConfigError
 from tidal.engine.base import Completion, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.backends import check_backend_installed
-from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, weight_bytes_per_rank
+from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, max_running, weight_bytes_per_rank
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes blocks of a multiple of 32 tokens
@@ -120,7 +120,6 @@ def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.de
         dtype=_DTYPES[dtype],
         tensor_parallel_size=cfg.tp_size,
         distributed_executor_backend="external_launcher" if world_size > 1 else "uni",
-        max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         block_size=cfg.block_size,
         enable_prefix_caching=cfg.enable_prefix_caching,
@@ -132,6 +131,8 @@ def llm_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, device: torch.de
         seed=0,  # vLLM's own RNG at start-up; identical on every rank, as external_launcher requires
         disable_log_stats=True,
     )
+    if max_running(cfg) is not None:  # engine.max_num_seqs: auto leaves vLLM its own default
+        kwargs["max_num_seqs"] = max_running(cfg)
     if world_size > cfg.tp_size:
         kwargs["data_parallel_size"] = world_size // cfg.tp_size
     if device.type == "cuda":

@@ -38,7 +38,7 @@ import torch
 
 from tidal.distill.remote import RemoteTeacher
 from tidal.distributed.runtime import Runtime
-from tidal.engine.base import RolloutEngine
+from tidal.engine.base import RolloutEngine, supports_incremental
 from tidal.logging.timer import PhaseTimer
 from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
@@ -171,14 +171,18 @@ class Colocation:
             if model_away:
                 self._move("offload_model", state.model, self.strategy.offload_model)
 
-    def sync_weights(self) -> int:
+    def sync_weights(self, version: int | None = None) -> int:
         """The actor's current weights into the engine (a collective; the engine may be asleep: its
-        KV cache stays freed). Returns the bytes sent."""
+        KV cache stays freed). Returns the bytes sent. ``version``: the policy version the engine's
+        tokens are stamped with from now on (the training step; incremental engines only)."""
         with self.timer.phase("weight_sync"):
-            return self._move(
+            sent = self._move(
                 "update_engine_weights", "engine", update_engine_weights, self.strategy, self.models.actor.model,
                 self.engine, dtype=self.engine_dtype, verify=self.verify_sync,
             )
+        if version is not None and supports_incremental(self.engine):
+            self.engine.policy_version = version
+        return sent
 
     # ---- mechanics -------------------------------------------------------------------------------
     def _rest_away(self, model: torch.nn.Module) -> None:

@@ -156,7 +156,7 @@ class PPOTrainer:
         with self.timer.phase("train"):
             update = self.updater.train(exp, generator=gen)
         metrics.update(update.flat())
-        self.phases.sync_weights()
+        self.phases.sync_weights(version=step)
         self.algo.update_after_step(update.actor)
         self._track_skips(metrics)
         self._mismatch_alarm(metrics)
@@ -266,7 +266,7 @@ class PPOTrainer:
         step = int(st["step"])
         if step != point.step:
             self.logger.rewind(step)
-        self.phases.sync_weights()
+        self.phases.sync_weights(version=step)
         self.timer.pop()  # loading is not a step's phase
         if self.rt.is_main:
             print(f"[tidal] resumed from {path} (step {step})", flush=True)

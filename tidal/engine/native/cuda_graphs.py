@@ -23,7 +23,10 @@ from tidal.engine.native.attention import AttnMetadata
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 1025, 32))
+    """Batch sizes captured up to ``max_bs``: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32
+    to 1024, of 64 above (a replay pads at most about 1/8 of its rows)."""
+    sizes = [1, 2, 4, 8] + list(range(16, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 1024, 32))
+    sizes += list(range(1024, max_bs, 64))
     return [b for b in sizes if b < max_bs] + [max_bs]
 
 
@@ -113,14 +116,15 @@ class DecodeGraphs:
         self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph
 
-    def run(self, ids, pos, slots, ctxs, bt: np.ndarray, scratch_block: int, ids_dev=None,
+    def run(self, inputs: np.ndarray, bt: np.ndarray, scratch_block: int, ids_dev=None,
             temperature: float | None = None, generator: torch.Generator | None = None,
             draws: bool = True) -> torch.Tensor:
-        """Replay the bucket for ``len(ids)`` rows (input tokens ``ids_dev`` on the device if given).
-        Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples ``[2, B]``
-        (a view of the graph's output, valid until the next replay); ``draws``: this rank draws the
-        seed from ``generator`` (TP rank 0; the others' graphs do not sample)."""
-        n = len(ids)
+        """Replay the bucket for ``B`` rows: ``inputs`` ``[4, B]`` (input token, position, cache slot,
+        context length), ``bt`` the block tables ``[B, width]``; input tokens from ``ids_dev`` on the
+        device if given. Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples
+        ``[2, B]`` (a view of the graph's output, valid until the next replay); ``draws``: this rank
+        draws the seed from ``generator`` (TP rank 0; the others' graphs do not sample)."""
+        n = inputs.shape[1]
         bs = next(b for b in self.buckets if b >= n)
         if self.bufs is None:
             before = torch.cuda.memory_reserved(self.device)
@@ -130,10 +134,7 @@ class DecodeGraphs:
         self.parity ^= 1
         host = host_flat[: 4 * bs].view(4, bs)  # contiguous, so the copy below stays asynchronous
         staged = host.numpy()
-        staged[0, :n] = ids
-        staged[1, :n] = pos
-        staged[2, :n] = slots
-        staged[3, :n] = ctxs
+        staged[:, :n] = inputs
         page = self.model.layer_attentions()[0].k_cache.shape[1]
         staged[:, n:bs] = np.array([[0], [0], [scratch_block * page], [1]])
         inputs = self.bufs["inputs"]

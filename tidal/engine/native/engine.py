@@ -2,28 +2,38 @@
 
 It lives in the trainer's process and owns no process group: under tensor parallelism every rank of
 the TP group it was given constructs it and calls each method with the same arguments; outputs are
-identical on all ranks (TP rank 0 samples and broadcasts). The engine loop is three calls per step:
-``scheduler.schedule() -> runner.run(batch) -> scheduler.postprocess(batch, tokens)``.
+identical on all ranks (TP rank 0 samples and broadcasts).
 
-Memory: construction allocates only the (zero) weights; the KV cache is allocated by the first
-``wake_up``/``generate``; ``sleep(1)`` frees the KV cache, ``sleep(2)`` also moves the weights to host
-memory. On CUDA with the driver's virtual memory management the KV cache comes back at the same
-address and size (sized once, at the first allocation), so the decode CUDA graphs are captured once
-and survive level-1 sleeps; elsewhere they are freed with the cache and captured again.
+Requests: ``generate`` (the :class:`~tidal.engine.base.RolloutEngine` call) is built on the
+incremental API (:class:`~tidal.engine.base.IncrementalEngine`): ``add`` requests, ``step`` until
+none is unfinished, ``abort`` to get partial completions back. One step is
+``scheduler.schedule() -> runner.launch(batch) -> [schedule and launch the next step ahead] ->
+runner.wait -> scheduler.postprocess``; the step scheduled ahead stays in flight across ``step``
+calls (``abort`` drops it: its sequences simply compute that token again).
+
+Memory: construction allocates only the (zero) weights; the KV cache is allocated by ``wake_up``
+(or the first request), sized from the memory available then (:mod:`tidal.engine.sizing`);
+``sleep(1)`` frees it, ``sleep(2)`` also moves the weights to host memory. On CUDA with the driver's
+virtual memory management each layer's cache comes back at the same addresses whatever its size,
+so the decode CUDA graphs are captured once and survive level-1 sleeps; elsewhere they are freed
+with the cache and captured again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import time
-from typing import Iterable
+from typing import Iterable, Sequence as Seq
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal.engine.base import Completion, SamplingParams
+from tidal.engine import sizing
+from tidal.engine.base import Completion, Request, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.native.block_manager import BlockManager
 from tidal.engine.native.kernels import get_ops
@@ -31,7 +41,7 @@ from tidal.engine.native.model_runner import ModelRunner, SamplingState
 from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
-from tidal.engine.native.sequence import Sequence
+from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
 
 
 def _eos_ids(value) -> set[int]:
@@ -40,15 +50,22 @@ def _eos_ids(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
+TIMERS = ("schedule_s", "postprocess_s", "prepare_s", "submit_s", "wait_s")
+
+
 class NativeEngine:
     """Implements :class:`tidal.engine.base.RolloutEngine` for Qwen2/Qwen2.5/Qwen3/Llama models, and
     Qwen2-VL/Qwen2.5-VL with image prompts (``generate(..., mm_inputs=...)``).
 
     ``stats`` counts, since construction: ``prefill_tokens`` (tokens whose KV was computed by
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
-    ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host wall seconds spent in ``schedule_s``,
-    ``postprocess_s`` and the runner's ``prepare_s`` (inputs), ``submit_s`` (model + sampling
-    enqueued) and ``wait_s`` (waiting for the sampled tokens).
+    ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host
+    wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
+    ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens).
+    :meth:`host_ms_per_step` turns two snapshots of ``stats`` into milliseconds per step.
+
+    ``policy_version``: stamped on every token sampled from now on (``Completion.versions``); set it
+    after each weight sync. It changes only while no request is in flight.
     """
 
     def __init__(
@@ -66,17 +83,21 @@ class NativeEngine:
         self.tp = TPGroup.of(tp_group)
         self.ops = get_ops(cfg.kernel_backend, self.device)
         self.model = build_model(hf_config, self.tp, self.ops, self.device, dtype)
-        use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and getattr(self.ops, "graph_safe", False)
-        self.runner = ModelRunner(
-            self.model, self.tp, block_size=cfg.block_size, device=self.device, use_graphs=use_graphs,
-            max_num_seqs=cfg.max_num_seqs,
-        )
+        graph_max_batch = sizing.graph_max_batch(cfg, self.device, getattr(self.ops, "graph_safe", False))
+        self.runner = ModelRunner(self.model, self.tp, block_size=cfg.block_size, device=self.device,
+                                  graph_max_batch=graph_max_batch)
         text_config = hf_config.get_text_config()  # a VL config may keep EOS in its text config only
         self.eos_token_ids = _eos_ids(getattr(hf_config, "eos_token_id", None)) | _eos_ids(getattr(text_config, "eos_token_id", None))
-        self.block_manager: BlockManager | None = None
+        self.table = SequenceTable(cfg.block_size)
+        self.block_manager: BlockManager | None = None  # with the KV cache
+        self.scheduler: Scheduler | None = None  # with the KV cache
         self.sleep_level = 0  # 0 awake; 1 KV freed; 2 KV freed and weights on the host
         self._host_weights: dict[str, torch.Tensor] = {}
         self._seq_ids = itertools.count()
+        self._requests: dict = {}  # request id -> Sequence, unfinished ones
+        self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
+        self._sampling: SamplingState | None = None  # of the requests in flight
+        self._policy_version = 0
         self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
                           ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
         self.stats.update(self.runner.timings)
@@ -107,45 +128,61 @@ class NativeEngine:
         return engine
 
     # ---- memory ---------------------------------------------------------------------------------
-    def _kv_blocks_for(self, prompts: list[list[int]] | None, params: SamplingParams | None) -> int:
+    def _kv_blocks_wanted(self, lengths: list[int] | None) -> int:
+        """Blocks for a new KV cache: ``kv_cache_max_tokens`` when set; on CUDA the memory available
+        now (:mod:`tidal.engine.sizing`); on CPU the sequences of full ``lengths`` that run together
+        (without ``lengths``: ``max_num_seqs`` (or one) sequences of the model's full context)."""
         cfg, bs = self.cfg, self.cfg.block_size
         if cfg.kv_cache_max_tokens > 0:
             return cfg.kv_cache_max_tokens // bs
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * cfg.kv_cache_memory_fraction) // self.runner.block_bytes()
-        # CPU without a cap: room for max_num_seqs sequences of the longest request of this call
-        longest = self.model.max_positions
-        n_seqs = cfg.max_num_seqs
-        if prompts:
-            longest = min(longest, max(len(p) for p in prompts) + params.max_new_tokens)
-            n_seqs = min(n_seqs, len(prompts) * params.n)
-        return n_seqs * ((longest + bs - 1) // bs)
+        if sizing.sized_by_memory(self.device):
+            return self.runner.blocks_for_bytes(sizing.kv_budget_bytes(cfg, sizing.available_device_bytes(self.device)))
+        cap = sizing.max_running(cfg)
+        if lengths is None:
+            lengths = [self.model.max_positions] * (cap or 1)
+        return sizing.blocks_for_lengths(lengths, bs, cap)
 
-    def _ensure_kv(self, prompts=None, params=None) -> int:
-        """Allocate the KV cache if absent; on CPU without a cap, regrow it when this request needs more.
-        Returns the bytes allocated."""
-        grows = self.device.type == "cpu" and self.cfg.kv_cache_max_tokens == 0 and prompts is not None
-        if self.runner.kv_cache is not None:
-            if not grows or self.runner.num_blocks >= self._kv_blocks_for(prompts, params):
+    def _ensure_kv(self, lengths: list[int] | None = None) -> int:
+        """Allocate the KV cache if absent; on CPU without a cap, regrow it (while idle) when the
+        sequences of full ``lengths`` need more. Returns the bytes allocated."""
+        grows = not sizing.sized_by_memory(self.device) and self.cfg.kv_cache_max_tokens == 0 and lengths is not None
+        if self.runner.kv_layers:
+            if not grows or not self._idle() or self.runner.num_blocks >= self._kv_blocks_wanted(lengths):
                 return 0
             self.runner.free_kv_cache()
-        need = self.runner.fixed_kv_blocks or self._kv_blocks_for(prompts, params)
+        need = self._kv_blocks_wanted(lengths)
         if need < 1:
             raise RuntimeError("no memory left for a single KV block")
-        nbytes = self.runner.allocate_kv_cache(need)
+        try:
+            nbytes = self.runner.allocate_kv_cache(need)
+        except torch.OutOfMemoryError:
+            if self.device.type != "cuda":
+                raise
+            # the allocator's cached blocks counted as available but were fragmented: hand back what
+            # it can and size again from what is really free
+            torch.cuda.empty_cache()
+            need = self._kv_blocks_wanted(lengths)
+            if need < 1:
+                raise RuntimeError("no memory left for a single KV block") from None
+            nbytes = self.runner.allocate_kv_cache(need)
+        # every TP rank must schedule alike: the ranks sized their caches from their own free memory,
+        # so all use the smallest block count (a larger cache leaves its last blocks unused)
+        need = self.tp.min_int(need, self.device)
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
+                                   max_num_batched_tokens=self.cfg.max_num_batched_tokens)
         return nbytes
 
     def sleep(self, level: int = 1) -> int:
         """Level 1: free the KV cache (prefix cache forgotten); the CUDA graphs are kept when the cache
-        has a fixed address, else freed too. Level 2: also move the weights to host memory (and drop
-        the graphs, which point at them). Returns device bytes freed (0 for weights on a CPU engine)."""
+        has fixed addresses, else freed too. Level 2: also move the weights to host memory (and drop
+        the graphs, which point at them). Returns device bytes freed (0 for weights on a CPU engine).
+        Refused while requests are in flight (``abort`` them first)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._require_idle("sleep()")
         freed = self.runner.free_kv_cache()
-        self.block_manager = None
+        self.block_manager = self.scheduler = None
         if level == 2 and self.sleep_level < 2 and self.device.type != "cpu":
             freed += self.runner.drop_graphs()
             for name, p in self.model.named_parameters():
@@ -159,7 +196,8 @@ class NativeEngine:
         return freed
 
     def wake_up(self) -> int:
-        """Restore the weights (if level 2) and allocate the KV cache. Returns device bytes restored."""
+        """Restore the weights (if level 2) and allocate the KV cache, sized from the memory available
+        now. Returns device bytes restored."""
         restored = self._restore_weights()
         self.sleep_level = 0
         return restored + self._ensure_kv()
@@ -176,7 +214,9 @@ class NativeEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors into the weights in place (one tensor at a time, so the peak
         is one tensor). Forgets the prefix cache. Asleep at level 2, the weights come back to the
-        device first (a staged wake-up: the KV cache stays freed until ``wake_up``)."""
+        device first (a staged wake-up: the KV cache stays freed until ``wake_up``). Refused while
+        requests are in flight (``abort`` them, load, then resume them)."""
+        self._require_idle("load_weights()")
         self._restore_weights()
         self.model.load_weights(named_tensors)
         if self.block_manager is not None:
@@ -189,9 +229,168 @@ class NativeEngine:
 
     def memory_report(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.numel())
-        kv = self.runner.kv_cache
         graphs = self.runner.graphs.bytes if self.runner.graphs is not None else 0
-        return {"weights": weights, "kv_cache": 0 if kv is None else kv.numel() * kv.element_size(), "graphs": graphs}
+        return {"weights": weights, "kv_cache": self.runner.kv_bytes, "graphs": graphs}
+
+    # ---- incremental requests -------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._require_idle("setting policy_version")
+        self._policy_version = int(version)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def _idle(self) -> bool:
+        return not self._requests and self._pending is None
+
+    def _require_idle(self, what: str) -> None:
+        if self._requests:
+            raise RuntimeError(f"{what} with {len(self._requests)} unfinished requests: abort() them first")
+
+    def add(self, requests: Seq[Request]) -> None:
+        """Queue ``requests`` (see :class:`~tidal.engine.base.IncrementalEngine`). All requests in
+        flight sample from one distribution: the first request added to an idle engine sets its
+        temperature, top-k and top-p (and seeds the random stream with its ``seed``); a request with
+        another distribution is refused until they finish. Its ``max_new_tokens``, stop tokens and
+        ``ignore_eos`` are its own. Nothing is added when any request is invalid."""
+        mm = {}  # id(mm_inputs) -> MultimodalPrompt, shared by the requests that share the dict
+        for r in requests:
+            if r.mm_inputs is not None and id(r.mm_inputs) not in mm:
+                mm[id(r.mm_inputs)] = self._multimodal(r.prompt_ids, r.mm_inputs, f"request {r.request_id!r}")
+        self._add(requests, [mm.get(id(r.mm_inputs)) for r in requests])
+
+    def _multimodal(self, prompt_ids: list[int], mm_inputs: dict, where: str):
+        if not self.model.multimodal:
+            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__})")
+        return self.model.multimodal_prompt(prompt_ids, mm_inputs, where=where)
+
+    def _add(self, requests: Seq[Request], mm: list) -> None:
+        if self.sleep_level:
+            raise RuntimeError("requests for a sleeping engine: call wake_up() first")
+        if not requests:
+            return
+        max_pos = self.model.max_positions
+        ids = set()
+        for r in requests:
+            n = len(r.prompt_ids) + len(r.token_ids)
+            if n >= max_pos:
+                raise ValueError(f"request {r.request_id!r}: {n} prompt and resumed tokens >= max_position_embeddings={max_pos}")
+            if r.request_id in self._requests or r.request_id in ids:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+            ids.add(r.request_id)
+        sampling = self._sampling_for(requests)
+        lengths = [min(len(r.prompt_ids) + r.params.max_new_tokens, max_pos) for r in requests]
+        self._ensure_kv(lengths)
+        for r, max_len in zip(requests, lengths):  # every request fits the cache: checked before any is queued
+            kv_tokens = max_len - 1
+            if -(-kv_tokens // self.cfg.block_size) > self.block_manager.num_blocks:
+                raise ValueError(
+                    f"request {r.request_id!r}: {len(r.prompt_ids)} prompt tokens + {max_len - len(r.prompt_ids)} new ones "
+                    f"need more KV blocks than the cache has ({self.block_manager.num_blocks} of {self.cfg.block_size} tokens)")
+        self._sampling = sampling
+        for r, m, max_len in zip(requests, mm, lengths):
+            stop = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else frozenset(self.eos_token_ids))
+            seq = Sequence(next(self._seq_ids), r.request_id, r.group_id, list(r.prompt_ids),
+                           stop_set=self.scheduler.stop_set(stop), mm=m, old_logprobs=list(r.logprobs),
+                           old_versions=list(r.versions), version=self._policy_version)
+            slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
+            self.scheduler.add(slot)
+            self._requests[r.request_id] = seq
+
+    def _sampling_for(self, requests: Seq[Request]) -> SamplingState:
+        first = requests[0].params
+        key = (first.temperature, first.top_k, first.top_p)
+        for r in requests:
+            if (r.params.temperature, r.params.top_k, r.params.top_p) != key:
+                raise ValueError(f"request {r.request_id!r} samples with temperature/top_k/top_p "
+                                 f"{(r.params.temperature, r.params.top_k, r.params.top_p)}, others with {key}: "
+                                 f"requests in flight share one distribution")
+        if self._sampling is not None and self._requests:
+            cur = (self._sampling.temperature, self._sampling.top_k, self._sampling.top_p)
+            if cur != key:
+                raise ValueError(f"requests sampling with temperature/top_k/top_p {key} while others in flight sample "
+                                 f"with {cur}: requests in flight share one distribution (finish or abort them first)")
+            return self._sampling
+        return SamplingState(first.temperature, first.top_k, first.top_p, self._generator(first.seed))
+
+    def step(self) -> list[Completion]:
+        """Run one step (and schedule the next decode step ahead); returns the completions that
+        finished in it, in the order they were added."""
+        if not self._requests:
+            return []
+        stats, runner, sched = self.stats, self.runner, self.scheduler
+        hits_before, preempted_before = self.block_manager.num_hit_tokens, sched.num_preemptions
+        t0 = time.perf_counter()
+        if self._pending is None:
+            batch = sched.schedule()
+            stats["schedule_s"] += time.perf_counter() - t0
+            handle = runner.launch(batch, self.table, self._sampling)
+            self._count(batch)
+            t0 = time.perf_counter()
+        else:
+            batch, handle = self._pending
+        ahead = sched.schedule_ahead(batch) if self.cfg.overlap_scheduling else None
+        stats["schedule_s"] += time.perf_counter() - t0
+        self._pending = None
+        if ahead is not None:
+            self._pending = (ahead, runner.launch(ahead, self.table, self._sampling, prev=handle))
+            self._count(ahead)
+            stats["ahead_steps"] += 1
+        tokens, logprobs = runner.wait(handle)
+        t0 = time.perf_counter()
+        finished = sched.postprocess(batch, tokens, logprobs)
+        done = sorted((self._complete(s) for s in finished.tolist()), key=lambda c: c[0])
+        if not self._requests and self._pending is not None:  # every row ahead is void
+            runner.wait(self._pending[1])
+            self._pending = None
+        stats["prefix_hit_tokens"] += self.block_manager.num_hit_tokens - hits_before
+        stats["preemptions"] += sched.num_preemptions - preempted_before
+        stats["postprocess_s"] += time.perf_counter() - t0
+        stats.update(runner.timings)
+        return [c for _, c in done]
+
+    def _complete(self, slot: int) -> tuple[int, Completion]:
+        """The completion of the finished (or aborted) sequence in ``slot``; frees the slot."""
+        t, seq = self.table, self.table.seqs[slot]
+        start = len(seq.prompt_ids) + seq.num_resumed
+        new = int(t.num_tokens[slot]) - start
+        completion = Completion(
+            prompt_ids=seq.prompt_ids, token_ids=t.token_list(slot, len(seq.prompt_ids)),
+            logprobs=seq.old_logprobs + t.logprobs[slot, start : start + new].tolist(),
+            finish_reason=FINISH_REASONS[int(t.finish[slot])], request_id=seq.request_id, group_id=seq.group_id,
+            versions=seq.old_versions + [seq.version] * new,
+        )
+        del self._requests[seq.request_id]
+        t.release(slot)
+        return seq.seq_id, completion
+
+    def abort(self, request_ids: Iterable | None = None) -> list[Completion]:
+        """Stop the given unfinished requests (all when None) and return their partial completions
+        (``finish_reason="abort"``), in the order they were added. A step in flight is dropped (the
+        sequences that go on compute its token again); unknown ids are ignored."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.runner.wait(pending[1])
+        ids = list(self._requests) if request_ids is None else [i for i in request_ids if i in self._requests]
+        if not ids:
+            return []
+        slots = np.array(sorted(self._requests[i].slot for i in ids), dtype=np.int64)
+        self.scheduler.abort(slots)
+        done = sorted((self._complete(s) for s in slots.tolist()), key=lambda c: c[0])
+        return [c for _, c in done]
+
+    def host_ms_per_step(self, before: dict) -> dict[str, float]:
+        """Host milliseconds per engine step of each timer (``schedule``, ``postprocess``,
+        ``prepare``, ``submit``, ``wait``) since the ``stats`` snapshot ``before``, and ``steps``."""
+        steps = sum(self.stats[k] - before[k] for k in ("decode_steps", "prefill_steps"))
+        out = {k[:-2]: (self.stats[k] - before[k]) * 1e3 / max(1, steps) for k in TIMERS}
+        out["steps"] = steps
+        return out
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(
@@ -201,70 +400,33 @@ class NativeEngine:
 
         ``mm_inputs[i]``: the pixel inputs of prompt i's images (None for a text prompt; see
         :mod:`tidal.models.vision`), its ids already holding the placeholders. Vision-language models
-        only (Qwen2-VL / Qwen2.5-VL); the images' features are computed once per prompt."""
+        only (Qwen2-VL / Qwen2.5-VL); the images' features are computed once per prompt. Refused
+        while incremental requests are in flight."""
         if self.sleep_level:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
+        self._require_idle("generate()")
         if not prompts:
             return []
-        if mm_inputs is not None:
-            if len(mm_inputs) != len(prompts):
-                raise ValueError(f"generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
-            if not self.model.multimodal and any(m is not None for m in mm_inputs):
-                raise ValueError(f"generate: image inputs given to a text-only model ({type(self.model).__name__})")
-        self._ensure_kv(prompts, params)
-        max_pos = self.model.max_positions
-        seqs = []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) >= max_pos:
-                raise ValueError(f"prompt of {len(prompt)} tokens >= max_position_embeddings={max_pos}")
-            mm = mm_inputs[i] if mm_inputs is not None else None
-            mm = self.model.multimodal_prompt(prompt, mm, where=f"prompt {i}") if mm is not None else None
-            for _ in range(params.n):
-                seqs.append(Sequence(next(self._seq_ids), prompt, min(params.max_new_tokens, max_pos - len(prompt)), mm))
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        scheduler = Scheduler(
-            self.block_manager, max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens
-        )
-        for seq in seqs:
-            scheduler.add(seq)
-        sampling = SamplingState(params.temperature, params.top_k, params.top_p, self._generator(params.seed))
-        hits_before = self.block_manager.num_hit_tokens
-        self._loop(scheduler, sampling, stop_ids)
-        self.stats.update(self.runner.timings)
-        self.stats["prefix_hit_tokens"] += self.block_manager.num_hit_tokens - hits_before
-        self.stats["preemptions"] += scheduler.num_preemptions
-        return [
-            Completion(prompt_ids=s.prompt_ids, token_ids=s.completion_ids, logprobs=s.logprobs,
-                       finish_reason=s.finish_reason)
-            for s in seqs
-        ]
-
-    def _loop(self, scheduler: Scheduler, sampling: SamplingState, stop_ids: frozenset[int]) -> None:
-        """schedule -> launch -> (schedule the next decode step ahead and launch it) -> wait ->
-        postprocess, until every sequence is finished."""
-        stats, runner = self.stats, self.runner
-        pending = None  # a launched batch scheduled ahead, and its handle
-        while pending is not None or not scheduler.is_finished():
-            t0 = time.perf_counter()
-            if pending is None:
-                batch = scheduler.schedule()
-                handle = runner.launch(batch, sampling)
-                self._count(batch)
-            else:
-                batch, handle = pending
-            ahead = scheduler.schedule_ahead(batch) if self.cfg.overlap_scheduling else None
-            stats["schedule_s"] += time.perf_counter() - t0
-            pending = None
-            if ahead is not None:
-                pending = (ahead, runner.launch(ahead, sampling, prev=handle))
-                self._count(ahead)
-                stats["ahead_steps"] += 1
-            tokens, logprobs = runner.wait(handle)
-            t0 = time.perf_counter()
-            scheduler.postprocess(batch, tokens, logprobs, stop_ids)
-            if ahead is not None:
-                scheduler.commit_ahead(ahead)
-            stats["postprocess_s"] += time.perf_counter() - t0
+        if mm_inputs is not None and len(mm_inputs) != len(prompts):
+            raise ValueError(f"generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
+        mm = [None] * len(prompts)
+        for i, m in enumerate(mm_inputs or []):
+            if m is not None:
+                mm[i] = self._multimodal(prompts[i], m, f"prompt {i}")
+        one = dataclasses.replace(params, n=1)
+        n = params.n
+        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i)
+                    for i, p in enumerate(prompts) for j in range(n)]
+        self._add(requests, [m for m in mm for _ in range(n)])
+        out: list[Completion | None] = [None] * len(requests)
+        try:
+            while self._requests:
+                for c in self.step():
+                    out[c.request_id] = c
+        except BaseException:
+            self.abort()  # leave the engine idle: the next call starts clean
+            raise
+        return out
 
     def _count(self, batch) -> None:
         if batch.is_prefill:

@@ -1,17 +1,21 @@
 """Runs one scheduled step on the device: builds the flat inputs and attention metadata, runs the model
 (eagerly, or by replaying a captured decode graph), samples on TP rank 0 and shares the result.
 
-Owns the KV-cache tensor ``[layers, 2, num_blocks + 1, block_size, H_kv, D]``; the extra last block
-is a scratch block that padded rows of a CUDA-graph batch write into. On CUDA with the driver's
-virtual memory management the cache lives at one fixed address (:mod:`fixed_memory`): freeing it
-gives its memory back to the driver, allocating it again maps new memory at the same address, and
-the decode graphs, which point into it, are kept. Knows nothing about requests or the scheduling policy.
+Inputs are built from the :class:`SequenceTable`'s per-slot arrays with vectorized numpy (a decode
+step of thousands of rows is a few gathers and one host-to-device copy of ids, positions, slots and
+context lengths, plus one of the block tables); the sampled tokens come back as numpy arrays.
+
+Owns the KV cache: per layer a K and a V tensor ``[num_blocks + 1, block_size, H_kv, D]``; the
+extra last block is a scratch block that padded rows of a CUDA-graph batch write into. On CUDA with
+the driver's virtual memory management each of them lives in its own address region
+(:mod:`fixed_memory`): freeing the cache gives its memory back to the driver, allocating it again
+maps new memory (as much as this wake-up's block count needs) at the same addresses, and the decode
+graphs, which point into it, are kept. Knows nothing about requests or the scheduling policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np
@@ -23,6 +27,7 @@ from tidal.engine.native.cuda_graphs import DecodeGraphs
 from tidal.engine.native.models import DecoderLM, head_dim_of
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
+from tidal.engine.native.sequence import SequenceTable
 from tidal.engine.sampler import fused_applies, sample
 
 
@@ -41,8 +46,10 @@ class SamplingState:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, tp: TPGroup, *, block_size: int, device: torch.device, use_graphs: bool,
-                 max_num_seqs: int):
+    def __init__(self, model: DecoderLM, tp: TPGroup, *, block_size: int, device: torch.device,
+                 graph_max_batch: int = 0):
+        """``graph_max_batch``: the largest decode batch replayed from a CUDA graph (0: no graphs);
+        larger batches run eagerly."""
         self.model = model
         self.tp = tp
         self.block_size = block_size
@@ -52,62 +59,74 @@ class ModelRunner:
         self.kv_shape_tail = (block_size, attn.num_kv_heads, head_dim_of(cfg))
         self.num_layers = cfg.num_hidden_layers
         self.kv_dtype = model.cos_sin_PD.dtype
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_layers: list[torch.Tensor] = []  # K0, V0, K1, V1, ... (empty while freed)
         self.num_blocks = 0
-        self._kv_memory: fixed_memory.FixedAddressMemory | None = None  # the cache's address range, kept
+        self._kv_regions: fixed_memory.FixedAddressRegions | None = None  # the layers' address regions, kept
         self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
-        self.graphs = DecodeGraphs(model, max_num_seqs, self.max_blocks_per_seq, device) if use_graphs else None
+        self.graphs = DecodeGraphs(model, graph_max_batch, self.max_blocks_per_seq, device) if graph_max_batch else None
         self._pin = device.type == "cuda"
         self.timings = {"prepare_s": 0.0, "submit_s": 0.0, "wait_s": 0.0}  # host wall seconds, cumulative
 
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
         """Device bytes of one KV block over all layers (K and V)."""
+        return 2 * self.num_layers * self._half_block_bytes()
+
+    def _half_block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V) cache."""
         b, h, d = self.kv_shape_tail
-        return self.num_layers * 2 * b * h * d * self.kv_dtype.itemsize
+        return b * h * d * self.kv_dtype.itemsize
 
     @property
-    def fixed_kv_blocks(self) -> int:
-        """Blocks of the fixed-address KV range from an earlier allocation (0: none); allocating that
-        many again keeps the decode graphs."""
-        return self._kv_memory.nbytes // self.block_bytes() - 1 if self._kv_memory is not None else 0  # - scratch
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_layers)
+
+    def blocks_for_bytes(self, nbytes: int) -> int:
+        """The most blocks a cache of at most ``nbytes`` holds (the scratch block and, at a fixed
+        address, the driver's mapping granularity counted); 0 if not even one."""
+        regions = 2 * self.num_layers
+        if fixed_memory.supported(self.device):
+            per_region = nbytes // regions
+            gran = self._regions().granularity
+            per_region = min(per_region // gran * gran, self._regions().region_bytes)
+            return max(0, per_region // self._half_block_bytes() - 1)
+        return max(0, nbytes // self.block_bytes() - 1)
+
+    def _regions(self) -> fixed_memory.FixedAddressRegions:
+        if self._kv_regions is None:
+            regions = 2 * self.num_layers
+            self._kv_regions = fixed_memory.FixedAddressRegions(
+                regions, fixed_memory.device_total_bytes(self.device) // regions, self.device)
+        return self._kv_regions
 
     def allocate_kv_cache(self, num_blocks: int) -> int:
-        """Allocate a zeroed cache of ``num_blocks`` (+ the scratch block). Returns its bytes."""
-        assert self.kv_cache is None
-        shape = (self.num_layers, 2, num_blocks + 1, *self.kv_shape_tail)
-        nbytes = math.prod(shape) * self.kv_dtype.itemsize
-        if self._kv_memory is not None and num_blocks != self.fixed_kv_blocks:
-            self._release_kv_range()
-        if self._kv_memory is None and fixed_memory.supported(self.device):
-            self._kv_memory = fixed_memory.FixedAddressMemory(nbytes, self.device)
-        if self._kv_memory is not None:
-            try:
-                raw = self._kv_memory.map()
-            except torch.OutOfMemoryError:  # the trainer's cached blocks hold the memory: hand them back
-                torch.cuda.empty_cache()
-                raw = self._kv_memory.map()
-            self.kv_cache = raw.view(self.kv_dtype).view(shape).zero_()
+        """Allocate a zeroed cache of ``num_blocks`` (+ the scratch block). Returns its bytes; raises
+        :class:`torch.OutOfMemoryError` when the device cannot hold it."""
+        assert not self.kv_layers
+        shape = (num_blocks + 1, *self.kv_shape_tail)
+        if fixed_memory.supported(self.device):
+            raws = self._regions().map((num_blocks + 1) * self._half_block_bytes())
+            self.kv_layers = [raw.view(self.kv_dtype).view(shape).zero_() for raw in raws]
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            whole = torch.zeros((2 * self.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
+            self.kv_layers = list(whole.unbind(0))
         self.num_blocks = num_blocks
         for i, attn in enumerate(self.model.layer_attentions()):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        return nbytes
+            attn.k_cache, attn.v_cache = self.kv_layers[2 * i], self.kv_layers[2 * i + 1]
+        return self.kv_bytes
 
     def free_kv_cache(self) -> int:
-        """Release the KV cache's memory. At a fixed address the decode graphs stay (they are valid
-        again once the cache is re-allocated at the same size); otherwise they are dropped with it
+        """Release the KV cache's memory. At fixed addresses the decode graphs stay (they are valid
+        again once the cache is re-allocated, at any block count); otherwise they are dropped with it
         and the allocator's cache is emptied. Returns device bytes released."""
-        freed = self.graphs.free() if self.graphs is not None and self._kv_memory is None else 0
-        if self.kv_cache is not None:
-            freed += self.kv_cache.numel() * self.kv_cache.element_size()
-            for attn in self.model.layer_attentions():
-                attn.k_cache = attn.v_cache = torch.empty(0)
-            self.kv_cache = None
-            self.num_blocks = 0
-        if self._kv_memory is not None:
-            self._kv_memory.unmap()  # no tensor over the range is left
+        freed = self.graphs.free() if self.graphs is not None and self._kv_regions is None else 0
+        freed += self.kv_bytes
+        for attn in self.model.layer_attentions():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.kv_layers = []
+        self.num_blocks = 0
+        if self._kv_regions is not None:
+            self._kv_regions.unmap()  # no tensor over the regions is left
         elif self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -117,63 +136,56 @@ class ModelRunner:
         the caller empties the allocator cache once the weights are gone too."""
         return self.graphs.free() if self.graphs is not None else 0
 
-    def _release_kv_range(self) -> None:
-        if self.graphs is not None:
-            self.graphs.free()
-        self._kv_memory.close()
-        self._kv_memory = None
-
     # ---- inputs ---------------------------------------------------------------------------------
     def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin) if not isinstance(data, np.ndarray) else (
-            torch.from_numpy(data).pin_memory() if self._pin else torch.from_numpy(data))
+        if not isinstance(data, np.ndarray):
+            data = np.asarray(data)
+        t = torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
+        if self._pin:
+            t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs) -> np.ndarray:
-        width = max(len(s.block_table) for s in seqs)
-        bt = np.full((len(seqs), width), self.num_blocks, dtype=np.int32)  # pad with the scratch block
-        for i, s in enumerate(seqs):
-            bt[i, : len(s.block_table)] = s.block_table
-        return bt
-
-    def _prefill_inputs(self, batch: Batch):
+    def _prefill_inputs(self, batch: Batch, table: SequenceTable):
         bs = self.block_size
-        ids, pos, slots, qlens, ctxs = [], [], [], [], []
-        for seq in batch.seqs:
-            s, n = seq.num_cached_tokens, seq.num_scheduled_tokens
-            ids.extend(seq.token_ids[s : s + n])
-            pos.extend(range(s, s + n))
-            bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(s, s + n))
-            qlens.append(n)
-            ctxs.append(s + n)
-        cu = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        rows, num_new, start = batch.rows, batch.num_new, batch.start
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        T = int(cu[-1])
+        row_T = np.repeat(rows, num_new)
+        pos_T = np.arange(T, dtype=np.int64) + np.repeat(start - cu[:-1], num_new)
+        flat = np.empty((3, T), dtype=np.int64)  # ids, positions, slots: one copy to the device
+        flat[0] = table.tokens[row_T, pos_T]
+        flat[1] = pos_T
+        flat[2] = table.block_table[row_T, pos_T // bs].astype(np.int64) * bs + pos_T % bs
+        flat_dev = self._tensor(flat, torch.int64)
+        ctxs = start + num_new
+        width = int(table.num_blocks[rows].max())
         meta = AttnMetadata(
             is_prefill=True,
-            slot_mapping_T=self._tensor(slots, torch.int64),
-            block_tables_BN=self._tensor(self._block_tables(batch.seqs), torch.int32),
+            slot_mapping_T=flat_dev[2],
+            block_tables_BN=self._tensor(table.block_table[rows, :width], torch.int32),
             context_lens_B=self._tensor(ctxs, torch.int32),
             cu_seqlens_q_B1=self._tensor(cu, torch.int32),
-            query_lens=qlens,
-            context_lens=ctxs,
-            max_query_len=max(qlens),
-            max_context_len=max(ctxs),
+            query_lens=num_new.tolist(),
+            context_lens=ctxs.tolist(),
+            max_query_len=int(num_new.max()),
+            max_context_len=int(ctxs.max()),
         )
-        rows = [int(cu[i + 1]) - 1 for i, samples in enumerate(batch.sampling) if samples]
-        ids_T = self._tensor(ids, torch.int64)
-        extra = self._multimodal_inputs(batch, ids_T) if self.model.multimodal else {}
-        return ids_T, self._tensor(pos, torch.int64), meta, rows, extra
+        sample_rows = (cu[1:] - 1)[batch.sampling]
+        extra = self._multimodal_inputs(batch, table, start, flat_dev[0]) if self.model.multimodal else {}
+        return flat_dev[0], flat_dev[1], meta, sample_rows, extra
 
-    def _multimodal_inputs(self, batch: Batch, ids_T: torch.Tensor) -> dict:
+    def _multimodal_inputs(self, batch: Batch, table: SequenceTable, start: np.ndarray, ids_T: torch.Tensor) -> dict:
         """For a prefill batch holding image prompts: the embeddings with the image features in the
         placeholders' rows, and every token's M-RoPE ``[cos | sin]`` row. {} for text-only batches
         (M-RoPE with three equal ids is the 1-D table). A prompt's features are computed by the first
         chunk that needs them and kept on its :class:`MultimodalPrompt`."""
-        if all(seq.mm is None for seq in batch.seqs):
+        seqs = [table.seqs[s] for s in batch.rows.tolist()]
+        if all(seq.mm is None for seq in seqs):
             return {}
         pos3, feats, dst, offset = [], [], [], 0
-        for seq in batch.seqs:
-            s, n, mm = seq.num_cached_tokens, seq.num_scheduled_tokens, seq.mm
+        for seq, s, n in zip(seqs, start.tolist(), batch.num_new.tolist()):
+            mm = seq.mm
             if mm is None:
                 pos3.append(np.broadcast_to(np.arange(s, s + n, dtype=np.int64), (3, n)))
             else:
@@ -192,49 +204,54 @@ class ModelRunner:
             embeds_TH[self._tensor(np.concatenate(dst), torch.int64)] = torch.cat(feats).to(embeds_TH.dtype)
         return {"embeds_TH": embeds_TH, "cos_sin_TD": cos_sin_TD}
 
-    def _decode_inputs(self, batch: Batch):
-        """Per-row input token, position, slot, context length and block table. A batch scheduled
-        ahead runs one token past each sequence's current length (its input token is not known yet:
-        0 here, fed on the device)."""
-        bs = self.block_size
-        ahead = int(batch.src_rows is not None)
-        ctxs = [len(s) + ahead for s in batch.seqs]
-        ids = [0] * len(ctxs) if ahead else [s.token_ids[-1] for s in batch.seqs]
-        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(batch.seqs, ctxs)]
-        pos = [n - 1 + s.rope_delta for s, n in zip(batch.seqs, ctxs)]
-        return ids, pos, slots, ctxs, self._block_tables(batch.seqs)
+    def _decode_inputs(self, batch: Batch, table: SequenceTable) -> tuple[np.ndarray, np.ndarray]:
+        """``[4, B]`` int64 rows (input token, position, cache slot, context length) and the block
+        tables ``[B, width]``. A batch scheduled ahead runs one token past each sequence's current
+        length (its input token is not known yet: 0 here, fed on the device)."""
+        bs, rows = self.block_size, batch.rows
+        ahead = batch.src_rows is not None
+        inputs = np.empty((4, len(rows)), dtype=np.int64)
+        ctx = table.num_tokens[rows] + ahead
+        last = ctx - 1
+        inputs[0] = 0 if ahead else table.tokens[rows, last]
+        inputs[1] = last + table.rope_delta[rows]
+        inputs[2] = table.block_table[rows, last // bs].astype(np.int64) * bs + last % bs
+        inputs[3] = ctx
+        width = int(table.num_blocks[rows].max())
+        return inputs, table.block_table[rows, :width]
 
     # ---- step -----------------------------------------------------------------------------------
-    def run(self, batch: Batch, sampling: SamplingState) -> tuple[list[int], list[float]]:
+    def run(self, batch: Batch, table: SequenceTable, sampling: SamplingState) -> tuple[np.ndarray, np.ndarray]:
         """Run ``batch``; returns (token ids, logprobs) of its sampling rows, identical on every TP rank."""
-        return self.wait(self.launch(batch, sampling))
+        return self.wait(self.launch(batch, table, sampling))
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, sampling: SamplingState, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, batch: Batch, table: SequenceTable, sampling: SamplingState,
+               prev: StepHandle | None = None) -> StepHandle:
         """Enqueue ``batch`` (model, sampling, copy of the results to the host) without waiting.
         A batch scheduled ahead (``batch.src_rows``) takes its input tokens from ``prev``'s samples
         on the device."""
         t0 = time.perf_counter()
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         if batch.is_prefill:
-            ids, pos, meta, rows, extra = self._prefill_inputs(batch)
+            ids, pos, meta, rows, extra = self._prefill_inputs(batch, table)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta, **extra)
-            logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if rows else None
             n = len(rows)
+            logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if n else None
         else:
-            ids, pos, slots, ctxs, bt = self._decode_inputs(batch)
+            inputs, bt = self._decode_inputs(batch, table)
+            n = inputs.shape[1]
             ids_dev = None
             if batch.src_rows is not None:
-                src = prev.out[0]
-                if batch.src_rows != list(range(len(batch.src_rows))):
-                    src = src[self._tensor(batch.src_rows, torch.int64)]
-                ids_dev = src[: len(ids)].long()
+                src, k = prev.out[0], len(batch.src_rows)
+                # src_rows is increasing: a prefix of the previous rows when its last is k - 1
+                src = src[:k] if batch.src_rows[-1] == k - 1 else src[self._tensor(batch.src_rows, torch.int64)]
+                ids_dev = src.long()
             t1 = time.perf_counter()
-            n = len(ids)
             if self.graphs is not None and self.graphs.fits(n):
                 in_graph = sampling.fused_on(self.device)  # the logits and the draw are in the graph too
-                res = self.graphs.run(ids, pos, slots, ctxs, bt, self.num_blocks, ids_dev,
+                res = self.graphs.run(inputs, bt, self.num_blocks, ids_dev,
                                       temperature=sampling.temperature if in_graph else None,
                                       generator=sampling.generator, draws=self.tp.is_first)
                 if in_graph:
@@ -242,15 +259,15 @@ class ModelRunner:
                 else:
                     hidden = res
             else:
+                inputs_dev = self._tensor(inputs, torch.int64)
                 meta = AttnMetadata(
                     is_prefill=False,
-                    slot_mapping_T=self._tensor(slots, torch.int64),
+                    slot_mapping_T=inputs_dev[2],
                     block_tables_BN=self._tensor(bt, torch.int32),
-                    context_lens_B=self._tensor(ctxs, torch.int32),
-                    max_context_len=max(ctxs),
+                    context_lens_B=inputs_dev[3],
+                    max_context_len=int(inputs[3].max()),
                 )
-                ids_t = ids_dev if ids_dev is not None else self._tensor(ids, torch.int64)
-                hidden = self.model(ids_t, self._tensor(pos, torch.int64), meta)
+                hidden = self.model(ids_dev if ids_dev is not None else inputs_dev[0], inputs_dev[1], meta)
             if samples is None:
                 logits = self.model.compute_logits(hidden)
         self.timings["prepare_s"] += t1 - t0
@@ -278,13 +295,14 @@ class ModelRunner:
         done.record()
         return StepHandle(out, host, done)
 
-    def wait(self, handle: StepHandle) -> tuple[list[int], list[float]]:
-        """Block until ``handle``'s samples are on the host; returns (token ids, logprobs)."""
+    def wait(self, handle: StepHandle) -> tuple[np.ndarray, np.ndarray]:
+        """Block until ``handle``'s samples are on the host; returns (token ids int64, logprobs float64)."""
         t0 = time.perf_counter()
         if handle.done is not None:
             handle.done.synchronize()
         self.timings["wait_s"] += time.perf_counter() - t0
-        return handle.host[0].long().tolist(), handle.host[1].tolist()
+        host = handle.host.numpy()
+        return host[0].astype(np.int64), host[1]
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The rollout tensor-parallel group as the engine sees it: rank, size and the three collectives it uses.
+"""The rollout tensor-parallel group as the engine sees it: rank, size and the few collectives it uses.
 
 The engine never creates a process group: it is handed one (or ``None`` for TP=1) by the caller.
 """
@@ -34,6 +34,14 @@ class TPGroup:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        """The smallest ``value`` over the group (a tensor on ``device``, the group's backend's)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along the last dim on TP rank 0; other ranks get None."""

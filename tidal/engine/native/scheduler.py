@@ -2,66 +2,100 @@
 
 Policy (the nano-vllm shape):
 - Prefill first: waiting sequences are admitted in order while their blocks fit, up to
-  ``max_num_seqs`` running sequences and ``max_num_batched_tokens`` new tokens per step; the
-  sequence that crosses the token budget is prefilled in chunks over several steps.
-- Otherwise decode every running sequence (one token each). When a sequence needs a new block and
-  none is free, the most recently admitted running sequence is preempted: its blocks are freed and
-  it goes back to the front of the waiting queue, to be recomputed (prefix cache hits included)
-  with the tokens it had generated.
-- Finished sequences (stop token, or ``max_tokens``) release their blocks at once, so waiting ones
-  join the next step.
-- Overlap: while a decode step runs on the device, :meth:`schedule_ahead` may schedule the next one
-  before the sampled tokens are known (every running sequence decodes again, its input token fed
-  on the device). It only does so when that is what :meth:`schedule` would do anyway: nothing
-  waits, no block is short. A sequence that the pending step finishes with a stop token then has
-  a void row in the step ahead, whose token is dropped.
+  ``max_num_seqs`` running sequences (None: as many as the KV cache holds) and
+  ``max_num_batched_tokens`` new tokens per step; the sequence that crosses the token budget is
+  prefilled in chunks over several steps.
+- Otherwise decode every running sequence (one token each). When the running sequences need more
+  new blocks than are free, the most recently admitted ones are preempted: their blocks are freed
+  and they go back to the front of the waiting queue, to be recomputed (prefix cache hits
+  included) with the tokens they had generated.
+- Finished sequences (stop token, or their length limit) release their blocks at once, so waiting
+  ones join the next step.
+- Overlap: while a step runs on the device, :meth:`schedule_ahead` may schedule the next one
+  before its sampled tokens are known. After a decode step: every running sequence decodes again,
+  its input token fed on the device, when that is what :meth:`schedule` would do anyway (nothing
+  waits, no block is short); a sequence that the pending step finishes with a stop token then has
+  a void row in the step ahead, whose token is dropped. After a prefill step: the next prefill
+  (more waiting sequences admitted, or the next chunk), which needs no sampled token.
+
+Everything per sequence is read from and written to the :class:`SequenceTable`'s arrays: a decode
+step of thousands of rows costs a few numpy operations (scheduling, stop checks, appending the
+tokens, registering the blocks that filled up); Python loops run only over events (admissions,
+preemptions, finished sequences).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 
-from tidal.engine.native.block_manager import BlockManager
-from tidal.engine.native.sequence import Sequence, SequenceStatus
+import numpy as np
+
+from tidal.engine.native.block_manager import BlockManager, block_digests, chain_hashes, prefix_hashes, seed_of
+from tidal.engine.native.sequence import ABORT, LENGTH, STOP, SequenceTable, Status
 
 
 @dataclasses.dataclass
 class Batch:
-    """One step. ``seqs[i]`` computes ``num_scheduled_tokens`` tokens; ``sampling[i]`` says whether
-    that row samples a token this step (decode, or the prefill chunk that reaches the last token)."""
+    """One step over slots ``rows`` (``gens``: the slots' owners when scheduled).
 
-    seqs: list[Sequence]
+    Prefill: row i computes ``num_new[i]`` tokens from position ``start[i]``; ``sampling[i]``: it
+    samples a token (the chunk that reaches its last token). Decode: every row computes one token and
+    samples; ``src_rows`` (scheduled ahead): the row of the previous batch whose sample is each row's
+    input token."""
+
+    rows: np.ndarray
+    gens: np.ndarray
     is_prefill: bool
-    sampling: list[bool]
-    src_rows: list[int] | None = None  # scheduled ahead: row of the previous batch holding each input token
+    num_new: np.ndarray | None = None
+    sampling: np.ndarray | None = None
+    start: np.ndarray | None = None
+    src_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs)
+        return int(self.num_new.sum()) if self.is_prefill else len(self.rows)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, table: SequenceTable, block_manager: BlockManager, *, max_num_seqs: int | None,
+                 max_num_batched_tokens: int):
+        self.table = table
         self.bm = block_manager
+        self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting: deque[int] = deque()  # slots
         self.num_preemptions = 0
+        self._order = itertools.count()
+        self.stop_sets: list[np.ndarray] = []
+        self._stop_set_ids: dict[frozenset[int], int] = {}
 
-    def add(self, seq: Sequence) -> None:
-        kv_tokens = len(seq) + seq.max_tokens - 1  # the last sampled token is never fed back
-        if (kv_tokens + self.bm.block_size - 1) // self.bm.block_size > self.bm.num_blocks:
+    # ---- requests -------------------------------------------------------------------------------
+    def stop_set(self, ids: frozenset[int]) -> int:
+        """The id of a set of stop tokens (a sequence's ``stop_set``)."""
+        if ids not in self._stop_set_ids:
+            self._stop_set_ids[ids] = len(self.stop_sets)
+            self.stop_sets.append(np.array(sorted(ids), dtype=np.int64))
+        return self._stop_set_ids[ids]
+
+    def add(self, slot: int) -> None:
+        """Queue the (waiting) sequence in ``slot``; raises if it could never fit in the cache."""
+        kv_tokens = int(self.table.max_len[slot]) - 1  # the last sampled token is never fed back
+        if -(-kv_tokens // self.block_size) > self.bm.num_blocks:
+            t = self.table
             raise ValueError(
-                f"a sequence of {len(seq)} prompt tokens + {seq.max_tokens} new ones needs more KV blocks "
-                f"than the cache has ({self.bm.num_blocks} of {self.bm.block_size} tokens)"
+                f"a sequence of {t.num_prompt[slot]} prompt tokens + {t.max_len[slot] - t.num_prompt[slot]} new ones "
+                f"needs more KV blocks than the cache has ({self.bm.num_blocks} of {self.block_size} tokens)"
             )
-        self.waiting.append(seq)
+        self.waiting.append(slot)
 
-    def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+    @property
+    def num_running(self) -> int:
+        return int(np.count_nonzero(self.table.status == Status.RUNNING))
 
+    # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> Batch:
         batch = self._schedule_prefill()
         if batch is None:
@@ -73,104 +107,193 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> Batch | None:
-        seqs: list[Sequence] = []
-        sampling: list[bool] = []
+        t = self.table
+        rows, num_new, sampling, start = [], [], [], []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not seq.block_table:
-                hits = self.bm.can_allocate(seq)
-                if hits is None:
-                    break
-                self.bm.allocate(seq, hits)
-            todo = len(seq) - seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(todo, budget)
-            budget -= seq.num_scheduled_tokens
-            self.bm.register_computed(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
-            seqs.append(seq)
-            sampling.append(seq.num_scheduled_tokens == todo)
-            if seq.num_scheduled_tokens < todo:
+        running = self.num_running if self.max_num_seqs is not None else 0
+        while self.waiting and budget > 0 and (self.max_num_seqs is None or running + len(rows) < self.max_num_seqs):
+            s = self.waiting[0]
+            if t.num_blocks[s] == 0 and not self._allocate(s):
+                break
+            cached = int(t.num_cached[s])
+            todo = int(t.num_tokens[s]) - cached
+            n = min(todo, budget)
+            budget -= n
+            self._register(s, cached + n)
+            t.num_cached[s] = cached + n  # computed by the step being scheduled (before any later one)
+            rows.append(s)
+            num_new.append(n)
+            sampling.append(n == todo)
+            start.append(cached)
+            if n < todo:
                 break  # chunked: the rest in the next step(s)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-        # sequences that finished prefill join the running queue after this step's bookkeeping
-        self.running.extend(s for s, last in zip(seqs, sampling) if last)
-        return Batch(seqs, True, sampling) if seqs else None
+            t.status[s] = Status.RUNNING
+            t.order[s] = next(self._order)
+        if not rows:
+            return None
+        rows = np.array(rows, dtype=np.int64)
+        return Batch(rows, t.gen[rows].copy(), True, np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool),
+                     np.array(start, dtype=np.int64))
+
+    def _allocate(self, s: int) -> bool:
+        """Give the waiting sequence in slot ``s`` its blocks (cached prefix shared); False if short."""
+        t, bs = self.table, self.block_size
+        n = int(t.num_tokens[s])
+        seed = seed_of(t.seqs[s].cache_key)
+        hashes, hits = self.bm.lookup(t.tokens[s, :n], seed)
+        need = -(-n // bs)
+        if not self.bm.can_allocate(need, hits):
+            return False
+        t.block_table[s, :need] = self.bm.allocate(need, hits)
+        t.num_blocks[s] = need
+        t.num_cached[s] = len(hits) * bs
+        t.num_hashed[s] = len(hits)
+        t.last_hash[s] = hashes[-1] if hashes else seed
+        return True
+
+    def _register(self, s: int, num_tokens: int) -> None:
+        """Register the full blocks among slot ``s``'s first ``num_tokens`` tokens (their KV is
+        computed in the step being scheduled) so other sequences can share them."""
+        t, bs = self.table, self.block_size
+        lo, hi = int(t.num_hashed[s]), num_tokens // bs
+        if not self.bm.prefix_caching or hi <= lo:
+            return
+        blocks_KB = t.tokens[s, lo * bs : hi * bs].reshape(hi - lo, bs)
+        hashes = prefix_hashes(blocks_KB, int(t.last_hash[s]))
+        self.bm.register(t.block_table[s, lo:hi], hashes, blocks_KB)
+        t.num_hashed[s], t.last_hash[s] = hi, hashes[-1]
 
     def _schedule_decode(self) -> Batch | None:
-        seqs: list[Sequence] = []
-        while self.running and len(seqs) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.bm.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
+        t = self.table
+        rows = t.slots_with(Status.RUNNING)
+        if not len(rows):
+            return None
+        need = t.num_tokens[rows] > t.num_blocks[rows] * self.block_size  # KV of the last token needs a new block
+        short = int(need.sum()) - self.bm.num_free_blocks
+        if short > 0:
+            keep = np.ones(len(rows), dtype=bool)
+            for i in np.argsort(-t.order[rows], kind="stable").tolist():  # the most recently admitted first
+                if int(need[keep].sum()) <= self.bm.num_free_blocks:
                     break
-            else:
-                self.bm.append_slot(seq)
-                seq.num_scheduled_tokens = 1
-                seqs.append(seq)
-        self.running.extendleft(reversed(seqs))
-        return Batch(seqs, False, [True] * len(seqs)) if seqs else None
+                keep[i] = False
+                self._preempt(int(rows[i]))
+            rows, need = rows[keep], need[keep]
+            if not len(rows):
+                return None
+        self._append_blocks(rows[need])
+        return Batch(rows, t.gen[rows].copy(), False)
+
+    def _append_blocks(self, slots: np.ndarray) -> None:
+        t = self.table
+        if len(slots):
+            t.block_table[slots, t.num_blocks[slots]] = self.bm.take(len(slots))
+            t.num_blocks[slots] += 1
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The decode step after ``batch`` (still running, tokens unknown), or None when it cannot be
-        known yet: ``batch`` is a prefill, sequences wait, or a block would be short."""
-        live = [s.status is SequenceStatus.RUNNING for s in batch.seqs]
-        if batch.is_prefill or self.waiting or sum(live) != len(self.running):
+        """The step after ``batch`` (still running, tokens unknown), or None when it cannot be known
+        yet. After a prefill: the next prefill, if sequences wait and fit. After a decode: the next
+        decode, unless sequences wait or a block would be short."""
+        if batch.is_prefill:
+            return self._schedule_prefill() if self.waiting else None
+        if self.waiting:
             return None
-        rows, seqs, new_blocks = [], [], 0
-        for i, seq in enumerate(batch.seqs):
-            if not live[i] or seq.num_completion_tokens + 1 >= seq.max_tokens:
-                continue  # a void row, or finishes with this token
-            rows.append(i)
-            seqs.append(seq)
-            new_blocks += len(seq) + 1 > len(seq.block_table) * self.bm.block_size
-        if not seqs or new_blocks > self.bm.num_free_blocks:
+        t, rows = self.table, batch.rows
+        live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
+        if int(live.sum()) != self.num_running:
             return None
-        for seq in seqs:
-            self.bm.append_slot(seq, len(seq) + 1)
-        return Batch(seqs, False, [True] * len(seqs), src_rows=rows)
+        src = np.flatnonzero(live & (t.num_tokens[rows] + 1 < t.max_len[rows]))  # not finished by length
+        ahead = rows[src]
+        if not len(ahead):
+            return None
+        need = t.num_tokens[ahead] + 1 > t.num_blocks[ahead] * self.block_size
+        if int(need.sum()) > self.bm.num_free_blocks:
+            return None
+        self._append_blocks(ahead[need])
+        return Batch(ahead, t.gen[ahead].copy(), False, src_rows=src)
 
-    def commit_ahead(self, ahead: Batch) -> None:
-        """After the previous batch's postprocess: the sequences of ``ahead`` that are still running
-        compute one token in it (the others' rows are void)."""
-        for seq in ahead.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_scheduled_tokens = 1
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.bm.deallocate(seq)
-        self.waiting.appendleft(seq)
-
-    def postprocess(self, batch: Batch, token_ids: list[int], logprobs: list[float], stop_ids: frozenset[int]) -> None:
+    # ---- after a step ---------------------------------------------------------------------------
+    def postprocess(self, batch: Batch, token_ids: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
         """Advance the sequences of ``batch`` past the step; ``token_ids``/``logprobs`` hold one entry
-        per sampling row, in batch order."""
-        k = 0
-        finished = False
-        for seq, samples in zip(batch.seqs, batch.sampling):
-            if seq.status is SequenceStatus.FINISHED:  # void row of a batch scheduled ahead
-                k += samples
-                continue
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.bm.register_computed(seq, seq.num_cached_tokens)
-            if not samples:
-                continue
-            tok = token_ids[k]
-            seq.append(tok, logprobs[k])
-            k += 1
-            if tok in stop_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens:
-                seq.finish_reason = "length"
-            else:
-                continue
-            seq.status = SequenceStatus.FINISHED
-            self.bm.deallocate(seq)
-            finished = True
-        if finished:
-            self.running = deque(s for s in self.running if s.status is SequenceStatus.RUNNING)
+        per sampling row, in batch order. Returns the slots that finished (status FINISHED, blocks
+        released, ``finish`` set); the caller reads them and releases the slots."""
+        t = self.table
+        rows = batch.rows
+        status = t.status[rows]
+        live = (t.gen[rows] == batch.gens) & ((status == Status.RUNNING) | (status == Status.WAITING))
+        if batch.is_prefill:  # its KV was counted when it was scheduled
+            samp = batch.sampling
+            keep = live[samp]
+            srows, token_ids, logprobs = rows[samp][keep], token_ids[keep], logprobs[keep]
+        else:
+            srows = rows[live]
+            token_ids, logprobs = token_ids[live], logprobs[live]
+            t.num_cached[srows] = t.num_tokens[srows]  # the KV of the input token is in
+            if self.bm.prefix_caching:
+                self._register_filled(srows)
+        if not len(srows):
+            return srows
+        n = t.num_tokens[srows]
+        t.reserve_length(int(n.max()) + 1)
+        t.tokens[srows, n] = token_ids
+        t.logprobs[srows, n] = logprobs
+        t.num_tokens[srows] = n + 1
+        stop = self._is_stop(srows, token_ids)
+        done = stop | (n + 1 >= t.max_len[srows])
+        finished = srows[done]
+        if len(finished):
+            t.finish[finished] = np.where(stop[done], STOP, LENGTH)
+            self._finish(finished)
+        return finished
+
+    def _register_filled(self, slots: np.ndarray) -> None:
+        """Register the block each of ``slots`` completed with this step's KV (one per decode step)."""
+        t, bs = self.table, self.block_size
+        filled = slots[t.num_cached[slots] // bs > t.num_hashed[slots]]
+        if not len(filled):
+            return
+        j = t.num_hashed[filled]
+        blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
+        hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
+        self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
+        t.last_hash[filled] = hashes
+        t.num_hashed[filled] = j + 1
+
+    def _is_stop(self, slots: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        sets = self.table.stop_set[slots]
+        if len(self.stop_sets) == 1:
+            return np.isin(token_ids, self.stop_sets[0])
+        stop = np.zeros(len(slots), dtype=bool)
+        for k in np.unique(sets).tolist():
+            m = sets == k
+            stop[m] = np.isin(token_ids[m], self.stop_sets[k])
+        return stop
+
+    def _release_blocks(self, slots: np.ndarray) -> None:
+        """Give back the blocks of ``slots`` (each sequence's last block first, so its prefix stays
+        cached longest)."""
+        t = self.table
+        held = [t.blocks_of(s)[::-1] for s in slots.tolist() if t.num_blocks[s]]
+        if held:
+            self.bm.release(np.concatenate(held))
+        for s in slots.tolist():  # block 0 pads the rows: the torch kernels gather up to the longest row
+            t.block_table[s, : t.num_blocks[s]] = 0
+        t.num_blocks[slots] = t.num_cached[slots] = t.num_hashed[slots] = 0
+
+    def _finish(self, slots: np.ndarray) -> None:
+        self.table.status[slots] = Status.FINISHED
+        self._release_blocks(slots)
+
+    def _preempt(self, s: int) -> None:
+        self.num_preemptions += 1
+        self._release_blocks(np.array([s]))
+        self.table.status[s] = Status.WAITING
+        self.waiting.appendleft(s)
+
+    def abort(self, slots: np.ndarray) -> None:
+        """Stop the unfinished sequences in ``slots`` (waiting or running): blocks released, status
+        FINISHED with the ``abort`` code."""
+        gone = set(slots.tolist())
+        self.waiting = deque(s for s in self.waiting if s not in gone)
+        self.table.finish[slots] = ABORT
+        self._finish(slots)

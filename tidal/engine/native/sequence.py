@@ -1,58 +1,76 @@
-"""One sequence being generated: its tokens, its KV blocks, and where it is in its life.
+"""The sequences being generated, as a structure of arrays: one row ("slot") per sequence.
 
-A sequence knows nothing about the model or the device; the scheduler moves it between
-``WAITING`` (needs prefill: new, chunk-prefilled part-way, or preempted) and ``RUNNING`` (decoding),
-and the block manager fills its ``block_table``.
+A sequence takes a slot when it is added and keeps it until it finishes or is aborted, whether it
+waits (new, prefilled in chunks, or preempted) or runs (decodes one token per step). Everything a
+step reads or writes per sequence lives in per-slot numpy arrays of :class:`SequenceTable`, so the
+scheduler and the model runner handle a batch of thousands of rows with a few array operations
+instead of a Python loop; the :class:`Sequence` object holds only what never changes per step (the
+request's ids, prompt, limits, images and resumed logprobs) and is touched on events (admission,
+preemption, finish).
+
+Per slot ``s`` (``N = num_tokens[s]``, ``P = num_prompt[s]``):
+- ``tokens[s, :N]``: prompt, then every completion token (resumed ones first); ``logprobs[s, i]``
+  is the sampling logprob of token ``i`` for the tokens sampled here (``i >= P + num_resumed``).
+- ``max_len[s]``: the length at which it stops (prompt + max new tokens).
+- KV of tokens ``[0, num_cached[s])`` is computed, or computed by a step already scheduled (and so
+  before any later step reads it), in blocks ``block_table[s, :num_blocks[s]]``.
+- ``num_hashed[s]`` leading full blocks are in the prefix cache; ``last_hash[s]`` is the chain hash
+  of the last of them (the sequence's ``cache_key`` seed when none).
+- ``gen[s]`` counts the slot's owners: a batch scheduled ahead tells a live row from a row whose
+  sequence finished meanwhile by comparing it.
+- ``order[s]``: when it was last admitted to run (the most recent is preempted first).
 """
 
 from __future__ import annotations
 
-import enum
+import heapq
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from tidal.engine.native.multimodal import MultimodalPrompt
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    FINISHED = enum.auto()
+class Status:
+    """Values of ``SequenceTable.status`` (plain ints: numpy compares them without conversion)."""
+
+    FREE = 0
+    WAITING = 1
+    RUNNING = 2
+    FINISHED = 3
+
+
+# finish codes (``SequenceTable.finish``) and the reasons they stand for
+FINISH_REASONS = {1: "stop", 2: "length", 3: "abort"}
+STOP, LENGTH, ABORT = 1, 2, 3
 
 
 class Sequence:
-    """Token ids and KV bookkeeping of one completion.
+    """What a sequence's steps never change. ``old_logprobs``/``old_versions``: those of the resumed
+    tokens (``num_resumed`` of them, right after the prompt). ``mm``: the prompt's images (shared by
+    the sequences of one prompt, read-only here)."""
 
-    Invariants:
-    - ``token_ids`` = prompt + generated tokens; ``logprobs[i]`` is the sampling logprob of
-      generated token i.
-    - KV of tokens ``[0, num_cached_tokens)`` is in the cache (blocks ``block_table``); a step
-      computes ``num_scheduled_tokens`` more, starting at ``num_cached_tokens``.
-    - ``block_hashes[i]`` is the prefix hash of full block i once its KV is (being) computed; the
-      chain starts from ``cache_key`` (None for text, a hash of the images for an image prompt).
-    - ``mm`` (image prompts only) is shared by the ``n`` sequences of one prompt and read-only here.
-    """
+    __slots__ = ("seq_id", "request_id", "group_id", "prompt_ids", "slot", "stop_set", "mm",
+                 "old_logprobs", "old_versions", "version")
 
-    __slots__ = (
-        "seq_id", "token_ids", "num_prompt_tokens", "max_tokens", "logprobs", "status",
-        "finish_reason", "num_cached_tokens", "num_scheduled_tokens", "block_table", "block_hashes", "mm",
-    )
-
-    def __init__(self, seq_id: int, prompt_ids: list[int], max_tokens: int, mm: "MultimodalPrompt | None" = None):
-        if not prompt_ids:
-            raise ValueError("a prompt needs at least one token")
+    def __init__(self, seq_id: int, request_id, group_id, prompt_ids: list[int], *, stop_set: int,
+                 mm: "MultimodalPrompt | None" = None, old_logprobs: list[float] | None = None,
+                 old_versions: list[int] | None = None, version: int = 0):
         self.seq_id = seq_id
-        self.token_ids = list(prompt_ids)
-        self.num_prompt_tokens = len(prompt_ids)
-        self.max_tokens = max_tokens
-        self.logprobs: list[float] = []
-        self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
-        self.num_scheduled_tokens = 0
-        self.block_table: list[int] = []
-        self.block_hashes: list[int] = []
+        self.request_id = request_id
+        self.group_id = group_id
+        self.prompt_ids = prompt_ids
+        self.slot = -1
+        self.stop_set = stop_set
         self.mm = mm
+        self.old_logprobs = old_logprobs or []
+        self.old_versions = old_versions or []
+        self.version = version
+
+    @property
+    def num_resumed(self) -> int:
+        return len(self.old_logprobs)
 
     @property
     def cache_key(self) -> int | None:
@@ -63,27 +81,96 @@ class Sequence:
         """Offset of generated tokens' RoPE positions from their index (M-RoPE prompts; else 0)."""
         return 0 if self.mm is None else self.mm.rope_delta
 
+
+def _grow(a: np.ndarray, rows: int, cols: int | None = None, fill=0) -> np.ndarray:
+    shape = (rows,) if a.ndim == 1 else (rows, cols)
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+class SequenceTable:
+    """Per-slot arrays (see the module docstring), grown by doubling as sequences and lengths need.
+
+    ``width``: columns of ``block_table`` (blocks per sequence), ``length``: columns of ``tokens``.
+    """
+
+    _ROW_FIELDS = {  # name -> dtype
+        "status": np.int8, "finish": np.int8, "gen": np.int64, "num_tokens": np.int64, "num_prompt": np.int64,
+        "max_len": np.int64, "num_cached": np.int64, "num_blocks": np.int64, "num_hashed": np.int64,
+        "last_hash": np.uint64, "rope_delta": np.int64, "stop_set": np.int64, "order": np.int64,
+    }
+
+    def __init__(self, block_size: int, capacity: int = 64):
+        self.block_size = block_size
+        self.capacity = capacity
+        for name, dt in self._ROW_FIELDS.items():
+            setattr(self, name, np.zeros(capacity, dtype=dt))
+        self.block_table = np.zeros((capacity, 8), dtype=np.int32)
+        self.tokens = np.zeros((capacity, 64), dtype=np.int32)
+        self.logprobs = np.zeros((capacity, 64), dtype=np.float32)
+        self.seqs: list[Sequence | None] = [None] * capacity
+        self._free = list(range(capacity))  # a heap: the lowest free slot first, so rows stay compact
+
+    # ---- slots ----------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Slots in use (sequences added and not released)."""
+        return self.capacity - len(self._free)
 
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def add(self, seq: Sequence, token_ids: list[int], max_len: int) -> int:
+        """Give ``seq`` a slot holding ``token_ids`` (prompt + resumed tokens), waiting. Returns the slot."""
+        if not self._free:
+            self._grow_rows(2 * self.capacity)
+        s = heapq.heappop(self._free)
+        n = len(token_ids)
+        self.reserve_length(n)
+        self._reserve_blocks(-(-max_len // self.block_size))
+        self.tokens[s, :n] = token_ids
+        self.status[s], self.finish[s] = Status.WAITING, 0
+        self.num_tokens[s], self.num_prompt[s], self.max_len[s] = n, len(seq.prompt_ids), max_len
+        self.num_cached[s] = self.num_blocks[s] = self.num_hashed[s] = 0
+        self.rope_delta[s], self.stop_set[s] = seq.rope_delta, seq.stop_set
+        self.seqs[s] = seq
+        seq.slot = s
+        return s
 
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its blocks already given back); a batch still holding it sees a void row."""
+        self.status[slot] = Status.FREE
+        self.gen[slot] += 1
+        self.seqs[slot] = None
+        heapq.heappush(self._free, slot)
 
-    @property
-    def completion_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def slots_with(self, status: int) -> np.ndarray:
+        return np.flatnonzero(self.status == status)
 
-    def num_blocks(self, block_size: int) -> int:
-        return (len(self.token_ids) + block_size - 1) // block_size
+    # ---- growth ---------------------------------------------------------------------------------
+    def _grow_rows(self, rows: int) -> None:
+        for name in self._ROW_FIELDS:
+            setattr(self, name, _grow(getattr(self, name), rows))
+        self.block_table = _grow(self.block_table, rows, self.block_table.shape[1])
+        self.tokens = _grow(self.tokens, rows, self.tokens.shape[1])
+        self.logprobs = _grow(self.logprobs, rows, self.logprobs.shape[1])
+        self.seqs.extend([None] * (rows - self.capacity))
+        self._free.extend(range(self.capacity, rows))  # all larger than any slot in the heap: still a heap
+        self.capacity = rows
 
-    def block(self, i: int, block_size: int) -> list[int]:
-        return self.token_ids[i * block_size : (i + 1) * block_size]
+    def reserve_length(self, length: int) -> None:
+        """Make ``tokens``/``logprobs`` hold ``length`` tokens per slot (grown as sequences grow, so
+        the host memory follows the longest sequence so far, not the longest allowed)."""
+        cols = self.tokens.shape[1]
+        if length > cols:
+            cols = max(length, 2 * cols)
+            self.tokens = _grow(self.tokens, self.capacity, cols)
+            self.logprobs = _grow(self.logprobs, self.capacity, cols)
 
-    def append(self, token_id: int, logprob: float) -> None:
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
+    def _reserve_blocks(self, blocks: int) -> None:
+        if blocks > self.block_table.shape[1]:
+            self.block_table = _grow(self.block_table, self.capacity, max(blocks, 2 * self.block_table.shape[1]))
+
+    # ---- reads for events -----------------------------------------------------------------------
+    def token_list(self, slot: int, start: int = 0) -> list[int]:
+        return self.tokens[slot, start : self.num_tokens[slot]].tolist()
+
+    def blocks_of(self, slot: int) -> np.ndarray:
+        return self.block_table[slot, : self.num_blocks[slot]]
