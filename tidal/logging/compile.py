@@ -52,9 +52,11 @@ class CompileMonitor:
     def remove(self) -> None:
         from torch._dynamo.callback import callback_handler
 
-        if self._installed:
-            callback_handler.remove_start_callback(self._on_start)
-            callback_handler.remove_end_callback(self._on_end)
+        if self._installed:  # (``torch._dynamo.reset()`` drops every callback: nothing to remove then)
+            if self._on_start in callback_handler.start_callbacks:
+                callback_handler.remove_start_callback(self._on_start)
+            if self._on_end in callback_handler.end_callbacks:
+                callback_handler.remove_end_callback(self._on_end)
             self._installed = False
 
     def _on_start(self, *args) -> None:  # args: CallbackArgs on recent torch, none on older
