@@ -6,7 +6,8 @@ rollout's worth of sequences: ``--seqs`` rows of ``--prompt`` prompt tokens and 
 drawn per row (``--lengths lognormal``: heavy-tailed, median about a quarter of ``--max-new``, capped
 at it; ``forced``: all ``--max-new``). Each mode (``padded``: today's sorted token-budget batches of
 right-padded rows; ``packed``: first-fit-decreasing real-token micro-batches run padding-free) runs
-``--steps`` iterations of forward + backward over every micro-batch and one optimizer step, under
+``--steps`` iterations of an experience forward (no grad, the forward budget) and an update
+(forward + backward over every micro-batch and one optimizer step), under
 FSDP2 with ``strategy.compile`` as given. The first iteration pays compilation; the others are the
 steady state. One JSON line per iteration and one summary line per mode go to stdout (and
 ``--out``). MFU counts real tokens only (:mod:`tidal.models.flops`) against the measured bf16
@@ -28,7 +29,7 @@ import torch
 
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.logging.compile import CompileMonitor
-from tidal.logging.update_split import UpdateSplit
+from tidal.logging.update_split import UpdateSplit, train_perf
 from tidal.models.flops import FlopModel, measure_matmul_peak, mfu
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 from tidal.models.packing import PackedBatch
@@ -89,6 +90,20 @@ def one_step(mode, state, strategy, data, args, split) -> dict:
     return {"micro_batches": len(batches), "padded_tokens": padded_tokens}
 
 
+@torch.no_grad()
+def forward_pass(mode, state, strategy, data, args) -> None:
+    """The experience forward (old logprobs, no grad) over every row with the forward budget."""
+    ids, am, act = data
+    lengths = am.sum(-1).tolist()
+    plan = packed_micro_batches if mode == "packed" else token_budget_batches
+    for rows in plan(lengths, args.forward_micro_batch_tokens, args.forward_micro_batch_max_seqs):
+        T = max(lengths[r] for r in rows)
+        b_ids, b_am, b_act = ids[rows, :T], am[rows, :T], act[rows, :T]
+        kw = {"packed": PackedBatch.build(b_ids, b_am, targets_BT=b_act, cap=args.forward_micro_batch_tokens).to(strategy.device)} \
+            if mode == "packed" else {"positions_BT": b_act.to(strategy.device)}
+        token_logprobs(state.model, b_ids.to(strategy.device), b_am.to(strategy.device), **kw)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,6 +121,7 @@ def run_mode(mode, base, strategy, data, args, fm, peak) -> list[dict]:
     state = strategy.prepare_trainable(model, OptimConfig(lr=1e-6), lr=1e-6, total_steps=args.steps)
     split = UpdateSplit(strategy.device)
     lens = data[1].sum(-1).tolist()
+    head_tokens = int(data[2].sum())  # the forward pass's LM head runs on response tokens only
     flops = fm.train_flops(lens)
     rows = []
     torch._dynamo.reset()
@@ -115,11 +131,15 @@ def run_mode(mode, base, strategy, data, args, fm, peak) -> list[dict]:
             if strategy.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(strategy.device)
             t0 = time.perf_counter()
+            forward_pass(mode, state, strategy, data, args)
+            _sync(strategy.device)
+            t1 = time.perf_counter()
             info = one_step(mode, state, strategy, data, args, split)
             _sync(strategy.device)
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t1
             row = {"mode": mode, "step": step, "seconds": seconds, **info, "real_tokens": sum(lens),
-                   "tflops": flops / seconds / 1e12, "mfu": mfu(flops, seconds, peak),
+                   **train_perf(flops, seconds, peak), "forward_s": t1 - t0,
+                   "forward_mfu": mfu(fm.forward_flops(lens, head_tokens=head_tokens), t1 - t0, peak),
                    "peak_gib": _peak_gib(strategy.device), **split.pop(), **mon.pop()}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -138,6 +158,8 @@ def main():
     ap.add_argument("--lengths", choices=["lognormal", "forced"], default="lognormal")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--micro-batch-max-seqs", type=int, default=64)
+    ap.add_argument("--forward-micro-batch-tokens", type=int, default=65536)
+    ap.add_argument("--forward-micro-batch-max-seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--compile", choices=["on", "off"], default="on")
     ap.add_argument("--modes", default="padded,packed")
@@ -160,8 +182,9 @@ def main():
         steady = rows[1:] or rows
         summary.append({
             "summary": mode, "size": args.size, "lengths": args.lengths, "seqs": args.seqs,
-            "first_iteration_s": rows[0]["seconds"], "compile_s": rows[0]["time/compile"],
-            "steady_s": statistics.median(r["seconds"] for r in steady), "mfu": statistics.median(r["mfu"] for r in steady),
+            "first_iteration_s": rows[0]["forward_s"] + rows[0]["seconds"], "compile_s": rows[0]["time/compile"],
+            "steady_s": statistics.median(r["seconds"] for r in steady), "mfu": statistics.median(r["perf/mfu"] for r in steady),
+            "forward_s": statistics.median(r["forward_s"] for r in steady), "forward_mfu": statistics.median(r["forward_mfu"] for r in steady),
             "peak_gib": max(r["peak_gib"] for r in rows), "recompiles": rows[-1]["compile/recompiles"],
             "micro_batches": rows[-1]["micro_batches"], "real_tokens": rows[-1]["real_tokens"],
             "padded_tokens": rows[-1]["padded_tokens"], "bf16_peak_tflops": peak / 1e12,

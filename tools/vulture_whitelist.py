@@ -48,3 +48,6 @@ CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
 # Multi-turn rollouts (tidal/envs): wired into the trainer by the agentic-integration step.
 check_engine_backend, prepare_calculator
 _.advantage_trajectory_ids, _.per_row
+
+# torch configuration flags, set by assignment (tidal/strategy/compile_cache.py).
+_.fx_graph_cache, _.enable_autograd_cache

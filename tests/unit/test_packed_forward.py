@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from tidal.algorithms import Algorithm, AlgorithmConfig, LossNormalizer
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
-from tidal.models.packing import PackedBatch, packed_critic_values
+from tidal.models.packing import PackedBatch
 from tidal.models.varlen import enable_packed_attention, uses_packed_attention
 from tidal.trainer.experience import packed_micro_batches
 
@@ -86,8 +86,11 @@ def _policy_grads(model, ids, am, act, batches, *, packed: bool):
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_policy_loss_and_gradients_equal_padded_over_micro_batches():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_policy_loss_and_gradients_equal_padded_over_micro_batches(checkpointing):
     plain, packed = _pair(_lm())
+    if checkpointing:  # the packed arguments reach the recomputed layers too
+        packed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids, am, act = _batch()
     lengths = am.sum(-1).tolist()
     want_loss, want = _policy_grads(plain, ids, am, act, [list(range(len(lengths)))], packed=False)
@@ -130,7 +133,7 @@ def test_critic_values_and_value_loss_gradients_equal_padded():
     returns_BT = torch.randn(ids.shape) * act
     grads = []
     for model, run in ((critic, lambda: critic_values(critic, ids, am)),
-                       (packed, lambda: packed_critic_values(packed, PackedBatch.build(ids, am, targets_BT=act)))):
+                       (packed, lambda: critic_values(packed, ids, am, packed=PackedBatch.build(ids, am, targets_BT=act)))):
         values = run()
         loss = (((values - returns_BT) * act) ** 2).sum() / act.sum()
         loss.backward()
@@ -142,8 +145,10 @@ def test_critic_values_and_value_loss_gradients_equal_padded():
 
 
 def test_a_packed_model_refuses_padded_forwards_and_positions_with_packed():
-    _, packed = _pair(_lm())
+    plain, packed = _pair(_lm())
     ids, am, act = _batch()
+    with pytest.raises(ValueError, match="not switched to packed attention"):
+        token_logprobs(plain, ids, am, packed=PackedBatch.build(ids, am))
     with pytest.raises(RuntimeError, match="packed forwards only"):
         token_logprobs(packed, ids, am)
     with pytest.raises(ValueError, match="positions_BT=None"):

@@ -81,9 +81,17 @@ def check_same_tokenizer(student, teacher_fingerprint: str, *, key: str, teacher
     )
 
 
-def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, packed=None) -> torch.Tensor:
     """values_BT[b, t] = V(input_ids[b, :t]): the value of the state in which token t is chosen, aligned
-    like logprobs (the critic's output at position t-1); position 0 is 0. fp32."""
+    like logprobs (the critic's output at position t-1); position 0 is 0. fp32.
+
+    ``packed``: the :class:`~tidal.models.packing.PackedBatch` of these rows (on the critic's device,
+    the critic switched with :func:`~tidal.models.varlen.enable_packed_attention`): the forward runs
+    padding-free and the values are non-zero only at the packed batch's targets."""
+    if packed is not None:
+        from tidal.models.packing import packed_critic_values
+
+        return packed_critic_values(critic, packed)
     position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
     out = critic(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
     v_BT = out.logits[..., 0].float()

@@ -30,7 +30,7 @@ import math
 import torch
 
 from tidal.models.logprobs import head_logprobs
-from tidal.models.varlen import packed_attention_kwargs
+from tidal.models.varlen import packed_attention_kwargs, uses_packed_attention
 from tidal.models.vision import image_token_id, multimodal_position_ids, placeholder_mask, vision_keepalive
 
 # packed lengths are rounded up to one of BUCKETS_PER_OCTAVE sizes per power of two (at most 1/16 =
@@ -151,6 +151,7 @@ def packed_hidden_states(
     padded ``input_ids_BT`` / ``attention_mask_BT`` (on the device) are needed only with images
     (``mm_inputs``): the M-RoPE positions are computed on them. A text batch on a VL model runs the
     vision tower on a blank image as the padded forward does (:func:`tidal.models.vision.vision_keepalive`)."""
+    _check_switched(hf_model)
     if mm_inputs:
         return _multimodal_hidden_states(hf_model, packed, input_ids_BT, attention_mask_BT, mm_inputs)
     zero = None
@@ -159,6 +160,13 @@ def packed_hidden_states(
     out = hf_model.get_decoder()(input_ids=packed.input_ids_1N, position_ids=packed.position_ids_1N, attention_mask=None,
                                  use_cache=False, **packed.attention_kwargs())
     return out.last_hidden_state if zero is None else out.last_hidden_state + zero
+
+
+def _check_switched(model: torch.nn.Module) -> None:
+    """A model whose decoder still runs another attention would attend across the packed sequences."""
+    if not uses_packed_attention(model):
+        raise ValueError(f"{type(model).__name__} is not switched to packed attention: call "
+                         "tidal.models.varlen.enable_packed_attention(model) before preparing it")
 
 
 def _image_features(body: torch.nn.Module, mm_inputs: dict) -> torch.Tensor:
@@ -215,7 +223,9 @@ def packed_token_logprobs(
 
 def packed_critic_values(critic: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
     """``values_BT[b, t] = V(tokens < t)`` (the critic's output at the previous position, as
-    :func:`tidal.models.loading.critic_values`) at the packed batch's targets, zero elsewhere; fp32."""
+    :func:`tidal.models.loading.critic_values`) at the packed batch's targets, zero elsewhere; fp32.
+    Reach it through ``critic_values(..., packed=)``."""
+    _check_switched(critic)
     out = critic(input_ids=packed.input_ids_1N, position_ids=packed.position_ids_1N, attention_mask=None, use_cache=False,
                  **packed.attention_kwargs())
     v_N = out.logits[0, :, 0].float()
