@@ -84,6 +84,9 @@ def _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale):
         raise NotImplementedError(f"this torch's varlen_attn has no scale argument; attention scale {scale} is not 1/sqrt(head_dim)")
     if "enable_gqa" in _VARLEN_PARAMS and k_NKD.shape[1] != q_NHD.shape[1]:
         kw["enable_gqa"] = True
+    # the kernel reads rows with a unit stride in D; HF's layout already is [N, H, D] in memory (a
+    # no-op then), a compiled layer may hand over another one
+    q_NHD, k_NKD, v_NKD = q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous()
     return _varlen_attn(q_NHD, k_NKD, v_NKD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
 
 
