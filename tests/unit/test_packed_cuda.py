@@ -100,7 +100,7 @@ def test_bf16_model_packed_logprobs_and_gradients_agree_with_padded():
 def test_compiled_packed_training_never_recompiles_on_cuda():
     """FSDP2 with ``strategy.compile=on`` (Inductor) on bf16: after the first iteration (grad and
     no-grad forwards, entropies), new packed lengths, sequence counts, longest sequences and an
-    LM-head chunk of one row compile nothing."""
+    LM-head chunk of one row compile nothing, and nothing breaks the graphs."""
     from tidal.distributed.runtime import init_runtime, shutdown
     from tidal.logging.compile import CompileMonitor
     from tidal.models.logprobs import token_logprobs
@@ -108,9 +108,12 @@ def test_compiled_packed_training_never_recompiles_on_cuda():
     from tidal.models.varlen import enable_packed_attention
     from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
 
+    from torch._dynamo.utils import counters
+
     rt = init_runtime(1, "cuda")
     try:
         torch._dynamo.reset()
+        counters.clear()
         strategy = get_strategy(StrategyConfig(compile="on"), rt)
         model = _model().float()
         enable_packed_attention(model)
@@ -130,5 +133,6 @@ def test_compiled_packed_training_never_recompiles_on_cuda():
                 strategy.optimizer_step(state)
                 m = mon.pop()
         assert m["compile/recompiles"] == 0, messages
+        assert not counters["graph_break"], dict(counters["graph_break"])  # the layers and the flash kernel compile whole
     finally:
         shutdown()
