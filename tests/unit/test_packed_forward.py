@@ -140,17 +140,33 @@ def test_critic_values_and_value_loss_gradients_equal_padded():
         grads.append((values.detach() * act, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (want_v, want), (got_v, got) = grads
     torch.testing.assert_close(got_v, want_v, **LOGP)
+    with torch.no_grad():  # a padded call on the switched critic is packed on the fly
+        real = am.float()
+        real[:, 0] = 0
+        torch.testing.assert_close(critic_values(packed, ids, am), critic_values(critic, ids, am) * real, **LOGP)
     for n in want:
         torch.testing.assert_close(got[n], want[n], **GRAD, msg=n)
 
 
-def test_a_packed_model_refuses_padded_forwards_and_positions_with_packed():
+def test_a_switched_model_packs_padded_calls_itself():
+    plain, packed = _pair(_lm())
+    ids, am, act = _batch()
+    with torch.no_grad():
+        for positions in (act, None):
+            want, _ = token_logprobs(plain, ids, am, positions_BT=positions)
+            got, _ = token_logprobs(packed, ids, am, positions_BT=positions)
+            real = (act if positions is not None else am.float()).clone()
+            real[:, 0] = 0  # a row's first token has no prediction
+            torch.testing.assert_close(got, want * real, **LOGP)
+
+
+def test_misuse_is_an_error():
     plain, packed = _pair(_lm())
     ids, am, act = _batch()
     with pytest.raises(ValueError, match="not switched to packed attention"):
         token_logprobs(plain, ids, am, packed=PackedBatch.build(ids, am))
     with pytest.raises(RuntimeError, match="packed forwards only"):
-        token_logprobs(packed, ids, am)
+        packed(input_ids=ids, attention_mask=am)  # a plain HF forward would attend across sequences
     with pytest.raises(ValueError, match="positions_BT=None"):
         token_logprobs(packed, ids, am, positions_BT=act, packed=PackedBatch.build(ids, am, targets_BT=act))
 
@@ -214,3 +230,16 @@ def test_compiled_layers_never_recompile_on_new_packed_shapes(runtime, monkeypat
     assert len(messages) == 1 and "compiling" in messages[0]
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # with and without grad
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_switching_one_model_leaves_its_config_and_new_models_alone():
+    """A rollout engine built from the actor's config (HFEngine) must keep SDPA."""
+    model = _lm()
+    enable_packed_attention(model)
+    assert uses_packed_attention(model) and model.config._attn_implementation != "tidal_varlen"
+    assert all(m.config._attn_implementation == "tidal_varlen" for m in model.model.modules() if hasattr(m, "config"))
+    fresh = AutoModelForCausalLM.from_config(model.config)
+    attach_logprob_method(fresh)
+    assert not uses_packed_attention(fresh)
+    ids, am, _ = _batch()
+    token_logprobs(fresh, ids, am)  # a padded forward, as before

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 
 from tidal.config_base import ConfigError
 from tidal.models.logprobs import attach_logprob_method
+from tidal.models.varlen import uses_packed_attention
 from tidal.models.vision import auto_model_class, is_vision_language
 
 
@@ -87,7 +88,12 @@ def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention
 
     ``packed``: the :class:`~tidal.models.packing.PackedBatch` of these rows (on the critic's device,
     the critic switched with :func:`~tidal.models.varlen.enable_packed_attention`): the forward runs
-    padding-free and the values are non-zero only at the packed batch's targets."""
+    padding-free and the values are non-zero only at the packed batch's targets. A critic switched
+    to packed attention packs a call without ``packed`` itself (every real token a target)."""
+    if packed is None and uses_packed_attention(critic):
+        from tidal.models.packing import pack_on_the_fly
+
+        packed = pack_on_the_fly(input_ids_BT, attention_mask_BT, None)
     if packed is not None:
         from tidal.models.packing import packed_critic_values
 

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tidal.models.varlen import uses_packed_attention
+
 LOGPROB_METHOD = "tidal_token_logprobs"
 
 # ---- the full-vocabulary passes (compiled on CUDA) ----------------------------------------------
@@ -272,6 +274,10 @@ def _token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attached method (see :func:`attach_logprob_method`). Its parameters are positional in
     this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``)."""
+    if packed is None and uses_packed_attention(hf_model):
+        from tidal.models.packing import pack_on_the_fly
+
+        packed, positions_BT = pack_on_the_fly(input_ids_BT, attention_mask_BT, positions_BT), None
     if packed is not None:
         from tidal.models.packing import packed_token_logprobs
 
@@ -311,6 +317,8 @@ def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, w
     ``packed``: the :class:`~tidal.models.packing.PackedBatch` of these right-padded rows (on the
     model's device): the forward runs padding-free on it (the model must have been switched with
     :func:`tidal.models.varlen.enable_packed_attention`) and the results come back in the same
-    [B, T] layout, non-zero only at the packed batch's targets (``positions_BT`` must be None)."""
+    [B, T] layout, non-zero only at the packed batch's targets (``positions_BT`` must be None).
+    A model switched to packed attention packs a call without ``packed`` itself (the targets are
+    ``positions_BT``; a host synchronisation to build the layout): same results, zero off the targets."""
     return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
                                           entropy_grad, positions_BT, packed)

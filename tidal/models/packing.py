@@ -142,6 +142,13 @@ class PackedBatch:
         return x_K.new_zeros(B, T).index_put((src_K // T, src_K % T), x_K)
 
 
+def pack_on_the_fly(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, targets_BT: torch.Tensor | None) -> PackedBatch:
+    """The :class:`PackedBatch` of device tensors, built on the host (one synchronisation) and moved
+    back: how a switched model serves a caller that did not pack (tests, ad-hoc scoring)."""
+    return PackedBatch.build(input_ids_BT.cpu(), attention_mask_BT.cpu(), targets_BT=None if targets_BT is None else targets_BT.cpu(),
+                             ).to(input_ids_BT.device)
+
+
 # ---- forwards -------------------------------------------------------------------------------------------
 def packed_hidden_states(
     hf_model: torch.nn.Module, packed: PackedBatch, input_ids_BT: torch.Tensor | None = None,

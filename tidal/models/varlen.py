@@ -20,12 +20,14 @@ packed keyword arguments of :func:`packed_attention_kwargs` (``cu_seq_lens_q/k``
 ``max_length_q/k``: the names ``transformers`` passes through ``TransformersKwargs`` down to the
 attention function) on every forward, with ``attention_mask=None`` and position ids restarted per
 sequence. No mask function is registered for it, so ``transformers`` builds no ``[N, N]`` mask.
-A causal forward without those arguments is an error (it would attend across sequences); a
-non-causal module sharing the config (a vision tower) falls back to SDPA unchanged.
+A causal forward without those arguments is an error (it would attend across sequences; Tidal's
+``token_logprobs`` / ``critic_values`` pack such calls themselves); a non-causal module sharing the
+config falls back to SDPA unchanged.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -154,20 +156,31 @@ def _register() -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hf.get_decoder() if hasattr(hf, "get_decoder") else getattr(hf, getattr(hf, "base_model_prefix", ""), None)
+
+
 def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch the decoder of an HF causal LM, a VL model or a token-classification head (a critic) --
     or the HF model a PEFT wrapper holds -- to :data:`PACKED_ATTENTION`. From then on every forward
     of its decoder must be packed (:mod:`tidal.models.packing`); a vision tower keeps its own
-    attention. Returns ``model``."""
+    attention. Returns ``model``.
+
+    Only this model changes: its decoder gets its own copy of the config with the new attention
+    (every module of the decoder that held the shared config is pointed at the copy), so a model
+    built later from ``model.config`` (e.g. an HF rollout engine) keeps the attention it had."""
     _register()
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else getattr(hf, hf.base_model_prefix)
-    decoder.config._attn_implementation = PACKED_ATTENTION
+    decoder = _decoder(model)
+    shared = decoder.config
+    own = copy.copy(shared)
+    own._attn_implementation = PACKED_ATTENTION
+    for module in decoder.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = own
     return model
 
 
 def uses_packed_attention(model: torch.nn.Module) -> bool:
     """Whether :func:`enable_packed_attention` switched ``model``'s decoder."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else getattr(hf, hf.base_model_prefix, None)
-    return getattr(getattr(decoder, "config", None), "_attn_implementation", None) == PACKED_ATTENTION
+    return getattr(getattr(_decoder(model), "config", None), "_attn_implementation", None) == PACKED_ATTENTION
