@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parent / "scripts" / "packed_fsdp.py"
 
 
+@pytest.mark.slow
 def test_packed_fsdp2_two_ranks_equal_padded_gradient(tmp_path):
     env = dict(os.environ, TIDAL_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
