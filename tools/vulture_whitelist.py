@@ -50,3 +50,6 @@ check_engine_backend, prepare_calculator
 _.advantage_trajectory_ids, _.per_row
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner
+
+# torch configuration flags, set by assignment (tidal/strategy/compile_cache.py).
+_.fx_graph_cache, _.enable_autograd_cache

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 
 from tidal.config_base import ConfigError
 from tidal.models.logprobs import attach_logprob_method
+from tidal.models.varlen import uses_packed_attention
 from tidal.models.vision import auto_model_class, is_vision_language
 
 
@@ -132,9 +133,22 @@ def check_same_tokenizer(student, teacher_fingerprint: str, *, key: str, teacher
     )
 
 
-def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+def critic_values(critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, packed=None) -> torch.Tensor:
     """values_BT[b, t] = V(input_ids[b, :t]): the value of the state in which token t is chosen, aligned
-    like logprobs (the critic's output at position t-1); position 0 is 0. fp32."""
+    like logprobs (the critic's output at position t-1); position 0 is 0. fp32.
+
+    ``packed``: the :class:`~tidal.models.packing.PackedBatch` of these rows (on the critic's device,
+    the critic switched with :func:`~tidal.models.varlen.enable_packed_attention`): the forward runs
+    padding-free and the values are non-zero only at the packed batch's targets. A critic switched
+    to packed attention packs a call without ``packed`` itself (every real token a target)."""
+    if packed is None and uses_packed_attention(critic):
+        from tidal.models.packing import pack_on_the_fly
+
+        packed = pack_on_the_fly(input_ids_BT, attention_mask_BT, None)
+    if packed is not None:
+        from tidal.models.packing import packed_critic_values
+
+        return packed_critic_values(critic, packed)
     position_ids_BT = (attention_mask_BT.long().cumsum(-1) - 1).clamp_min(0)
     out = critic(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids_BT, use_cache=False)
     v_BT = out.logits[..., 0].float()

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tidal.models.varlen import uses_packed_attention
+
 LOGPROB_METHOD = "tidal_token_logprobs"
 
 # ---- the full-vocabulary passes (compiled on CUDA) ----------------------------------------------
@@ -36,8 +38,10 @@ def set_compile(enabled: bool) -> None:
 
 
 def _run(fn: Callable, logits_NV: torch.Tensor, *args):
-    """``fn(logits_NV, *args)``, compiled when :func:`set_compile` allows it for these logits."""
-    if _COMPILE and logits_NV.is_cuda:
+    """``fn(logits_NV, *args)``, compiled when :func:`set_compile` allows it for these logits. A
+    single row runs eagerly: ``torch.compile`` specialises sizes 0 and 1, so a one-row chunk (a
+    micro-batch whose last chunk holds one token) would otherwise recompile in steady state."""
+    if _COMPILE and logits_NV.is_cuda and logits_NV.shape[0] > 1:
         compiled = _COMPILED.get(fn)
         if compiled is None:
             compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
@@ -161,6 +165,26 @@ class _LMHeadLogprobs(torch.autograd.Function):
         return dh_NH, dw_VH, db_V, None, None, None, None, None
 
 
+def head_logprobs(
+    hidden_NH: torch.Tensor,
+    lm_head: torch.nn.Linear,
+    labels_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 2048,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row n: ``log p(labels_N[n])`` and the entropy under ``softmax(lm_head(hidden_NH[n]) / T)``
+    (fp32, float64 for a float64 model; entropies None without ``with_entropy``). The rows are
+    already the predicting hidden states (row n predicts ``labels_N[n]``); the other arguments are
+    those of :func:`lm_head_logprobs`."""
+    logp_N, entropy_N = _LMHeadLogprobs.apply(
+        hidden_NH, lm_head.weight, lm_head.bias, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens
+    )
+    return logp_N, entropy_N if with_entropy else None
+
+
 def lm_head_logprobs(
     hidden_BTH: torch.Tensor,
     lm_head: torch.nn.Linear,
@@ -246,9 +270,23 @@ def _token_logprobs(
     mm_inputs: dict | None = None,
     entropy_grad: bool = True,
     positions_BT: torch.Tensor | None = None,
+    packed=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attached method (see :func:`attach_logprob_method`). Its parameters are positional in
     this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``)."""
+    if packed is None and uses_packed_attention(hf_model):
+        from tidal.models.packing import pack_on_the_fly
+
+        packed, positions_BT = pack_on_the_fly(input_ids_BT, attention_mask_BT, positions_BT), None
+    if packed is not None:
+        from tidal.models.packing import packed_token_logprobs
+
+        if positions_BT is not None:
+            raise ValueError("with packed=, the positions are the packed batch's targets (PackedBatch.build(targets_BT=...)); pass positions_BT=None")
+        return packed_token_logprobs(
+            hf_model, packed, input_ids_BT, attention_mask_BT, temperature=temperature, with_entropy=with_entropy,
+            chunk_tokens=chunk_tokens, mm_inputs=mm_inputs, entropy_grad=entropy_grad,
+        )
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
@@ -271,9 +309,16 @@ def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | No
 
 
 def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,
-                   entropy_grad=True, positions_BT=None):
+                   entropy_grad=True, positions_BT=None, packed=None):
     """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
     the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
-    None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`."""
+    None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`.
+
+    ``packed``: the :class:`~tidal.models.packing.PackedBatch` of these right-padded rows (on the
+    model's device): the forward runs padding-free on it (the model must have been switched with
+    :func:`tidal.models.varlen.enable_packed_attention`) and the results come back in the same
+    [B, T] layout, non-zero only at the packed batch's targets (``positions_BT`` must be None).
+    A model switched to packed attention packs a call without ``packed`` itself (the targets are
+    ``positions_BT``; a host synchronisation to build the layout): same results, zero off the targets."""
     return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
-                                          entropy_grad, positions_BT)
+                                          entropy_grad, positions_BT, packed)

@@ -34,6 +34,11 @@ class StrategyConfig:
         CPU (compiling a tiny CPU model costs more than it saves); ``on`` also on CPU; ``off``:
         eager. The first micro-batches of a run pay the compilation (tens of seconds on a GPU).
         Only fsdp2 compiles: with ``backend=deepspeed`` it must be ``auto`` or ``off``.
+    compile_cache_dir: where compiled code is kept across runs (torch's Inductor FX graph,
+        AOTAutograd and Triton caches, see :mod:`tidal.strategy.compile_cache`), so a run whose
+        layers were compiled before skips code generation. ``auto``: ``$TORCHINDUCTOR_CACHE_DIR`` if
+        set, else ``~/.cache/tidal/torch_compile`` (``$TIDAL_CACHE_DIR`` or ``$XDG_CACHE_HOME``
+        move it); ``off``: torch's default (``/tmp/torchinductor_<user>``); else a directory.
     """
 
     backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
@@ -46,6 +51,7 @@ class StrategyConfig:
     offload_actor_during_rollout: bool = False
     zero_stage: int = 3
     compile: Literal["auto", "on", "off"] = "auto"
+    compile_cache_dir: str = "auto"
 
     def __post_init__(self):
         check(self.zero_stage in (1, 2, 3), "zero_stage", "must be 1, 2 or 3")
@@ -55,6 +61,7 @@ class StrategyConfig:
             self.backend != "deepspeed" or self.reshard_after_forward, "reshard_after_forward",
             "is an FSDP2 setting; with backend=deepspeed choose zero_stage instead (3 re-partitions after forward, 1-2 keep full parameters)",
         )
+        check(bool(self.compile_cache_dir.strip()), "compile_cache_dir", "must be auto, off or a directory")
         check(self.backend != "deepspeed" or self.compile != "on", "compile",
               "is on only with backend=fsdp2; with backend=deepspeed set it to auto or off")
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
+from tidal.strategy.compile_cache import use_compile_cache
 from tidal.strategy.config import OptimConfig
 from tidal.strategy.gather import BucketedFullTensors
 from tidal.strategy.parking import ModelParking
@@ -66,6 +67,7 @@ class FSDP2Strategy(Strategy):
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         kwargs = dict(mesh=self._mesh(), mp_policy=mp, reshard_after_forward=reshard_after_forward)
         if self.compiles:
+            use_compile_cache(self.cfg.compile_cache_dir)
             compile_layers(model)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)

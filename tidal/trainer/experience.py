@@ -110,3 +110,35 @@ def token_budget_batches(lengths: list[int], max_tokens: int, max_seqs: int) -> 
     if cur:
         batches.append(cur)
     return batches
+
+
+def packed_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, *, setting: str = "train.micro_batch_tokens") -> list[list[int]]:
+    """Split indices into micro-batches for packed forwards (:mod:`tidal.models.packing`): each holds
+    at most ``max_tokens`` real tokens (the sum of its sequences' lengths; no padding counts) and
+    ``max_seqs`` sequences. First-fit decreasing: sequences in order of decreasing length (ties by
+    index) each go into the first micro-batch with room, so all but the last few micro-batches are
+    nearly full. Deterministic; each micro-batch lists its indices in increasing order; micro-batches
+    come in order of creation (the longest sequences first).
+
+    A sequence longer than ``max_tokens`` cannot be packed (it is never split: its tokens attend to
+    each other): a ValueError names ``setting``, the budget's config key."""
+    too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i = max(too_long, key=lambda j: lengths[j])
+        raise ValueError(
+            f"sequence {i} has {lengths[i]} tokens, more than {setting}={max_tokens} ({len(too_long)} sequences are too long); "
+            f"raise {setting} to at least {lengths[i]} or shorten prompts/responses (data.max_prompt_len, rollout.max_new_tokens)"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free and len(bins[b]) < max_seqs:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]

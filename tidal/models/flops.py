@@ -1,0 +1,98 @@
+"""Model FLOPs of training and forward passes, and model FLOPs utilisation (MFU).
+
+Counted per the usual convention (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B):
+a token costs ``2 * P`` FLOPs forward through ``P`` matmul weights and ``4 * P`` backward, so training
+costs ``6 * P`` per token; causal self-attention adds, per layer and sequence of length L,
+``2 * L^2 * d_attn`` forward (``QK^T`` and ``PV`` over the L^2/2 visible pairs, a multiply-add each,
+``d_attn`` = query heads x head dim) and twice that backward: ``6 * L^2 * d_attn`` in training.
+
+Only real tokens count (packing's padding and dummy sequences do not), and recomputation is not
+counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
+``head_tokens`` tokens (default: all; Tidal's head runs on response tokens only, pass their count to
+count what it computes). Embedding lookups, norms, activations and the softmax are left out (a few
+percent), as in the convention. A LoRA update skips the frozen weights' gradients (about ``4 * P``
+per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
+The vision tower of a VL model is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlopModel:
+    """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
+    projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
+    query heads x head dim."""
+
+    num_layers: int
+    layer_params: int
+    head_params: int
+    attn_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "FlopModel":
+        """From an HF config of a dense decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral); a VL
+        config's text part."""
+        c = getattr(config, "text_config", None) or config
+        if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
+            raise NotImplementedError(f"{c.model_type}: mixture-of-experts FLOPs are not counted (active experts vary)")
+        H, heads = int(c.hidden_size), int(c.num_attention_heads)
+        kv = int(getattr(c, "num_key_value_heads", None) or heads)
+        hd = int(getattr(c, "head_dim", None) or H // heads)
+        attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
+        mlp = 3 * H * int(c.intermediate_size)
+        return cls(num_layers=int(c.num_hidden_layers), layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
+                   attn_dim=heads * hd)
+
+    @property
+    def params(self) -> int:
+        """Matmul weights in all: ``P`` of ``6 * P`` per token."""
+        return self.num_layers * self.layer_params + self.head_params
+
+    def train_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
+        """Forward + backward model FLOPs of sequences of ``seq_lens`` real tokens (see the module
+        docstring): ``6 * (layers * P_layer * tokens + P_head * head_tokens) + 6 * layers * d_attn * sum(len^2)``."""
+        tokens = sum(seq_lens)
+        head = tokens if head_tokens is None else head_tokens
+        dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
+        attention = 6.0 * self.num_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
+        return dense + attention
+
+    def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
+        """Forward-only model FLOPs (a third of :meth:`train_flops`): the experience forwards."""
+        return self.train_flops(seq_lens, head_tokens) / 3.0
+
+
+def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak."""
+    return flops / seconds / peak_flops_per_s if seconds > 0 and peak_flops_per_s > 0 else 0.0
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, n: int = 8192, iters: int = 20) -> float:
+    """The measured matmul ceiling of ``device`` in FLOP/s: the best of ``iters`` timed ``n x n x n``
+    matmuls in ``dtype`` (after a warm-up), ``2 n^3`` FLOPs each. On CUDA this is the dense bf16
+    throughput MFU is measured against (below the datasheet figure: clocks, power)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    cuda = device.type == "cuda"
+    best = float("inf")
+    for i in range(iters + 2):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.mm(a, b)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            seconds = time.perf_counter() - t0
+        if i >= 2:  # warm-up
+            best = min(best, seconds)
+    return 2.0 * n**3 / best
