@@ -35,6 +35,7 @@ from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
+from tidal.models.varlen import enable_packed_attention
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
@@ -110,7 +111,7 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
 def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, algorithm: Algorithm, tokenizer):
     """(models, the actor's HF config): the actor (and critic) sharded for training, the reference
     sharded for inference; where each waits between phases is the phase owner's decision, not made here."""
-    actor_model = load_causal_lm(paths.model)
+    actor_model = enable_packed_attention(load_causal_lm(paths.model))
     hf_config = actor_model.config  # read before wrapping: a DeepSpeed engine's .config is its own
     if cfg.model.gradient_checkpointing:
         actor_model.gradient_checkpointing_enable()
@@ -119,19 +120,19 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
     actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=steps)
     critic = None
     if algorithm.needs_critic:
-        critic = strategy.prepare_trainable(load_critic(paths.critic), cfg.optim, lr=cfg.optim.critic_lr, total_steps=steps)
+        critic = strategy.prepare_trainable(enable_packed_attention(load_critic(paths.critic)), cfg.optim, lr=cfg.optim.critic_lr, total_steps=steps)
     reference = None
     if algorithm.needs_reference and cfg.model.lora.enabled:
         reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
     elif algorithm.needs_reference:
-        reference = strategy.prepare_frozen(load_causal_lm(paths.reference, what="model.reference_path"), offload=False)
+        reference = strategy.prepare_frozen(enable_packed_attention(load_causal_lm(paths.reference, what="model.reference_path")), offload=False)
     teacher = remote_teacher = None
     t = cfg.model.teacher
     if t.path:
         teacher_tok = load_tokenizer(t.path)
         check_same_tokenizer(tokenizer, tokenizer_fingerprint(teacher_tok), key="model.teacher.path",
                              teacher_vocab=len(getattr(teacher_tok, "tokenizer", teacher_tok).get_vocab()))
-        teacher = strategy.prepare_frozen(load_causal_lm(t.path, what="model.teacher.path"), offload=False)
+        teacher = strategy.prepare_frozen(enable_packed_attention(load_causal_lm(t.path, what="model.teacher.path")), offload=False)
     elif t.url:
         remote_teacher = RemoteTeacher(t)
         check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")

@@ -119,7 +119,6 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(entropy_coe
 @pytest.mark.slow
 @pytest.mark.parametrize("forward_budget, expected", [
     (["train.forward_micro_batch_max_seqs=4"], [4, 4, 4, 4]),
-    (["train.forward_micro_batch_tokens=1"], [1] * 16),  # a budget below any row: one row per pass
 ])
 def test_experience_forwards_use_their_own_micro_batch_budget(forward_budget, expected, tmp_path, tiny_task_overrides, monkeypatch):
     """train.forward_micro_batch_* splits the no-grad experience forwards; train.micro_batch_* the update."""
@@ -193,7 +192,7 @@ def test_an_experience_without_old_logprobs_refuses_what_needs_them(tmp_path, ti
         exp, _, _ = trainer.collect(0)
         assert exp.old_logp_BT is None
         two_epochs = Updater(models=trainer.models, phases=trainer.phases, algorithm=trainer.algo, rollout=cfg.rollout,
-                             train=dataclasses.replace(cfg.train, epochs=2), model=cfg.model)
+                             train=dataclasses.replace(cfg.train, epochs=2), model=cfg.model, split=trainer.perf.split)
         with pytest.raises(ValueError, match="train.old_logprobs=recompute"):
             two_epochs.train(exp, generator=torch.Generator())
         trainer.maker.algo.cfg.kl_in_reward = True  # as if the pass had been skipped with a KL reward

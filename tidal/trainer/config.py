@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 from tidal.config_base import check
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
+from tidal.strategy.config import StrategyConfig
 from tidal.sync.config import SyncConfig
 
 
@@ -63,7 +64,8 @@ class RolloutConfig:
 class TrainConfig:
     """epochs: passes over each rollout batch. mini_batches: optimizer steps per epoch (the rollout
     is split into this many equal mini-batches of whole prompt groups).
-    micro_batch_tokens / micro_batch_max_seqs: token budget of one forward/backward (padded tokens).
+    micro_batch_tokens / micro_batch_max_seqs: budget of one forward/backward: real tokens (sequences are
+        packed without padding, never split: it must hold data.max_prompt_len + rollout.max_new_tokens).
     forward_micro_batch_tokens / forward_micro_batch_max_seqs: the same for the no-grad forwards of
         the experience (old and reference logprobs, critic values). They keep no activations, so
         their budget can be several times the training one: fewer, larger passes.
@@ -152,3 +154,4 @@ class TrainerSections(Protocol):
     eval: EvalConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    strategy: StrategyConfig

@@ -26,6 +26,7 @@ from tidal.logging import PhaseTimer
 from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
+from tidal.models.packing import PackedBatch
 from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.base import RewardError
@@ -33,7 +34,7 @@ from tidal.rewards.types import RewardSample
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig
-from tidal.trainer.experience import Experience, token_budget_batches
+from tidal.trainer.experience import Experience, packed_micro_batches
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -140,7 +141,7 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def _per_token(self, forward, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        """Run ``forward(ids_BT, mask_BT, action_mask_BT, mm_inputs) -> x_BT`` over the micro-batches
+        """Run ``forward(ids_BT, mask_BT, packed, mm_inputs) -> x_BT`` over the packed micro-batches
         (equal pass counts on every rank) and scatter the results into one [B, T] tensor, zero off the
         actions."""
         out_BT = torch.zeros_like(t["rollout_logp_BT"])
@@ -150,11 +151,11 @@ class ExperienceMaker:
             real = idx is not None
             idx = idx if real else batches[0]
             T = int(t["attention_mask_BT"][idx].sum(-1).max())
-            ids = t["sequences_BT"][idx, :T].to(dev)
-            am = t["attention_mask_BT"][idx, :T].to(dev)
-            act = t["action_mask_BT"][idx, :T].to(dev)
+            ids, am = t["sequences_BT"][idx, :T], t["attention_mask_BT"][idx, :T]
+            packed = PackedBatch.build(ids, am, targets_BT=t["action_mask_BT"][idx, :T],
+                                       cap=self.train_cfg.forward_micro_batch_tokens).to(dev)
             mm = collate_mm_inputs([t["mm_inputs"][i] for i in idx] if t["mm_inputs"] else None, dev)
-            x_BT = forward(ids, am, act, mm)
+            x_BT = forward(ids.to(dev), am.to(dev), packed, mm)
             if real:
                 out_BT[idx, :T] = x_BT.float().cpu()
 
@@ -166,16 +167,16 @@ class ExperienceMaker:
         """``model``'s logprobs of the sampled tokens, at ``temperature`` (default: the rollout's)."""
         temp = self.rollout_cfg.temperature if temperature is None else temperature
 
-        def forward(ids, am, act, mm):  # the LM head runs on the response tokens only
+        def forward(ids, am, packed, mm):  # the LM head runs on the response tokens only
             return token_logprobs(model, ids, am, temperature=temp, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
-                                  mm_inputs=mm, positions_BT=act)[0]
+                                  mm_inputs=mm, packed=packed)[0]
 
         with self.phases.using(model):
             return self._per_token(forward, t, batches)
 
     def _values(self, critic: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
         with self.phases.using(critic):
-            return self._per_token(lambda ids, am, act, mm: critic_values(critic, ids, am), t, batches)
+            return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
     def score(self, rollout: Rollout):
@@ -208,7 +209,8 @@ class ExperienceMaker:
         reports the same comparisons as ``actor/mismatch_*`` and ``actor/kl``."""
         t = self._pack(rollout)
         lengths = t["attention_mask_BT"].sum(-1).tolist()
-        batches = token_budget_batches(lengths, self.train_cfg.forward_micro_batch_tokens, self.train_cfg.forward_micro_batch_max_seqs)
+        batches = packed_micro_batches(lengths, self.train_cfg.forward_micro_batch_tokens, self.train_cfg.forward_micro_batch_max_seqs,
+                                       setting="train.forward_micro_batch_tokens")
         m = self.models
         old_logp_BT = ref_logp_BT = values_BT = None
         if self.old_logprobs_pass:

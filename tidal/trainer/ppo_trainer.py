@@ -30,6 +30,7 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.perf import PerfMeter
 from tidal.trainer.run_dir import RunDir
 from tidal.trainer.stop import StopRequest, StopRun
 from tidal.trainer.update import Updater
@@ -94,8 +95,10 @@ class PPOTrainer:
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(models=models, phases=phases, rewards=rewards, algorithm=algorithm,
                                      rollout=cfg.rollout, train=cfg.train, model=cfg.model, timer=self.timer)
+        self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=phases.strategy.compiles,
+                              compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
         self.updater = Updater(models=models, phases=phases, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
-                               model=cfg.model)
+                               model=cfg.model, split=self.perf.split)
 
     # ---- one iteration ---------------------------------------------------------------------------
     def sampling_params(self, step: int, attempt: int = 0) -> SamplingParams:
@@ -162,6 +165,8 @@ class PPOTrainer:
         self._mismatch_alarm(metrics)
         metrics.update(self.timer.pop())
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")
+        # after time/step: compile time is inside the phases that compiled, not added to them
+        metrics.update(self.perf.pop(exp.attention_mask_BT.sum(-1).tolist(), metrics.get("time/train", 0.0)))
         device = self.rt.device
         if device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -282,6 +287,7 @@ class PPOTrainer:
             finally:
                 self.logger.close()
                 self.watchdog.close()
+                self.perf.close()
                 self.run_dir.lock.release()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:

@@ -20,15 +20,17 @@ import torch
 from tidal.algorithms import Algorithm
 from tidal.algorithms.base import LossNormalizer
 from tidal.distributed.runtime import Runtime
+from tidal.logging.update_split import UpdateSplit
 from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import token_logprobs
+from tidal.models.packing import PackedBatch
 from tidal.models.vision import collate_mm_inputs
 from tidal.strategy.base import TrainState
 from tidal.trainer import faults
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig
-from tidal.trainer.experience import Experience, token_budget_batches
+from tidal.trainer.experience import Experience, packed_micro_batches
 
 
 class MetricMeans:
@@ -103,11 +105,13 @@ class UpdateResult:
 class Updater:
     """Policy (and critic) updates over one rollout's Experience. ``rollout``, ``train``, ``model``
     are the config sections it reads (``rollout.temperature``, ``train.micro_batch_tokens`` /
-    ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``)."""
+    ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``). ``split`` times the forward, backward
+    and optimizer parts."""
 
     def __init__(self, *, models: Models, phases: Colocation, algorithm: Algorithm, rollout: RolloutConfig,
-                 train: TrainConfig, model: ModelConfig):
+                 train: TrainConfig, model: ModelConfig, split: UpdateSplit):
         self.models = models
+        self.split = split
         self.phases = phases
         self.algo = algorithm
         self.rollout_cfg = rollout
@@ -124,7 +128,8 @@ class Updater:
 
     def _micro_batches(self, exp: Experience) -> tuple[list[list[int]], int]:
         t = self.train_cfg
-        batches = token_budget_batches(exp.attention_mask_BT.sum(-1).tolist(), t.micro_batch_tokens, t.micro_batch_max_seqs)
+        batches = packed_micro_batches(exp.attention_mask_BT.sum(-1).tolist(), t.micro_batch_tokens, t.micro_batch_max_seqs,
+                                       setting="train.micro_batch_tokens")
         total = int(self.runtime.all_reduce_max([float(len(batches))])[0])
         return batches, total
 
@@ -136,23 +141,29 @@ class Updater:
         with self.phases.update(state):
             for i in range(total):
                 real = i < len(batches)
-                mb = exp.select(batches[i] if real else batches[0]).to(self.runtime.device)
+                part = exp.select(batches[i] if real else batches[0])
+                packed = PackedBatch.build(part.sequences_BT, part.attention_mask_BT, targets_BT=part.action_mask_BT,
+                                           cap=self.train_cfg.micro_batch_tokens).to(self.runtime.device)
+                mb = part.to(self.runtime.device)
                 mb_mask_BT = mb.action_mask_BT * mb.loss_mask_B[:, None]
-                loss, metrics = loss_fn(mb, mb_mask_BT, norm)
+                with self.split.part("forward"):
+                    loss, metrics = loss_fn(mb, packed, mb_mask_BT, norm)
                 if real:
                     means.add(metrics, mb_mask_BT.sum().double())
                 else:
                     loss = loss * 0.0
-                strategy.backward(loss, state, sync_grads=i == total - 1)
-            step_metrics = strategy.optimizer_step(state)
+                with self.split.part("backward"):
+                    strategy.backward(loss, state, sync_grads=i == total - 1)
+            with self.split.part("optimizer"):
+                step_metrics = strategy.optimizer_step(state)
         means.add(step_metrics, 1.0)
 
-    def _actor_loss(self, mb: Experience, mask_BT: torch.Tensor, norm: LossNormalizer):
+    def _actor_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
         logp_BT, entropy_BT = token_logprobs(
             self.models.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.rollout_cfg.temperature, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
             mm_inputs=collate_mm_inputs(mb.mm_inputs, self.runtime.device), entropy_grad=self.algo.entropy_needs_grad,
-            positions_BT=mb.action_mask_BT,  # the LM head runs on response tokens only; prompt positions are 0
+            packed=packed,  # padding-free; the LM head runs on response tokens only; prompt positions are 0
         )
         logp_BT = faults.corrupt("policy_logp", logp_BT)  # test-only NaN/Inf injection (TIDAL_FAULT)
         # no old logprobs: this is the rollout's only optimizer step, so the actor has not moved since
@@ -164,8 +175,8 @@ class Updater:
         )
         return nonfinite_guard(loss, logp_BT), metrics
 
-    def _critic_loss(self, mb: Experience, mask_BT: torch.Tensor, norm: LossNormalizer):
-        values_BT = critic_values(self.models.critic.model, mb.sequences_BT, mb.attention_mask_BT)
+    def _critic_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
+        values_BT = critic_values(self.models.critic.model, mb.sequences_BT, mb.attention_mask_BT, packed=packed)
         loss, metrics = self.algo.value_loss(values_BT, mb.values_BT, mb.returns_BT, mask_BT, norm)
         return nonfinite_guard(loss, values_BT), metrics
 
