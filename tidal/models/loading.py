@@ -31,13 +31,17 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, what: str =
 
 def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load a value model: the LM body with a scalar head per token (``score``), freshly initialised
-    (zeros) when the checkpoint is a plain causal LM."""
+    (zeros) when the checkpoint is a plain causal LM. No dropout before the head (transformers'
+    token-classification default is 0.1, which would make the values of one sequence differ between
+    the experience pass and the update, and noisy within it)."""
     _require_dir(path, "model.critic_path")
-    if is_vision_language(AutoConfig.from_pretrained(path)):
-        raise ValueError("estimators with a critic (gae) do not support vision-language models yet; use a critic-free one (grpo, rloo, ...)")
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
     cfg = AutoConfig.from_pretrained(path)
+    if is_vision_language(cfg):
+        raise ValueError("estimators with a critic (gae) do not support vision-language models yet; use a critic-free one (grpo, rloo, ...)")
+    head_cfg = AutoConfig.from_pretrained(path, num_labels=1)
+    head_cfg.classifier_dropout = 0.0
+    model = AutoModelForTokenClassification.from_pretrained(path, config=head_cfg, dtype=dtype)
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if head is not None and "TokenClassification" not in "".join(cfg.architectures or []):
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
