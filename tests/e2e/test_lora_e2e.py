@@ -161,15 +161,23 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
 
 
 def _check_export(trainer, model, cfg, out):
-    """The merged HF export and the PEFT adapter over the base both reproduce ``model``'s logits."""
+    """The merged HF export and the PEFT adapter over the base both reproduce ``model``'s token
+    logprobs (``model`` runs packed forwards only: it is scored through tidal's logprob method)."""
     from peft import PeftModel
+
+    from tidal.models.logprobs import token_logprobs
 
     export_hf(trainer, str(out))
     ids = torch.tensor([trainer.data.train[0].prompt_ids])
+
+    def logprobs(hf_model):  # of tokens 1.. given the ones before, [1, T-1]
+        logp_1TV = torch.log_softmax(hf_model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+        return logp_1TV.gather(-1, ids[:, 1:, None])[..., 0]
+
     with torch.no_grad():
-        want = model(input_ids=ids).logits
-        got = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits
+        want = token_logprobs(model, ids, torch.ones_like(ids))[0][:, 1:]
+        got = logprobs(AutoModelForCausalLM.from_pretrained(out))
         base = AutoModelForCausalLM.from_pretrained(_task_model_path(cfg))
-        adapter = PeftModel.from_pretrained(base, out / "adapter")(input_ids=ids).logits
+        adapter = logprobs(PeftModel.from_pretrained(base, out / "adapter"))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(adapter, want, rtol=1e-4, atol=1e-5)

@@ -305,7 +305,7 @@ def test_free_space_check_counts_the_kept_checkpoints(tmp_path):
 def test_training_resumes_past_a_truncated_newest_checkpoint(tmp_path, tiny_task_overrides, capsys):
     from tidal import cli
     from tidal.config import load_config
-    from tidal.trainer.setup import build_trainer
+    from tidal.build import build_trainer
 
     out = tmp_path / "run"
     common = tiny_task_overrides + [f"run.output_dir={out}", "checkpoint.every=1", "checkpoint.keep=5"]

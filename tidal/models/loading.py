@@ -108,10 +108,25 @@ def load_tokenizer(path: str):
             raise ConfigError("model.tokenizer_path", f"the tokenizer in {path} has neither a pad token nor an EOS token; "
                               "set pad_token (and eos_token) in its tokenizer_config.json to tokens of its vocabulary")
         tok.pad_token = tok.eos_token
-    if os.path.exists(os.path.join(path, "config.json")):  # a model folder: its ids must all have embedding rows
+    if _is_model_folder(path):  # its ids must all have embedding rows
         check_tokenizer_fits(tok, AutoConfig.from_pretrained(path))
     image_processor = load_image_processor(path)
     return VisionProcessor(tok, image_processor) if image_processor is not None else tok
+
+
+def _is_model_folder(path: str) -> bool:
+    """A folder with a model's config.json (one naming a ``model_type``); a tokenizer-only folder may
+    hold a config.json that names just its tokenizer class."""
+    import json
+
+    config = os.path.join(path, "config.json")
+    if not os.path.exists(config):
+        return False
+    try:
+        with open(config) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.tokenizer_path", f"{config} is not readable JSON: {e}") from e
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
