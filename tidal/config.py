@@ -19,6 +19,8 @@ from tidal.algorithms.config import AlgorithmConfig
 from tidal.config_base import ConfigError, apply_overrides, build, check, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
+from tidal.envs.base import check_engine_backend
+from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
@@ -36,6 +38,7 @@ class TidalConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -66,6 +69,7 @@ class TidalConfig:
         check(bool(self.reward.components) or not has_eval, "eval",
               "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
               "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")
+        check_engine_backend(self.env, self.engine.backend)
         check(
             self.rollout.prompts_per_step % self.train.mini_batches == 0,
             "train.mini_batches",

@@ -1,41 +1,126 @@
-"""gather_and_generate: one generation call per rollout TP group (spec §2.2).
+"""Generation inside a rollout TP group: every TP rank makes the same engine calls (spec §2.2).
 
-Each rank brings its own prompts. Inside its TP group the prompts are gathered with
-``all_gather_object``, the group's engine generates the concatenation once (every TP rank runs the
-same engine step on its weight shard), and each rank keeps the slice that belongs to its prompts.
-Prompts with images carry their pixel inputs in ``mm_inputs`` (one entry per prompt, None for
-text); they travel with their prompts and reach the engine only when some prompt has images.
+Each rank brings its own prompts; the TP group's engine is one engine sharded over the group, so
+every call must be made by every TP rank with the same arguments (the ranks run the same engine
+step on their weight shards; TP rank 0 samples and broadcasts). Two entry points:
+
+- :func:`gather_and_generate`: one call. The group's prompts are gathered, generated together
+  once, and each rank keeps the slice of its own prompts.
+- :class:`GroupGenerator`: rounds, for rollouts that make many calls whose number differs between
+  ranks (multi-turn environments, :mod:`tidal.envs.rollout`). In each round every rank brings the
+  batches it has ready (possibly none) and whether it still has work; the round gathers them over
+  the group, merges the batches of all ranks that sample alike (same :class:`SamplingParams` but
+  the seed) into one engine call each, in one order every rank derives from the same gathered
+  list, and hands each rank its completions. A rank with nothing to decode still joins every
+  round (with no batch), so the calls stay in lockstep; the group stops when no rank has work.
+  Across DP groups nothing needs to agree: each TP group has its own engine.
+
+Prompts with images carry their pixel inputs (one entry per prompt, None for text); they reach the
+engine only when some prompt of a call has images. Control messages go over the TP group's gloo
+twin (``Runtime.tp_cpu_group``), so a round costs no device synchronisation.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch.distributed as dist
 
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, RolloutEngine, SamplingParams
 
+# How long a rank of a TP group (size > 1) with nothing to decode waits for its environments before
+# it joins the next round: rounds are a gloo all-gather, so this bounds how long a peer that has
+# turns ready waits for it, at the price of a few rounds per second while the whole group waits.
+TP_POLL_S = 0.005
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateBatch:
+    """One engine call's worth of a rank's prompts: ``len(prompts) * params.n`` completions come back,
+    prompt-major. ``mm_inputs``: one pixel-input dict (or None) per prompt, or None for all text."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    mm_inputs: list[dict | None] | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Round:
+    """What a round gave this rank: the completions of each of its batches (in order), and whether
+    some rank of the group still has work (False: every rank leaves the loop after this round)."""
+
+    completions: list[list[Completion]]
+    group_busy: bool
+
+
+class GroupGenerator:
+    """Rounds of engine calls in lockstep over this rank's TP group (see the module docstring).
+
+    ``poll_s``: how long the caller may wait for its own work before the next round when it has
+    nothing to decode (None: until it has some; a group of one waits for nobody).
+    """
+
+    def __init__(self, engine: RolloutEngine, runtime: Runtime):
+        self.engine = engine
+        self.runtime = runtime
+        self.group_size = runtime.tp_size
+        self.poll_s: float | None = TP_POLL_S if self.group_size > 1 else None
+        self.engine_calls = 0
+
+    def round(self, batches: list[GenerateBatch], *, busy: bool) -> Round:
+        """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
+        has work after this round's completions are in (trajectories decoding or waiting)."""
+        if self.group_size == 1:
+            return Round(completions=[self._call(b.prompts, b.params, b.mm_inputs) for b in batches], group_busy=busy)
+        parts: list = [None] * self.group_size
+        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
+        dist.all_gather_object(parts, ([(b.prompts, b.params, b.mm_inputs) for b in batches], busy), group=group)
+        mine: list[list[Completion]] = [[] for _ in batches]
+        for params, owners in merge_batches([p[0] for p in parts]):
+            prompts = [p for _, _, ps, _ in owners for p in ps]
+            mm = _merged_mm(owners)
+            outputs = self._call(prompts, params, mm)
+            start = 0
+            for rank, j, ps, _ in owners:
+                end = start + len(ps) * params.n
+                if rank == self.runtime.tp_rank:
+                    mine[j] = outputs[start:end]
+                start = end
+        return Round(completions=mine, group_busy=any(p[1] for p in parts))
+
+    def _call(self, prompts: list[list[int]], params: SamplingParams, mm_inputs) -> list[Completion]:
+        self.engine_calls += 1
+        if mm_inputs is not None and any(m is not None for m in mm_inputs):
+            return self.engine.generate(prompts, params, mm_inputs=mm_inputs)
+        return self.engine.generate(prompts, params)  # text: the plain protocol call every engine has
+
+
+def merge_batches(per_rank: list[list[tuple]]) -> list[tuple[SamplingParams, list[tuple]]]:
+    """The engine calls of a round: batches (``(prompts, params, mm_inputs)``, listed per rank) that
+    differ at most in their seed share one call, in order of first appearance (rank, then batch);
+    the call uses the first batch's parameters (its seed: only TP rank 0 samples). Returns
+    ``[(params, [(rank, batch index, prompts, mm_inputs), ...]), ...]``; deterministic, so every
+    rank derives the same calls from the same gathered list."""
+    calls: dict[SamplingParams, tuple[SamplingParams, list[tuple]]] = {}
+    for rank, batches in enumerate(per_rank):
+        for j, (prompts, params, mm) in enumerate(batches):
+            key = dataclasses.replace(params, seed=None)
+            calls.setdefault(key, (params, []))[1].append((rank, j, prompts, mm))
+    return list(calls.values())
+
+
+def _merged_mm(owners: list[tuple]) -> list[dict | None] | None:
+    if all(mm is None for *_, mm in owners):
+        return None
+    return [m for _, _, ps, mm in owners for m in (mm if mm is not None else [None] * len(ps))]
+
 
 def gather_and_generate(
     engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, runtime: Runtime,
     mm_inputs: list[dict | None] | None = None,
 ) -> list[Completion]:
-    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major)."""
-    if runtime.tp_size == 1:
-        return _generate(engine, prompts, params, mm_inputs)
-    gathered: list[list[list[int]] | None] = [None] * runtime.tp_size
-    dist.all_gather_object(gathered, prompts, group=runtime.tp_group)
-    all_prompts = [p for part in gathered for p in part]
-    all_mm = None
-    if mm_inputs is not None and any(m is not None for m in mm_inputs):
-        mm_parts: list[list | None] = [None] * runtime.tp_size
-        dist.all_gather_object(mm_parts, mm_inputs, group=runtime.tp_group)
-        all_mm = [m for part, prompts_part in zip(mm_parts, gathered) for m in (part or [None] * len(prompts_part))]
-    outputs = _generate(engine, all_prompts, params, all_mm)
-    start = sum(len(part) for part in gathered[: runtime.tp_rank]) * params.n
-    return outputs[start : start + len(prompts) * params.n]
-
-
-def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs) -> list[Completion]:
-    if mm_inputs is not None and any(m is not None for m in mm_inputs):
-        return engine.generate(prompts, params, mm_inputs=mm_inputs)
-    return engine.generate(prompts, params)  # text: the plain protocol call every engine has
+    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major): one engine call
+    for the whole TP group, every TP rank bringing its own prompts with the same ``params``."""
+    batch = GenerateBatch(prompts=prompts, params=params, mm_inputs=mm_inputs)
+    return GroupGenerator(engine, runtime).round([batch], busy=False).completions[0]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal, Protocol
 
 from tidal.config_base import check
+from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 
@@ -147,3 +148,4 @@ class TrainerSections(Protocol):
     eval: EvalConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    env: EnvConfig
