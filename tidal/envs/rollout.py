@@ -74,6 +74,10 @@ class LocalGenerator:
         return Round(completions=out, group_busy=busy)
 
 
+# When the loop had to wait for an environment, it also takes the answers that arrive within this
+# many seconds of the previous one before it decodes (see _Run._collect_burst).
+BURST_GAP_S = 0.005
+
 # Counters the loop itself keeps: environment errors dropped (env.on_error: drop) and trajectories
 # ended by a failing tool (env.tool_failure: drop).
 LOOP_COUNTERS = ("errors", "tool_failure_drops")
@@ -165,9 +169,22 @@ class _Run:
         while True:  # one round per iteration (see the module docstring)
             if not self.ready and len(self.pool):
                 self._collect(block=True, timeout=self.gen.poll_s)
+                if self.ready:
+                    self._collect_burst()
             if not self._decode():
                 return
             self._collect(block=False)
+
+    def _collect_burst(self) -> None:
+        """After waiting for the first answer: also take the answers that follow it closely (each
+        within ``BURST_GAP_S`` of the previous). Tools started together finish together, give or
+        take scheduling jitter; with a batch ``generate`` per round, decoding the first of them
+        alone would make the others wait a whole turn. A tool that answers later is not waited for."""
+        while len(self.pool):
+            before = len(self.ready)
+            self._collect(block=True, timeout=BURST_GAP_S)
+            if len(self.ready) == before:
+                return
 
     def _collect(self, *, block: bool, timeout: float | None = None) -> None:
         t0 = time.perf_counter()

@@ -296,6 +296,14 @@ class PPOTrainer:
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:
-        if self.rt.is_main:
-            shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(metrics.items()) if not math.isnan(v))
-            print(f"[tidal] eval at {when}: {shown}", flush=True)
+        """Print the eval metrics; the environment's (``eval/env/*``) on a line of their own, the
+        nonzero ones only."""
+        if not self.rt.is_main:
+            return
+        plain = {k: v for k, v in metrics.items() if not k.startswith("eval/env/")}
+        shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(plain.items()) if not math.isnan(v))
+        print(f"[tidal] eval at {when}: {shown}", flush=True)
+        env = ", ".join(f"{k[len('eval/env/'):]}={v:.4f}" for k, v in sorted(metrics.items())
+                        if k.startswith("eval/env/") and v and not math.isnan(v))
+        if env:
+            print(f"[tidal]   environment: {env}", flush=True)
