@@ -45,6 +45,5 @@ _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links 
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
 CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
 
-# Multi-turn rollouts (tidal/envs): wired into the trainer by the agentic-integration step.
-check_engine_backend, prepare_calculator
-_.advantage_trajectory_ids, _.per_row
+# Named in configs as "module:Class" (env.name) and imported at run time.
+SyntheticToolEnv  # bench/multiturn.py's cases

@@ -19,6 +19,7 @@ def announced(stdout: str, when: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 3 minutes on two idle cores (task build 80 s, 40 steps); more on a shared machine
 def test_calculator_learns_to_call_the_tool(tmp_path):
     cmd = [sys.executable, "-m", "tidal.cli", "train", "calculator", f"run.output_dir={tmp_path / 'run'}",
            f"task.workdir={tmp_path / 'tasks'}", "logging.backends=[jsonl]"]

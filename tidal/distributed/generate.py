@@ -66,7 +66,6 @@ class GroupGenerator:
         self.runtime = runtime
         self.group_size = runtime.tp_size
         self.poll_s: float | None = TP_POLL_S if self.group_size > 1 else None
-        self.engine_calls = 0
 
     def round(self, batches: list[GenerateBatch], *, busy: bool) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
@@ -90,7 +89,6 @@ class GroupGenerator:
         return Round(completions=mine, group_busy=any(p[1] for p in parts))
 
     def _call(self, prompts: list[list[int]], params: SamplingParams, mm_inputs) -> list[Completion]:
-        self.engine_calls += 1
         if mm_inputs is not None and any(m is not None for m in mm_inputs):
             return self.engine.generate(prompts, params, mm_inputs=mm_inputs)
         return self.engine.generate(prompts, params)  # text: the plain protocol call every engine has

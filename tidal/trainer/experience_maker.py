@@ -60,10 +60,6 @@ class Rollout:
     trajectories: list[Trajectory]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    @property
-    def group_ids(self) -> list[int]:
-        return [t.group_id for t in self.trajectories]
-
 
 @dataclasses.dataclass(kw_only=True)
 class Scores:
@@ -107,10 +103,11 @@ class ExperienceMaker:
     ``rollout``, ``train``, ``model`` and ``env`` are the run's config sections it reads
     (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
     ``model.logprob_chunk_tokens``, the environment and its limits). Whether the actor's
-    old-logprob pass runs is the algorithm's decision (:meth:`Algorithm.reuses_policy_logprobs`)."""
+    old-logprob pass runs is the algorithm's decision (:meth:`Algorithm.reuses_policy_logprobs`).
+    Its stages are timed on the phase owner's timer."""
 
     def __init__(self, *, models: Models, phases: Colocation, rewards: RewardEngine, algorithm: Algorithm,
-                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig, timer: PhaseTimer):
+                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig):
         self.models = models
         self.phases = phases
         self.rewards = rewards
@@ -118,7 +115,7 @@ class ExperienceMaker:
         self.rollout_cfg = rollout
         self.train_cfg = train
         self.model_cfg = model
-        self.timer = timer
+        self.timer: PhaseTimer = phases.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.env = EnvRollout(env, models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
         self.multi_turn = env.name != "single_turn"

@@ -95,7 +95,7 @@ class PPOTrainer:
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(models=models, phases=phases, rewards=rewards, algorithm=algorithm,
-                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env, timer=self.timer)
+                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
         self.updater = Updater(models=models, phases=phases, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
                                model=cfg.model)
 
