@@ -3,6 +3,7 @@ numbers of turns keep the sharded engine's calls in lockstep (scripts/env_tp_loc
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,4 +28,7 @@ def test_multi_turn_rollouts_stay_in_lockstep_over_a_tp_group(tmp_path):
     assert r0["equal_alone"] and r1["equal_alone"]
     # single_turn: one engine call for the group, as a plain rollout; a rank without prompts joins it
     assert r0["single_calls"] == r1["single_calls"] and len(r0["single_calls"]) == 1 and r0["single_equal"] and r1["single_equal"]
+    # an environment error on rank 1 stops both ranks with it (rank 0 does not wait for rank 1)
+    assert re.search(r"environment 'environment' failed on row rank1:\d", r1["failure"]) and "ValueError: boom" in r1["failure"]
+    assert r0["failure"].startswith("another rank of the rollout TP group failed: rank 1: EnvError") and "on row rank1:" in r0["failure"]
     assert r0["empty_calls"] == r1["empty_calls"] and len(r0["empty_calls"]) == 1 and r1["empty_n"] == 0

@@ -47,11 +47,13 @@ class GenerateBatch:
 
 @dataclasses.dataclass(kw_only=True)
 class Round:
-    """What a round gave this rank: the completions of each of its batches (in order), and whether
-    some rank of the group still has work (False: every rank leaves the loop after this round)."""
+    """What a round gave this rank: the completions of each of its batches (in order), whether
+    some rank of the group still has work (False: every rank leaves the loop after this round), and
+    the failures other ranks announced (every rank then raises)."""
 
     completions: list[list[Completion]]
     group_busy: bool
+    failures: list[str] = dataclasses.field(default_factory=list)
 
 
 class GroupGenerator:
@@ -67,14 +69,20 @@ class GroupGenerator:
         self.group_size = runtime.tp_size
         self.poll_s: float | None = TP_POLL_S if self.group_size > 1 else None
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool) -> Round:
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
-        has work after this round's completions are in (trajectories decoding or waiting)."""
+        has work after this round's completions are in (trajectories decoding or waiting).
+        ``failure``: this rank is failing (it then brings no batch, and raises after the round); the
+        others find the message in their round's ``failures`` and no engine call is made."""
         if self.group_size == 1:
             return Round(completions=[self._call(b.prompts, b.params, b.mm_inputs) for b in batches], group_busy=busy)
         parts: list = [None] * self.group_size
         group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
-        dist.all_gather_object(parts, ([(b.prompts, b.params, b.mm_inputs) for b in batches], busy), group=group)
+        msg = ([(b.prompts, b.params, b.mm_inputs) for b in batches], busy, failure)
+        dist.all_gather_object(parts, msg, group=group)
+        failures = [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
+        if failures:
+            return Round(completions=[[] for _ in batches], group_busy=False, failures=failures)
         mine: list[list[Completion]] = [[] for _ in batches]
         for params, owners in merge_batches([p[0] for p in parts]):
             prompts = [p for _, _, ps, _ in owners for p in ps]

@@ -30,6 +30,7 @@ the sampler's when it is 0, and never more than what is left of ``max_total_toke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import Counter, defaultdict
@@ -55,7 +56,7 @@ class Generator(Protocol):
 
     poll_s: float | None
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool) -> Round: ...
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round: ...
 
 
 class LocalGenerator:
@@ -66,7 +67,7 @@ class LocalGenerator:
     def __init__(self, generate: Generate):
         self.generate = generate
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool) -> Round:
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
         out = []
         for b in batches:  # mm_inputs only when a prompt has images: engines without them never see it
             extra = {"mm_inputs": b.mm_inputs} if b.mm_inputs is not None else {}
@@ -164,16 +165,30 @@ class _Run:
     def loop(self) -> None:
         for i, ep in enumerate(self.episodes):
             self.pool.submit(i, ep.env.reset, ep.row)
-        while len(self.pool):  # every reset first, so the first turn is one batch
-            self._collect(block=True)
+        with self._failing_together():
+            while len(self.pool):  # every reset first, so the first turn is one batch
+                self._collect(block=True)
         while True:  # one round per iteration (see the module docstring)
-            if not self.ready and len(self.pool):
-                self._collect(block=True, timeout=self.gen.poll_s)
-                if self.ready:
-                    self._collect_burst()
+            with self._failing_together():
+                if not self.ready and len(self.pool):
+                    self._collect(block=True, timeout=self.gen.poll_s)
+                    if self.ready:
+                        self._collect_burst()
             if not self._decode():
                 return
-            self._collect(block=False)
+            with self._failing_together():
+                self._collect(block=False)
+
+    @contextlib.contextmanager
+    def _failing_together(self):
+        """An error between rounds (an environment error with ``env.on_error: raise``) is announced
+        to the group in one more round before it is raised, so the other ranks of a TP group raise
+        too instead of waiting for this rank in their next round."""
+        try:
+            yield
+        except Exception as e:
+            self.gen.round([], busy=False, failure=f"{type(e).__name__}: {e}")
+            raise
 
     def _collect_burst(self) -> None:
         """After waiting for the first answer: also take the answers that follow it closely (each
@@ -303,6 +318,8 @@ class _Run:
         t0 = time.perf_counter()
         rnd = self.gen.round(batches, busy=bool(batches) or len(self.pool) > 0)
         self.timing["generate_s"] += time.perf_counter() - t0
+        if rnd.failures:
+            raise EnvError(f"another rank of the rollout TP group failed: {rnd.failures[0]}")
         for idx, completions in zip(members, rnd.completions):
             if len(completions) != len(idx):
                 raise RuntimeError(f"the engine returned {len(completions)} completions for {len(idx)} trajectories")

@@ -5,7 +5,8 @@ turns and their tool answers after 30 ms; rank 1's rows need 1 turn (its tool an
 and it has fewer rows. The GroupGenerator must keep the engine calls in lockstep (every rank the
 same calls with the same arguments) and end on the same round. Each rank checks its trajectories
 against the same rollout run alone on an unsharded HF engine (greedy), then the single_turn case
-(exactly one engine call, as a plain rollout), and writes $TIDAL_TEST_OUT/rank<R>.json.
+(exactly one engine call, as a plain rollout), an environment error on one rank (every rank
+raises at once), a rank without prompts, and writes $TIDAL_TEST_OUT/rank<R>.json.
 """
 
 import faulthandler
@@ -28,7 +29,7 @@ from tidal.engine.base import SamplingParams  # noqa: E402
 from tidal.engine.config import EngineConfig  # noqa: E402
 from tidal.engine.hf import HFEngine  # noqa: E402
 from tidal.engine.native import NativeEngine  # noqa: E402
-from tidal.envs import EnvConfig, EnvRollout, EnvRow, Environment, Observation, StepResult  # noqa: E402
+from tidal.envs import EnvConfig, EnvError, EnvRollout, EnvRow, Environment, Observation, StepResult  # noqa: E402
 from tidal.tasks.chatml import train_chatml_tokenizer  # noqa: E402
 
 OBSERVATION = [7, 8, 9]
@@ -47,6 +48,15 @@ class CountdownEnv(Environment):
         if turn.index + 1 >= self.row.metadata["turns"]:
             return StepResult(done=True, reward=1.0)
         return StepResult(observation=Observation(token_ids=OBSERVATION), reward=0.5)
+
+
+class FailingEnv(CountdownEnv):
+    """Rank 1's trajectories raise at their first step (``env.on_error: raise``); rank 0's go on."""
+
+    def step(self, turn):
+        if self.row.where.startswith("rank1"):
+            raise ValueError("boom")
+        return super().step(turn)
 
 
 class Recorder:
@@ -107,6 +117,13 @@ def main():
     ref = single.run(plain.generate, rows, params)
     res["single_calls"] = rec_single.calls
     res["single_equal"] = trajectories(one) == trajectories(ref)
+
+    failing = EnvRollout(env_cfg, tok, env_factory=lambda: FailingEnv(env_cfg))  # every rank raises, none waits
+    try:
+        failing.run(GroupGenerator(native, rt), rows, params)
+        res["failure"] = None
+    except EnvError as e:
+        res["failure"] = str(e)
 
     empty = EnvRollout(EnvConfig(), tok)  # a rank without prompts still joins the group's call
     rec_empty = Recorder(native)
