@@ -45,7 +45,7 @@ def test_config_validation(data, key):
 @pytest.mark.parametrize("data, key", [
     ({"name": "calculator", "digits": 3}, "digits"),  # an arithmetic setting does nothing for the calculator task
     ({"name": "calculator", "sft_steps": 10}, "sft_steps"),
-    ({"name": "arithmetic", "calculator": {"a_digits": 3}}, "calculator"),
+    ({"name": "arithmetic", "calculator": {"a_digits": 3}}, "calculator.a_digits"),
     ({"name": "calculator", "calculator": {"direct_rate": 2.0}}, "calculator.direct_rate"),
 ])
 def test_task_section_refuses_the_other_tasks_settings(data, key):

@@ -163,5 +163,7 @@ class TaskConfig:
                       f"is a setting of the arithmetic task; with task.name=calculator set task.calculator.{key} "
                       "instead (where it exists)")
         else:
-            check(self.calculator == CalculatorTaskConfig(), "calculator",
-                  f"holds settings of the calculator task, but task.name={self.name!r}")
+            default = CalculatorTaskConfig()
+            for f in dataclasses.fields(CalculatorTaskConfig):
+                check(getattr(self.calculator, f.name) == getattr(default, f.name), f"calculator.{f.name}",
+                      f"is a setting of the calculator task, but task.name={self.name!r}")
