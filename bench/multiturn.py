@@ -11,10 +11,12 @@ and returns ``observation_tokens`` token ids. The single-turn baseline of the sa
 ``new_tokens`` in one turn (``env.name: single_turn``). ``env.workers`` equals the number of
 trajectories, so the tools of one round all wait at once.
 
-Figures (one JSON line per case on stdout, appended with ``--out``), each with the keys ``turns``
-and ``tool_latency_ms`` (the matrix's keys; single-turn cases have ``turns: 1``,
-``tool_latency_ms: 0``): median seconds per iteration (``time/step``) and per rollout
-(``time/generate``) over the timed iterations; ``wait_s``, the rollout time during which nothing
+Figures (one JSON line per case on stdout, appended with ``--out``) carry the workload matrix's
+keys (``figure: case``, ``case``, ``size``, ``seqs``, ``prompt_len``, ``max_new_tokens``,
+``lengths: forced``, ``iteration_s``, ``phases``, ``turns``, ``tool_latency_ms``, ``error``; a
+single-turn case has ``turns: 1``, ``tool_latency_ms: 0``), so they can be appended to
+bench/results/matrix.jsonl, and this benchmark's own: median seconds per rollout (``generate_s``,
+``time/generate``) over the timed iterations; ``wait_s``, the rollout time during which nothing
 was decoded because every unfinished trajectory waited for its tool (``env/wait_s``);
 ``gpu_idle_frac = wait_s / generate_s``, the issue's "fraction of time the GPU idles while waiting
 for tools" (target below 0.1 at 50 ms); ``engine_calls`` per rollout; ``vs_single_turn``, the
@@ -27,9 +29,9 @@ trajectory rejoin the running batch while others are still decoding; this benchm
 (the runner is the same; only tidal/envs/rollout.py's loop changes).
 
 Usage (GPU):
-    python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/multiturn.jsonl]
+    python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/matrix.jsonl]
     python bench/multiturn.py --tiny    # CPU smoke run: tiny model, 2 prompts x 2, 2 turns of 4 tokens
-A matrix runner calls :func:`run_case` with one case dict (see :func:`case_config`).
+A matrix runner calls :func:`run_case` with a case's config (:func:`case_config`) and its :class:`Case`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Case:
     prompt_len: int = 128
     new_tokens: int = 256  # sampled per trajectory, over all its turns
     observation_tokens: int = 16
+    size: str = "0.5b"  # "tiny" on the CPU smoke run
     warmup: int = 1
     steps: int = 3
     seed: int = 1
@@ -141,14 +144,18 @@ def run_case(config: dict, case: Case) -> dict:
         return statistics.median(values) if values else None
 
     generate_s, wait_s = med("time/generate"), med("env/wait_s") or 0.0
-    return {
-        "kind": "multiturn", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms if case.turns > 1 else 0.0,
-        "prompts": case.prompts, "samples": case.samples, "prompt_len": case.prompt_len, "new_tokens": case.new_tokens,
+    seqs = case.prompts * case.samples
+    latency = case.tool_latency_ms if case.turns > 1 else 0.0
+    phases = {k[len("time/"):]: med(k) for k in sorted({k for m in steps for k in m}) if k.startswith("time/") and k != "time/step"}
+    return {  # the workload matrix's keys (bench/results/matrix.jsonl), then this benchmark's own
+        "figure": "case", "case": f"{case.size}-{seqs}x{case.new_tokens}-forced-t{case.turns}-l{latency:g}", "size": case.size,
+        "seqs": seqs, "prompts": case.prompts, "samples": case.samples, "prompt_len": case.prompt_len,
+        "max_new_tokens": case.new_tokens, "lengths": "forced", "partial_rollout": False, "kl": False,
+        "iteration_s": med("time/step"), "phases": phases, "turns": case.turns, "tool_latency_ms": latency,
         "observation_tokens": case.observation_tokens if case.turns > 1 else 0, "iterations": len(steps),
-        "seconds_per_iteration": med("time/step"), "generate_s": generate_s, "train_s": med("time/train"),
-        "wait_s": wait_s, "gpu_idle_frac": wait_s / generate_s if generate_s else None,
+        "generate_s": generate_s, "wait_s": wait_s, "gpu_idle_frac": wait_s / generate_s if generate_s else None,
         "engine_calls": med("env/generate_calls"), "turns_mean": med("env/turns_mean"),
-        "sampled_tokens_mean": med("response/length_mean"),
+        "sampled_tokens_mean": med("response/length_mean"), "error": None,
     }
 
 
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1) if args.tiny else {"steps": args.steps}
+    sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1, size="tiny") if args.tiny else {"steps": args.steps}
     os.makedirs(args.work_dir, exist_ok=True)
     assets = _assets(args.work_dir, args.tiny, sizes.get("prompt_len", 128), device)
     meta = {"commit": _commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "bench": "multiturn"}
@@ -220,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not figures:
                 failed += 1
-                record = {"kind": "multiturn", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
+                record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
                           "error": (proc.stderr or proc.stdout)[-2000:]}
             else:
                 record = figures[-1]
                 baseline = record if case.turns == 1 else baseline
-                if case.turns > 1 and baseline and baseline.get("seconds_per_iteration"):
-                    record["vs_single_turn"] = record["seconds_per_iteration"] / baseline["seconds_per_iteration"]
+                if case.turns > 1 and baseline and baseline.get("iteration_s"):
+                    record["vs_single_turn"] = record["iteration_s"] / baseline["iteration_s"]
             record.update(meta)
             print(json.dumps(record), flush=True)
             if args.out:
