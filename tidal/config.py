@@ -20,6 +20,8 @@ from tidal.algorithms.config import AlgorithmConfig
 from tidal.config_base import ConfigError, apply_overrides, build, check, decode_utf8, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
+from tidal.envs.base import check_engine_backend
+from tidal.envs.config import EnvConfig
 from tidal.jobs import check_job, check_job_world
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
@@ -45,6 +47,7 @@ class TidalConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
@@ -87,6 +90,7 @@ class TidalConfig:
             check(getattr(self.train, key) >= longest, f"train.{key}",
                   f"({getattr(self.train, key)}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
                   f"= {longest} tokens; raise it (or lower those)")
+        check_engine_backend(self.env, self.engine.backend)
         check(
             self.rollout.prompts_per_step % self.train.mini_batches == 0,
             "train.mini_batches",

@@ -45,11 +45,11 @@ _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links 
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
 CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
 
-# Multi-turn rollouts (tidal/envs): wired into the trainer by the agentic-integration step.
-check_engine_backend, prepare_calculator
-_.advantage_trajectory_ids, _.per_row
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner
 
 # torch configuration flags, set by assignment (tidal/strategy/compile_cache.py).
 _.fx_graph_cache, _.enable_autograd_cache
+
+# Named in configs as "module:Class" (env.name) and imported at run time.
+SyntheticToolEnv  # bench/multiturn.py's cases

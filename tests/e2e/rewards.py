@@ -11,3 +11,8 @@ def text_hash_reward(sample) -> float:
 def constant_reward(sample) -> float:
     """The same reward for every response: group-normalised advantages are all zero."""
     return 0.5
+
+
+def assistant_turns_reward(sample) -> float:
+    """The number of assistant turns in the whole conversation (reward functions receive it)."""
+    return float(sum(m["role"] == "assistant" for m in sample.messages))

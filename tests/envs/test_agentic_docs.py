@@ -11,3 +11,15 @@ def test_python_blocks_run():
     assert blocks
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), {"__name__": "agentic_doc"})
+
+
+def test_yaml_blocks_are_valid_config_sections():
+    import yaml
+
+    from tidal.config_base import build
+    from tidal.envs import EnvConfig
+
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.DOTALL)
+    assert blocks
+    for block in blocks:
+        build(EnvConfig, yaml.safe_load(block)["env"])

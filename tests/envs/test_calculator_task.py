@@ -15,6 +15,7 @@ from tidal.tasks.calculator import (
     CalculatorTaskConfig, Product, _corpus, answer_text, calculator_reward, env_config, messages_of, prepare_calculator,
     split_products, transcript,
 )
+from tidal.tasks import TaskConfig, prepare
 from tidal.tasks.assets import settings_hash
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.tokenizer import save_tokenizer
@@ -39,6 +40,23 @@ def test_config_validation(data, key):
     with pytest.raises(ConfigError) as e:
         build(CalculatorTaskConfig, data)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"name": "calculator", "digits": 3}, "digits"),  # an arithmetic setting does nothing for the calculator task
+    ({"name": "calculator", "sft_steps": 10}, "sft_steps"),
+    ({"name": "arithmetic", "calculator": {"a_digits": 3}}, "calculator.a_digits"),
+    ({"name": "calculator", "calculator": {"direct_rate": 2.0}}, "calculator.direct_rate"),
+])
+def test_task_section_refuses_the_other_tasks_settings(data, key):
+    with pytest.raises(ConfigError) as e:
+        build(TaskConfig, data)
+    assert e.value.key == key
+
+
+def test_calculator_is_a_task_name():
+    cfg = build(TaskConfig, {"name": "calculator", "workdir": "/tmp/x", "sft_threads": 1, "calculator": {"a_digits": 3}})
+    assert cfg.calculator.a_digits == 3 and cfg.calculator.b_digits == 2
 
 
 def test_problems_are_distinct_disjoint_and_seeded():
@@ -93,7 +111,8 @@ def test_environment_end_to_end_with_a_scripted_model(tok, use_tool, reward):
     for i, traj in enumerate(result.trajectories):
         assert traj.finish_reason == "done" and len(traj.turns) == (2 if use_tool else 1)
         assert calculator_reward(traj.reward_sample(i)) == reward
-    assert result.metrics["env/tool_calls"] == (4 if use_tool else 0)
+    # counters are means per trajectory; _frac: the share of trajectories with at least one
+    assert result.metrics["env/tool_calls"] == result.metrics["env/tool_calls_frac"] == (1.0 if use_tool else 0.0)
 
 
 def test_saved_tokenizer_keeps_the_tags_and_template(tok, tmp_path):
@@ -109,15 +128,16 @@ def test_saved_tokenizer_keeps_the_tags_and_template(tok, tmp_path):
 def test_warm_start_learns_the_procedure_and_the_habit(tmp_path):
     """Phase 1 learns to call the tool and copy its result; phase 2 adds the habit of answering
     alone, which wins greedily (wrong), while sampling still calls the tool and is then right."""
-    cfg = CalculatorTaskConfig(workdir=str(tmp_path), num_train=1500, num_eval=50)
-    assets = prepare_calculator(cfg)
+    cfg = CalculatorTaskConfig(num_train=1500, num_eval=50)
+    assets = prepare_calculator(cfg, workdir=str(tmp_path))
     report = json.loads((tmp_path / f"calculator-{settings_hash(cfg)}" / "task.json").read_text())
     assert report["tool_accuracy"] >= 0.8, report
     assert report["sft_accuracy"] <= 0.2 and report["tool_call_rate"] <= 0.2, report
     assert 0.1 <= report["sampled_tool_call_rate"] <= 0.7 and report["sampled_accuracy"] >= 0.1, report
-    assert prepare_calculator(cfg) == assets  # built once
+    assert prepare_calculator(cfg, workdir=str(tmp_path)) == assets  # built once
+    assert prepare(TaskConfig(name="calculator", workdir=str(tmp_path), calculator=cfg)) == assets  # task.name=calculator
     assert AutoTokenizer.from_pretrained(assets.model_path).chat_template
-    other = CalculatorTaskConfig(workdir=str(tmp_path), num_train=1500, num_eval=50, seed=1)
+    other = CalculatorTaskConfig(num_train=1500, num_eval=50, seed=1)
     (tmp_path / f"calculator-{settings_hash(other)}").mkdir()
     with pytest.raises(ConfigError, match="was not built by Tidal"):
-        prepare_calculator(other)
+        prepare_calculator(other, workdir=str(tmp_path))

@@ -3,7 +3,6 @@ and decoding that goes on while a tool runs."""
 
 import threading
 import time
-import types
 
 import pytest
 import torch
@@ -91,11 +90,28 @@ def test_sampled_tokens_are_never_re_encoded(qwen25_tok, monkeypatch):
     assert encoded and not [t for t in encoded if "Zyx" in t or "The answer" in t]
 
 
+def plain_rollout_tensors(comps, pad):
+    """What the trainer packed from plain completions before environments existed (the reference
+    layout: prompt, response, right padding; actions and sampling logprobs on the response)."""
+    lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
+    B, T = len(comps), max(lens)
+    seq_BT = torch.full((B, T), pad, dtype=torch.long)
+    attn_BT = torch.zeros((B, T), dtype=torch.long)
+    act_BT = torch.zeros((B, T), dtype=torch.float32)
+    rlogp_BT = torch.zeros((B, T), dtype=torch.float32)
+    for b, c in enumerate(comps):
+        P, R = len(c.prompt_ids), len(c.token_ids)
+        seq_BT[b, :P] = torch.tensor(c.prompt_ids)
+        seq_BT[b, P : P + R] = torch.tensor(c.token_ids, dtype=torch.long)
+        attn_BT[b, : P + R] = 1
+        act_BT[b, P : P + R] = 1
+        rlogp_BT[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return {"sequences_BT": seq_BT, "attention_mask_BT": attn_BT, "action_mask_BT": act_BT, "rollout_logp_BT": rlogp_BT}
+
+
 def test_single_turn_is_a_plain_rollout(qwen25_tok):
     """single_turn: one generate call with each row's prompt ids and the sampler's n, and the
-    packed tensors equal what the trainer packs from those completions today."""
-    from tidal.trainer.experience_maker import ExperienceMaker, Rollout
-
+    packed tensors equal what the trainer packed from those completions before environments."""
     tok = qwen25_tok
     rows = [chat_row(tok, "Calculate 1+2", where="a:0"), chat_row(tok, "Calculate 3+4", where="a:1")]
     result, engine = _run(tok, EnvConfig(), lambda text, turn: "3", rows=rows, n=3)
@@ -105,15 +121,19 @@ def test_single_turn_is_a_plain_rollout(qwen25_tok):
     packed = pack_trajectories(result.trajectories, pad_id=tok.pad_token_id)
     comps = [Completion(prompt_ids=t.rows[0].prompt_ids, token_ids=t.rows[0].token_ids, logprobs=t.rows[0].logprobs,
                         finish_reason="stop") for t in result.trajectories]
-
-    class _Maker:
-        models = types.SimpleNamespace(tokenizer=tok)
-
-    items = [types.SimpleNamespace(mm_inputs=None)] * 2
-    today = ExperienceMaker._pack(_Maker(), Rollout(items=items, completions=comps, group_ids=[0, 0, 0, 1, 1, 1]))
+    reference = plain_rollout_tensors(comps, tok.pad_token_id)
     for key in ("sequences_BT", "attention_mask_BT", "action_mask_BT", "rollout_logp_BT"):
-        assert torch.equal(getattr(packed, key), today[key]), key
+        assert torch.equal(getattr(packed, key), reference[key]), key
     assert result.trajectories[0].reward_sample(0).response == "3"
+
+
+def test_duplicate_prompts_keep_the_samplers_n(qwen25_tok):
+    """Two rows with the same prompt are still two prompts of n samples each (the call a plain
+    rollout makes), not one prompt of 2n."""
+    tok = qwen25_tok
+    rows = [chat_row(tok, "same", where="a:0"), chat_row(tok, "same", where="a:1")]
+    _, engine = _run(tok, EnvConfig(), lambda text, turn: "3", rows=rows, n=2)
+    assert engine.calls[0].prompts == [rows[0].prompt_ids, rows[1].prompt_ids] and engine.calls[0].params.n == 2
 
 
 # ---- rows: templates that rewrite history -----------------------------------------------------------------
@@ -221,8 +241,21 @@ def test_an_environment_that_raises_is_a_counted_drop(qwen25_tok):
     cfg = EnvConfig(on_error="drop")
     result, _ = _run(qwen25_tok, cfg, calculator_policy, n=2, env_factory=lambda: BrokenEnv(cfg, "step"))
     assert all(t.finish_reason == "env_error" and not t.valid and "ValueError: boom" in t.error for t in result.trajectories)
-    assert result.metrics["env/errors"] == 2 and result.metrics["env/invalid_frac"] == 1.0
+    assert result.metrics["env/errors"] == 1.0 and result.metrics["env/errors_frac"] == 1.0  # per trajectory
+    assert result.metrics["env/invalid_frac"] == result.metrics["env/finish/env_error_frac"] == 1.0
     assert not pack_trajectories(result.trajectories, 0).valid_B.any()
+
+
+def test_a_reset_that_raises_keeps_the_prompt_as_an_invalid_row(qwen25_tok):
+    """A trajectory without any turn still packs as one row (its prompt, nothing sampled, invalid),
+    so every prompt keeps its n rows."""
+    cfg = EnvConfig(on_error="drop")
+    rows = [chat_row(qwen25_tok, "q", where="r:0")]
+    result, engine = _run(qwen25_tok, cfg, calculator_policy, rows=rows, n=2, env_factory=lambda: BrokenEnv(cfg, "reset"))
+    assert not engine.calls and all(not t.turns and t.finish_reason == "env_error" for t in result.trajectories)
+    packed = pack_trajectories(result.trajectories, 0)
+    assert packed.sequences_BT.shape[0] == 2 and not packed.valid_B.any() and packed.action_mask_BT.sum() == 0
+    assert packed.sequences_BT[0].tolist() == rows[0].prompt_ids and packed.group_ids_B.tolist() == [0, 0]
 
 
 def test_a_step_past_its_limit_is_an_environment_error(qwen25_tok):

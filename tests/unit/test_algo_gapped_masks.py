@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tidal.algorithms import AdvantageInput, Algorithm, AlgorithmConfig, CPGDConfig, LossNormalizer, MismatchConfig
+from tidal.algorithms.config import OverlongConfig
 from tidal.algorithms.advantages.common import returns_to_go
 
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "cpgd"]
@@ -276,3 +277,39 @@ def test_cpgd_clip_filter_weight_counts_trajectories():
     adv, _ = _adv(cfg, rewards_B=torch.tensor([1.0, 1.0, 0.0]), action_mask_BT=mask, group_ids_B=torch.tensor([0, 0, 0]),
                   trajectory_ids_B=torch.tensor([0, 0, 1]))
     assert torch.allclose(adv[:, 0], torch.tensor([0.5, 0.5, -0.5]))  # mean over 2 trajectories = .5
+
+
+# ---- Algorithm.advantages with multi-turn inputs ------------------------------------------------------
+def _facade(cfg, **kw):
+    algo = Algorithm(cfg)
+    base = dict(truncated_B=torch.zeros(kw["total_B"].shape[0], dtype=torch.bool), old_logp_BT=None, ref_logp_BT=None,
+                values_BT=None)
+    return algo, algo.advantages(**{**base, **kw})
+
+
+def test_advantages_add_per_turn_rewards_to_the_kl_rewards():
+    """token_rewards_BT (per-turn rewards) and the KL-in-reward penalty both enter the estimator."""
+    mask = torch.tensor([[0.0, 1, 1, 0, 1, 1]])
+    turn_r = torch.tensor([[0.0, 0, 0.5, 0, 0, 0]])
+    old, ref = torch.full((1, 6), -1.0), torch.full((1, 6), -1.2)
+    cfg = AlgorithmConfig(advantage="reinforce", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1")
+    _, both = _facade(cfg, total_B=torch.tensor([1.0]), action_mask_BT=mask, group_ids_B=torch.tensor([0]),
+                      old_logp_BT=old, ref_logp_BT=ref, token_rewards_BT=turn_r)
+    _, kl_only = _facade(cfg, total_B=torch.tensor([1.0]), action_mask_BT=mask, group_ids_B=torch.tensor([0]),
+                         old_logp_BT=old, ref_logp_BT=ref)
+    # returns-to-go (gamma 1): the per-turn 0.5 reaches the tokens of turn 1 only
+    assert torch.allclose(both.returns_BT - kl_only.returns_BT, torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0]]))
+
+
+def test_reward_processing_sees_each_trajectory_once():
+    """With trajectory_ids_B, running normalisation counts trajectory 0 (two rows) once, and the
+    overlong shaping reads response_len_B."""
+    cfg = AlgorithmConfig(reward_norm="running")
+    mask = torch.ones(3, 2)
+    algo, res = _facade(cfg, total_B=torch.tensor([1.0, 1.0, 3.0]), action_mask_BT=mask, group_ids_B=torch.tensor([0, 0, 1]),
+                        trajectory_ids_B=torch.tensor([0, 0, 1]))
+    assert algo.reward_moments.count == 2 and res.rewards_B[0] == res.rewards_B[1]
+    shaped = AlgorithmConfig(overlong=OverlongConfig(buffer_len=4, max_len=8))
+    _, res = _facade(shaped, total_B=torch.zeros(2), action_mask_BT=torch.ones(2, 2), group_ids_B=torch.tensor([0, 1]),
+                     response_len_B=torch.tensor([2.0, 6.0]))
+    assert res.metrics["overlong_penalty"] == pytest.approx(-0.25)  # (4 - 6) / 4 on the second, 0 on the first

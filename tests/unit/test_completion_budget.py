@@ -9,10 +9,12 @@ import types
 import pytest
 import torch
 
-from tidal.distributed.generate import cut_to_budget, gather_and_generate
+from tidal.data import PromptItem
+from tidal.distributed.generate import _merged_budgets, cut_to_budget, force_end, gather_and_generate
 from tidal.engine.base import Completion, SamplingParams
+from tidal.envs import EnvConfig, EnvRollout
 from tidal.logging import PhaseObserver, PhaseTimer
-from tidal.trainer.budget import CompletionBudget, force_end
+from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.experience_maker import ExperienceMaker
 
 ONE_RANK = types.SimpleNamespace(tp_size=1)
@@ -73,11 +75,6 @@ def test_force_end_replaces_the_last_token_only_at_the_budget():
     assert force_end(stopped, 2, 99) is stopped  # ended on its own
 
 
-def test_budget_without_end_token_keeps_length_finish():
-    cut = [Completion(prompt_ids=[1], token_ids=[4], logprobs=[-1.0], finish_reason="length")]
-    assert CompletionBudget(lengths=lambda items, p: [1]).finish(cut, [1]) == cut
-
-
 class Events(PhaseObserver):
     def __init__(self):
         self.seen = []
@@ -87,15 +84,19 @@ class Events(PhaseObserver):
 
 
 def _maker(timer):
-    maker = ExperienceMaker.__new__(ExperienceMaker)  # only what completions() reads
+    from tidal.tasks.tokenizer import train_tokenizer
+
+    maker = ExperienceMaker.__new__(ExperienceMaker)  # only what trajectories() reads
     maker.timer, maker.phases = timer, types.SimpleNamespace(runtime=ONE_RANK)
+    maker.env = EnvRollout(EnvConfig(), train_tokenizer(["seven eight"]))
     return maker
 
 
-def test_experience_maker_completions_apply_the_budget_and_report_it():
+def test_experience_maker_trajectories_apply_the_budget_and_report_it():
     timer, events = PhaseTimer(sync=lambda: None), Events()
     timer.add_observer(events)
-    items = [types.SimpleNamespace(prompt_ids=[7], mm_inputs=None), types.SimpleNamespace(prompt_ids=[8], mm_inputs=None)]
+    items = [PromptItem(prompt_ids=[i], prompt_text=t, reference=None, label="", metadata={}, images=None, source="rows", row=r)
+             for r, (i, t) in enumerate([(7, "seven"), (8, "eight")])]
     seen_params = []
 
     def lengths(its, params):
@@ -103,14 +104,17 @@ def test_experience_maker_completions_apply_the_budget_and_report_it():
         return [1, 3, 2, 3]
 
     budget = CompletionBudget(lengths=lengths, end_token_id=0)
-    comps = _maker(timer).completions(RecordingEngine(), items, SamplingParams(max_new_tokens=3, n=2), budget)
-    assert [c.token_ids for c in comps] == [[0], [7, 7, 0], [8, 0], [8, 8, 0]]
-    assert {c.finish_reason for c in comps} == {"stop"} and seen_params[0].n == 2
+    engine = RecordingEngine()
+    result = _maker(timer).trajectories(engine, items, SamplingParams(max_new_tokens=3, n=2), 0, budget)
+    assert [t.turn_ids(t.turns[-1]) for t in result.trajectories] == [[0], [7, 7, 0], [8, 0], [8, 8, 0]]
+    assert [t.rows[0].logprobs[-1] for t in result.trajectories] == [0.0] * 4  # the forced token
+    assert {t.turns[-1].finish_reason for t in result.trajectories} == {"stop"} and seen_params[0].n == 2
+    assert [(n, p.max_new_tokens, p.n) for n, p in engine.calls] == [(2, 3, 2)]  # one call, the prompts shared by n
     assert events.seen == [("generate:done", {"prompts": 2, "completion_lengths": [1, 3, 2, 3],
                                               "finish_reasons": ["stop"] * 4})]
     with pytest.raises(ValueError, match="ExperienceMaker.completion_budget: max_new_tokens: 3 budgets for 4"):
-        _maker(timer).completions(RecordingEngine(), items, SamplingParams(max_new_tokens=3, n=2),
-                                  CompletionBudget(lengths=lambda its, p: [1, 2, 3]))
+        _maker(timer).trajectories(RecordingEngine(), items, SamplingParams(max_new_tokens=3, n=2), 0,
+                                   CompletionBudget(lengths=lambda its, p: [1, 2, 3]))
 
 
 def test_native_engine_on_cpu_ends_each_sequence_at_its_budget():
@@ -121,7 +125,7 @@ def test_native_engine_on_cpu_ends_each_sequence_at_its_budget():
     params = SamplingParams(max_new_tokens=6, n=3, ignore_eos=True, seed=3)
     budgets = [6, 1, 4, 2, 6, 3]
     comps = gather_and_generate(engine, [[3, 17, 99, 5], [11, 12]], params, ONE_RANK, max_new_tokens=budgets)
-    forced = CompletionBudget(lengths=lambda i, p: budgets, end_token_id=eos).finish(comps, budgets)
+    forced = [force_end(c, b, eos) for c, b in zip(comps, budgets)]
     assert [len(c.token_ids) for c in forced] == budgets
     assert all(c.token_ids[-1] == eos and c.logprobs[-1] == 0.0 and c.finish_reason == "stop" for c in forced)
     assert all(torch.isfinite(torch.tensor(c.logprobs)).all() for c in forced)
@@ -133,21 +137,22 @@ def test_tp_group_gathers_budgets_with_their_prompts(monkeypatch):
     group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
     import tidal.distributed.generate as gen
 
-    rank0 = ([[1]], [2, 3])
+    params = SamplingParams(max_new_tokens=6, n=2)
+    rank0 = ([([[1]], params, None, [2, 3])], False, None)  # (batches, busy, failure)
 
     def all_gather_object(out, obj, group=None):
         out[0], out[1] = rank0, obj
 
     monkeypatch.setattr(gen.dist, "all_gather_object", all_gather_object)
-    tp2 = types.SimpleNamespace(tp_size=2, tp_rank=1, tp_group=None)
+    tp2 = types.SimpleNamespace(tp_size=2, tp_rank=1, tp_group=None, tp_cpu_group=None, tp_ranks=[0, 1])
     engine = RecordingEngine()
-    params = SamplingParams(max_new_tokens=6, n=2)
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 4)]
     assert [(c.prompt_ids[0], len(c.token_ids)) for c in comps] == [(2, 1), (2, 1), (3, 4), (3, 2)]
-    assert gen._group_budgets([None, [1, 1, 4, 2]], [[[1]], [[2], [3]]], params) == [6, 6, 1, 1, 4, 2]
-    assert gen._group_budgets([None, None], [[[1]], [[2], [3]]], params) is None
-    rank0 = ([[1]], None)  # no rank 0 budgets: one call at max_new_tokens; rank 1's sequences are still cut
+    owners = [(0, 0, [[1]], None, None), (1, 0, [[2], [3]], None, [1, 1, 4, 2])]
+    assert _merged_budgets(owners, params) == [6, 6, 1, 1, 4, 2]
+    assert _merged_budgets([o[:4] + (None,) for o in owners], params) is None
+    rank0 = ([([[1]], params, None, None)], False, None)  # no rank 0 budgets: one call at max_new_tokens; rank 1's are still cut
     engine = RecordingEngine()
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 6)] and [len(c.token_ids) for c in comps] == [1, 1, 4, 2]

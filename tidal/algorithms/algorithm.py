@@ -53,6 +53,15 @@ class AdvantageResult:
     metrics: dict[str, float]
 
 
+def _first_rows(trajectory_ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each trajectory [N], index of each row's trajectory among them [B])."""
+    _, row_to_N = torch.unique(trajectory_ids_B, return_inverse=True)
+    B = trajectory_ids_B.shape[0]
+    first_N = torch.full((int(row_to_N.max()) + 1 if B else 0,), B, dtype=torch.long)
+    first_N = first_N.scatter_reduce(0, row_to_N, torch.arange(B), reduce="amin")
+    return first_N, row_to_N
+
+
 class Algorithm:
     """The configured RL algorithm.
 
@@ -181,26 +190,44 @@ class Algorithm:
         self, *, total_B: torch.Tensor, action_mask_BT: torch.Tensor, group_ids_B: torch.Tensor,
         truncated_B: torch.Tensor, old_logp_BT: torch.Tensor | None, ref_logp_BT: torch.Tensor | None,
         values_BT: torch.Tensor | None, student_logp_BT: torch.Tensor | None = None,
-        teacher_logp_BT: torch.Tensor | None = None,
+        teacher_logp_BT: torch.Tensor | None = None, token_rewards_BT: torch.Tensor | None = None,
+        trajectory_ids_B: torch.Tensor | None = None, response_len_B: torch.Tensor | None = None,
     ) -> AdvantageResult:
         """Reward processing, the KL to the reference (in the reward when ``kl_in_reward``) and the
         estimator's advantages/returns for one rollout batch (see :meth:`process_rewards`,
         :meth:`kl_reward_BT`, :meth:`compute_advantages`); with distillation on, the advantages are
         ``distill_task_weight * task advantages + distill term`` (:meth:`distill_advantage_BT`;
         ``student_logp_BT``: the student's logprobs of the sampled tokens; ``teacher_logp_BT``: the
-        teacher's); returns (a critic's targets) stay the task's."""
-        rewards_B, metrics = self.process_rewards(total_B, group_ids_B, action_mask_BT.sum(-1), truncated_B)
-        token_rewards_BT = kl_BT = None
+        teacher's); returns (a critic's targets) stay the task's.
+
+        Multi-turn trajectories (:mod:`tidal.envs`): ``token_rewards_BT`` holds per-turn rewards
+        (each at the last sampled token of its turn), added to the KL token rewards;
+        ``trajectory_ids_B`` (trajectories split over rows, ``AdvantageInput.trajectory_ids_B``)
+        makes reward processing see each trajectory once (its first row stands for it; the rows of
+        one trajectory must share ``total_B``, ``truncated_B`` and ``response_len_B``);
+        ``response_len_B`` is the length the overlong shaping reads (default: the row's sampled tokens).
+        """
+        if response_len_B is None:
+            response_len_B = action_mask_BT.sum(-1)
+        if trajectory_ids_B is None:
+            rewards_B, metrics = self.process_rewards(total_B, group_ids_B, response_len_B, truncated_B)
+        else:
+            first_N, row_to_N = _first_rows(trajectory_ids_B)
+            rewards_N, metrics = self.process_rewards(total_B[first_N], group_ids_B[first_N], response_len_B[first_N],
+                                                      truncated_B[first_N])
+            rewards_B = rewards_N[row_to_N]
+        kl_BT = None
         if self.cfg.kl_in_reward and old_logp_BT is None:
             raise ValueError("algorithm.kl_in_reward needs the actor's old logprobs before the update: run their pass")
         if ref_logp_BT is not None and old_logp_BT is not None:
             kl_BT = self.token_kl(old_logp_BT, ref_logp_BT) * action_mask_BT
             if self.cfg.kl_in_reward:
-                token_rewards_BT = self.kl_reward_BT(old_logp_BT, ref_logp_BT, action_mask_BT)
+                kl_reward_BT = self.kl_reward_BT(old_logp_BT, ref_logp_BT, action_mask_BT)
+                token_rewards_BT = kl_reward_BT if token_rewards_BT is None else token_rewards_BT + kl_reward_BT
         adv_BT, ret_BT = self.compute_advantages(
             AdvantageInput(
                 rewards_B=rewards_B, action_mask_BT=action_mask_BT, group_ids_B=group_ids_B,
-                token_rewards_BT=token_rewards_BT, values_BT=values_BT,
+                token_rewards_BT=token_rewards_BT, values_BT=values_BT, trajectory_ids_B=trajectory_ids_B,
             )
         )
         if self.needs_teacher:

@@ -1,18 +1,29 @@
-"""gather_and_generate: one generation call per rollout TP group (spec §2.2).
+"""Generation inside a rollout TP group: every TP rank makes the same engine calls (spec §2.2).
 
-Each rank brings its own prompts. Inside its TP group the prompts are gathered with
-``all_gather_object``, the group's engine generates the concatenation once (every TP rank runs the
-same engine step on its weight shard), and each rank keeps the slice that belongs to its prompts.
-Prompts with images carry their pixel inputs in ``mm_inputs`` (one entry per prompt, None for
-text); they travel with their prompts and reach the engine only when some prompt has images.
+Each rank brings its own prompts; the TP group's engine is one engine sharded over the group, so
+every call must be made by every TP rank with the same arguments (the ranks run the same engine
+step on their weight shards; TP rank 0 samples and broadcasts). Two entry points:
 
-Per-sequence budgets (``max_new_tokens``, one per sequence) travel with their prompts too. The
-engine protocol's ``generate`` takes one :class:`SamplingParams` per call, so the call asks for the
-largest budget of the TP group and each completion is cut at its own budget afterwards (a sample
-of the same distribution as with its own ``max_new_tokens``: no token before the cut depends on the
-ones after it).
-The engine then decodes every sequence up to the longest budget, as a plain rollout at that
-``max_new_tokens`` would; an engine with per-request budgets saves those steps.
+- :func:`gather_and_generate`: one call. The group's prompts are gathered, generated together
+  once, and each rank keeps the slice of its own prompts.
+- :class:`GroupGenerator`: rounds, for rollouts that make many calls whose number differs between
+  ranks (multi-turn environments, :mod:`tidal.envs.rollout`). In each round every rank brings the
+  batches it has ready (possibly none) and whether it still has work; the round gathers them over
+  the group, merges the batches of all ranks that sample alike (same :class:`SamplingParams` but
+  the seed) into one engine call each, in one order every rank derives from the same gathered
+  list, and hands each rank its completions. A rank with nothing to decode still joins every
+  round (with no batch), so the calls stay in lockstep; the group stops when no rank has work.
+  Across DP groups nothing needs to agree: each TP group has its own engine.
+
+Prompts with images carry their pixel inputs (one entry per prompt, None for text); they reach the
+engine only when some prompt of a call has images. Control messages go over the TP group's gloo
+twin (``Runtime.tp_cpu_group``), so a round costs no device synchronisation.
+
+:func:`gather_and_generate` also takes per-sequence budgets (``max_new_tokens``, one per
+sequence), which travel with their prompts. An engine with the incremental request API generates
+each sequence as its own request with its own budget; another gets one call at the group's
+largest budget, each completion cut at its own afterwards (a sample of the same distribution: no
+token before the cut depends on the ones after it).
 """
 
 from __future__ import annotations
@@ -24,32 +35,119 @@ import torch.distributed as dist
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, supports_incremental
 
+# How long a rank of a TP group (size > 1) with nothing to decode waits for its environments before
+# it joins the next round: rounds are a gloo all-gather, so this bounds how long a peer that has
+# turns ready waits for it, at the price of a few rounds per second while the whole group waits.
+TP_POLL_S = 0.005
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateBatch:
+    """One engine call's worth of a rank's prompts: ``len(prompts) * params.n`` completions come back,
+    prompt-major. ``mm_inputs``: one pixel-input dict (or None) per prompt, or None for all text.
+    ``max_new_tokens``: None (every sequence gets ``params.max_new_tokens``) or one budget per
+    sequence, prompt-major, each in ``1..params.max_new_tokens`` (:func:`check_budgets`)."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    mm_inputs: list[dict | None] | None = None
+    max_new_tokens: list[int] | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Round:
+    """What a round gave this rank: the completions of each of its batches (in order), whether
+    some rank of the group still has work (False: every rank leaves the loop after this round), and
+    the failures other ranks announced (every rank then raises)."""
+
+    completions: list[list[Completion]]
+    group_busy: bool
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+
+class GroupGenerator:
+    """Rounds of engine calls in lockstep over this rank's TP group (see the module docstring).
+
+    ``poll_s``: how long the caller may wait for its own work before the next round when it has
+    nothing to decode (None: until it has some; a group of one waits for nobody).
+    """
+
+    def __init__(self, engine: RolloutEngine, runtime: Runtime):
+        self.engine = engine
+        self.runtime = runtime
+        self.group_size = runtime.tp_size
+        self.poll_s: float | None = TP_POLL_S if self.group_size > 1 else None
+
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
+        """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
+        has work after this round's completions are in (trajectories decoding or waiting).
+        ``failure``: this rank is failing (it then brings no batch, and raises after the round); the
+        others find the message in their round's ``failures`` and no engine call is made."""
+        for b in batches:
+            if b.max_new_tokens is not None:
+                check_budgets(b.max_new_tokens, len(b.prompts) * b.params.n, b.params.max_new_tokens)
+        if self.group_size == 1:
+            return Round(completions=[_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches],
+                         group_busy=busy)
+        parts: list = [None] * self.group_size
+        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
+        msg = ([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches], busy, failure)
+        dist.all_gather_object(parts, msg, group=group)
+        failures = [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
+        if failures:
+            return Round(completions=[[] for _ in batches], group_busy=False, failures=failures)
+        mine: list[list[Completion]] = [[] for _ in batches]
+        for params, owners in merge_batches([p[0] for p in parts]):
+            prompts = [p for _, _, ps, _, _ in owners for p in ps]
+            outputs = _generate(self.engine, prompts, params, _merged_mm(owners), _merged_budgets(owners, params))
+            start = 0
+            for rank, j, ps, _, _ in owners:
+                end = start + len(ps) * params.n
+                if rank == self.runtime.tp_rank:
+                    mine[j] = outputs[start:end]
+                start = end
+        return Round(completions=mine, group_busy=any(p[1] for p in parts))
+
+
+def merge_batches(per_rank: list[list[tuple]]) -> list[tuple[SamplingParams, list[tuple]]]:
+    """The engine calls of a round: batches (``(prompts, params, mm_inputs, budgets)``, listed per
+    rank) that differ at most in their seed share one call, in order of first appearance (rank,
+    then batch); the call uses the first batch's parameters (its seed: only TP rank 0 samples).
+    Returns ``[(params, [(rank, batch index, prompts, mm_inputs, budgets), ...]), ...]``;
+    deterministic, so every rank derives the same calls from the same gathered list."""
+    calls: dict[SamplingParams, tuple[SamplingParams, list[tuple]]] = {}
+    for rank, batches in enumerate(per_rank):
+        for j, (prompts, params, mm, budgets) in enumerate(batches):
+            key = dataclasses.replace(params, seed=None)
+            calls.setdefault(key, (params, []))[1].append((rank, j, prompts, mm, budgets))
+    return list(calls.values())
+
+
+def _merged_mm(owners: list[tuple]) -> list[dict | None] | None:
+    if all(mm is None for _, _, _, mm, _ in owners):
+        return None
+    return [m for _, _, ps, mm, _ in owners for m in (mm if mm is not None else [None] * len(ps))]
+
+
+def _merged_budgets(owners: list[tuple], params: SamplingParams) -> list[int] | None:
+    """The merged call's budgets: None when no batch has any, else each batch's own
+    (``params.max_new_tokens`` for a batch without)."""
+    if all(b is None for *_, b in owners):
+        return None
+    return [x for _, _, ps, _, b in owners for x in (b if b is not None else [params.max_new_tokens] * (len(ps) * params.n))]
+
 
 def gather_and_generate(
     engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, runtime: Runtime,
     mm_inputs: list[dict | None] | None = None, max_new_tokens: list[int] | None = None,
 ) -> list[Completion]:
-    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major).
+    """Return this rank's ``len(prompts) * params.n`` completions (prompt-major): one engine call
+    for the whole TP group, every TP rank bringing its own prompts with the same ``params``.
 
     ``max_new_tokens``: None (every sequence gets ``params.max_new_tokens``) or one budget per
     sequence, prompt-major (``params.n`` per prompt), each in ``1..params.max_new_tokens``."""
-    if max_new_tokens is not None:
-        check_budgets(max_new_tokens, len(prompts) * params.n, params.max_new_tokens)
-    if runtime.tp_size == 1:
-        return _generate(engine, prompts, params, mm_inputs, max_new_tokens)
-    parts: list[tuple | None] = [None] * runtime.tp_size  # each rank's (prompts, budgets)
-    dist.all_gather_object(parts, (prompts, max_new_tokens), group=runtime.tp_group)
-    gathered = [part[0] for part in parts]
-    all_prompts = [p for part in gathered for p in part]
-    all_mm = None
-    if mm_inputs is not None and any(m is not None for m in mm_inputs):
-        mm_parts: list[list | None] = [None] * runtime.tp_size
-        dist.all_gather_object(mm_parts, mm_inputs, group=runtime.tp_group)
-        all_mm = [m for part, prompts_part in zip(mm_parts, gathered) for m in (part or [None] * len(prompts_part))]
-    all_budgets = _group_budgets([part[1] for part in parts], gathered, params)
-    outputs = _generate(engine, all_prompts, params, all_mm, all_budgets)
-    start = sum(len(part) for part in gathered[: runtime.tp_rank]) * params.n
-    return outputs[start : start + len(prompts) * params.n]
+    batch = GenerateBatch(prompts=prompts, params=params, mm_inputs=mm_inputs, max_new_tokens=max_new_tokens)
+    return GroupGenerator(engine, runtime).round([batch], busy=False).completions[0]
 
 
 def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
@@ -59,14 +157,6 @@ def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
     bad = [b for b in budgets if not 1 <= int(b) <= limit]
     if bad:
         raise ValueError(f"max_new_tokens: budgets must be in 1..{limit} (params.max_new_tokens), got {bad[:5]}")
-
-
-def _group_budgets(budgets: list[list[int] | None], prompts: list[list[list[int]]], params: SamplingParams) -> list[int] | None:
-    """The TP group's budgets in the gathered prompts' order: None when no rank has any, else each
-    rank's own (``params.max_new_tokens`` for a rank without)."""
-    if all(b is None for b in budgets):
-        return None
-    return [x for b, p in zip(budgets, prompts) for x in (b if b is not None else [params.max_new_tokens] * (len(p) * params.n))]
 
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
@@ -109,3 +199,12 @@ def cut_to_budget(c: Completion, budget: int) -> Completion:
     if len(c.token_ids) <= budget:
         return c
     return dataclasses.replace(c, token_ids=c.token_ids[:budget], logprobs=c.logprobs[:budget], finish_reason="length")
+
+
+def force_end(c: Completion, budget: int, end_token_id: int) -> Completion:
+    """``c`` ending with ``end_token_id`` (logprob 0.0, ``stop``) if it was cut at exactly ``budget``
+    tokens (budget forcing: see :mod:`tidal.trainer.budget`)."""
+    if c.finish_reason != "length" or len(c.token_ids) != budget:
+        return c
+    return dataclasses.replace(c, token_ids=[*c.token_ids[:-1], end_token_id], logprobs=[*c.logprobs[:-1], 0.0],
+                               finish_reason="stop")

@@ -25,7 +25,9 @@ from tidal.config_base import ConfigError
 class Runtime:
     """This rank's place in the world. ``tp_group``/``dp_group`` are the rollout groups it belongs to;
     ``cpu_group`` spans the world over gloo, for collectives on CPU tensors and Python objects
-    (statistics, control flow) whatever the device backend."""
+    (statistics, control flow) whatever the device backend; ``tp_cpu_group`` is the TP group over
+    gloo (the rollout's control flow inside a TP group: which requests its engine runs next; None:
+    ``tp_group`` itself, which is gloo when the backend is)."""
 
     rank: int
     world_size: int
@@ -39,6 +41,7 @@ class Runtime:
     dp_size: int
     dp_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
+    tp_cpu_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -64,6 +67,12 @@ class Runtime:
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
+
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order (over the world's gloo group)."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
 
 
 def rollout_group_ranks(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -124,10 +133,16 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # new_group must be called by every rank for every group, in the same order.
     tp_group = dp_group = None
+    tp_cpu_group = None
     for ranks in tp_groups:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             tp_group = group
+    if backend != "gloo":  # the TP groups again over gloo, for the rollout's control messages
+        for ranks in tp_groups:
+            group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+            if rank in ranks:
+                tp_cpu_group = group
     for ranks in dp_groups:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
@@ -146,6 +161,7 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
         dp_size=world_size // tp_size,
         dp_group=dp_group,
         cpu_group=cpu_group,
+        tp_cpu_group=tp_cpu_group,
     )
 
 

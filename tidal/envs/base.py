@@ -124,6 +124,9 @@ class Environment(abc.ABC):
     """
 
     name: str = "environment"
+    # The counters its steps report (``StepResult.counters``): each one is in the rollout's metrics
+    # (``env/<name>``, ``env/<name>_frac``) on every rank, also when no trajectory reported it.
+    counter_names: tuple[str, ...] = ()
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:

@@ -51,6 +51,10 @@ class ChatRenderer:
         """The text of sampled ids, special tokens skipped (as the reward sees a response)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_batch(self, token_ids: list[list[int]]) -> list[str]:
+        """:meth:`decode` of many (one call: a fast tokenizer decodes the batch natively)."""
+        return self.tokenizer.batch_decode(token_ids, skip_special_tokens=True) if token_ids else []
+
     def render(self, messages: list[Message], *, tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat template; chat observations are rendered with it")

@@ -36,15 +36,20 @@ class StepPool:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def collect(self, *, block: bool) -> list[Outcome]:
+    def collect(self, *, block: bool, timeout: float | None = None) -> list[Outcome]:
         """Outcomes of the finished calls and of those past their deadline. ``block``: wait until
-        there is at least one (when any call is pending)."""
+        there is at least one (when any call is pending), or at most ``timeout`` seconds when given."""
+        give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             out = self._harvest()
             if out or not block or not self._pending:
                 return out
-            next_deadline = min(d for _, d in self._pending.values())
-            concurrent.futures.wait(list(self._pending), timeout=max(0.0, next_deadline - time.monotonic()),
+            wake = min(d for _, d in self._pending.values())
+            if give_up is not None:
+                if time.monotonic() >= give_up:
+                    return out
+                wake = min(wake, give_up)
+            concurrent.futures.wait(list(self._pending), timeout=max(0.0, wake - time.monotonic()),
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _harvest(self) -> list[Outcome]:

@@ -3,8 +3,11 @@
 The layout is the trainer's (:mod:`tidal.trainer.experience`): right-padded ``sequences_BT``;
 ``action_mask_BT`` 1 exactly on the sampled tokens (not contiguous in a multi-turn row);
 ``rollout_logp_BT`` the engine's sampling logprobs on them. For a single-turn trajectory this is
-exactly what the trainer packs from a plain completion today. In addition: per-turn rewards as
-``token_rewards_BT`` (each at the last sampled token of its turn) and ``trajectory_ids_B``.
+exactly what the trainer packed from a plain completion before environments existed. In addition:
+per-turn rewards as ``token_rewards_BT`` (each at the last sampled token of its turn) and
+``trajectory_ids_B``. A trajectory that never got a turn (its ``reset`` failed, ``env.on_error:
+drop``) is one row holding its prompt, with an empty action mask and ``valid_B`` False, so every
+prompt keeps its n rows and a rank never has an empty batch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tidal.envs.trajectory import Trajectory
 
 @dataclasses.dataclass(kw_only=True)
 class PackedRows:
-    """B rows of N trajectories (trajectories without any turn are left out).
+    """B rows of N trajectories.
 
     sequences_BT / attention_mask_BT / action_mask_BT / rollout_logp_BT: as in Experience.
     token_rewards_BT: per-turn rewards at the last sampled token of each turn (0 elsewhere); add
@@ -26,7 +29,7 @@ class PackedRows:
     trajectory_ids_B: index into ``trajectories`` of each row's trajectory.
     group_ids_B: the prompt group of each row.
     valid_B: False on the rows of trajectories that must leave the loss (``Trajectory.valid``).
-    trajectories: the packed trajectories, in order.
+    trajectories: the packed trajectories, in order (all of them).
     """
 
     sequences_BT: torch.Tensor
@@ -52,10 +55,13 @@ class PackedRows:
         """A per-trajectory tensor [N] (e.g. rewards) repeated on each of its rows [B]."""
         return x_N[self.trajectory_ids_B]
 
+    def row_list(self, xs: list) -> list:
+        """A per-trajectory list repeated on each row, as a list of B."""
+        return [xs[i] for i in self.trajectory_ids_B.tolist()]
+
 
 def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows:
-    kept = [t for t in trajectories if t.turns]
-    rows = [(i, r) for i, t in enumerate(kept) for r in t.rows]
+    rows = [(i, r) for i, t in enumerate(trajectories) for r in t.rows]
     B = len(rows)
     T = max((len(r.input_ids) for _, r in rows), default=0)
     seq = torch.full((B, T), pad_id, dtype=torch.long)
@@ -64,7 +70,7 @@ def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows
     logp = torch.zeros((B, T), dtype=torch.float32)
     turn_r = torch.zeros((B, T), dtype=torch.float32)
     first_row = [0]
-    for t in kept:
+    for t in trajectories:
         first_row.append(first_row[-1] + len(t.rows))
     for b, (_, r) in enumerate(rows):
         P, L = len(r.prompt_ids), len(r.token_ids)
@@ -72,7 +78,7 @@ def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows
         attn[b, : P + L] = 1
         act[b, P : P + L] = torch.tensor(r.action_mask, dtype=torch.float32)
         logp[b, P : P + L] = torch.tensor(r.logprobs, dtype=torch.float32)
-    for i, t in enumerate(kept):
+    for i, t in enumerate(trajectories):
         for turn in t.turns:
             if turn.reward:
                 b = first_row[i] + turn.row
@@ -80,7 +86,7 @@ def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows
     return PackedRows(
         sequences_BT=seq, attention_mask_BT=attn, action_mask_BT=act, rollout_logp_BT=logp, token_rewards_BT=turn_r,
         trajectory_ids_B=torch.tensor([i for i, _ in rows], dtype=torch.long),
-        group_ids_B=torch.tensor([kept[i].group_id for i, _ in rows], dtype=torch.long),
-        valid_B=torch.tensor([kept[i].valid for i, _ in rows], dtype=torch.bool),
-        trajectories=kept,
+        group_ids_B=torch.tensor([trajectories[i].group_id for i, _ in rows], dtype=torch.long),
+        valid_B=torch.tensor([trajectories[i].valid and bool(trajectories[i].turns) for i, _ in rows], dtype=torch.bool),
+        trajectories=list(trajectories),
     )

@@ -4,9 +4,20 @@
 repeatedly decode one turn for every trajectory that is ready, hand each turn to its
 environment's ``step`` on the worker pool, and append the observation that comes back. Decoding
 does not wait for every tool: whatever trajectories are ready are decoded while the others' tools
-run, and it blocks only when nothing is ready (``env/wait_s``). With the engine's incremental API
-(add/step/drain) the same loop admits a trajectory the moment its observation is appended, instead
-of at the next ``generate`` call (docs/agentic.md, "Engine integration").
+run, and it blocks only when nothing is ready (``env/wait_s``).
+
+Engine calls go through a :class:`~tidal.distributed.generate.GroupGenerator` (or a plain
+``generate`` callable, for a lone engine): the loop decodes in *rounds*, and in a rollout TP group
+every rank joins every round, with its ready turns or with none, so the group's engine calls stay
+in lockstep although the ranks' trajectories need different numbers of turns and their tools
+answer at different times; the loop ends on the round where no rank of the group has work left.
+
+The seam for the engine's incremental API (add/step/drain): only :meth:`_Run.loop` and
+:meth:`_Run._decode` know that a turn is one ``generate`` call. With the incremental API a round
+becomes ``add`` the ready trajectories' contexts, one ``step``, ``drain`` the finished turns, so a
+trajectory joins the running batch the moment its observation is appended instead of at the next
+call (docs/agentic.md, "Engine integration"); the builders, the renderer, the pool, the limits and
+the error handling stay as they are.
 
 Single turn: with ``env.name: single_turn`` this makes exactly one ``generate(prompts, params)``
 call, with the same prompts (each row's ids) and the same sampling parameters (``n`` included) as
@@ -19,21 +30,58 @@ the sampler's when it is 0, and never more than what is left of ``max_total_toke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from tidal.distributed.generate import GenerateBatch, Round, check_budgets, force_end
 from tidal.engine.base import Completion, SamplingParams
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
 from tidal.envs.tool_env import ToolEnv
-from tidal.envs.trajectory import FinishReason, Trajectory, TrajectoryBuilder
+from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
 
 # engine.generate(prompts, params[, mm_inputs=...]): mm_inputs is passed only when a row has images
 Generate = Callable[..., list[Completion]]
+
+
+class Generator(Protocol):
+    """What the loop decodes through (:class:`~tidal.distributed.generate.GroupGenerator`): a
+    ``round`` of engine calls for this rank's ready turns, and ``poll_s``, how long to wait for the
+    environments when nothing is ready before joining the next round (None: until one answers)."""
+
+    poll_s: float | None
+
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round: ...
+
+
+class LocalGenerator:
+    """A lone engine's ``generate`` as a :class:`Generator` (no group to keep in step with)."""
+
+    poll_s = None
+
+    def __init__(self, generate: Generate):
+        self.generate = generate
+
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
+        out = []
+        for b in batches:  # mm_inputs only when a prompt has images: engines without them never see it
+            extra = {"mm_inputs": b.mm_inputs} if b.mm_inputs is not None else {}
+            out.append(self.generate(b.prompts, b.params, **extra))
+        return Round(completions=out, group_busy=busy)
+
+
+# When the loop had to wait for an environment, it also takes the answers that arrive within this
+# many seconds of the previous one before it decodes (see _Run._collect_burst).
+BURST_GAP_S = 0.005
+
+# Counters the loop itself keeps: environment errors dropped (env.on_error: drop) and trajectories
+# ended by a failing tool (env.tool_failure: drop).
+LOOP_COUNTERS = ("errors", "tool_failure_drops")
 
 
 class EnvError(RuntimeError):
@@ -51,6 +99,7 @@ class _Episode:
     rendered: list[dict] = dataclasses.field(default_factory=list)  # history: template, what is re-rendered
     counters: Counter = dataclasses.field(default_factory=Counter)
     result: Trajectory | None = None
+    budget: int | None = None  # this sequence's own max_new_tokens (single turn; see EnvRollout.run)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -77,11 +126,26 @@ class EnvRollout:
             self.renderer.check_tool_messages()
         _close(probe)
 
-    def run(self, generate: Generate, rows: list[EnvRow], params: SamplingParams, *, first_group_id: int = 0) -> RolloutResult:
-        """Run ``params.n`` trajectories per row; the n of row i share group id ``first_group_id + i``."""
+    def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,
+            first_group_id: int = 0, budgets: list[int] | None = None, end_token_id: int | None = None) -> RolloutResult:
+        """Run ``params.n`` trajectories per row; the n of row i share group id ``first_group_id + i``.
+        ``generate``: an engine's ``generate`` or a :class:`Generator` (in a TP group: every rank of
+        the group calls ``run`` with its own rows, and the generator keeps their calls in step).
+
+        ``budgets`` (single turn only): one ``max_new_tokens`` per trajectory, row-major, each in
+        ``1..params.max_new_tokens``; with ``end_token_id`` a sequence cut at its budget ends with
+        that token instead (:func:`~tidal.distributed.generate.force_end`)."""
+        if budgets is not None and self.cfg.name != "single_turn":
+            raise ValueError(f"per-sequence budgets (ExperienceMaker.completion_budget) apply to single-turn rollouts; "
+                             f"env.name is {self.cfg.name!r}: bound its trajectories with env.max_total_tokens instead")
         episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i)
                     for i, row in enumerate(rows) for _ in range(params.n)]
-        run = _Run(self, episodes, generate, params)
+        if budgets is not None:
+            check_budgets(budgets, len(episodes), params.max_new_tokens)
+            for ep, b in zip(episodes, budgets):
+                ep.budget = int(b)
+        gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
+        run = _Run(self, episodes, gen, params, end_token_id)
         try:
             run.loop()
         finally:
@@ -101,9 +165,11 @@ def _close(env: Environment) -> None:
 class _Run:
     """The state of one :meth:`EnvRollout.run` call."""
 
-    def __init__(self, owner: EnvRollout, episodes: list[_Episode], generate: Generate, params: SamplingParams):
+    def __init__(self, owner: EnvRollout, episodes: list[_Episode], gen: Generator, params: SamplingParams,
+                 end_token_id: int | None = None):
         self.cfg, self.renderer = owner.cfg, owner.renderer
-        self.episodes, self.generate, self.params = episodes, generate, params
+        self.episodes, self.gen, self.params = episodes, gen, params
+        self.end_token_id = end_token_id
         self.pool = StepPool(self.cfg.workers, self.cfg.step_timeout_s)
         self.ready: list[int] = []
         self.calls = 0
@@ -113,18 +179,45 @@ class _Run:
     def loop(self) -> None:
         for i, ep in enumerate(self.episodes):
             self.pool.submit(i, ep.env.reset, ep.row)
-        while len(self.pool):  # every reset first, so the first turn is one batch
-            self._collect(block=True)
-        while self.ready or len(self.pool):
-            if self.ready:
-                self._decode()
-                self._collect(block=False)
-            else:
+        with self._failing_together():
+            while len(self.pool):  # every reset first, so the first turn is one batch
                 self._collect(block=True)
+        while True:  # one round per iteration (see the module docstring)
+            with self._failing_together():
+                if not self.ready and len(self.pool):
+                    self._collect(block=True, timeout=self.gen.poll_s)
+                    if self.ready:
+                        self._collect_burst()
+            if not self._decode():
+                return
+            with self._failing_together():
+                self._collect(block=False)
 
-    def _collect(self, *, block: bool) -> None:
+    @contextlib.contextmanager
+    def _failing_together(self):
+        """An error between rounds (an environment error with ``env.on_error: raise``) is announced
+        to the group in one more round before it is raised, so the other ranks of a TP group raise
+        too instead of waiting for this rank in their next round."""
+        try:
+            yield
+        except Exception as e:
+            self.gen.round([], busy=False, failure=f"{type(e).__name__}: {e}")
+            raise
+
+    def _collect_burst(self) -> None:
+        """After waiting for the first answer: also take the answers that follow it closely (each
+        within ``BURST_GAP_S`` of the previous). Tools started together finish together, give or
+        take scheduling jitter; with a batch ``generate`` per round, decoding the first of them
+        alone would make the others wait a whole turn. A tool that answers later is not waited for."""
+        while len(self.pool):
+            before = len(self.ready)
+            self._collect(block=True, timeout=BURST_GAP_S)
+            if len(self.ready) == before:
+                return
+
+    def _collect(self, *, block: bool, timeout: float | None = None) -> None:
         t0 = time.perf_counter()
-        outcomes = self.pool.collect(block=block)
+        outcomes = self.pool.collect(block=block, timeout=timeout)
         if block:
             self.timing["wait_s"] += time.perf_counter() - t0
         for out in outcomes:
@@ -217,61 +310,78 @@ class _Run:
             limit = min(limit, self.cfg.max_total_tokens - ep.builder.num_response_tokens)
         return limit
 
-    def _decode(self) -> None:
-        """One turn for every ready trajectory: one generate call per distinct token limit."""
+    def _decode(self) -> bool:
+        """One round: a turn for every ready trajectory, one engine call per distinct token limit
+        (in a TP group, merged with the other ranks' calls). False when no rank of the group has
+        work left (the loop ends)."""
         by_limit: dict[int, list[int]] = defaultdict(list)
         for i in sorted(self.ready):  # episode order: the n trajectories of a row stay adjacent
             by_limit[self._turn_limit(self.episodes[i])].append(i)
         self.ready = []
+        batches, members = [], []
         for limit, idx in sorted(by_limit.items()):
             contexts = [self.episodes[i].builder.context_ids for i in idx]
-            reps, n = _shared_prompts(contexts)
+            reps, n = _shared_prompts(contexts, self.params.n)
             params = dataclasses.replace(self.params, n=n, max_new_tokens=limit,
                                          seed=None if self.params.seed is None else self.params.seed + self.calls)
             self.calls += 1
             mm = [self.episodes[idx[j]].row.mm_inputs for j in reps]
-            extra = {"mm_inputs": mm} if any(m is not None for m in mm) else {}  # only engines with images take it
-            t0 = time.perf_counter()
-            completions = self.generate([contexts[j] for j in reps], params, **extra)
-            self.timing["generate_s"] += time.perf_counter() - t0
+            budgets = [min(limit, self.episodes[i].budget or limit) for i in idx]  # prompt-major: idx runs n per prompt
+            batches.append(GenerateBatch(prompts=[contexts[j] for j in reps], params=params,
+                                         mm_inputs=mm if any(m is not None for m in mm) else None,
+                                         max_new_tokens=budgets if budgets != [limit] * len(idx) else None))
+            members.append(idx)
+        t0 = time.perf_counter()
+        rnd = self.gen.round(batches, busy=bool(batches) or len(self.pool) > 0)
+        self.timing["generate_s"] += time.perf_counter() - t0
+        if rnd.failures:
+            raise EnvError(f"another rank of the rollout TP group failed: {rnd.failures[0]}")
+        for idx, completions in zip(members, rnd.completions):
             if len(completions) != len(idx):
                 raise RuntimeError(f"the engine returned {len(completions)} completions for {len(idx)} trajectories")
-            for i, c in zip(idx, completions):
+            if self.end_token_id is not None:
+                completions = [force_end(c, self.episodes[i].budget, self.end_token_id) if self.episodes[i].budget else c
+                               for i, c in zip(idx, completions)]
+            texts = self.renderer.decode_batch([list(c.token_ids) for c in completions])
+            for i, c, text in zip(idx, completions, texts):
                 ep = self.episodes[i]
-                ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason,
-                                                   self.renderer.decode(list(c.token_ids)))
+                ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
                 self.pool.submit(i, ep.env.step, ep.last_turn)
+        return rnd.group_busy
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
+        """``env/*`` metrics of this rollout; every key is present whatever happened (a fixed set
+        per environment: ranks reduce them by name)."""
         done = [ep.result for ep in self.episodes if ep.result is not None]
         n = max(len(done), 1)
+        turns = [t for traj in done for t in traj.turns]
         out = {
             "env/turns_mean": sum(len(t.turns) for t in done) / n,
             "env/sampled_tokens_mean": sum(t.num_sampled_tokens for t in done) / n,
             "env/response_tokens_mean": sum(t.num_response_tokens for t in done) / n,
             "env/invalid_frac": sum(not t.valid for t in done) / n,
+            "env/truncated_turns_frac": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
             "env/generate_calls": float(self.calls),
             "env/generate_s": self.timing["generate_s"],
             "env/wait_s": self.timing["wait_s"],
         }
-        for reason, count in Counter(t.finish_reason for t in done).items():
-            out[f"env/finish/{reason}_frac"] = count / n
-        totals: Counter = Counter()
-        for t in done:
-            totals.update(t.counters)
-        out.update({f"env/{k}": float(v) for k, v in totals.items()})
+        reasons = Counter(t.finish_reason for t in done)
+        out.update({f"env/finish/{reason}_frac": reasons[reason] / n for reason in FINISH_REASONS})
+        declared = {k for ep in self.episodes for k in ep.env.counter_names} | set(LOOP_COUNTERS)
+        for key in sorted(declared | {k for t in done for k in t.counters}):
+            values = [t.counters.get(key, 0.0) for t in done]
+            out[f"env/{key}"] = sum(values) / n
+            out[f"env/{key}_frac"] = sum(v > 0 for v in values) / n
         return out
 
 
-def _shared_prompts(contexts: list[list[int]]) -> tuple[list[int], int]:
-    """(representatives, n): when the contexts are runs of k identical ones (the n samples of each
-    row at their first turn), the index of each run's first context and n = k, so the engine
-    shares each prompt's prefill; else every index with n = 1."""
-    for k in range(len(contexts), 1, -1):
-        if len(contexts) % k:
-            continue
-        starts = range(0, len(contexts), k)
-        if all(contexts[j] == contexts[s] for s in starts for j in range(s + 1, s + k)):
-            return list(starts), k
+def _shared_prompts(contexts: list[list[int]], n: int) -> tuple[list[int], int]:
+    """(representatives, k): when the contexts are runs of ``n`` identical ones (the n samples of
+    each row at their first turn), the index of each run's first context and k = n, so the engine
+    shares each prompt's prefill exactly as a plain rollout asks for it; else every index, k = 1."""
+    if n > 1 and len(contexts) % n == 0:
+        starts = range(0, len(contexts), n)
+        if all(contexts[j] == contexts[s] for s in starts for j in range(s + 1, s + n)):
+            return list(starts), n
     return list(range(len(contexts))), 1

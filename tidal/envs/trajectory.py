@@ -14,12 +14,14 @@ exact, and :mod:`tidal.algorithms.trajectory_rows` lays the rows end to end for 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 from tidal.envs.base import EnvRow, Message, ModelTurn
 from tidal.rewards.types import RewardSample
 
 FinishReason = Literal["done", "max_turns", "max_total_tokens", "tool_failure", "env_error"]
+FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -94,6 +96,13 @@ class Trajectory:
         """Tokens after the first prompt: sampled and observation tokens (the budget of
         ``env.max_total_tokens``)."""
         return sum(t.num_sampled + t.num_observation for t in self.turns)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by a limit: it ended at ``max_turns`` or ``max_total_tokens``, or its last turn hit
+        its token limit (for one turn: exactly a plain completion's ``finish_reason == "length"``)."""
+        cut_turn = bool(self.turns) and self.turns[-1].finish_reason == "length"
+        return self.finish_reason in ("max_turns", "max_total_tokens") or cut_turn
 
     def turn_ids(self, turn: TurnRecord) -> list[int]:
         return self.rows[turn.row].token_ids[turn.start : turn.start + turn.num_sampled]

@@ -39,7 +39,7 @@ def load_critic(path: str, *, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     if is_vision_language(cfg):
         raise ValueError("estimators with a critic (gae) do not support vision-language models yet; use a critic-free one (grpo, rloo, ...)")
     head_cfg = AutoConfig.from_pretrained(path, num_labels=1)
-    head_cfg.classifier_dropout = 0.0
+    setattr(head_cfg, "classifier_dropout", 0.0)  # read by the token-classification head's constructor
     model = AutoModelForTokenClassification.from_pretrained(path, config=head_cfg, dtype=dtype)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if head is not None and "TokenClassification" not in "".join(cfg.architectures or []):

@@ -2,8 +2,10 @@
 
 ``prepare(TaskConfig(name="arithmetic"))`` returns the paths of a train/eval JSONL pair, and of a
 directory with a trained tokenizer and a warm-started tiny Qwen2 model; the reward is
-``tidal.tasks.quickstart:arithmetic_reward``. :mod:`tidal.tasks.calculator` builds the tool-use
-task (``prepare_calculator``), whose wiring into ``task.*`` comes with the trainer's environments.
+``tidal.tasks.quickstart:arithmetic_reward``. ``prepare(TaskConfig(name="calculator"))`` builds the
+tool-use task (:mod:`tidal.tasks.calculator`: a tiny model that must learn to call a calculator
+tool; reward ``tidal.tasks.calculator:calculator_reward``, environment ``env.name: calculator``,
+run config ``tidal/configs/calculator.yaml``).
 """
 
 from tidal.tasks.config import TaskConfig

@@ -34,7 +34,8 @@ from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 MARKER = "task.json"
 BUILD_VERSION = 3  # part of the asset hash: bump whenever the same settings would build different assets
-_NOT_SETTINGS = ("workdir", "sft_threads")  # where and how fast to build do not change the assets
+# Where and how fast to build do not change the assets; the other task's section is not this task's.
+_NOT_SETTINGS = ("workdir", "sft_threads", "calculator")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -61,6 +62,10 @@ def asset_dir(cfg: TaskConfig) -> Path:
 def prepare(cfg: TaskConfig) -> TaskAssets:
     """Return the task's assets, building them first unless a complete build exists."""
     check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
+    if cfg.name == "calculator":
+        from tidal.tasks.calculator import prepare_calculator
+
+        return prepare_calculator(cfg.calculator, workdir=cfg.workdir, threads=cfg.sft_threads)
     root = asset_dir(cfg)
     if not (root / MARKER).is_file():
         if root.exists():

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.config_base import ConfigError, check
+from tidal.config_base import ConfigError
 from tidal.engine.base import SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.envs import ChatRenderer, EnvConfig, EnvRollout, EnvRow, TrajectoryBuilder
@@ -37,65 +37,14 @@ from tidal.rewards.types import RewardSample
 from tidal.tasks.arithmetic import is_correct
 from tidal.tasks.assets import MARKER, TaskAssets, _assets, _build_atomically, _write_jsonl, settings_hash
 from tidal.tasks.chatml import train_chatml_tokenizer
+from tidal.tasks.config import CalculatorTaskConfig
 from tidal.tasks.model import build_model
 from tidal.tasks.sft import train_masked
 from tidal.tasks.tokenizer import save_tokenizer
 
-LABEL = "calculator"
+LABEL = "calculator"  # the rows' recipe label (CalculatorTaskConfig.name)
 SYSTEM_PROMPT = "Use the calculator tool."
 MAX_POSITIONS = 256
-
-
-@dataclasses.dataclass(kw_only=True)
-class CalculatorTaskConfig:
-    """Settings of the calculator task's assets (built under ``workdir/calculator-<hash>``).
-
-    a_digits / b_digits: digits of the two factors (``a`` in ``[10**(a_digits-1), 10**a_digits)``).
-    num_train / num_eval: distinct problems of the train and held-out sets (disjoint).
-    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the Qwen2 shape.
-    sft_steps / sft_lr / sft_batch_size: phase 1 of the warm start, on tool demonstrations (AdamW,
-        linear warmup over 10% of the steps, then linear decay). ``sft_steps = 0`` skips it.
-    sft_direct_steps / direct_rate: phase 2 (same optimiser settings, a fresh schedule), on
-        demonstrations of which a fraction ``direct_rate`` answer directly, without the tool (with
-        the right product, which the model cannot compute: the habit RL must remove).
-        ``sft_direct_steps = 0`` skips it.
-    sft_threads: torch CPU threads while building. seed: data, initialisation and batching.
-    """
-
-    workdir: str = "~/.cache/tidal/tasks"
-    a_digits: int = 2
-    b_digits: int = 2
-    num_train: int = 3000
-    num_eval: int = 100
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    sft_steps: int = 400
-    sft_lr: float = 3e-3
-    sft_batch_size: int = 64
-    sft_direct_steps: int = 150
-    direct_rate: float = 0.7
-    sft_threads: int = 2
-    seed: int = 0
-    name: str = dataclasses.field(default=LABEL, init=False)
-
-    def __post_init__(self):
-        check(1 <= self.a_digits <= 6, "a_digits", "must be in [1, 6]")
-        check(1 <= self.b_digits <= 6, "b_digits", "must be in [1, 6]")
-        check(self.num_train >= 1 and self.num_eval >= 1, "num_train", "num_train and num_eval must be >= 1")
-        space = 9 * 10 ** (self.a_digits - 1) * 9 * 10 ** (self.b_digits - 1)
-        check(self.num_train + self.num_eval <= space, "num_train", f"num_train + num_eval exceeds the {space} distinct problems")
-        check(0.0 <= self.direct_rate <= 1.0, "direct_rate", "must be in [0, 1]")
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "sft_batch_size", "sft_threads"):
-            check(getattr(self, key) >= 1, key, "must be >= 1")
-        check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0, "num_heads",
-              "hidden_size / num_heads must be an even integer")
-        check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
-        check(self.sft_steps >= 0, "sft_steps", "must be >= 0")
-        check(self.sft_direct_steps >= 0, "sft_direct_steps", "must be >= 0")
-        check(self.sft_lr > 0, "sft_lr", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,24 +159,26 @@ def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product
     }
 
 
-def prepare_calculator(cfg: CalculatorTaskConfig) -> TaskAssets:
-    """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once."""
-    root = Path(cfg.workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
+def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/tidal/tasks", threads: int = 2) -> TaskAssets:
+    """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once under
+    ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads (``task.workdir`` and
+    ``task.sft_threads`` in a run)."""
+    root = Path(workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
     if not (root / MARKER).is_file():
         if root.exists():
             raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
-        _build_atomically(cfg, root, _build)
+        _build_atomically(cfg, root, lambda c, out: _build(c, out, threads))
     return _assets(root)
 
 
-def _build(cfg: CalculatorTaskConfig, out: Path) -> None:
+def _build(cfg: CalculatorTaskConfig, out: Path, threads_to_use: int) -> None:
     start = time.perf_counter()
     train, held_out = split_products(cfg)
     _write_jsonl(out / "train.jsonl", [p.row() for p in train])
     _write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
     tokenizer = train_chatml_tokenizer(_corpus(train), template="qwen2_5")
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.sft_threads)
+    torch.set_num_threads(threads_to_use)
     try:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, tokenizer, max_positions=MAX_POSITIONS)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from tidal.data import PromptItem
 from tidal.distributed.generate import check_budgets
-from tidal.engine.base import Completion, SamplingParams
+from tidal.engine.base import SamplingParams
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -47,17 +47,3 @@ class CompletionBudget:
         except ValueError as e:
             raise ValueError(f"ExperienceMaker.completion_budget: {e}") from None
         return budgets
-
-    def finish(self, completions: list[Completion], budgets: list[int]) -> list[Completion]:
-        """``completions`` with the end forced where a sequence reached its budget (see ``end_token_id``)."""
-        if self.end_token_id is None:
-            return completions
-        return [force_end(c, b, self.end_token_id) for c, b in zip(completions, budgets, strict=True)]
-
-
-def force_end(c: Completion, budget: int, end_token_id: int) -> Completion:
-    """``c`` ending with ``end_token_id`` (logprob 0.0, ``stop``) if it was cut at exactly ``budget`` tokens."""
-    if c.finish_reason != "length" or len(c.token_ids) != budget:
-        return c
-    return dataclasses.replace(c, token_ids=[*c.token_ids[:-1], end_token_id], logprobs=[*c.logprobs[:-1], 0.0],
-                               finish_reason="stop")

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal, Protocol
 
 from tidal.config_base import check
+from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.strategy.config import StrategyConfig
@@ -155,3 +156,4 @@ class TrainerSections(Protocol):
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     strategy: StrategyConfig
+    env: EnvConfig

@@ -1,8 +1,11 @@
 """Evaluation on held-out prompts: greedy accuracy and sampled pass@k / mean@k over ALL ranks.
 
-Uses the same generation and reward chain as training but builds no Experience for training,
-updates no parameters, and leaves training statistics (reward normalisers, the sampler, RNG
-streams of training) untouched: sampling here uses its own seeded generator.
+Uses the same rollout path (the configured environment, ``env.*``) and reward chain as training
+but builds no Experience for training, updates no parameters, and leaves training statistics
+(reward normalisers, the sampler, RNG streams of training) untouched: sampling here uses its own
+seeded generator. With a multi-turn environment it also reports the greedy trajectories'
+environment metrics (``eval/env/*``: turns, tool calls, finish reasons, ... averaged over
+trajectories).
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ import dataclasses
 
 from tidal.data import PromptItem
 from tidal.engine.base import SamplingParams
+from tidal.envs import RolloutResult
 from tidal.trainer.config import EvalConfig
-from tidal.trainer.experience_maker import ExperienceMaker, Rollout
+from tidal.trainer.experience_maker import ExperienceMaker
+
+# Rollout metrics that are not averages over trajectories (they are not reported for evaluation).
+_NOT_PER_TRAJECTORY = ("env/generate_calls", "env/generate_s", "env/wait_s")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,21 +48,20 @@ def evaluate(
     greedy = sampled = None
     with maker.phases.rollout() as engine:
         if cfg.greedy:
-            greedy = maker.completions(engine, items, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1))
+            greedy = maker.trajectories(engine, items, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1))
         if cfg.n_samples > 0:
             params = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, n=cfg.n_samples, seed=seed)
-            sampled = maker.completions(engine, items, params)
+            sampled = maker.trajectories(engine, items, params)
     if greedy is not None and items:
-        _, rew = maker.score(_rollout(items, greedy))
-        s.greedy_reward = float(rew.total_B.sum())
-        s.greedy_correct = float((rew.total_B >= cfg.correct_threshold).sum())
-        s.greedy_length = float(sum(len(c.token_ids) for c in greedy))
-    if sampled is not None:
-        if items:
-            _, rew = maker.score(_rollout(items, sampled))
-            total_PK = rew.total_B.view(len(items), cfg.n_samples)
-            s.sampled_reward = float(total_PK.mean(-1).sum())
-            s.pass_at_k = float((total_PK >= cfg.correct_threshold).any(-1).float().sum())
+        scores = maker.score(greedy.trajectories)
+        s.greedy_reward = float(scores.total_N.sum())
+        s.greedy_correct = float(scores.correct_N(cfg.correct_threshold).sum())
+        s.greedy_length = float(sum(t.num_sampled_tokens for t in greedy.trajectories))
+    if sampled is not None and items:
+        scores = maker.score(sampled.trajectories)
+        total_PK = scores.total_N.view(len(items), cfg.n_samples)
+        s.sampled_reward = float(total_PK.mean(-1).sum())
+        s.pass_at_k = float(scores.correct_N(cfg.correct_threshold).view(len(items), cfg.n_samples).any(-1).float().sum())
     fields = [f.name for f in dataclasses.fields(EvalSums)]
     tot = dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields])))
     n = max(tot["prompts"], 1.0)
@@ -68,15 +74,23 @@ def evaluate(
         })
     if cfg.n_samples > 0:
         out.update({f"eval/mean@{cfg.n_samples}": tot["sampled_reward"] / n, f"eval/pass@{cfg.n_samples}": tot["pass_at_k"] / n})
+    if maker.multi_turn:
+        out.update(env_metrics(maker, greedy if greedy is not None else sampled))
     return out
 
 
-def _rollout(items, comps):
-    n = len(comps) // len(items)
-    return Rollout(items=items, completions=comps, group_ids=[i for i in range(len(items)) for _ in range(n)])
+def env_metrics(maker: ExperienceMaker, result: RolloutResult) -> dict[str, float]:
+    """``eval/env/<name>``: the rollout's per-trajectory environment metrics, averaged over the
+    trajectories of all ranks (a rank without trajectories weighs nothing; the key set is the union
+    over ranks)."""
+    count = float(len(result.trajectories))
+    local = {k: v for k, v in result.metrics.items() if k not in _NOT_PER_TRAJECTORY}
+    keys = sorted(set().union(*maker.runtime.all_gather_objects(sorted(local))))
+    sums = maker.runtime.all_reduce_sum([count] + [local.get(k, 0.0) * count for k in keys])
+    total = max(sums[0], 1.0)
+    return {f"eval/{k}": v / total for k, v in zip(keys, sums[1:])}
 
 
 def shard_items(items: list[PromptItem], rank: int, world_size: int) -> list[PromptItem]:
     """Rank ``r`` evaluates items r, r+W, r+2W, ... (every item exactly once over all ranks)."""
     return items[rank::world_size]
-

@@ -1,13 +1,23 @@
 """ExperienceMaker: prompts -> Experience (spec §7 steps 1-8).
 
-generate (the rollout phase: ``gather_and_generate`` on the awake engine) -> actor old logprobs
-(unless the update's forward supplies them: ``Algorithm.reuses_policy_logprobs``) -> reference
-logprobs (KL on) -> critic values (estimators with a critic) -> rewards on the responses -> reward
-processing and advantages (the algorithm). Where each model sits during its forward is the phase
-owner's business (:class:`~tidal.trainer.colocation.Colocation`): this module only says which
-phase it enters. Every rank runs every stage for its own prompts, and every model forward runs the
-same number of micro-batches on every rank (FSDP2 forwards are collectives), so no rank skips a
-collective.
+generate (the rollout phase: the environment's trajectories, :class:`~tidal.envs.EnvRollout`,
+decoded by the awake engine through :class:`~tidal.distributed.generate.GroupGenerator`) -> actor
+old logprobs (unless the update's forward supplies them: ``Algorithm.reuses_policy_logprobs``) ->
+reference logprobs (KL on) -> critic values (estimators with a critic) -> rewards on the
+trajectories -> reward processing and advantages (the algorithm). Where each model sits during its
+forward is the phase owner's business (:class:`~tidal.trainer.colocation.Colocation`): this module
+only says which phase it enters.
+
+One rollout path: every rollout is a set of trajectories of the configured environment
+(``env.*``). The default ``single_turn`` environment is the one-turn case: one engine call with
+each prompt's ids and the sampler's parameters, one row per completion, the same tensors and
+metrics as a plain rollout. A multi-turn environment gives rows whose action mask has gaps (the
+observations), per-turn rewards, and (``env.history: template``) trajectories over several rows.
+
+Collectives: in a rollout TP group every rank takes part in every engine call (the generator's
+rounds, whatever the ranks' numbers of turns); across ranks every model forward runs the same
+number of micro-batches (FSDP2 forwards are collectives), also when the ranks hold different
+numbers of rows, so no rank skips a collective.
 """
 
 from __future__ import annotations
@@ -19,9 +29,10 @@ import torch
 
 from tidal.algorithms import Algorithm
 from tidal.data import PromptItem
-from tidal.distributed import gather_and_generate
+from tidal.distributed.generate import GroupGenerator
 from tidal.distributed.runtime import Runtime
-from tidal.engine.base import Completion, RolloutEngine, SamplingParams
+from tidal.engine.base import RolloutEngine, SamplingParams
+from tidal.envs import EnvConfig, EnvRollout, EnvRow, PackedRows, RolloutResult, Trajectory, pack_trajectories
 from tidal.logging import PhaseTimer
 from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
@@ -39,11 +50,39 @@ from tidal.trainer.experience import Experience, packed_micro_batches
 
 @dataclasses.dataclass(kw_only=True)
 class Rollout:
-    """Raw generation results of one rank, before any model forward."""
+    """Raw generation results of one rank, before any model forward.
+
+    trajectories: prompt-major, ``params.n`` per item; those of item i share group id
+        ``first_group_id + i``.
+    metrics: the environment's ``env/*`` metrics (:class:`~tidal.envs.RolloutResult`); empty for
+        ``single_turn``, whose rollouts report exactly what a plain rollout reports.
+    """
 
     items: list[PromptItem]
-    completions: list[Completion]  # prompt-major, n per item
-    group_ids: list[int]
+    trajectories: list[Trajectory]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Scores:
+    """Rewards of N trajectories.
+
+    total_N: the RewardEngine's total plus the environment's outcome reward (0 when not scored).
+    valid_N: enters the loss: scored, its reward not dropped, and the environment kept it.
+    env_ok_N: the environment kept it (it has a turn; no environment error or dropped tool failure).
+    samples: what each trajectory was scored on (None for one without any turn).
+    metrics: the RewardEngine's metrics.
+    """
+
+    total_N: torch.Tensor
+    valid_N: torch.Tensor
+    env_ok_N: torch.Tensor
+    samples: list[RewardSample | None]
+    metrics: dict[str, float]
+
+    def correct_N(self, threshold: float) -> torch.Tensor:
+        """Counted correct in evaluation: total reward >= ``threshold`` and kept by the environment."""
+        return (self.total_N >= threshold) & self.env_ok_N
 
 
 def equalized_count(runtime: Runtime, n_local: int) -> int:
@@ -63,18 +102,19 @@ def run_forward_passes(runtime: Runtime, batches: list[list[int]], fn: Callable[
 class ExperienceMaker:
     """Builds one rank's Experience from its prompts (see the module docstring).
 
-    ``rollout``, ``train`` and ``model`` are the run's config sections it reads
+    ``rollout``, ``train``, ``model`` and ``env`` are the run's config sections it reads
     (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
-    ``model.logprob_chunk_tokens``). Whether the actor's old-logprob pass runs is the algorithm's
-    decision (:meth:`Algorithm.reuses_policy_logprobs`).
+    ``model.logprob_chunk_tokens``, the environment and its limits). Whether the actor's
+    old-logprob pass runs is the algorithm's decision (:meth:`Algorithm.reuses_policy_logprobs`).
+    Its stages are timed on the phase owner's timer.
 
     ``completion_budget`` (public, None by default): a :class:`~tidal.trainer.budget.CompletionBudget`
-    that gives each sequence of a training rollout (:meth:`generate`) its own ``max_new_tokens``, and
-    optionally forces its end token there; evaluation is not budgeted. Set it after building the
-    trainer: ``trainer.maker.completion_budget = CompletionBudget(lengths=..., end_token_id=...)``."""
+    that gives each sequence of a single-turn training rollout (:meth:`generate`) its own
+    ``max_new_tokens``, and optionally forces its end token there; evaluation is not budgeted. Set it
+    after building the trainer: ``trainer.maker.completion_budget = CompletionBudget(lengths=..., end_token_id=...)``."""
 
     def __init__(self, *, models: Models, phases: Colocation, rewards: RewardEngine, algorithm: Algorithm,
-                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, timer: PhaseTimer):
+                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig):
         self.models = models
         self.phases = phases
         self.rewards = rewards
@@ -82,62 +122,52 @@ class ExperienceMaker:
         self.rollout_cfg = rollout
         self.train_cfg = train
         self.model_cfg = model
-        self.timer = timer
+        self.timer: PhaseTimer = phases.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
+        self.env = EnvRollout(env, models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
+        self.multi_turn = env.name != "single_turn"
 
     @property
     def runtime(self) -> Runtime:
         return self.phases.runtime
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
-    def completions(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams,
-                    budget: CompletionBudget | None = None) -> list[Completion]:
-        """This rank's completions of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
+    def trajectories(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams,
+                     first_group_id: int = 0, budget: CompletionBudget | None = None) -> RolloutResult:
+        """This rank's trajectories of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
         which the caller holds in the rollout phase (``with phases.rollout() as engine``), each
-        sequence within its ``budget`` when one is given. Observers get ``generate:done``."""
+        sequence within its ``budget`` when one is given. Every rank of a rollout TP group calls
+        this with its own items (possibly none). Observers get ``generate:done``."""
+        rows = [EnvRow.from_prompt_item(it) for it in items]
         budgets = budget.budgets(items, params) if budget is not None else None
         with self.timer.phase("generate"):
-            comps = gather_and_generate(
-                engine, [it.prompt_ids for it in items], params, self.runtime, mm_inputs=[it.mm_inputs for it in items],
-                max_new_tokens=budgets,
-            )
-        if budget is not None:
-            comps = budget.finish(comps, budgets)
-        self.timer.event("generate:done", {"prompts": len(items), "completion_lengths": [len(c.token_ids) for c in comps],
-                                           "finish_reasons": [c.finish_reason for c in comps]})
-        return comps
+            result = self.env.run(GroupGenerator(engine, self.runtime), rows, params, first_group_id=first_group_id,
+                                  budgets=budgets, end_token_id=budget.end_token_id if budget is not None else None)
+        self.timer.event("generate:done", {"prompts": len(items),
+                                           "completion_lengths": [t.num_sampled_tokens for t in result.trajectories],
+                                           "finish_reasons": [t.turns[-1].finish_reason if t.turns else None  # the engine's stop / length
+                                                              for t in result.trajectories]})
+        return result
 
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
-        """Generate ``params.n`` completions per item; the group id of item i is ``first_group_id + i``."""
+        """Generate ``params.n`` trajectories per item; the group id of item i is ``first_group_id + i``."""
         with self.phases.rollout() as engine:
-            completions = self.completions(engine, items, params, self.completion_budget)
-        group_ids = [first_group_id + i for i in range(len(items)) for _ in range(params.n)]
-        return Rollout(items=items, completions=completions, group_ids=group_ids)
+            result = self.trajectories(engine, items, params, first_group_id, self.completion_budget)
+        return Rollout(items=items, trajectories=result.trajectories, metrics=result.metrics if self.multi_turn else {})
 
     # ---- tensors ---------------------------------------------------------------------------------
-    def _pack(self, rollout: Rollout) -> dict:
-        """Right-padded [B, T] tensors of prompt + response, and ``mm_inputs``: each row's prompt
-        images (None for a text row), or None when no row has images."""
-        comps = rollout.completions
+    def _pack(self, trajectories: list[Trajectory]) -> tuple[PackedRows, dict]:
+        """The packed rows and the forwards' inputs: right-padded [B, T] tensors of prompt +
+        response, and ``mm_inputs``: each row's prompt images (None for a text row), or None when no
+        row has images."""
         pad = self.models.tokenizer.pad_token_id or 0
-        lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
-        B, T = len(comps), max(lens)
-        seq_BT = torch.full((B, T), pad, dtype=torch.long)
-        attn_BT = torch.zeros((B, T), dtype=torch.long)
-        act_BT = torch.zeros((B, T), dtype=torch.float32)
-        rlogp_BT = torch.zeros((B, T), dtype=torch.float32)
-        for b, c in enumerate(comps):
-            P, R = len(c.prompt_ids), len(c.token_ids)
-            seq_BT[b, :P] = torch.tensor(c.prompt_ids)
-            seq_BT[b, P : P + R] = torch.tensor(c.token_ids, dtype=torch.long)
-            attn_BT[b, : P + R] = 1
-            act_BT[b, P : P + R] = 1
-            rlogp_BT[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float32)
-        n = len(comps) // max(1, len(rollout.items))
-        mm = [rollout.items[b // n].mm_inputs for b in range(B)]
-        return {"sequences_BT": seq_BT, "attention_mask_BT": attn_BT, "action_mask_BT": act_BT, "rollout_logp_BT": rlogp_BT,
-                "mm_inputs": mm if any(m is not None for m in mm) else None}
+        packed = pack_trajectories(trajectories, pad)
+        mm = packed.row_list([t.row.mm_inputs for t in trajectories])
+        t = {"sequences_BT": packed.sequences_BT, "attention_mask_BT": packed.attention_mask_BT,
+             "action_mask_BT": packed.action_mask_BT, "rollout_logp_BT": packed.rollout_logp_BT,
+             "mm_inputs": mm if any(m is not None for m in mm) else None}
+        return packed, t
 
     @torch.no_grad()
     def _per_token(self, forward, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
@@ -179,35 +209,35 @@ class ExperienceMaker:
             return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
-    def score(self, rollout: Rollout):
-        samples = []
-        n = len(rollout.completions) // max(1, len(rollout.items))
-        # one call for the whole rollout (a fast tokenizer decodes the batch natively)
-        texts = self.models.tokenizer.batch_decode([c.token_ids for c in rollout.completions], skip_special_tokens=True)
-        for i, (c, text) in enumerate(zip(rollout.completions, texts)):
-            item = rollout.items[i // n]
-            samples.append(
-                RewardSample(
-                    prompt=item.prompt_text,
-                    response=text,
-                    prompt_ids=list(c.prompt_ids),
-                    response_ids=list(c.token_ids),
-                    reference=item.reference,
-                    label=item.label,
-                    metadata=item.metadata,
-                    finish_reason=c.finish_reason,
-                    index=i,
-                )
-            )
-        return samples, self.rewards.score(samples)
+    def score(self, trajectories: list[Trajectory]) -> Scores:
+        """Score the trajectories with a turn in one RewardEngine call (each on its final turn, with
+        the whole conversation in ``RewardSample.messages``) and add the environment's outcome rewards."""
+        N = len(trajectories)
+        scored = [i for i, t in enumerate(trajectories) if t.turns]
+        batch = [trajectories[i].reward_sample(k) for k, i in enumerate(scored)]
+        rew = self.rewards.score(batch)
+        total_N = torch.zeros(N, dtype=torch.float32)
+        valid_N = torch.zeros(N, dtype=torch.bool)
+        idx = torch.tensor(scored, dtype=torch.long)
+        total_N[idx] = rew.total_B.float()
+        valid_N[idx] = rew.valid_B
+        outcome_N = torch.tensor([t.outcome_reward for t in trajectories], dtype=torch.float32)
+        env_ok_N = torch.tensor([t.valid and bool(t.turns) for t in trajectories], dtype=torch.bool)
+        if outcome_N.any():  # dropped rewards stay 0
+            total_N = total_N + torch.where(valid_N, outcome_N, torch.zeros_like(outcome_N))
+        samples: list[RewardSample | None] = [None] * N
+        for k, i in enumerate(scored):
+            samples[i] = batch[k]
+        return Scores(total_N=total_N, valid_N=valid_N & env_ok_N, env_ok_N=env_ok_N, samples=samples, metrics=rew.metrics)
 
-    def make(self, rollout: Rollout) -> tuple[Experience, dict[str, float], list[RewardSample]]:
+    def make(self, rollout: Rollout) -> tuple[Experience, dict[str, float], list[RewardSample | None]]:
         """Run stages 4-8 on a rollout; returns the Experience (on CPU), rollout metrics, and the
-        reward samples (for trajectory logging). Without ``old_logprobs_pass`` the Experience has no
-        old logprobs (the update's forward supplies them), and the metrics that compare them with
-        the rollout's and the reference's (``mismatch/*``, ``kl/rollout``) are left out: the update
-        reports the same comparisons as ``actor/mismatch_*`` and ``actor/kl``."""
-        t = self._pack(rollout)
+        reward sample of each row (for trajectory logging; None for a trajectory without a turn).
+        Without ``old_logprobs_pass`` the Experience has no old logprobs (the update's forward
+        supplies them), and the metrics that compare them with the rollout's and the reference's
+        (``mismatch/*``, ``kl/rollout``) are left out: the update reports the same comparisons as
+        ``actor/mismatch_*`` and ``actor/kl``."""
+        packed, t = self._pack(rollout.trajectories)
         lengths = t["attention_mask_BT"].sum(-1).tolist()
         batches = packed_micro_batches(lengths, self.train_cfg.forward_micro_batch_tokens, self.train_cfg.forward_micro_batch_max_seqs,
                                        setting="train.forward_micro_batch_tokens")
@@ -225,20 +255,26 @@ class ExperienceMaker:
         teacher_logp_BT, teacher_ok_B, teacher_metrics = None, None, {}
         if self.algo.needs_teacher:
             with self.timer.phase("teacher_logprobs"):
-                teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(rollout, t, batches)
+                teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(packed, t, batches)
         with self.timer.phase("reward"):
-            samples, rew = self.score(rollout)
+            scores = self.score(rollout.trajectories)
+        trajs = rollout.trajectories
         action_BT = t["action_mask_BT"]
-        truncated_B = torch.tensor([c.finish_reason == "length" for c in rollout.completions])
-        group_ids_B = torch.tensor(rollout.group_ids, dtype=torch.long)
+        truncated_B = packed.per_row(torch.tensor([tr.truncated for tr in trajs], dtype=torch.bool))
+        response_len_B = None  # single turn: the sampled tokens of the row
+        if self.multi_turn:  # the trajectory's budget: sampled and observation tokens (env.max_total_tokens)
+            response_len_B = packed.per_row(torch.tensor([float(tr.num_response_tokens) for tr in trajs]))
+        group_ids_B = packed.group_ids_B
         with self.timer.phase("advantages"):
             adv = self.algo.advantages(
-                total_B=rew.total_B.float(), action_mask_BT=action_BT, group_ids_B=group_ids_B, truncated_B=truncated_B,
-                old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT, values_BT=values_BT,
+                total_B=packed.per_row(scores.total_N), action_mask_BT=action_BT, group_ids_B=group_ids_B,
+                truncated_B=truncated_B, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT, values_BT=values_BT,
                 student_logp_BT=old_logp_BT if old_logp_BT is not None else t["rollout_logp_BT"],
                 teacher_logp_BT=teacher_logp_BT,
+                token_rewards_BT=packed.token_rewards_BT if packed.token_rewards_BT.any() else None,
+                trajectory_ids_B=packed.advantage_trajectory_ids(), response_len_B=response_len_B,
             )
-        loss_mask_B = rew.valid_B.float() * self.algo.loss_mask_B(truncated_B).float()
+        loss_mask_B = packed.per_row(scores.valid_N).float() * self.algo.loss_mask_B(truncated_B).float()
         if teacher_ok_B is not None:
             loss_mask_B = loss_mask_B * teacher_ok_B.float()
         exp = Experience(
@@ -247,45 +283,54 @@ class ExperienceMaker:
             values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
             rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=t["mm_inputs"],
         )
-        metrics = self._metrics(exp, rew, truncated_B, adv.kl_BT)
+        metrics = self._metrics(exp, packed, scores, adv.kl_BT)
         metrics.update(adv.metrics)
         metrics.update(teacher_metrics)
-        return exp, metrics, samples
+        metrics.update(rollout.metrics)
+        return exp, metrics, packed.row_list(scores.samples)
 
-    def _teacher_logprobs(self, rollout: Rollout, t: dict, batches: list[list[int]]):
+    def _teacher_logprobs(self, packed: PackedRows, t: dict, batches: list[list[int]]):
         """The teacher's logprobs of the sampled tokens (temperature 1: the teacher's own
         distribution), the rows it scored, and its metrics. A local teacher is a frozen model's
-        forward; a remote one's failed sequences follow ``reward.on_error``: ``raise`` names the
-        teacher and the sample, ``drop`` leaves the sample out of the loss and counts it."""
+        forward; a remote one scores each row's tokens after its prompt (observations included, as
+        context) and its failed rows follow ``reward.on_error``: ``raise`` names the teacher and the
+        row, ``drop`` leaves the row out of the loss and counts it."""
         m = self.models
-        B = len(rollout.completions)
+        B = t["sequences_BT"].shape[0]
         if m.teacher is not None:
             return self._logprobs(m.teacher, t, batches, temperature=1.0), torch.ones(B, dtype=torch.bool), {}
-        comps = rollout.completions
-        lps, errors, counters = m.remote_teacher.token_logprobs([c.prompt_ids for c in comps], [c.token_ids for c in comps])
+        rows = [r for tr in packed.trajectories for r in tr.rows]
+        asked = [b for b, r in enumerate(rows) if r.token_ids]  # a row without a turn has nothing to score
+        lps, errors, counters = m.remote_teacher.token_logprobs([rows[b].prompt_ids for b in asked],
+                                                                [rows[b].token_ids for b in asked])
         if errors and self.rewards.cfg.on_error == "raise":
             i = min(errors)
             more = f" ({len(errors) - 1} more samples failed)" if len(errors) > 1 else ""
-            raise RewardError(f"distillation teacher failed on sample {i}: {errors[i]}{more}")
+            raise RewardError(f"distillation teacher failed on sample {asked[i]}: {errors[i]}{more}")
         out_BT = torch.zeros_like(t["rollout_logp_BT"])
         ok_B = torch.ones(B, dtype=torch.bool)
-        for b, (c, lp) in enumerate(zip(comps, lps)):
+        for b, lp in zip(asked, lps):
             if lp is None:
                 ok_B[b] = False
                 continue
-            P = len(c.prompt_ids)
+            P = len(rows[b].prompt_ids)
             out_BT[b, P : P + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         metrics = {"distill/teacher_dropped": float(len(errors)), **{f"distill/teacher_{k}": v for k, v in counters.items()}}
-        return out_BT, ok_B, metrics
+        return out_BT * t["action_mask_BT"], ok_B, metrics
 
-    def _metrics(self, exp: Experience, rew, truncated_B: torch.Tensor, kl_BT) -> dict[str, float]:
+    def _metrics(self, exp: Experience, packed: PackedRows, scores: Scores, kl_BT) -> dict[str, float]:
+        """Rollout metrics. Rewards, lengths (sampled tokens) and truncation are per trajectory; the
+        advantage, mismatch and KL statistics per sampled token."""
         act = exp.action_mask_BT
         ntok = act.sum().clamp_min(1)
+        N = len(packed.trajectories)
+        len_N = torch.zeros(N, dtype=torch.float32).index_add_(0, packed.trajectory_ids_B, exp.response_len_B.float())
+        truncated_N = torch.tensor([t.truncated for t in packed.trajectories], dtype=torch.bool)
         m = {
-            "reward/mean": float(rew.total_B.float().mean()),
-            "response/length_mean": float(exp.response_len_B.float().mean()),
-            "response/length_max": float(exp.response_len_B.float().max()),
-            "response/truncated_frac": float(truncated_B.float().mean()),
+            "reward/mean": float(scores.total_N.mean()),
+            "response/length_mean": float(len_N.mean()),
+            "response/length_max": float(len_N.max()),
+            "response/truncated_frac": float(truncated_N.float().mean()),
             "advantage/mean": float((exp.advantages_BT * act).sum() / ntok),
             "advantage/std": float(exp.advantages_BT[act.bool()].std()) if act.sum() > 1 else 0.0,
         }
@@ -297,6 +342,6 @@ class ExperienceMaker:
             m["kl/rollout"] = float(kl_BT.sum() / ntok)
         if exp.values_BT is not None:
             m["critic/value_mean"] = float((exp.values_BT * act).sum() / ntok)
-        for k, v in rew.metrics.items():
+        for k, v in scores.metrics.items():
             m[k if "/" in k else f"reward/{k}"] = float(v)
         return m

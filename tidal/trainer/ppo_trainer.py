@@ -43,8 +43,12 @@ def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
 
 
 def reduce_rollout_metrics(runtime: Runtime, metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks; keys ending in ``_max`` take the max."""
+    """Mean over ranks; keys ending in ``_max`` take the max. The keys are the union over ranks (a
+    counter that one rank's environment never reported counts as 0 there)."""
     keys = sorted(metrics)
+    if runtime.world_size > 1:
+        keys = sorted(set().union(*runtime.all_gather_objects(keys)))
+        metrics = {k: metrics.get(k, 0.0) for k in keys}
     mean_keys = [k for k in keys if not k.endswith("_max")]
     max_keys = [k for k in keys if k.endswith("_max")]
     world = runtime.world_size
@@ -94,7 +98,7 @@ class PPOTrainer:
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(models=models, phases=phases, rewards=rewards, algorithm=algorithm,
-                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, timer=self.timer)
+                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
         self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=phases.strategy.compiles,
                               compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
         self.updater = Updater(models=models, phases=phases, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
@@ -205,15 +209,22 @@ class PPOTrainer:
             )
 
     def _trajectory_records(self, samples, exp: Experience) -> list[dict]:
+        """One record per row with a scored sample (``samples`` is aligned with the rows); with a
+        multi-turn environment also the whole conversation (``messages``)."""
         n = min(len(samples), len(exp))
-        return [
-            {
+        records = []
+        for i, s in enumerate(samples[:n]):
+            if s is None:  # a trajectory without any turn (its environment failed at reset)
+                continue
+            record = {
                 "prompt": s.prompt, "response": s.response, "reference": s.reference,
                 "reward": float(exp.rewards_B[i]), "finish_reason": s.finish_reason,
                 "rollout_logprobs": exp.rollout_logp_BT[i][exp.action_mask_BT[i].bool()].tolist(),
             }
-            for i, s in enumerate(samples[:n])
-        ]
+            if self.maker.multi_turn:
+                record["messages"] = s.messages
+            records.append(record)
+        return records
 
     # ---- evaluation / checkpoints ----------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -319,6 +330,14 @@ class PPOTrainer:
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:
-        if self.rt.is_main:
-            shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(metrics.items()) if not math.isnan(v))
-            print(f"[tidal] eval at {when}: {shown}", flush=True)
+        """Print the eval metrics; the environment's (``eval/env/*``) on a line of their own, the
+        nonzero ones only."""
+        if not self.rt.is_main:
+            return
+        plain = {k: v for k, v in metrics.items() if not k.startswith("eval/env/")}
+        shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(plain.items()) if not math.isnan(v))
+        print(f"[tidal] eval at {when}: {shown}", flush=True)
+        env = ", ".join(f"{k[len('eval/env/'):]}={v:.4f}" for k, v in sorted(metrics.items())
+                        if k.startswith("eval/env/") and v and not math.isnan(v))
+        if env:
+            print(f"[tidal]   environment: {env}", flush=True)

@@ -1,0 +1,246 @@
+"""Multi-turn rollout benchmark on one GPU (issue 24, item 7): Tidal GRPO iterations whose rollouts
+are multi-turn trajectories against a synthetic tool of fixed latency, against single-turn
+iterations that sample the same number of tokens.
+
+Model, prompts and tokenizer are bench/e2e_grpo.py's (a random-initialised Qwen2-0.5B-shaped model,
+bf16 on disk; prompts of ``prompt_len`` random words; a WordLevel tokenizer), built once under
+``--work-dir``. Every iteration: ``prompts x samples`` trajectories; a multi-turn trajectory has
+``turns`` model turns of ``new_tokens / turns`` sampled tokens each (EOS ignored) and, between two
+turns, one call of the synthetic tool (:class:`SyntheticToolEnv`): it sleeps ``tool_latency_ms``
+and returns ``observation_tokens`` token ids. The single-turn baseline of the same case samples
+``new_tokens`` in one turn (``env.name: single_turn``). ``env.workers`` equals the number of
+trajectories, so the tools of one round all wait at once.
+
+Figures (one JSON line per case on stdout, appended with ``--out``) carry the workload matrix's
+keys (``figure: case``, ``case``, ``size``, ``seqs``, ``prompt_len``, ``max_new_tokens``,
+``lengths: forced``, ``iteration_s``, ``phases``, ``turns``, ``tool_latency_ms``, ``error``; a
+single-turn case has ``turns: 1``, ``tool_latency_ms: 0``), so they can be appended to
+bench/results/matrix.jsonl, and this benchmark's own: median seconds per rollout (``generate_s``,
+``time/generate``) over the timed iterations; ``wait_s``, the rollout time during which nothing
+was decoded because every unfinished trajectory waited for its tool (``env/wait_s``);
+``gpu_idle_frac = wait_s / generate_s``, the issue's "fraction of time the GPU idles while waiting
+for tools" (target below 0.1 at 50 ms); ``engine_calls`` per rollout; ``vs_single_turn``, the
+iteration time over the single-turn case's with the same sampled tokens.
+
+What to expect with today's engine API: each turn of every ready trajectory is one batch
+``generate`` call, so a round's decode and the following tool wait do not overlap (the loop only
+decodes trajectories that are ready). The engine's incremental API (add/step/drain) lets a
+trajectory rejoin the running batch while others are still decoding; this benchmark measures both
+(the runner is the same; only tidal/envs/rollout.py's loop changes).
+
+Usage (GPU):
+    python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/matrix.jsonl]
+    python bench/multiturn.py --tiny    # CPU smoke run: tiny model, 2 prompts x 2, 2 turns of 4 tokens
+A matrix runner calls :func:`run_case` with a case's config (:func:`case_config`) and its :class:`Case`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (ROOT, HERE):  # tidal, and bench/e2e_grpo.py's asset builders
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from tidal.envs import Environment, Observation, StepResult  # noqa: E402
+
+ENV_PATH = "multiturn:SyntheticToolEnv"  # bench/ is on sys.path (as e2e_grpo's reward is)
+TINY_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                  vocab_size=512)
+
+
+class SyntheticToolEnv(Environment):
+    """``turns`` model turns; between two of them a tool call that sleeps ``latency_ms`` and answers
+    ``observation_tokens`` copies of token ``observation_id``. The prompt is the row's ids."""
+
+    counter_names = ("tool_calls",)
+
+    def __init__(self, cfg, *, turns: int, latency_ms: float, observation_tokens: int, observation_id: int):
+        super().__init__(cfg)
+        self.turns, self.latency_s = int(turns), float(latency_ms) / 1e3
+        self.observation = [int(observation_id)] * int(observation_tokens)
+
+    def reset(self, row):
+        return Observation(token_ids=list(row.prompt_ids))
+
+    def step(self, turn):
+        if turn.index + 1 >= self.turns:
+            return StepResult(done=True, counters={"tool_calls": 0.0})
+        time.sleep(self.latency_s)
+        return StepResult(observation=Observation(token_ids=self.observation), counters={"tool_calls": 1.0})
+
+
+@dataclasses.dataclass(kw_only=True)
+class Case:
+    """One benchmark case. ``turns == 1`` is the single-turn baseline (no tool)."""
+
+    turns: int
+    tool_latency_ms: float
+    prompts: int = 16
+    samples: int = 8
+    prompt_len: int = 128
+    new_tokens: int = 256  # sampled per trajectory, over all its turns
+    observation_tokens: int = 16
+    size: str = "0.5b"  # "tiny" on the CPU smoke run
+    warmup: int = 1
+    steps: int = 3
+    seed: int = 1
+
+
+def case_config(case: Case, *, model_dir: str, tokenizer_dir: str, data: str, vocab_size: int, device: str,
+                run_dir: str) -> dict:
+    """The Tidal run config of a case."""
+    per_turn = case.new_tokens // case.turns
+    seqs = case.prompts * case.samples
+    context = case.prompt_len + case.new_tokens + (case.turns - 1) * case.observation_tokens
+    kv_tokens = 1 << (seqs * (context + 16) - 1).bit_length()
+    env = {"name": "single_turn"}
+    if case.turns > 1:
+        env = {"name": ENV_PATH, "max_turns": case.turns, "max_tokens_per_turn": per_turn, "workers": seqs,
+               "kwargs": {"turns": case.turns, "latency_ms": case.tool_latency_ms, "observation_tokens": case.observation_tokens,
+                          "observation_id": 1}}
+    return {
+        "run": {"output_dir": run_dir, "steps": case.warmup + case.steps, "seed": case.seed, "device": device},
+        "model": {"path": model_dir, "tokenizer_path": tokenizer_dir},
+        "data": {"train": [{"path": data}], "apply_chat_template": False, "max_prompt_len": case.prompt_len},
+        "rollout": {"prompts_per_step": case.prompts, "n_samples": case.samples, "max_new_tokens": per_turn * case.turns,
+                    "ignore_eos": True, "temperature": 1.0},
+        "env": env,
+        "engine": {"kv_cache_max_tokens": kv_tokens},
+        "optim": {"lr": 1e-6, "max_grad_norm": 1.0},
+        "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean"},
+        "reward": {"components": {"score": {"type": "function", "path": "e2e_grpo:tidal_reward"}},
+                   "recipes": {"default": [["score", 1.0]]}, "default_recipe": "default"},
+        "eval": {"at_start": False, "at_end": False, "every": 0},
+        "checkpoint": {"every": 0, "at_end": False, "resume": "never"},
+        "logging": {"backends": []},
+    }
+
+
+def run_case(config: dict, case: Case) -> dict:
+    """Build the trainer of ``config`` and time its iterations; returns the case's figure."""
+    from tidal.build import build_trainer
+    from tidal.config import TidalConfig
+    from tidal.config_base import build
+
+    trainer = build_trainer(build(TidalConfig, config))
+    steps = []
+    for step in range(1, case.warmup + case.steps + 1):
+        m = trainer.train_step(step)
+        if step > case.warmup:
+            steps.append(m)
+
+    def med(key):
+        values = [m[key] for m in steps if key in m]
+        return statistics.median(values) if values else None
+
+    generate_s, wait_s = med("time/generate"), med("env/wait_s") or 0.0
+    seqs = case.prompts * case.samples
+    latency = case.tool_latency_ms if case.turns > 1 else 0.0
+    phases = {k[len("time/"):]: med(k) for k in sorted({k for m in steps for k in m}) if k.startswith("time/") and k != "time/step"}
+    return {  # the workload matrix's keys (bench/results/matrix.jsonl), then this benchmark's own
+        "figure": "case", "case": f"{case.size}-{seqs}x{case.new_tokens}-forced-t{case.turns}-l{latency:g}", "size": case.size,
+        "seqs": seqs, "prompts": case.prompts, "samples": case.samples, "prompt_len": case.prompt_len,
+        "max_new_tokens": case.new_tokens, "lengths": "forced", "partial_rollout": False, "kl": False,
+        "iteration_s": med("time/step"), "phases": phases, "turns": case.turns, "tool_latency_ms": latency,
+        "observation_tokens": case.observation_tokens if case.turns > 1 else 0, "iterations": len(steps),
+        "generate_s": generate_s, "wait_s": wait_s, "gpu_idle_frac": wait_s / generate_s if generate_s else None,
+        "engine_calls": med("env/generate_calls"), "turns_mean": med("env/turns_mean"),
+        "sampled_tokens_mean": med("response/length_mean"), "error": None,
+    }
+
+
+def _assets(work_dir: str, tiny: bool, prompt_len: int, device: str) -> dict:
+    import e2e_grpo
+
+    shape = TINY_SHAPE if tiny else e2e_grpo.SHAPES["0.5b"]
+    model_dir = os.path.join(work_dir, "model-tiny" if tiny else "model-0.5b")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        e2e_grpo.build_model_dir(model_dir, shape, device)
+    tok_dir = os.path.join(work_dir, f"tokenizer-{shape['vocab_size']}")
+    if not os.path.exists(os.path.join(tok_dir, "config.json")):
+        e2e_grpo.build_tokenizer(shape["vocab_size"]).save_pretrained(tok_dir)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, open(os.path.join(tok_dir, "config.json"), "w"))
+    data = os.path.join(work_dir, f"prompts-{prompt_len}.jsonl")
+    e2e_grpo.write_prompts(data, rows=256, prompt_len=prompt_len, vocab_size=shape["vocab_size"])
+    return {"model_dir": model_dir, "tokenizer_dir": tok_dir, "data": data, "vocab_size": shape["vocab_size"]}
+
+
+def _worker(spec: dict) -> None:
+    """One case in this process (a fresh process per case: its memory and engine are its own)."""
+    import torch
+
+    case = Case(**spec["case"])
+    if spec["device"] == "cpu":
+        torch.set_num_threads(1)
+    config = case_config(case, device=spec["device"], run_dir=spec["run_dir"], **spec["assets"])
+    print(json.dumps(run_case(config, case)), flush=True)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--turns", default="4", help="comma-separated turn counts (each with its single-turn baseline)")
+    p.add_argument("--latency-ms", default="0,50,200", help="comma-separated tool latencies")
+    p.add_argument("--steps", type=int, default=3, help="timed iterations per case (after one warm-up)")
+    p.add_argument("--work-dir", default="/tmp/tidal_bench_multiturn")
+    p.add_argument("--out", default="", help="append the figures to this JSONL file")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return 0
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1, size="tiny") if args.tiny else {"steps": args.steps}
+    os.makedirs(args.work_dir, exist_ok=True)
+    assets = _assets(args.work_dir, args.tiny, sizes.get("prompt_len", 128), device)
+    meta = {"commit": _commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "bench": "multiturn"}
+    failed = 0
+    for turns in [int(t) for t in args.turns.split(",")]:
+        turns = 2 if args.tiny else turns
+        cases = [Case(turns=1, tool_latency_ms=0.0, **sizes)]
+        cases += [Case(turns=turns, tool_latency_ms=float(ms), **sizes) for ms in args.latency_ms.split(",")]
+        baseline = None
+        for case in cases:
+            spec = {"case": dataclasses.asdict(case), "device": device, "assets": assets,
+                    "run_dir": os.path.join(args.work_dir, f"run-{case.turns}-{case.tool_latency_ms:g}")}
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                                  capture_output=True, text=True)
+            figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode != 0 or not figures:
+                failed += 1
+                record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
+                          "error": (proc.stderr or proc.stdout)[-2000:]}
+            else:
+                record = figures[-1]
+                baseline = record if case.turns == 1 else baseline
+                if case.turns > 1 and baseline and baseline.get("iteration_s"):
+                    record["vs_single_turn"] = record["iteration_s"] / baseline["iteration_s"]
+            record.update(meta)
+            print(json.dumps(record), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

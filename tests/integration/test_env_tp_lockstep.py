@@ -1,0 +1,34 @@
+"""2-rank torchrun (gloo, CPU), one rollout TP group: multi-turn rollouts whose ranks need different
+numbers of turns keep the sharded engine's calls in lockstep (scripts/env_tp_lockstep.py)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "env_tp_lockstep.py"
+
+
+@pytest.mark.slow
+def test_multi_turn_rollouts_stay_in_lockstep_over_a_tp_group(tmp_path):
+    env = dict(os.environ, TIDAL_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    # the same engine calls with the same arguments, although rank 1 finished after its first turn
+    assert r0["calls"] == r1["calls"] and len(r0["calls"]) >= 3
+    assert r0["turns"] == [3] * 6 and r1["turns"] == [1] * 4
+    assert set(r0["finish"]) == set(r1["finish"]) == {"done"}
+    # a rank's trajectories are those of its rollout run alone on an unsharded engine
+    assert r0["equal_alone"] and r1["equal_alone"]
+    # single_turn: one engine call for the group, as a plain rollout; a rank without prompts joins it
+    assert r0["single_calls"] == r1["single_calls"] and len(r0["single_calls"]) == 1 and r0["single_equal"] and r1["single_equal"]
+    # an environment error on rank 1 stops both ranks with it (rank 0 does not wait for rank 1)
+    assert re.search(r"environment 'environment' failed on row rank1:\d", r1["failure"]) and "ValueError: boom" in r1["failure"]
+    assert r0["failure"].startswith("another rank of the rollout TP group failed: rank 1: EnvError") and "on row rank1:" in r0["failure"]
+    assert r0["empty_calls"] == r1["empty_calls"] and len(r0["empty_calls"]) == 1 and r1["empty_n"] == 0
