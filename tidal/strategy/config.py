@@ -18,10 +18,12 @@ class StrategyConfig:
     reshard_after_forward: FSDP2 frees unsharded parameters after each layer's forward (ZeRO-3-like).
         DeepSpeed has no such switch (ZeRO-3 always re-partitions; ZeRO-1/2 never partition
         parameters), so with ``backend=deepspeed`` it must stay true.
-    offload_optimizer: keep optimizer state on CPU outside optimizer steps (moved to the device for
-        the step, back afterwards). With ``backend=deepspeed`` on CUDA this is ZeRO-Offload: the
-        fp32 master weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam,
-        compiled on first use).
+    offload_optimizer: keep the optimizer state in host memory. With ``backend=fsdp2`` AdamW's
+        moments live in pinned host memory and stream through the device during the step, a chunk
+        at a time (:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`): the device never holds
+        the whole state. With ``backend=deepspeed`` on CUDA this is ZeRO-Offload: the fp32 master
+        weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam, compiled
+        on first use).
     offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
     offload_teacher: keep a local distillation teacher (``model.teacher.path``) on CPU between uses.
     offload_critic: keep the critic on CPU outside its forward and update.
