@@ -30,7 +30,7 @@ from tidal.rm.config import RewardModelConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
-from tidal.trainer.config import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig, TrainConfig
+from tidal.trainer.config import CheckpointConfig, EvalConfig, MemoryConfig, RolloutConfig, RunConfig, TrainConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -53,6 +53,7 @@ class TidalConfig:
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -177,6 +178,8 @@ def _type_label(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union:  # e.g. Literal["auto"] | int
+        return " \\| ".join("None" if a is type(None) else _type_label(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("typing.", "").replace("|", "\\|")
 
 

@@ -1,4 +1,9 @@
-"""Host memory: page-locked buffers of exactly the size asked for.
+"""Host memory: how much there is, and page-locked buffers of exactly the size asked for.
+
+:func:`host_memory` reads the memory this process may use: the cgroup limit (v2 ``memory.max`` or
+v1 ``memory.limit_in_bytes``) when there is one, else ``MemTotal`` of ``/proc/meminfo``. Some
+virtual machines report a ``MemTotal`` far below their real memory at start (it grows as memory is
+used): without a cgroup limit a run there passes the real size (``memory.host_memory_gib``).
 
 :class:`PinnedBuffer` is one block of host memory, page-locked on CUDA machines by registering an
 ordinary allocation with the driver (``cudaHostRegister``, as torch's own checkpoint stager does):
@@ -12,11 +17,66 @@ be used for asynchronous copies after it is gone.
 
 from __future__ import annotations
 
+import os
 import weakref
+from pathlib import Path
 
 import torch
 
+_CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# cgroup v1 reports "no limit" as a huge page-aligned number
+_UNLIMITED = 1 << 60
 _PAGE = 4096
+
+
+def meminfo_total(path: str = "/proc/meminfo") -> int | None:
+    """``MemTotal`` in bytes, or None when unreadable."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                value, unit = line.split()[1:3]
+                return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_limit(paths: tuple[str, ...] = _CGROUP_FILES) -> int | None:
+    """This process's cgroup memory limit in bytes, or None when there is none (or it is unreadable)."""
+    for p in paths:
+        try:
+            raw = Path(p).read_text().strip()
+        except OSError:
+            continue
+        if raw == "max":
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            continue
+        return value if value < _UNLIMITED else None
+    return None
+
+
+def host_memory(override_gib: float = 0.0, *, meminfo: str = "/proc/meminfo", cgroup_files: tuple[str, ...] = _CGROUP_FILES) -> tuple[int, str]:
+    """(bytes, where the figure comes from) of the host memory this process may count on:
+    ``override_gib`` > 0, else the cgroup limit when there is one (what the kernel enforces on this
+    process; some VMs report a MemTotal that starts low and grows as memory is used), else MemTotal."""
+    if override_gib > 0:
+        return int(override_gib * 2**30), "memory.host_memory_gib"
+    total = meminfo_total(meminfo)
+    limit = cgroup_limit(cgroup_files)
+    if limit is not None:
+        seen = f", MemTotal reads {total / 2**30:.1f} GiB" if total is not None and total != limit else ""
+        return limit, f"cgroup memory limit{seen}"
+    if total is None:
+        raise RuntimeError("cannot read the host's memory (/proc/meminfo, cgroup); set memory.host_memory_gib")
+    return total, "MemTotal"
+
+
+def local_world_size() -> int:
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; 1 in a plain process)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _release(ptr: int, registered: bool, tensor: torch.Tensor) -> None:

@@ -62,7 +62,7 @@ def compile_layers(model: torch.nn.Module) -> None:
 class FSDP2Strategy(Strategy):
     @property
     def compiles(self) -> bool:
-        return self.cfg.compile == "on" or (self.cfg.compile == "auto" and self.device.type == "cuda")
+        return self.cfg.compiles_on(self.device.type)
 
     def _mesh(self):
         if not hasattr(self, "_mesh_cache"):
