@@ -898,7 +898,7 @@ class MemorySettings:
     """The values a run uses for the settings the plan decides: the user's explicit value, or the
     plan's choice where it was ``auto``. Components read these, never ``auto`` from the config.
     ``kv_cache_max_tokens`` 0: the engine sizes its KV cache as configured. ``plan``: None when no
-    plan was made (a CPU run)."""
+    plan was made (a CPU run without ``memory.device_memory_gib``, the reward-model job)."""
 
     micro_batch_tokens: int
     forward_micro_batch_tokens: int
@@ -934,12 +934,13 @@ class MemorySettings:
                                    strategy=self.strategy_config(cfg.strategy), engine=self.engine_config(cfg.engine))
 
 
-# Values of ``auto`` settings in a run without a plan (CPU: no device memory to plan).
+# Values of ``auto`` settings in a run without a plan (a CPU run without memory.device_memory_gib,
+# the reward-model job): the fixed defaults these keys had before the plan.
 UNPLANNED_DEFAULTS = dict(micro_batch_tokens=16384, forward_micro_batch_tokens=65536, gradient_checkpointing=False, offload_optimizer=False)
 
 
 def settings_without_plan(cfg) -> MemorySettings:
-    """Settings of a run that makes no plan (on CPU): explicit values as given, ``auto`` ones at
+    """Settings of a run that makes no plan: explicit values as given, ``auto`` ones at
     :data:`UNPLANNED_DEFAULTS`."""
     given = dict(micro_batch_tokens=cfg.train.micro_batch_tokens, forward_micro_batch_tokens=cfg.train.forward_micro_batch_tokens,
                  gradient_checkpointing=cfg.model.gradient_checkpointing, offload_optimizer=cfg.strategy.offload_optimizer)
