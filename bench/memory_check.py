@@ -211,6 +211,11 @@ def run(args) -> dict:
     trainer.timer.add_observer(rec)
     base = {"figure": "memory_plan", "size": args.size, "lora": args.lora, "sequences": args.sequences, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "set": list(args.set), "chosen": plan.chosen(), "fits": plan.fits, "same_choice": same_choice,
+            "settings": {"train.micro_batch_tokens": used.train.micro_batch_tokens,
+                         "train.forward_micro_batch_tokens": used.train.forward_micro_batch_tokens,
+                         "model.gradient_checkpointing": used.model.gradient_checkpointing,
+                         "strategy.offload_optimizer": used.strategy.offload_optimizer, "engine.sleep_level": used.engine.sleep_level,
+                         "predicted_kv_cache_tokens": plan.kv_cache_tokens},
             "predicted_peak_gib": round(plan.predicted_peak_allocated_gib, 3), "init_s": round(init_s, 1),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "commit": git_commit()}
     steps = []

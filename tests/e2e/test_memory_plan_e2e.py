@@ -1,6 +1,6 @@
 """The memory plan wired into a run (CPU): its settings reach every component that reads them (the
 Strategy and its optimizer, the phase owner, gradient checkpointing of actor and critic, the update
-and experience micro-batches, the engine's KV cache), a plan made for a given device size is
+and experience micro-batches), the engine left to size its own KV cache, a plan made for a given device size is
 applied, and a run that cannot fit stops before any model loads, naming the key to change."""
 
 import math
@@ -23,9 +23,10 @@ def _checkpointing(model) -> bool:
 @pytest.mark.slow
 def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides, monkeypatch):
     """Settings as a plan would choose them on a small device (checkpointing, the optimizer state on
-    the host, small budgets, a KV cap): each reaches the component that uses it, and a step runs."""
+    the host, small budgets): each reaches the component that uses it, the engine's section is the
+    user's, and a step runs."""
     planned = MemorySettings(micro_batch_tokens=70, forward_micro_batch_tokens=90, gradient_checkpointing=True,
-                             offload_optimizer=True, kv_cache_max_tokens=512)
+                             offload_optimizer=True)
     seen = {}
 
     def fake_plan_run(cfg, hf_config, **kw):
@@ -35,7 +36,6 @@ def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides,
     monkeypatch.setattr(tidal.build, "plan_run", fake_plan_run)
     cfg = load_config("quickstart", tiny_task_overrides + [
         f"run.output_dir={tmp_path}", "run.steps=1", "checkpoint.at_end=false", "algorithm.advantage=gae",
-        "engine.kv_cache_max_tokens=0",
     ])
     trainer = build_trainer(cfg)
     try:
@@ -47,7 +47,7 @@ def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides,
         assert isinstance(trainer.models.actor.optimizer, StreamedAdamW)
         assert isinstance(trainer.models.critic.optimizer, StreamedAdamW)
         assert _checkpointing(trainer.models.actor.model) and _checkpointing(trainer.models.critic.model)
-        assert trainer.phases.engine.cfg.kv_cache_max_tokens == 512
+        assert trainer.cfg.engine is cfg.engine  # the KV budget is the engine's to size (the plan predicts it)
         metrics = trainer.fit()
         assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["critic/value_loss"])
     finally:

@@ -1,5 +1,7 @@
 """The memory plan's activation formulas against what a tiny Qwen2 actually keeps, on CPU in bf16
-under SDPA: the tensors autograd saves for backward (``saved_tensors_hooks``, counted per storage),
+under causal SDPA over unpadded rows (what the packed attention keeps too: training micro-batches
+are packed, and on CUDA the flash varlen kernel saves the same q, k, v, output and log-sum-exp;
+the CPU's block-diagonal reference with its mask is not counted): the tensors autograd saves for backward (``saved_tensors_hooks``, counted per storage),
 and the peak of a training micro-batch and of a no-grad forward through the trainer's own logprob
 path (``tests.memory_accounting.LiveBytes``). What differs on a GPU and is not checked here: the
 CUDA SDPA kernels (flash / memory-efficient: the same saved tensors, their own workspaces),
@@ -34,13 +36,9 @@ def _model(layers=2, *, tie=False, seed=0, dtype=torch.bfloat16):
     return Qwen2ForCausalLM(cfg).to(dtype), cfg
 
 
-def _inputs(padded: bool):
+def _inputs():
     ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(B, T, dtype=torch.long)
-    if padded:
-        mask[0, 40:] = 0
-        mask[1, 50:] = 0
-    return ids, mask
+    return ids, torch.ones(B, T, dtype=torch.long)
 
 
 def _saved_per_layer(model, ids, mask) -> list[float]:
@@ -64,11 +62,10 @@ def _saved_per_layer(model, ids, mask) -> list[float]:
     return [per[i] / (B * T) for i in range(len(model.model.layers))]
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_saved_tensors_of_a_layer_match_the_formula_eager(padded):
+def test_saved_tensors_of_a_layer_match_the_formula_eager():
     model, cfg = _model()
-    saved = _saved_per_layer(model, *_inputs(padded))
-    want = layer_saved_bytes(ModelShape.from_hf_config(cfg), compiled=False, masked_len=T if padded else 0)
+    saved = _saved_per_layer(model, *_inputs())
+    want = layer_saved_bytes(ModelShape.from_hf_config(cfg), compiled=False)
     assert saved[-1] == want
 
 
@@ -77,43 +74,41 @@ def test_saved_tensors_with_lora_adapters():
     model, cfg = _model(dtype=torch.float32)  # as Tidal does: adapters on the fp32 model, all computing in bf16
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)).get_base_model().to(torch.bfloat16)
-    saved = _saved_per_layer(model, *_inputs(False))
+    saved = _saved_per_layer(model, *_inputs())
     assert saved[-1] == layer_saved_bytes(ModelShape.from_hf_config(cfg), compiled=False, lora_rank=4, lora_targets=7)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("padded", [False, True])
-def test_saved_tensors_of_a_compiled_layer_match_the_formula(padded):
+def test_saved_tensors_of_a_compiled_layer_match_the_formula():
     """``torch.compile`` (inductor on CPU: the same partitioner as on CUDA) keeps the matmul inputs
     and outputs and recomputes the elementwise ops."""
     torch._dynamo.reset()
     model, cfg = _model()
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
-    saved = _saved_per_layer(model, *_inputs(padded))
-    assert saved[-1] == layer_saved_bytes(ModelShape.from_hf_config(cfg), compiled=True, masked_len=T if padded else 0)
+    saved = _saved_per_layer(model, *_inputs())
+    assert saved[-1] == layer_saved_bytes(ModelShape.from_hf_config(cfg), compiled=True)
 
 
-def _trainer_path(checkpointing: bool, padded: bool):
+def _trainer_path(checkpointing: bool):
     """A tiny actor on the trainer's logprob path (LM head on response tokens only, chunked)."""
     model, cfg = _model(layers=4, tie=True)
     attach_logprob_method(model)
     if checkpointing:
         model.gradient_checkpointing_enable()
     prompt = 16
-    ids, mask = _inputs(padded)
+    ids, mask = _inputs()
     act = torch.zeros(B, T, dtype=torch.long)
     act[:, prompt:] = 1
     return model, cfg, ids, mask, act * mask
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("padded", [False, True])
-def test_training_micro_batch_peak(checkpointing, padded):
+def test_training_micro_batch_peak(checkpointing):
     """Peak of one forward + backward of a policy-gradient loss, gradients of the parameters left
     out (they are a separate item of the plan, fp32 shards under FSDP2): within 5% of
     saved activations + the larger of the LM head's and a layer's backward."""
-    model, cfg, ids, mask, act = _trainer_path(checkpointing, padded)
+    model, cfg, ids, mask, act = _trainer_path(checkpointing)
     chunk = 64
 
     def step():
@@ -128,19 +123,18 @@ def test_training_micro_batch_peak(checkpointing, padded):
     with mode:
         step()
     shape, m = ModelShape.from_hf_config(cfg), int(act.sum())
-    kw = dict(compiled=False, checkpointing=checkpointing, masked_len=T if padded else 0)
+    kw = dict(compiled=False, checkpointing=checkpointing)
     want = train_activation_bytes(shape, B * T, response_tokens=m, **kw) + max(
         lm_head_train_bytes(shape, min(chunk, m), compiled=False), layer_backward_bytes(shape, B * T, **kw))
     assert mode.peak == pytest.approx(want, rel=0.05)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_no_grad_forward_peak(padded):
-    model, cfg, ids, mask, act = _trainer_path(False, padded)
+def test_no_grad_forward_peak():
+    model, cfg, ids, mask, act = _trainer_path(False)
     mode = LiveBytes(ignore=[p.untyped_storage().data_ptr() for p in model.parameters()])
     with torch.no_grad(), mode:
         token_logprobs(model, ids, mask, with_entropy=True, chunk_tokens=64, positions_BT=act)
     m = int(act.sum())
     want = forward_activation_bytes(ModelShape.from_hf_config(cfg), B * T, response_tokens=m, chunk_rows=min(64, m),
-                                    compiled=False, masked_len=T if padded else 0)
+                                    compiled=False)
     assert mode.peak == pytest.approx(want, rel=0.05)

@@ -65,8 +65,6 @@ def test_tiny_shape_counts_by_hand():
     # saved per token per layer: eager 16H + 4Q + 4K + 8I + 4n + 8, compiled 8H + 4Q + 4K + 6I + 4n + 8
     assert layer_saved_bytes(TINY, compiled=False) == 128 + 32 + 16 + 128 + 8 + 8 == 320
     assert layer_saved_bytes(TINY, compiled=True) == 64 + 32 + 16 + 96 + 8 + 8 == 224
-    # padded rows of 20 tokens: K/V repeated to both query heads (+4Q - 4K) and a bf16 mask padded to 32
-    assert layer_saved_bytes(TINY, compiled=False, masked_len=20) == 320 + 32 - 16 + 64
     # LoRA: each adapter keeps its [T, r] input of lora_B; the frozen norms do not keep their bf16 input (eager)
     assert layer_saved_bytes(TINY, compiled=False, lora_rank=2, lora_targets=7) == 320 - 4 * 8 + 2 * 2 * 7
     # a micro-batch of 100 tokens, 50 through the LM head, when its backward starts: every layer's
@@ -114,7 +112,7 @@ def test_shape_from_hf_configs():
 ])
 def test_reproduces_measured_h200_peaks(size, rows, prompt, new, tokens, measured_gib):
     inp = PlanInputs(shape=dataclasses.replace(qwen(size), tied_embeddings=True), sequences_per_rank=rows, max_prompt_len=prompt,
-                     max_new_tokens=new, padded_rows=False, micro_batch_tokens=tokens, micro_batch_max_seqs=128,
+                     max_new_tokens=new, micro_batch_tokens=tokens, micro_batch_max_seqs=128,
                      gradient_checkpointing=False, offload_optimizer=False, device=H200, host=HOST)
     plan = plan_memory(inp)
     assert plan.fits
@@ -165,10 +163,21 @@ def test_7b_lora_fits_without_offload():
     assert parts["actor optimizer state"] == 8 * n_lora
 
 
-def test_padded_rows_cost_more_than_forced_lengths():
-    forced = plan_memory(inputs("1.5b", padded_rows=False)).choice.micro_batch_tokens
-    padded = plan_memory(inputs("1.5b", padded_rows=True)).choice.micro_batch_tokens
-    assert padded < forced
+@pytest.mark.parametrize("size,new", [("0.5b", 1024), ("1.5b", 30000), ("7b", 8192)])
+def test_auto_budgets_hold_the_longest_sequence(size, new):
+    """Packed micro-batches never split a sequence: an ``auto`` budget is at least
+    data.max_prompt_len + rollout.max_new_tokens (the config check TidalConfig makes of explicit ones)."""
+    plan = plan_memory(inputs(size, max_new_tokens=new))
+    assert plan.fits, plan.table()
+    assert plan.choice.micro_batch_tokens >= 256 + new and plan.choice.forward_micro_batch_tokens >= 256 + new
+
+
+def test_one_longest_sequence_that_cannot_fit_says_what_to_change():
+    with pytest.raises(ConfigError) as e:
+        apply_plan(plan_memory(inputs("3b", max_new_tokens=400_000, gradient_checkpointing=False)))
+    assert e.value.key == "model.gradient_checkpointing"
+    assert "a packed micro-batch of one longest sequence (400256 tokens) already does not fit" in e.value.message
+    assert "rollout.max_new_tokens" in e.value.message
 
 
 def test_more_ranks_shard_the_state():
@@ -212,21 +221,37 @@ def test_device_fraction_bounds_the_chosen_micro_batch():
     assert plan_memory(inputs("1.5b", device_fraction=0.6)).peak_bytes <= 0.6 * H200.total
 
 
-def test_kv_cache_is_capped_when_its_first_wake_size_cannot_last():
-    """The engine sizes its KV cache at its first wake, before AdamW has state: with the state on the
-    device that size would not fit later rollouts, so the plan caps it; a user's cap is kept."""
-    plan = plan_memory(inputs("3b", sequences_per_rank=512, kv_cache_memory_fraction=0.9))
-    assert plan.fits and plan.choice.kv_cache_max_tokens > 0
-    rollout = next(p for p in plan.phases if p.name == "rollout")
-    assert rollout.total <= 0.9 * H200.total
-    settings = apply_plan(plan)
+def test_kv_cache_follows_the_engines_own_sizing_rule():
+    """One owner of the KV budget: the engine sizes its cache at each wake-up
+    (``tidal.engine.sizing.kv_budget_bytes`` of the memory available then); the plan predicts that
+    size with the same rule, from the steady state's resident memory, and never changes engine.*."""
+    from tidal.engine import sizing
     from tidal.engine.config import EngineConfig
 
-    user = EngineConfig(kv_cache_memory_fraction=0.9)
-    resolved = settings.engine_config(user)
-    assert resolved.kv_cache_max_tokens == plan.choice.kv_cache_max_tokens and user.kv_cache_max_tokens == 0
-    assert settings.engine_config(EngineConfig(kv_cache_max_tokens=4096)).kv_cache_max_tokens == 4096
-    assert plan_memory(inputs("3b", sequences_per_rank=512, kv_cache_max_tokens=4096)).choice.kv_cache_max_tokens == 0
+    on_device = plan_memory(inputs("3b", offload_optimizer=False, kv_cache_memory_fraction=0.7))
+    offloaded = plan_memory(inputs("3b", offload_optimizer=True, kv_cache_memory_fraction=0.7))
+    assert offloaded.kv_cache_tokens > on_device.kv_cache_tokens  # AdamW's state on the device leaves less at wake-up
+    rollout = next(p for p in on_device.phases if p.name == "rollout")
+    resident = sum(p.nbytes for p in rollout.parts if p.allocated and p.label in ("actor weights", "actor optimizer state"))
+    engine_weights = next(p.nbytes for p in rollout.parts if p.label == "engine weights")
+    overhead = next(p.nbytes for p in rollout.parts if p.label.startswith("CUDA context"))
+    available = H200.total - overhead - resident - engine_weights
+    per_token = qwen("3b").kv_cache_bytes_per_token()
+    want = sizing.kv_budget_bytes(EngineConfig(kv_cache_memory_fraction=0.7), available) // (16 * per_token) * 16
+    assert on_device.kv_cache_tokens == want
+    assert any(p.label == f"engine KV cache ({want} tokens)" for p in rollout.parts)
+    # an explicit cap is the cache's size; the plan chooses nothing for the engine
+    assert plan_memory(inputs("3b", kv_cache_max_tokens=40000)).kv_cache_tokens == 40000
+    assert not any(k.startswith("engine.") for k in on_device.chosen())
+
+
+def test_kv_cache_smaller_than_one_sequence_names_the_engine_setting():
+    with pytest.raises(ConfigError) as e:
+        apply_plan(plan_memory(inputs("0.5b", kv_cache_max_tokens=1024)))
+    assert e.value.key == "engine.kv_cache_max_tokens" and "less than one sequence of 1280" in e.value.message
+    # a cache that holds some but not all of the rollout's sequences: a note, the rollout runs in waves
+    plan = plan_memory(inputs("0.5b", kv_cache_max_tokens=12800))
+    assert plan.fits and any("holds 10 of the rollout's 256 sequences" in n for n in plan.notes)
 
 
 # ---- host memory -------------------------------------------------------------------------------------------------
@@ -305,6 +330,14 @@ def test_cpu_runs_without_a_device_size_make_no_plan_and_keep_explicit_values():
     given = settings_without_plan(load_config("quickstart", ["train.micro_batch_tokens=512", "strategy.offload_optimizer=true"]))
     assert (given.micro_batch_tokens, given.offload_optimizer) == (512, True)
     assert _plan_run(load_config("quickstart")).plan is None
+    # a packed micro-batch holds whole sequences: without a plan `auto` is at least the longest one
+    long = load_config("quickstart", ["data.max_prompt_len=8192", "rollout.max_new_tokens=70000"])
+    unplanned = _plan_run(long)
+    assert (unplanned.micro_batch_tokens, unplanned.forward_micro_batch_tokens) == (78192, 78192)
+    # an explicit budget below the longest sequence is the config check's error (auto is the plan's to resolve)
+    with pytest.raises(ConfigError) as e:
+        load_config("quickstart", ["data.max_prompt_len=8192", "rollout.max_new_tokens=70000", "train.micro_batch_tokens=16384"])
+    assert e.value.key == "train.micro_batch_tokens"
     # memory.* that no plan would read: an error naming the key, not a silent ignore
     for override, key in [("memory.device_fraction=0.8", "memory.device_fraction"), ("memory.host_memory_gib=64", "memory.host_memory_gib")]:
         with pytest.raises(ConfigError) as e:
@@ -328,14 +361,14 @@ def test_a_given_device_size_plans_also_on_cpu(capsys):
 
 
 def test_run_config_resolves_every_planned_section():
-    cfg = load_config("quickstart", ["engine.kv_cache_memory_fraction=0.9", "engine.kv_cache_max_tokens=0"])
-    settings = apply_plan(plan_memory(inputs("3b", sequences_per_rank=512, kv_cache_memory_fraction=0.9)))
+    cfg = load_config("quickstart")
+    settings = apply_plan(plan_memory(inputs("3b", sequences_per_rank=512)))
     run = settings.run_config(cfg)
     assert (run.train.micro_batch_tokens, run.train.forward_micro_batch_tokens) == (settings.micro_batch_tokens,
                                                                                     settings.forward_micro_batch_tokens)
     assert run.model.gradient_checkpointing is settings.gradient_checkpointing
     assert run.strategy.offload_optimizer is settings.offload_optimizer
-    assert run.engine.kv_cache_max_tokens == settings.kv_cache_max_tokens > 0
+    assert run.engine is cfg.engine  # the engine sizes its KV cache itself (the plan only predicts it)
     assert run.rollout is cfg.rollout and cfg.train.micro_batch_tokens == "auto"  # the rest shared, the user's config as written
 
 

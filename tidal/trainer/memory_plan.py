@@ -8,7 +8,9 @@ pinned or parked), :func:`apply_plan` -> :class:`MemorySettings` (the values the
 :class:`~tidal.config_base.ConfigError` that says what to change when nothing fits. A setting the
 user gave is kept and only checked; only ``auto`` settings are chosen:
 ``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``, ``model.gradient_checkpointing``,
-``strategy.offload_optimizer``, and the engine's KV-cache size when ``engine.kv_cache_max_tokens`` is 0.
+and ``strategy.offload_optimizer``. The engine's KV cache is the engine's to size
+(:mod:`tidal.engine.sizing`, at each wake-up, from the memory available then); the plan predicts
+it with the same rule and checks that it holds a sequence.
 
 Every byte count is per rank. Where a figure comes from:
 
@@ -19,7 +21,10 @@ Every byte count is per rank. Where a figure comes from:
   step in two staging chunks). The engine holds a bf16 copy (split over its TP group); a frozen
   reference is bf16, sharded, and parked on the host between uses (``strategy.offload_reference``).
 - Activations (:func:`layer_saved_bytes`): what autograd keeps for the backward of one Hugging Face
-  Qwen2/Llama decoder layer in bf16 under SDPA, per token, counted tensor by tensor with
+  Qwen2/Llama decoder layer in bf16, per token. Micro-batches are packed (no padding: every token
+  counted is a real one, and a budget holds whole sequences, so it is at least the longest,
+  ``data.max_prompt_len + rollout.max_new_tokens``); the packed attention (flash varlen on CUDA)
+  keeps what causal SDPA over an unpadded row keeps, which is what is counted tensor by tensor with
   ``torch.autograd.graph.saved_tensors_hooks`` (``tests/unit/test_memory_activations.py`` checks the
   formula against that count, eager and compiled):
 
@@ -29,9 +34,6 @@ Every byte count is per rank. Where a figure comes from:
     MLP keeps gate, SiLU(gate), up and their product (8I).
   * ``torch.compile`` (``strategy.compile``): ``8H + 4Q + 4K + 6I + 4n + 8``: the partitioner keeps
     the matmul inputs and outputs and recomputes the elementwise ops.
-  * padded rows (a row shorter than its micro-batch's longest): the mask is materialised, SDPA keeps
-    a ``[B, 1, T, T]`` bf16 copy per layer (``2T`` per token) and K/V are repeated to every query
-    head (``+4Q - 4K``). Forced-length rollouts (``rollout.ignore_eos``) have none.
   * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time.
   * the backward adds the larger of the LM head's (first: its fp32 ``[V, H]`` weight-gradient
     accumulator and bf16 result, ``6VH``, and chunk buffers of ``logprob_chunk_tokens`` rows of
@@ -45,10 +47,16 @@ Every byte count is per rank. Where a figure comes from:
   tokens, 1.5B at 49k, all compiled). What differs on the GPU and is not counted: the SDPA
   kernels' own workspaces, the allocator's rounding and fragmentation (``memory.device_fraction``
   leaves room for them), and anything of a model type other than Qwen2/Llama (Qwen3's q/k norms are
-  estimated). DeepSpeed figures follow its documented layout and were not measured.
+  estimated). DeepSpeed figures follow its documented layout and were not measured. Token counts
+  are upper bounds: every response at ``rollout.max_new_tokens`` (natural lengths pack more
+  sequences into a budget, never more tokens).
 - Fixed costs outside PyTorch's allocator: the CUDA context (measured when the plan is made) plus
   :data:`NON_TORCH_RESERVE` (NCCL buffers, library workspaces, compiled kernels); the native
-  engine's KV cache, which on CUDA lives outside the allocator (driver virtual memory).
+  engine's KV cache, which on CUDA lives outside the allocator (driver virtual memory). Its size
+  is the engine's rule (:func:`tidal.engine.sizing.kv_budget_bytes`: ``engine.kv_cache_memory_fraction``
+  of the memory available when it wakes up for a rollout, i.e. with the steady state's resident
+  weights and optimizer state), or ``engine.kv_cache_max_tokens``; the plan applies that rule to
+  its predicted free memory and never changes the engine's settings.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ import types
 from typing import Any, Literal, Mapping
 
 from tidal.config_base import ConfigError
+from tidal.engine import sizing as engine_sizing
 from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
 
 GiB = 2**30
@@ -84,10 +93,6 @@ LOSS_BYTES_PER_TOKEN = 64
 
 _LORA_TARGETS_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LORA_TARGETS_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def gib(nbytes: float) -> float:
@@ -185,10 +190,9 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
 
 
 # ---- activations (bytes per token unless named otherwise) ----------------------------------------------
-def layer_saved_bytes(shape: ModelShape, *, compiled: bool, masked_len: int = 0, lora_rank: int = 0, lora_targets: int = 0) -> int:
-    """Bytes per token one decoder layer keeps for its backward (bf16 compute, SDPA). ``masked_len``:
-    0 for rows without padding (causal attention, K/V not repeated), else the padded row length
-    (the mask is materialised per layer and K/V repeated to every query head). ``lora_targets``
+def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, lora_targets: int = 0) -> int:
+    """Bytes per token one decoder layer keeps for its backward (bf16 compute; packed rows: causal
+    attention within each sequence, no mask, K/V not repeated to the query heads). ``lora_targets``
     projections with rank-``lora_rank`` adapters each keep their ``[T, r]`` bf16 down-projection,
     and the frozen base's norms need not keep their normalised input (eager)."""
     H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
@@ -196,8 +200,6 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, masked_len: int = 0,
         b = 8 * H + 4 * q + 4 * kv + 6 * I + 4 * n + 8
     else:
         b = 16 * H + 4 * q + 4 * kv + 8 * I + 4 * n + 8
-    if masked_len:
-        b += 4 * q - 4 * kv + 2 * _round_up(masked_len, 16)
     if shape.qk_norm:  # estimated (not calibrated): normalised copies of q and k, fp32 in eager
         b += (2 if compiled else 6) * (q + kv) + 4 * (shape.heads + shape.kv_heads)
     if lora_rank and not compiled:  # frozen norm weights: their bf16 inputs are not kept (estimated kept when compiled)
@@ -207,7 +209,7 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, masked_len: int = 0,
 
 def train_activation_bytes(
     shape: ModelShape, tokens: int, *, response_tokens: int, compiled: bool, checkpointing: bool,
-    masked_len: int = 0, lora_rank: int = 0, lora_targets: int = 0, lm_head: bool = True,
+    lora_rank: int = 0, lora_targets: int = 0, lm_head: bool = True,
 ) -> int:
     """Bytes a training micro-batch of ``tokens`` (``response_tokens`` of them through the LM head)
     keeps for its backward when the backward starts: every layer's saved tensors (with
@@ -216,17 +218,17 @@ def train_activation_bytes(
     if checkpointing:
         body = shape.layers * 2 * shape.hidden
     else:
-        body = shape.layers * layer_saved_bytes(shape, compiled=compiled, masked_len=masked_len, lora_rank=lora_rank, lora_targets=lora_targets)
+        body = shape.layers * layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
     per_token = body + 6 * shape.hidden + 4 + LOSS_BYTES_PER_TOKEN
     head = (2 * shape.hidden + 72) * response_tokens if lm_head else 0
     return tokens * per_token + head
 
 
-def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, checkpointing: bool, masked_len: int = 0,
+def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, checkpointing: bool,
                          lora_rank: int = 0, lora_targets: int = 0) -> int:
     """What a layer's backward adds on top of the saved tensors: its gradient buffers (``3I`` per
     token, measured eager on CPU), with checkpointing also the recomputed layer's saved tensors."""
-    recomputed = layer_saved_bytes(shape, compiled=compiled, masked_len=masked_len, lora_rank=lora_rank, lora_targets=lora_targets)
+    recomputed = layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
     return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
 
 
@@ -237,13 +239,12 @@ def lm_head_train_bytes(shape: ModelShape, chunk_rows: int, *, compiled: bool) -
 
 
 def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens: int, chunk_rows: int, compiled: bool,
-                             masked_len: int = 0, lm_head: bool = True) -> int:
+                             lm_head: bool = True) -> int:
     """Peak of a no-grad forward of ``tokens``, the larger of: inside a layer (the MLP's gate, up
     and product, the residual stream and norms, ``6I + 8H`` per token, and 64 bytes of token ids,
     positions and masks), and at the LM head (the final hidden states, the response rows' inputs
     and one chunk of logits: ``2cV`` compiled, ``14cV`` eager). Measured eager on CPU."""
-    mask = 2 * _round_up(masked_len, 16) if masked_len else 0
-    body = tokens * (6 * shape.intermediate + 8 * shape.hidden + 64 + mask)
+    body = tokens * (6 * shape.intermediate + 8 * shape.hidden + 64)
     if not lm_head:
         return body
     head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
@@ -304,7 +305,6 @@ class PlanInputs:
     mini_batches: int = 1
     max_prompt_len: int
     max_new_tokens: int
-    padded_rows: bool = True
     # training
     micro_batch_tokens: int | None = None
     micro_batch_max_seqs: int = 64
@@ -331,9 +331,11 @@ class PlanInputs:
     kv_cache_memory_fraction: float = 0.5
     kv_cache_max_tokens: int = 0
     kv_outside_allocator: bool = True
-    max_num_seqs: int = 256
+    block_size: int = 16
+    max_num_seqs: int | None = None  # None: ``auto``, as many as the KV cache holds
     max_num_batched_tokens: int = 8192
     cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 512
     # machine
     device: DeviceMemory
     device_fraction: float = 0.9
@@ -343,6 +345,16 @@ class PlanInputs:
     @property
     def max_len(self) -> int:
         return self.max_prompt_len + self.max_new_tokens
+
+    @property
+    def sequences_per_engine(self) -> int:
+        """Sequences one engine generates per rollout (a TP group's ranks gather their prompts)."""
+        return self.sequences_per_rank * self.tp_size
+
+    @property
+    def decode_batch(self) -> int:
+        """The largest decode batch: every sequence of the rollout (one wave) unless ``engine.max_num_seqs`` caps it."""
+        return min(self.sequences_per_engine, self.max_num_seqs or self.sequences_per_engine)
 
     @property
     def lora(self) -> bool:
@@ -365,7 +377,7 @@ def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int
         shape=ModelShape.from_hf_config(hf_config), lora_rank=m.lora.rank, lora_targets=tuple(m.lora.target_modules),
         world_size=world_size, local_world_size=local_world_size,
         sequences_per_rank=max(1, r.prompts_per_step * r.n_samples // world_size), mini_batches=t.mini_batches,
-        max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens, padded_rows=not r.ignore_eos,
+        max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
         micro_batch_tokens=auto(t.micro_batch_tokens), micro_batch_max_seqs=t.micro_batch_max_seqs,
         forward_micro_batch_tokens=auto(t.forward_micro_batch_tokens), forward_micro_batch_max_seqs=t.forward_micro_batch_max_seqs,
         gradient_checkpointing=auto(m.gradient_checkpointing), logprob_chunk_tokens=m.logprob_chunk_tokens,
@@ -375,8 +387,9 @@ def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int
         teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None,
         offload_teacher=s.offload_teacher,
         engine_backend=e.backend, tp_size=e.tp_size, sleep_level=e.sleep_level, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
-        kv_cache_max_tokens=e.kv_cache_max_tokens, kv_outside_allocator=kv_outside_allocator, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, cuda_graphs=e.cuda_graphs,
+        kv_cache_max_tokens=e.kv_cache_max_tokens, kv_outside_allocator=kv_outside_allocator, block_size=e.block_size,
+        max_num_seqs=auto(e.max_num_seqs), max_num_batched_tokens=e.max_num_batched_tokens, cuda_graphs=e.cuda_graphs,
+        cuda_graph_max_batch=e.cuda_graph_max_batch,
         device=device, device_fraction=cfg.memory.device_fraction, host=host, host_fraction=cfg.memory.host_fraction,
     )
 
@@ -414,7 +427,6 @@ class Choice:
     forward_micro_batch_tokens: int
     gradient_checkpointing: bool
     offload_optimizer: bool
-    kv_cache_max_tokens: int  # 0: the engine sizes its KV cache itself
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -464,9 +476,12 @@ class MemoryPlan:
             out["model.gradient_checkpointing"] = c.gradient_checkpointing
         if inp.offload_optimizer is None:
             out["strategy.offload_optimizer"] = c.offload_optimizer
-        if inp.kv_cache_max_tokens == 0 and c.kv_cache_max_tokens:
-            out["engine.kv_cache_max_tokens"] = c.kv_cache_max_tokens
         return out
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache is predicted to hold in the steady state (0: not the native engine)."""
+        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine_backend == "native" else 0
 
     def table(self) -> str:
         return format_plan(self)
@@ -538,13 +553,17 @@ def _deepspeed_sizes(inp: PlanInputs, n_base: int, n_train: int, offload: bool) 
     return lp + masters, grads, moments, 0
 
 
-def _kv_tokens_first_wake(inp: PlanInputs, sz: _Sizes) -> int:
-    """The tokens the native engine's KV cache gets when it sizes itself at its first wake-up:
-    ``kv_cache_memory_fraction`` of the free memory then (no optimizer state and no gradients yet)."""
-    resident = sz.actor_weights + sz.critic_weights + (0 if inp.offload_reference else sz.reference) + \
-        (0 if inp.offload_teacher else sz.teacher)
-    free = inp.device.total - sz.overhead - resident - sz.engine_weights
-    return max(0, int(free * inp.kv_cache_memory_fraction)) // inp.shape.kv_cache_bytes_per_token(inp.tp_size)
+def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
+    """The tokens of the engine's KV cache at a steady-state rollout: ``engine.kv_cache_max_tokens``
+    when set, else the engine's own rule (:func:`tidal.engine.sizing.kv_budget_bytes`) applied to the
+    memory available when it wakes up: the device less what is outside the allocator and what stays
+    allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
+    if inp.kv_cache_max_tokens:
+        return inp.kv_cache_max_tokens // inp.block_size * inp.block_size
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.offload_actor_during_rollout) if p.allocated)
+    available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+    per_block = inp.shape.kv_cache_bytes_per_token(inp.tp_size) * inp.block_size
+    return engine_sizing.kv_budget_bytes(inp, available) // per_block * inp.block_size
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
@@ -571,24 +590,26 @@ def _graphs_kept(inp: PlanInputs) -> bool:
 
 
 def _graph_pool(inp: PlanInputs) -> Part:
-    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=inp.max_num_seqs, tp_size=inp.tp_size), allocated=False)
+    """Activations of the largest decode batch replayed from a CUDA graph (``engine.cuda_graph_max_batch``)."""
+    batch = min(inp.decode_batch, inp.cuda_graph_max_batch)
+    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.tp_size), allocated=False)
 
 
-def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes, c: Choice | None = None) -> list[Part]:
+def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
     """What the engine keeps on the device outside rollouts: level 0 everything; level 1 its
     weights (and its CUDA graphs' pool where the graphs survive); level 2 nothing."""
     if inp.sleep_level >= 2:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
-    if inp.sleep_level == 0 and c is not None:
-        parts.append(_kv_part(inp, sz, c))
+    if inp.sleep_level == 0:
+        parts.append(_kv_part(inp, sz))
     if _graphs_kept(inp) or (inp.sleep_level == 0 and inp.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
 
-def _kv_part(inp: PlanInputs, sz: _Sizes, c: Choice) -> Part:
-    kv_tokens = c.kv_cache_max_tokens or inp.kv_cache_max_tokens or _kv_tokens_first_wake(inp, sz)
+def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
+    kv_tokens = _kv_tokens(inp, sz)
     return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.tp_size),
                 allocated=not inp.kv_outside_allocator)
 
@@ -597,21 +618,19 @@ def _response_tokens(inp: PlanInputs, tokens: int) -> int:
     return tokens * inp.max_new_tokens // inp.max_len
 
 
-def _masked_len(inp: PlanInputs) -> int:
-    return inp.max_len if inp.padded_rows else 0
-
-
 def _lora_targets(inp: PlanInputs) -> int:
     return len(set(inp.lora_targets) & set(inp.shape.linear_shapes())) if inp.lora else 0
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.max_num_batched_tokens, tp_size=inp.tp_size)
-    decode = engine_decode_bytes(inp.shape, max_num_seqs=inp.max_num_seqs, tp_size=inp.tp_size)
     graphs = inp.cuda_graphs and inp.engine_backend == "native"
+    # decode batches above the graphs' largest run eagerly, their activations in the allocator
+    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.cuda_graph_max_batch else 0
+    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.tp_size)
     parts = _resident(inp, sz, actor=not inp.offload_actor_during_rollout) + [
-        Part("engine weights", sz.engine_weights), _kv_part(inp, sz, c),
-        Part("engine activations", prefill if graphs else max(prefill, decode)),
+        Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
+        Part("engine activations", max(prefill, decode)),
     ]
     if graphs:
         parts.append(_graph_pool(inp))
@@ -634,12 +653,12 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     def cost(run):
         _, shape, weights = run
         fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.logprob_chunk_tokens, response),
-                                       compiled=inp.compiled, masked_len=_masked_len(inp))
+                                       compiled=inp.compiled)
         return [Part(f"{run[0]} weights (reloaded)", weights), Part(f"{run[0]} forward ({tokens} tokens)", fwd),
                 Part("unsharded layers", fsdp_working_bytes(shape, backward=False))]
 
     largest = max((cost(r) for r in runs), key=lambda parts: sum(p.nbytes for p in parts))
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c) + [p for p in largest if p.nbytes]
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [p for p in largest if p.nbytes]
     return PhasePeak("experience", tuple(parts))
 
 
@@ -656,12 +675,11 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     layer by layer, so the peak is the larger of the two."""
     tokens = c.micro_batch_tokens if tokens is None else tokens
     response = _response_tokens(inp, tokens)
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, masked_len=_masked_len(inp),
-              lora_rank=inp.lora_rank, lora_targets=_lora_targets(inp))
+    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank, lora_targets=_lora_targets(inp))
     act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
     head = lm_head_train_bytes(inp.shape, min(inp.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
     parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
     several = _micro_batches(inp, tokens) > 1
     if several or sz.actor_grads >= act + max(head, layer):
@@ -673,7 +691,7 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
 
 
 def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c) + [Part("actor gradients", sz.actor_grads)]
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [Part("actor gradients", sz.actor_grads)]
     if sz.optimizer_staging:
         parts.append(Part("optimizer state staging (streamed)", sz.optimizer_staging))
     return PhasePeak("optimizer step", tuple(parts))
@@ -681,9 +699,9 @@ def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     tokens = c.micro_batch_tokens
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, masked_len=_masked_len(inp))
+    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing)
     act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
     if inp.offload_critic:
         parts.append(Part("critic weights (reloaded)", sz.critic_weights))
     parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
@@ -694,7 +712,7 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
     merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
-    engine = _engine_between_rollouts(inp, sz, c) if inp.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
+    engine = _engine_between_rollouts(inp, sz) if inp.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))
 
@@ -767,7 +785,7 @@ def _base_choice(inp: PlanInputs, offload: bool, gc: bool) -> Choice:
     return Choice(
         micro_batch_tokens=inp.micro_batch_tokens or inp.max_len,
         forward_micro_batch_tokens=inp.forward_micro_batch_tokens or inp.max_len,
-        gradient_checkpointing=gc, offload_optimizer=offload, kv_cache_max_tokens=0,
+        gradient_checkpointing=gc, offload_optimizer=offload,
     )
 
 
@@ -783,22 +801,7 @@ def _choose_tokens(inp: PlanInputs, c: Choice) -> Choice:
             return _fits(_phase_experience(inp, sz, dataclasses.replace(c, forward_micro_batch_tokens=t)), budget)
         best = _largest_fitting(inp.max_len, _forward_cap(inp), fwd_fits)
         c = dataclasses.replace(c, forward_micro_batch_tokens=_round_tokens(best, inp.max_len) if best else inp.max_len)
-    return _choose_kv(inp, sz, c)
-
-
-def _choose_kv(inp: PlanInputs, sz: _Sizes, c: Choice) -> Choice:
-    """The native engine sizes its KV cache once, at its first wake-up, before the optimizer state
-    exists; cap it when that size would not fit the rollouts that follow (``kv_cache_max_tokens`` 0
-    on CUDA only; a user's cap is kept)."""
-    if inp.kv_cache_max_tokens or inp.engine_backend != "native":
-        return c
-    rollout = _phase_rollout(inp, sz, c)
-    if _fits(rollout, inp.budget):
-        return c
-    kv_part = next(p for p in rollout.parts if p.label.startswith("engine KV cache"))
-    room = inp.budget - (rollout.total - kv_part.nbytes)
-    tokens = max(0, room) // inp.shape.kv_cache_bytes_per_token(inp.tp_size) // 256 * 256
-    return dataclasses.replace(c, kv_cache_max_tokens=max(tokens, 1))
+    return c
 
 
 def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_parts: list[Part], host_setup: int) -> list[tuple[str, str]]:
@@ -807,11 +810,13 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
     for ph in phases:
         if ph.total > budget:
             out.append(_phase_problem(inp, c, ph))
-    kv_tokens = c.kv_cache_max_tokens or inp.kv_cache_max_tokens
-    if inp.engine_backend == "native" and kv_tokens and kv_tokens < inp.max_len:
-        out.append(("engine.kv_cache_max_tokens", f"the KV cache holds {kv_tokens} tokens, less than one sequence of "
-                    f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); free device memory during rollouts "
-                    "(strategy.offload_optimizer=true, strategy.offload_actor_during_rollout=true) or shorten the sequences"))
+    kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
+    if inp.engine_backend == "native" and kv_tokens < inp.max_len:
+        key = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
+        out.append((key, f"the engine's KV cache would hold {kv_tokens} tokens, less than one sequence of "
+                    f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); raise {key}, free device memory "
+                    "during rollouts (strategy.offload_optimizer=true, strategy.offload_actor_during_rollout=true) or "
+                    "shorten the sequences"))
     host_budget = int(inp.host.total * inp.host_fraction)
     steady = inp.local_world_size * sum(p.nbytes for p in host_parts)
     setup = inp.local_world_size * host_setup
@@ -845,8 +850,11 @@ def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]
     if ph.name == "rollout":
         hints.append(("engine.kv_cache_memory_fraction", "lower engine.kv_cache_memory_fraction or set engine.kv_cache_max_tokens, "
                       "or strategy.offload_actor_during_rollout=true"))
-    hints.append(("rollout.max_new_tokens", f"shorten sequences (data.max_prompt_len + rollout.max_new_tokens = {inp.max_len} tokens), "
-                  "train with LoRA (model.lora.rank) or use more GPUs (weights and optimizer state shard over them)"))
+    one = training and c.micro_batch_tokens <= inp.max_len
+    hints.append(("rollout.max_new_tokens", (f"a packed micro-batch of one longest sequence ({inp.max_len} tokens) already "
+                  "does not fit: " if one else "") + f"shorten sequences (data.max_prompt_len + rollout.max_new_tokens = "
+                  f"{inp.max_len} tokens; a micro-batch holds whole sequences), train with LoRA (model.lora.rank) or use "
+                  "more GPUs (weights and optimizer state shard over them)"))
     return hints[0][0], over + ": " + "; ".join(h for _, h in hints)
 
 
@@ -888,6 +896,10 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
         notes.append("DeepSpeed figures follow its documented layout (not calibrated on a GPU)")
     if inp.shape.vision:
         notes.append("vision-language model: the vision tower's weights and activations are not counted")
+    kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
+    if inp.engine_backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
+        notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
+                     "sequences at full length: long rollouts run in more than one wave")
     return MemoryPlan(inputs=inp, choice=c, phases=phases, host_parts=tuple(host_parts), host_setup_bytes=host_setup,
                       problems=tuple(_problems(inp, c, phases, host_parts, host_setup)), notes=tuple(notes))
 
@@ -897,24 +909,17 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
 class MemorySettings:
     """The values a run uses for the settings the plan decides: the user's explicit value, or the
     plan's choice where it was ``auto``. Components read these, never ``auto`` from the config.
-    ``kv_cache_max_tokens`` 0: the engine sizes its KV cache as configured. ``plan``: None when no
-    plan was made (a CPU run without ``memory.device_memory_gib``, the reward-model job)."""
+    ``plan``: None when no plan was made (a CPU run without ``memory.device_memory_gib``, the
+    reward-model job)."""
 
     micro_batch_tokens: int
     forward_micro_batch_tokens: int
     gradient_checkpointing: bool
     offload_optimizer: bool
-    kv_cache_max_tokens: int = 0
     plan: MemoryPlan | None = None
 
     # Config sections as a component should read them, ``auto`` replaced by these values: copies for
     # components that take a section (the user's config objects are never changed).
-    def engine_config(self, cfg):
-        """``cfg`` (``engine.*``) with the plan's KV cap when the user left ``kv_cache_max_tokens`` at 0."""
-        if cfg.kv_cache_max_tokens or not self.kv_cache_max_tokens:
-            return cfg
-        return dataclasses.replace(cfg, kv_cache_max_tokens=self.kv_cache_max_tokens)
-
     def train_config(self, cfg):
         """``cfg`` (``train.*``) with the micro-batch token budgets this run uses."""
         return dataclasses.replace(cfg, micro_batch_tokens=self.micro_batch_tokens, forward_micro_batch_tokens=self.forward_micro_batch_tokens)
@@ -928,10 +933,10 @@ class MemorySettings:
         return dataclasses.replace(cfg, offload_optimizer=self.offload_optimizer)
 
     def run_config(self, cfg):
-        """The root config ``cfg`` with the four sections above resolved: what every component
+        """The root config ``cfg`` with the three sections above resolved: what every component
         built after the plan is handed (the user's ``cfg`` stays as written, ``auto`` included)."""
         return dataclasses.replace(cfg, train=self.train_config(cfg.train), model=self.model_config(cfg.model),
-                                   strategy=self.strategy_config(cfg.strategy), engine=self.engine_config(cfg.engine))
+                                   strategy=self.strategy_config(cfg.strategy))
 
 
 # Values of ``auto`` settings in a run without a plan (a CPU run without memory.device_memory_gib,
@@ -939,12 +944,17 @@ class MemorySettings:
 UNPLANNED_DEFAULTS = dict(micro_batch_tokens=16384, forward_micro_batch_tokens=65536, gradient_checkpointing=False, offload_optimizer=False)
 
 
-def settings_without_plan(cfg) -> MemorySettings:
+def settings_without_plan(cfg, *, longest: int = 0) -> MemorySettings:
     """Settings of a run that makes no plan: explicit values as given, ``auto`` ones at
-    :data:`UNPLANNED_DEFAULTS`."""
+    :data:`UNPLANNED_DEFAULTS`, the token budgets raised to ``longest`` (the longest sequence, which
+    a packed micro-batch must hold) where that is more."""
     given = dict(micro_batch_tokens=cfg.train.micro_batch_tokens, forward_micro_batch_tokens=cfg.train.forward_micro_batch_tokens,
                  gradient_checkpointing=cfg.model.gradient_checkpointing, offload_optimizer=cfg.strategy.offload_optimizer)
-    return MemorySettings(**{k: UNPLANNED_DEFAULTS[k] if v == "auto" else v for k, v in given.items()})
+    values = {k: UNPLANNED_DEFAULTS[k] if v == "auto" else v for k, v in given.items()}
+    for k in ("micro_batch_tokens", "forward_micro_batch_tokens"):
+        if given[k] == "auto":
+            values[k] = max(values[k], longest)
+    return MemorySettings(**values)
 
 
 def apply_plan(plan: MemoryPlan) -> MemorySettings:
@@ -957,8 +967,7 @@ def apply_plan(plan: MemoryPlan) -> MemorySettings:
         raise ConfigError(key, "\n".join(lines) + "\n" + format_plan(plan))
     c = plan.choice
     return MemorySettings(micro_batch_tokens=c.micro_batch_tokens, forward_micro_batch_tokens=c.forward_micro_batch_tokens,
-                          gradient_checkpointing=c.gradient_checkpointing, offload_optimizer=c.offload_optimizer,
-                          kv_cache_max_tokens=c.kv_cache_max_tokens, plan=plan)
+                          gradient_checkpointing=c.gradient_checkpointing, offload_optimizer=c.offload_optimizer, plan=plan)
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -978,8 +987,9 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
         ("train.micro_batch_tokens", c.micro_batch_tokens), ("train.forward_micro_batch_tokens", c.forward_micro_batch_tokens),
         ("model.gradient_checkpointing", c.gradient_checkpointing), ("strategy.offload_optimizer", c.offload_optimizer),
     ]
-    if c.kv_cache_max_tokens:
-        settings.append(("engine.kv_cache_max_tokens", c.kv_cache_max_tokens))
+    if plan.kv_cache_tokens:
+        source = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else f"{inp.kv_cache_memory_fraction:g} of the memory available"
+        settings.append(("engine KV cache", f"{plan.kv_cache_tokens} tokens ({source})"))
     lines.append("  settings: " + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}{' (auto)' if k in chosen else ''}"
                                              for k, v in settings))
     width = max(len(p.name) for p in plan.phases)

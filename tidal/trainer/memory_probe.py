@@ -4,7 +4,8 @@ applied (:func:`plan_run`). The arithmetic is in :mod:`tidal.trainer.memory_plan
 Which runs plan: a run on a CUDA device, or any run given ``memory.device_memory_gib`` (the plan is
 then made for a device of that size, also on CPU: a way to see and test the plan without a GPU).
 A CPU run without it makes no plan: its ``auto`` settings take
-:data:`~tidal.trainer.memory_plan.UNPLANNED_DEFAULTS`, and the other ``memory.*`` keys, which
+:data:`~tidal.trainer.memory_plan.UNPLANNED_DEFAULTS` (token budgets at least the longest
+sequence), and the other ``memory.*`` keys, which
 nothing would read, must keep their defaults.
 """
 
@@ -107,7 +108,7 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
             if getattr(cfg.memory, f.name) != getattr(defaults, f.name):
                 raise ConfigError(f"memory.{f.name}", f"is read by the memory plan, which a run on {device.type} makes only "
                                   "with memory.device_memory_gib set; set that too, or leave this at its default")
-        return settings_without_plan(cfg)
+        return settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     plan = make_plan(cfg, hf_config, device=device, world_size=world_size, needs_reference=needs_reference,
                      needs_critic=needs_critic, teacher_hf_config=teacher_hf_config, all_reduce_max=all_reduce_max)
     if is_main:
