@@ -7,8 +7,11 @@ component its own sections); nothing below imports it.
 
 Derived values are computed once, here: the engine's dtype (:func:`tidal.dtypes.resolve_dtype`;
 the strategy resolves its own compute dtype once when built), the rollout TP groups (from
-``engine.tp_size``, checked against the world in :func:`tidal.distributed.runtime.rollout_group_ranks`)
-and the resume point (:func:`tidal.trainer.resume.resolve_resume_point`).
+``engine.tp_size``, checked against the world in :func:`tidal.distributed.runtime.rollout_group_ranks`),
+the resume point (:func:`tidal.trainer.resume.resolve_resume_point`) and the memory plan's
+settings (:func:`tidal.trainer.memory_probe.plan_run`, before any model loads): every component
+built after it is handed the config with its ``auto`` settings resolved
+(:meth:`~tidal.trainer.memory_plan.MemorySettings.run_config`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
+from tidal.trainer.config import require_resolved
+from tidal.trainer.memory_probe import plan_run
 from tidal.trainer.ppo_trainer import PPOTrainer, RunData
 from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
@@ -110,7 +115,10 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
 
 def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, algorithm: Algorithm, tokenizer):
     """(models, the actor's HF config): the actor (and critic) sharded for training, the reference
-    sharded for inference; where each waits between phases is the phase owner's decision, not made here."""
+    sharded for inference; where each waits between phases is the phase owner's decision, not made
+    here. ``cfg``: the run's config as resolved by the memory plan (``model.gradient_checkpointing``
+    a bool, for the actor and the critic alike)."""
+    require_resolved(cfg.model, "model", "gradient_checkpointing")
     actor_model = enable_packed_attention(load_causal_lm(paths.model))
     hf_config = actor_model.config  # read before wrapping: a DeepSpeed engine's .config is its own
     if cfg.model.gradient_checkpointing:
@@ -120,7 +128,10 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
     actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=steps)
     critic = None
     if algorithm.needs_critic:
-        critic = strategy.prepare_trainable(enable_packed_attention(load_critic(paths.critic)), cfg.optim, lr=cfg.optim.critic_lr, total_steps=steps)
+        critic_model = enable_packed_attention(load_critic(paths.critic))
+        if cfg.model.gradient_checkpointing:
+            critic_model.gradient_checkpointing_enable()
+        critic = strategy.prepare_trainable(critic_model, cfg.optim, lr=cfg.optim.critic_lr, total_steps=steps)
     reference = None
     if algorithm.needs_reference and cfg.model.lora.enabled:
         reference = adapter_disabled_reference(actor.model)  # the base itself: no second copy
@@ -168,7 +179,6 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
-    strategy = get_strategy(cfg.strategy, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
     hf_config = AutoConfig.from_pretrained(paths.model)
@@ -177,24 +187,35 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
         check_tokenizer_fits(tokenizer, hf_config)
     require_chat_template(tokenizer, cfg.data)  # before any model is loaded
+    # the memory plan (CUDA, or memory.device_memory_gib): printed, `auto` settings chosen; a run
+    # that cannot fit stops here, before any model loads
+    teacher_path = cfg.model.teacher.path if algorithm.needs_teacher else ""
+    memory = plan_run(
+        cfg, hf_config, device=runtime.device, world_size=runtime.world_size, is_main=runtime.is_main,
+        needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic,
+        teacher_hf_config=AutoConfig.from_pretrained(teacher_path) if teacher_path else None,
+        all_reduce_max=runtime.all_reduce_max,
+    )
+    run_cfg = memory.run_config(cfg)  # what every component below reads: no `auto` left for the plan's settings
 
-    models, hf_config = build_models(cfg, paths, strategy, algorithm, tokenizer)
+    strategy = get_strategy(run_cfg.strategy, runtime)
+    models, hf_config = build_models(run_cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
         trained = [models.actor.model] + ([models.critic.model] if models.critic is not None else [])
         ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained), keep=cfg.checkpoint.keep)
     phases = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
-    engine_dtype = resolve_dtype(cfg.engine.dtype, runtime.device)
-    engine = create_engine(hf_config, cfg.engine, device=runtime.device, dtype=engine_dtype,
+    engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
+    engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
                            tp_group=runtime.tp_group)
-    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=cfg.engine.sleep_level, verify=cfg.sync.verify)
+    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
 
-    rewards = RewardEngine(cfg.reward, device=runtime.device, placement=phases)
-    data = build_data(cfg, paths, tokenizer, runtime)
+    rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=phases)
+    data = build_data(run_cfg, paths, tokenizer, runtime)
     logger = MetricsLogger(
-        cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
-        start_step=run_dir.resume.step if run_dir.resume is not None else 0, hparams=cfg.to_dict(),
+        run_cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
+        start_step=run_dir.resume.step if run_dir.resume is not None else 0, hparams=run_cfg.to_dict(),
     )
     if runtime.is_main:
-        announce_run_dir(cfg)
-    return PPOTrainer(cfg=cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
+        announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
+    return PPOTrainer(cfg=run_cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
                       logger=logger, run_dir=run_dir)

@@ -30,7 +30,7 @@ from tidal.rm.config import RewardModelConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
-from tidal.trainer.config import CheckpointConfig, EvalConfig, RolloutConfig, RunConfig, TrainConfig
+from tidal.trainer.config import CheckpointConfig, EvalConfig, MemoryConfig, RolloutConfig, RunConfig, TrainConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -53,6 +53,7 @@ class TidalConfig:
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -87,7 +88,8 @@ class TidalConfig:
         self._check_unused()
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence
-            check(getattr(self.train, key) >= longest, f"train.{key}",
+            # `auto`: the memory plan resolves it to at least `longest` (or says what to change)
+            check(getattr(self.train, key) == "auto" or getattr(self.train, key) >= longest, f"train.{key}",
                   f"({getattr(self.train, key)}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
                   f"= {longest} tokens; raise it (or lower those)")
         check_engine_backend(self.env, self.engine.backend)
@@ -177,6 +179,8 @@ def _type_label(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union:  # e.g. Literal["auto"] | int
+        return " \\| ".join("None" if a is type(None) else _type_label(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("typing.", "").replace("|", "\\|")
 
 

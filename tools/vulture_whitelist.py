@@ -27,6 +27,9 @@ component_masks  # RewardOutput: which component scored which sample
 sft_accuracy  # TaskAssets: the warm start's held-out accuracy, printed by the task build
 _.collectives  # BucketedFullTensors: collectives issued (weight-sync tests count them)
 _.copies_to_host  # ModelParking: host copies made (a frozen model is copied once; tests count them)
+_.host_bytes  # ModelParking, StreamedAdamW: host bytes held (tests check that they are sized exactly)
+_.peak_staging_bytes  # StreamedAdamW: device bytes staged in its last step (tests check: two chunks)
+_.predicted_peak_allocated_gib  # MemoryPlan: what benchmarks compare with torch.cuda.max_memory_allocated (tests check it)
 
 # Set on objects of other libraries, which read them.
 _.pad_token, _.truncation_side  # transformers tokenizers

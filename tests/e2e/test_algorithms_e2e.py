@@ -192,7 +192,8 @@ def test_an_experience_without_old_logprobs_refuses_what_needs_them(tmp_path, ti
         exp, _, _ = trainer.collect(0)
         assert exp.old_logp_BT is None
         two_epochs = Updater(models=trainer.models, phases=trainer.phases, algorithm=trainer.algo, rollout=cfg.rollout,
-                             train=dataclasses.replace(cfg.train, epochs=2), model=cfg.model, split=trainer.perf.split)
+                             train=dataclasses.replace(trainer.cfg.train, epochs=2), model=cfg.model,
+                             split=trainer.perf.split)  # the run's resolved budgets
         with pytest.raises(ValueError, match="train.old_logprobs=recompute"):
             two_epochs.train(exp, generator=torch.Generator())
         trainer.maker.algo.cfg.kl_in_reward = True  # as if the pass had been skipped with a KL reward

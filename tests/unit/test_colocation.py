@@ -81,7 +81,7 @@ def build(**strategy_cfg):
     log = []
     actor, critic, ref = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     names = {id(actor): "actor", id(critic): "critic", id(ref): "reference"}
-    strategy = FakeStrategy(StrategyConfig(**strategy_cfg), log, names)
+    strategy = FakeStrategy(StrategyConfig(**{"offload_optimizer": False, **strategy_cfg}), log, names)  # as the memory plan resolves it
     models = Models(tokenizer=None, actor=_state(actor), critic=_state(critic), reference=ref)
     phases = Colocation(strategy=strategy, models=models, timer=PhaseTimer(sync=lambda: None))
     engine = FakeEngine(log)
@@ -161,3 +161,10 @@ def test_observers_see_every_move_with_its_role():
         "update_engine_weights/engine:before", "update_engine_weights/engine:after",
     ]
     assert seen[1][1] == {"bytes": 7} and seen[-1][1] == {"bytes": 8}  # 2 fp32 zeros sent
+
+
+def test_an_unresolved_optimizer_offload_is_refused():
+    """``strategy.offload_optimizer: auto`` is the memory plan's to decide; the phase owner only
+    takes the decided value (a Strategy resolves it when built)."""
+    with pytest.raises(ValueError, match="strategy.offload_optimizer is 'auto'"):
+        build(offload_optimizer="auto")

@@ -43,6 +43,7 @@ def test_shipped_configs_pick_their_job():
     ("data.label_key=tag", "data.label_key"),
     ("logging.trajectories_every=1", "logging.trajectories_every"),
     ("task.digits=3", "task.digits"),
+    ("memory.device_fraction=0.5", "memory.device_fraction"),  # the memory plan is the RL run's
 ])
 def test_reward_model_job_rejects_keys_it_does_not_read(override, key):
     e = error_key("rm_quickstart", [override])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from tidal.config_base import check
 
@@ -85,7 +86,9 @@ class ModelConfig:
     critic_path: initial critic (value model) for estimators that need one; default ``path``
         (the LM body with a fresh scalar value head).
     reference_path: frozen KL anchor; default ``path``. Created only when KL is on.
-    gradient_checkpointing: recompute decoder activations in backward.
+    gradient_checkpointing: recompute decoder activations in backward (each layer keeps only its
+        input), for the actor and the critic. ``auto`` (default): on when the memory plan needs it;
+        off where no plan is made (a CPU run without ``memory.device_memory_gib``, the reward-model job).
     logprob_chunk_tokens: tokens per LM-head chunk when computing logprobs (bounds the logits held at once).
     lora: LoRA adapters on the actor (see :class:`LoraConfig`). With LoRA the reference model is the
         actor with its adapters disabled (no second copy), so ``reference_path`` must stay empty.
@@ -96,7 +99,7 @@ class ModelConfig:
     tokenizer_path: str = ""
     critic_path: str = ""
     reference_path: str = ""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Literal["auto"] | bool = "auto"
     logprob_chunk_tokens: int = 2048
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)

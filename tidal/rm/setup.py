@@ -26,6 +26,7 @@ from tidal.rm.model import load_trainable_reward_model
 from tidal.rm.trainer import RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.trainer import checkpoint as ckpt
+from tidal.trainer.memory_plan import settings_without_plan
 from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
 from tidal.trainer.watchdog import StageTimer, Watchdog
 
@@ -97,14 +98,17 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     check_inputs(paths)
-    strategy = get_strategy(cfg.strategy, runtime)
+    # `auto` settings (micro-batch budgets, gradient checkpointing, optimizer offload) as a run
+    # without a memory plan takes them; every component below reads this resolved config
+    run_cfg = settings_without_plan(cfg).run_config(cfg)
+    strategy = get_strategy(run_cfg.strategy, runtime)
     tokenizer = load_tokenizer(paths.tokenizer)
     if isinstance(tokenizer, VisionProcessor):
         raise ConfigError("model.tokenizer_path", "has an image processor; reward-model training supports text models only")
     require_chat_template(tokenizer, cfg.data)
     train_data, eval_pairs = load_data(cfg, paths, tokenizer, runtime)
     model = load_trainable_reward_model(paths.model, tokenizer_pad_id=tokenizer.pad_token_id, seed=cfg.run.seed)
-    if cfg.model.gradient_checkpointing:
+    if run_cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     pad_id = model.config.pad_token_id
     state = strategy.prepare_trainable(model, cfg.optim, lr=cfg.optim.lr, total_steps=cfg.run.steps)
@@ -115,10 +119,10 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
         batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
     )
     logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
-                           start_step=resume.step if resume is not None else 0, hparams=cfg.to_dict())
+                           start_step=resume.step if resume is not None else 0, hparams=run_cfg.to_dict())
     if runtime.is_main:
-        announce_run_dir(cfg)
+        announce_run_dir(cfg)  # the config as written
     return RewardModelTrainer(
-        cfg=cfg, strategy=strategy, tokenizer=tokenizer, state=state, pad_id=pad_id, train_data=train_data,
+        cfg=run_cfg, strategy=strategy, tokenizer=tokenizer, state=state, pad_id=pad_id, train_data=train_data,
         eval_pairs=eval_pairs, sampler=sampler, logger=logger, timer=StageTimer(watchdog), watchdog=watchdog, resume=resume,
     )

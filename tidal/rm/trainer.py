@@ -28,6 +28,7 @@ from tidal.rm.model import score_pairs
 from tidal.strategy.base import Strategy, TrainState
 from tidal.trainer import checkpoint as ckpt
 from tidal.trainer import faults
+from tidal.trainer.config import require_resolved
 from tidal.trainer.experience import token_budget_batches
 from tidal.trainer.resume import ResumePoint
 from tidal.trainer.stop import StopRequest, StopRun
@@ -56,7 +57,9 @@ class RewardModelTrainer:
         eval_pairs: list[Pair], sampler: StatefulDistributedSampler, logger: MetricsLogger, timer: PhaseTimer,
         watchdog: Watchdog, resume: ResumePoint | None,
     ):
-        """``resume``: the checkpoint :meth:`resume` loads (resolved at setup), None for a fresh run."""
+        """``cfg``: the root config with its ``auto`` settings resolved (``MemorySettings.run_config``);
+        ``resume``: the checkpoint :meth:`resume` loads (resolved at setup), None for a fresh run."""
+        require_resolved(cfg.train, "train", "micro_batch_tokens", "forward_micro_batch_tokens")
         self.cfg = cfg
         self.strategy = strategy
         self.rt = strategy.runtime
@@ -94,7 +97,7 @@ class RewardModelTrainer:
         pairs = [self.train_data[i] for i in idx]
         batches, total = self._passes(pairs, train.micro_batch_tokens, train.micro_batch_max_seqs)
         means = PairMeans()
-        offload = self.cfg.strategy.offload_optimizer
+        offload = self.strategy.cfg.offload_optimizer  # a bool: the Strategy's resolved section
         with self.timer.phase("train"):
             if offload:
                 self.strategy.reload_optimizer(self.model_state)

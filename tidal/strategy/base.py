@@ -60,7 +60,11 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
 
 class Strategy(abc.ABC):
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
+        if cfg.offload_optimizer == "auto":  # no memory plan decided it (a Strategy built directly): off
+            cfg = dataclasses.replace(cfg, offload_optimizer=False)
         self.cfg = cfg
+        """``strategy.*`` as this Strategy uses it: ``offload_optimizer`` is a bool (the memory
+        plan's decision, :meth:`tidal.trainer.memory_plan.MemorySettings.strategy_config`)."""
         self.runtime = runtime
         self.param_dtype = resolve_dtype(cfg.param_dtype, runtime.device)
         """Compute dtype of sharded models (``strategy.param_dtype``, resolved once)."""

@@ -18,10 +18,14 @@ class StrategyConfig:
     reshard_after_forward: FSDP2 frees unsharded parameters after each layer's forward (ZeRO-3-like).
         DeepSpeed has no such switch (ZeRO-3 always re-partitions; ZeRO-1/2 never partition
         parameters), so with ``backend=deepspeed`` it must stay true.
-    offload_optimizer: keep optimizer state on CPU outside optimizer steps (moved to the device for
-        the step, back afterwards). With ``backend=deepspeed`` on CUDA this is ZeRO-Offload: the
-        fp32 master weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam,
-        compiled on first use).
+    offload_optimizer: keep the optimizer state in host memory. With ``backend=fsdp2`` AdamW's
+        moments live in pinned host memory and stream through the device during the step, a chunk
+        at a time (:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`): the device never holds
+        the whole state. With ``backend=deepspeed`` on CUDA this is ZeRO-Offload: the fp32 master
+        weights and moments stay on CPU and the AdamW step runs there (DeepSpeedCPUAdam, compiled
+        on first use). ``auto`` (default): on when the memory plan needs it; off where no plan is
+        made (a CPU run without ``memory.device_memory_gib``, the reward-model job, a Strategy
+        built directly).
     offload_reference: keep the reference model on CPU between uses (reloaded for its logprobs).
     offload_teacher: keep a local distillation teacher (``model.teacher.path``) on CPU between uses.
     offload_critic: keep the critic on CPU outside its forward and update.
@@ -44,7 +48,7 @@ class StrategyConfig:
     backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
     param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     reshard_after_forward: bool = True
-    offload_optimizer: bool = False
+    offload_optimizer: Literal["auto"] | bool = "auto"
     offload_reference: bool = True
     offload_teacher: bool = True
     offload_critic: bool = False
@@ -52,6 +56,10 @@ class StrategyConfig:
     zero_stage: int = 3
     compile: Literal["auto", "on", "off"] = "auto"
     compile_cache_dir: str = "auto"
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether ``compile`` turns compilation on for a run on ``device_type`` (only fsdp2 compiles)."""
+        return self.backend == "fsdp2" and (self.compile == "on" or (self.compile == "auto" and device_type == "cuda"))
 
     def __post_init__(self):
         check(self.zero_stage in (1, 2, 3), "zero_stage", "must be 1, 2 or 3")
@@ -95,3 +103,4 @@ class OptimConfig:
         check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+

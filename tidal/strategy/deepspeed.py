@@ -262,7 +262,7 @@ class DeepSpeedStrategy(Strategy):
         _forget_dead_world_group()
         self._placed: dict[int, _Placed] = {}
         # CPU optimizer offload is meaningless on a CPU run (the state is there already).
-        self._ds_offload = cfg.offload_optimizer and runtime.device.type != "cpu"
+        self._ds_offload = self.cfg.offload_optimizer and runtime.device.type != "cpu"
 
     @property
     def zero_stage(self) -> int:

@@ -7,6 +7,11 @@ dtype (identical outputs, half the memory and offload traffic in bf16); buffers 
 parameters are untouched (fully_shard does not wrap modules), so ``full_weights`` yields HF names;
 a LoRA (PEFT) actor's weights are merged and named by :func:`tidal.models.lora.hf_weights`.
 Checkpoints hold the trainable parameters only (a LoRA actor's adapters; its base is ``model.path``).
+
+Optimizer: ``torch.optim.AdamW`` with its state on the device, or with ``strategy.offload_optimizer``
+:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`, whose state stays in pinned host memory and
+streams through the device during the step (so ``offload_optimizer``/``reload_optimizer`` move
+nothing).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tidal.strategy.compile_cache import use_compile_cache
 from tidal.strategy.config import OptimConfig
 from tidal.strategy.gather import BucketedFullTensors
 from tidal.strategy.parking import ModelParking
+from tidal.strategy.streamed_adamw import StreamedAdamW
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -56,7 +62,7 @@ def compile_layers(model: torch.nn.Module) -> None:
 class FSDP2Strategy(Strategy):
     @property
     def compiles(self) -> bool:
-        return self.cfg.compile == "on" or (self.cfg.compile == "auto" and self.device.type == "cuda")
+        return self.cfg.compiles_on(self.device.type)
 
     def _mesh(self):
         if not hasattr(self, "_mesh_cache"):
@@ -84,12 +90,15 @@ class FSDP2Strategy(Strategy):
         for name, p in model.named_parameters():
             if p.requires_grad:
                 (no_decay if p.ndim < 2 else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=tuple(optim.betas), eps=optim.eps,
-            # one fused kernel per parameter group on CUDA (the foreach step is ~1.6x slower there)
-            **({"fused": True} if self.device.type == "cuda" else {"foreach": True}),
-        )
+        groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.cfg.offload_optimizer:
+            optimizer = StreamedAdamW(groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps, device=self.device)
+        else:
+            optimizer = torch.optim.AdamW(
+                groups, lr=lr, betas=tuple(optim.betas), eps=optim.eps,
+                # one fused kernel per parameter group on CUDA (the foreach step is ~1.6x slower there)
+                **({"fused": True} if self.device.type == "cuda" else {"foreach": True}),
+            )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
         return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm)
 
@@ -119,6 +128,17 @@ class FSDP2Strategy(Strategy):
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
+
+    def offload_optimizer(self, state: TrainState) -> None:
+        """A streamed optimizer's state never leaves the host: nothing to move."""
+        if isinstance(state.optimizer, StreamedAdamW):
+            state.optimizer_offloaded = True
+        else:
+            super().offload_optimizer(state)
+
+    def reload_optimizer(self, state: TrainState) -> None:
+        if not isinstance(state.optimizer, StreamedAdamW):
+            super().reload_optimizer(state)
 
     @functools.cached_property
     def _parking(self) -> ModelParking:

@@ -42,6 +42,7 @@ from tidal.engine.base import RolloutEngine, supports_incremental
 from tidal.logging.timer import PhaseTimer
 from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
+from tidal.trainer.config import require_resolved
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -73,6 +74,7 @@ class Colocation:
         self.models = models
         self.timer = timer
         placement = strategy.cfg
+        require_resolved(placement, "strategy", "offload_optimizer")
         self._offload_actor = placement.offload_actor_during_rollout
         self._offload_optimizer = placement.offload_optimizer
         self._away: set[int] = set()  # ids of models kept off the device at rest

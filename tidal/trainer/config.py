@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from tidal.config_base import check
 from tidal.envs.config import EnvConfig
@@ -65,11 +65,17 @@ class RolloutConfig:
 class TrainConfig:
     """epochs: passes over each rollout batch. mini_batches: optimizer steps per epoch (the rollout
     is split into this many equal mini-batches of whole prompt groups).
-    micro_batch_tokens / micro_batch_max_seqs: budget of one forward/backward: real tokens (sequences are
-        packed without padding, never split: it must hold data.max_prompt_len + rollout.max_new_tokens).
+    micro_batch_tokens / micro_batch_max_seqs: budget of one forward/backward in real tokens (sequences
+        are packed without padding and never split, so it must hold the longest sequence,
+        data.max_prompt_len + rollout.max_new_tokens). ``auto`` (default): the memory plan
+        (``memory.*``) picks the largest budget whose update phase fits the device, at least the
+        longest sequence and at most one rank's mini-batch; 16384 (raised to the longest sequence)
+        where no plan is made (a CPU run without ``memory.device_memory_gib``, the reward-model job).
+        An explicit number is kept and checked against the plan.
     forward_micro_batch_tokens / forward_micro_batch_max_seqs: the same for the no-grad forwards of
-        the experience (old and reference logprobs, critic values). They keep no activations, so
-        their budget can be several times the training one: fewer, larger passes.
+        the experience (old and reference logprobs, critic values, the teacher's logprobs). They
+        keep no activations, so their budget can be several times the training one: fewer, larger
+        passes. ``auto`` (default): the largest that fits, at most 65536; 65536 where no plan is made.
     max_skipped_steps_in_a_row: optimizer steps with a non-finite gradient norm are skipped on all
         ranks and counted; this many in a row stops the run with an error.
     old_logprobs: where the PPO ratio's denominator comes from. ``auto``: when each rollout gets
@@ -82,9 +88,9 @@ class TrainConfig:
 
     epochs: int = 1
     mini_batches: int = 1
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: Literal["auto"] | int = "auto"
     micro_batch_max_seqs: int = 64
-    forward_micro_batch_tokens: int = 65536
+    forward_micro_batch_tokens: Literal["auto"] | int = "auto"
     forward_micro_batch_max_seqs: int = 256
     max_skipped_steps_in_a_row: int = 3
     old_logprobs: Literal["auto", "recompute"] = "auto"
@@ -92,9 +98,10 @@ class TrainConfig:
     def __post_init__(self):
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.mini_batches >= 1, "mini_batches", "must be >= 1")
-        check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
+        check(self.micro_batch_tokens == "auto" or self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1 or auto")
         check(self.micro_batch_max_seqs >= 1, "micro_batch_max_seqs", "must be >= 1")
-        check(self.forward_micro_batch_tokens >= 1, "forward_micro_batch_tokens", "must be >= 1")
+        check(self.forward_micro_batch_tokens == "auto" or self.forward_micro_batch_tokens >= 1, "forward_micro_batch_tokens",
+              "must be >= 1 or auto")
         check(self.forward_micro_batch_max_seqs >= 1, "forward_micro_batch_max_seqs", "must be >= 1")
         check(self.max_skipped_steps_in_a_row >= 1, "max_skipped_steps_in_a_row", "must be >= 1")
 
@@ -143,6 +150,43 @@ class CheckpointConfig:
         check(bool(self.resume), "resume", "must be 'auto', 'never' or a checkpoint path")
 
 
+@dataclasses.dataclass(kw_only=True)
+class MemoryConfig:
+    """The memory plan (``memory.*``, :mod:`tidal.trainer.memory_plan`) of an RL run. Before any
+    model loads, on a CUDA device (or on any with ``device_memory_gib``), each phase's peak
+    (rollout, experience forwards, update, optimizer step, weight sync) is predicted from the
+    model's shape, the rollout's shape and the settings, logged as a table, and the ``auto``
+    settings (``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``,
+    ``model.gradient_checkpointing``, ``strategy.offload_optimizer``) are chosen so that it fits;
+    explicit settings are kept and checked. The engine's KV cache is the engine's to size (at each
+    wake-up, ``engine.*``); the plan predicts it with the engine's rule and checks it holds a sequence. When nothing fits the run stops before loading a model, with an error that names what
+    to change (docs/memory.md).
+
+    device_fraction: share of the device's memory the planned peak may take; the rest absorbs the
+        allocator's fragmentation and what the plan does not count.
+    device_memory_gib: the device's memory in GiB (0: read from the device). Set it to plan for a
+        device other than this machine's; on a CPU run the plan is then made for such a device and
+        applied. Without it a CPU run makes no plan (its ``auto`` settings take fixed values, see
+        ``train.*``) and the other ``memory.*`` keys must keep their defaults.
+    host_fraction: share of the host's memory that the ranks on it may plan for (pinned optimizer
+        state, parked models, the engine's weights asleep, the model being loaded).
+    host_memory_gib: the host's memory in GiB (0: detected, the cgroup limit when there is one, else
+        /proc/meminfo's MemTotal). Set it on machines without a cgroup limit whose MemTotal reads
+        low at start because their memory grows as it is used.
+    """
+
+    device_fraction: float = 0.9
+    device_memory_gib: float = 0.0
+    host_fraction: float = 0.9
+    host_memory_gib: float = 0.0
+
+    def __post_init__(self):
+        check(0 < self.device_fraction <= 1, "device_fraction", "must be in (0, 1]")
+        check(self.device_memory_gib >= 0, "device_memory_gib", "must be >= 0 (0: read from the device)")
+        check(0 < self.host_fraction <= 1, "host_fraction", "must be in (0, 1]")
+        check(self.host_memory_gib >= 0, "host_memory_gib", "must be >= 0 (0: detected)")
+
+
 class TrainerSections(Protocol):
     """The config sections the RL loop reads (the root ``TidalConfig`` has them all); each component
     of the loop is handed the sections it reads, under their YAML names."""
@@ -157,3 +201,14 @@ class TrainerSections(Protocol):
     logging: LoggingConfig
     strategy: StrategyConfig
     env: EnvConfig
+
+
+def require_resolved(section: Any, key: str, *names: str) -> None:
+    """A ValueError when a field ``names`` of ``section`` (the ``key`` section of the config) is
+    still ``auto``: the memory plan decides those, once, at setup, and a component must be handed
+    the resolved section (:meth:`tidal.trainer.memory_plan.MemorySettings.run_config`, or
+    :func:`~tidal.trainer.memory_plan.settings_without_plan` where no plan is made)."""
+    for name in names:
+        if getattr(section, name) == "auto":
+            raise ValueError(f"{key}.{name} is 'auto': build this component from the config resolved by the memory plan "
+                             "(MemorySettings.run_config), not from the config as written")

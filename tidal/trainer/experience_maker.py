@@ -44,7 +44,7 @@ from tidal.rewards.base import RewardError
 from tidal.rewards.types import RewardSample
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
-from tidal.trainer.config import RolloutConfig, TrainConfig
+from tidal.trainer.config import RolloutConfig, TrainConfig, require_resolved
 from tidal.trainer.experience import Experience, packed_micro_batches
 
 
@@ -104,7 +104,8 @@ class ExperienceMaker:
 
     ``rollout``, ``train``, ``model`` and ``env`` are the run's config sections it reads
     (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
-    ``model.logprob_chunk_tokens``, the environment and its limits). Whether the actor's
+    ``model.logprob_chunk_tokens``, the environment and its limits); ``train`` as resolved by the
+    memory plan (no ``auto`` budget). Whether the actor's
     old-logprob pass runs is the algorithm's decision (:meth:`Algorithm.reuses_policy_logprobs`).
     Its stages are timed on the phase owner's timer.
 
@@ -120,6 +121,7 @@ class ExperienceMaker:
         self.rewards = rewards
         self.algo = algorithm
         self.rollout_cfg = rollout
+        require_resolved(train, "train", "forward_micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
         self.timer: PhaseTimer = phases.timer

@@ -29,7 +29,7 @@ from tidal.models.vision import collate_mm_inputs
 from tidal.strategy.base import TrainState
 from tidal.trainer import faults
 from tidal.trainer.colocation import Colocation, Models
-from tidal.trainer.config import RolloutConfig, TrainConfig
+from tidal.trainer.config import RolloutConfig, TrainConfig, require_resolved
 from tidal.trainer.experience import Experience, packed_micro_batches
 
 
@@ -105,8 +105,8 @@ class UpdateResult:
 class Updater:
     """Policy (and critic) updates over one rollout's Experience. ``rollout``, ``train``, ``model``
     are the config sections it reads (``rollout.temperature``, ``train.micro_batch_tokens`` /
-    ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``). ``split`` times the forward, backward
-    and optimizer parts."""
+    ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``); ``train`` as resolved by the memory
+    plan (no ``auto`` budget). ``split`` times the forward, backward and optimizer parts."""
 
     def __init__(self, *, models: Models, phases: Colocation, algorithm: Algorithm, rollout: RolloutConfig,
                  train: TrainConfig, model: ModelConfig, split: UpdateSplit):
@@ -115,6 +115,7 @@ class Updater:
         self.phases = phases
         self.algo = algorithm
         self.rollout_cfg = rollout
+        require_resolved(train, "train", "micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
 

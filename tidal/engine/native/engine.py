@@ -42,6 +42,7 @@ from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
+from tidal.host_memory import ParamHostCopy
 
 
 def _eos_ids(value) -> set[int]:
@@ -92,7 +93,7 @@ class NativeEngine:
         self.block_manager: BlockManager | None = None  # with the KV cache
         self.scheduler: Scheduler | None = None  # with the KV cache
         self.sleep_level = 0  # 0 awake; 1 KV freed; 2 KV freed and weights on the host
-        self._host_weights: dict[str, torch.Tensor] = {}
+        self._host_weights = ParamHostCopy(pin=self.device.type == "cuda")  # the weights while asleep at level 2
         self._seq_ids = itertools.count()
         self._requests: dict = {}  # request id -> Sequence, unfinished ones
         self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
@@ -185,12 +186,9 @@ class NativeEngine:
         self.block_manager = self.scheduler = None
         if level == 2 and self.sleep_level < 2 and self.device.type != "cpu":
             freed += self.runner.drop_graphs()
-            for name, p in self.model.named_parameters():
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-                host.copy_(p.data)
-                self._host_weights[name] = host
-                freed += p.numel() * p.element_size()
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            # into one pinned host buffer of exactly the weights' size, made at the first such sleep and
+            # reused by every later one (no new pinned memory per sleep)
+            freed += self._host_weights.offload(self.model.named_parameters())
             torch.cuda.empty_cache()
         self.sleep_level = max(self.sleep_level, level)
         return freed
@@ -204,10 +202,8 @@ class NativeEngine:
 
     def _restore_weights(self) -> int:
         restored = 0
-        if self._host_weights:
-            for name, p in self.model.named_parameters():
-                p.data = self._host_weights.pop(name).to(self.device, non_blocking=True)
-                restored += p.numel() * p.element_size()
+        if self._host_weights.holds:
+            restored = self._host_weights.restore(self.model.named_parameters(), self.device)
             self.sleep_level = min(self.sleep_level, 1)
         return restored
 

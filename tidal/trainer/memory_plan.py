@@ -1,0 +1,1008 @@
+"""The memory plan: each phase's peak device memory, predicted before any model loads, and the
+``auto`` settings chosen so that the run fits (issue 21).
+
+Pure arithmetic on plain numbers (no torch device): :class:`ModelShape` from a Hugging Face config,
+:class:`PlanInputs` from a run's config plus the device's and the host's memory, :func:`plan_memory`
+-> :class:`MemoryPlan` (per phase, what is on the device and how many bytes; on the host, what is
+pinned or parked), :func:`apply_plan` -> :class:`MemorySettings` (the values the run uses), or a
+:class:`~tidal.config_base.ConfigError` that says what to change when nothing fits. A setting the
+user gave is kept and only checked; only ``auto`` settings are chosen:
+``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``, ``model.gradient_checkpointing``,
+and ``strategy.offload_optimizer``. The engine's KV cache is the engine's to size
+(:mod:`tidal.engine.sizing`, at each wake-up, from the memory available then); the plan predicts
+it with the same rule and checks that it holds a sequence.
+
+Every byte count is per rank. Where a figure comes from:
+
+- Weights, gradients, optimizer state: counted from the shape. FSDP2 keeps fp32 master weights
+  sharded over the ranks (a LoRA actor's frozen base too), fp32 gradients of what trains, and
+  AdamW's two fp32 moments on the device, or none there with ``strategy.offload_optimizer``
+  (:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`: pinned host memory, streamed through the
+  step in two staging chunks). The engine holds a bf16 copy (split over its TP group); a frozen
+  reference is bf16, sharded, and parked on the host between uses (``strategy.offload_reference``).
+- Activations (:func:`layer_saved_bytes`): what autograd keeps for the backward of one Hugging Face
+  Qwen2/Llama decoder layer in bf16, per token. Micro-batches are packed (no padding: every token
+  counted is a real one, and a budget holds whole sequences, so it is at least the longest,
+  ``data.max_prompt_len + rollout.max_new_tokens``); the packed attention (flash varlen on CUDA)
+  keeps what causal SDPA over an unpadded row keeps, which is what is counted tensor by tensor with
+  ``torch.autograd.graph.saved_tensors_hooks`` (``tests/unit/test_memory_activations.py`` checks the
+  formula against that count, eager and compiled):
+
+  * eager: ``16H + 4Q + 4K + 8I + 4n + 8`` (H hidden, Q = heads x head_dim, K = kv heads x head_dim,
+    I intermediate, n heads): each RMSNorm keeps its fp32 input, its bf16 normalised input and its
+    output (8H + 4); attention keeps rotated q and k, v, its output and the fp32 log-sum-exp; the
+    MLP keeps gate, SiLU(gate), up and their product (8I).
+  * ``torch.compile`` (``strategy.compile``): ``8H + 4Q + 4K + 6I + 4n + 8``: the partitioner keeps
+    the matmul inputs and outputs and recomputes the elementwise ops.
+  * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time.
+  * the backward adds the larger of the LM head's (first: its fp32 ``[V, H]`` weight-gradient
+    accumulator and bf16 result, ``6VH``, and chunk buffers of ``logprob_chunk_tokens`` rows of
+    logits, ``27cV`` eager, ``4cV`` compiled) and a layer's (later: ``3I`` per token, with
+    checkpointing plus the recomputed layer): measured eager on CPU; the compiled LM head keeps
+    only a chunk of bf16 logits and their gradient (its softmax passes are fused).
+  * LoRA: each adapted projection keeps its ``[T, r]`` down-projection; eager, the frozen norms
+    keep no bf16 input (``-4H``).
+
+  On one H200 this reproduces the measured peaks of three runs within 2% (0.5B at 24k and 49k
+  tokens, 1.5B at 49k, all compiled). What differs on the GPU and is not counted: the SDPA
+  kernels' own workspaces, the allocator's rounding and fragmentation (``memory.device_fraction``
+  leaves room for them), and anything of a model type other than Qwen2/Llama (Qwen3's q/k norms are
+  estimated). DeepSpeed figures follow its documented layout and were not measured. Token counts
+  are upper bounds: every response at ``rollout.max_new_tokens`` (natural lengths pack more
+  sequences into a budget, never more tokens).
+- Fixed costs outside PyTorch's allocator: the CUDA context (measured when the plan is made) plus
+  :data:`NON_TORCH_RESERVE` (NCCL buffers, library workspaces, compiled kernels); the native
+  engine's KV cache, which on CUDA lives outside the allocator (driver virtual memory). Its size
+  is the engine's rule (:func:`tidal.engine.sizing.kv_budget_bytes`: ``engine.kv_cache_memory_fraction``
+  of the memory available when it wakes up for a rollout, i.e. with the steady state's resident
+  weights and optimizer state), or ``engine.kv_cache_max_tokens``; the plan applies that rule to
+  its predicted free memory and never changes the engine's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Literal, Mapping
+
+from tidal.config_base import ConfigError
+from tidal.engine import sizing as engine_sizing
+from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
+
+GiB = 2**30
+MiB = 2**20
+
+# Device memory outside PyTorch's allocator that the plan cannot measure when it is made: NCCL
+# communicators (created at the first collective), cuBLAS/cuDNN workspaces, compiled kernels' code.
+NON_TORCH_RESERVE = 512 * MiB
+NCCL_RESERVE = 512 * MiB  # more of it with several ranks
+# The CUDA context when the device is not measured (memory.device_memory_gib given).
+ASSUMED_CUDA_CONTEXT = 768 * MiB
+# Below this many tokens a training micro-batch pays more in per-micro-batch costs (FSDP2 gathers
+# every layer once per micro-batch; smaller matmuls) than gradient checkpointing costs in recompute:
+# the plan turns checkpointing on rather than go below it.
+MIN_EFFICIENT_MICRO_BATCH_TOKENS = 16384
+# The most tokens an ``auto`` no-grad forward micro-batch gets (larger ones gain little).
+MAX_FORWARD_MICRO_BATCH_TOKENS = 65536
+# Host memory of one training process besides what the plan lists (Python, torch, CUDA libraries).
+HOST_PROCESS_BYTES = 3 * GiB
+# Rough full tensors in flight while weights are gathered for the engine (two 256 MiB buckets).
+WEIGHT_SYNC_BYTES = 512 * MiB
+# Per token of the loss computation (fp32 [B, T] ratios, masks, advantages kept for backward).
+LOSS_BYTES_PER_TOKEN = 64
+
+_LORA_TARGETS_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_LORA_TARGETS_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def gib(nbytes: float) -> float:
+    return nbytes / GiB
+
+
+# ---- the model -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer (a Hugging Face config's text part) that memory
+    depends on. ``qkv_bias``: q/k/v projections have biases (Qwen2). ``qk_norm``: RMSNorm on each
+    head's q and k (Qwen3)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = ""
+    vision: bool = False  # a vision-language model (its vision tower is not counted)
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelShape":
+        """From a ``transformers`` config object or its ``config.json`` as a dict (a vision-language
+        config's ``text_config`` is used for the decoder)."""
+        top = _namespace(config)
+        text = top.get_text_config() if hasattr(top, "get_text_config") else _namespace(getattr(top, "text_config", None) or top)
+        model_type = str(getattr(text, "model_type", "") or getattr(top, "model_type", ""))
+        heads = int(text.num_attention_heads)
+        hidden = int(text.hidden_size)
+        tied = getattr(top, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(text, "tie_word_embeddings", False)
+        return cls(
+            layers=int(text.num_hidden_layers), hidden=hidden, heads=heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            intermediate=int(text.intermediate_size), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
+            qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
+            qk_norm=model_type.startswith("qwen3"), model_type=model_type,
+            vision=getattr(top, "vision_config", None) is not None,
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of one layer, by its HF module name."""
+        H, q, kv, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+                "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def layer_params(self) -> int:
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return sum(i * o for i, o in self.linear_shapes().values()) + bias + norms
+
+    def embedding_params(self) -> int:
+        """Input embedding plus the LM head (a second matrix unless tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.hidden
+
+    def critic_params(self) -> int:
+        """A value model on this body: no LM head, a scalar head."""
+        return self.layers * self.layer_params() + self.vocab * self.hidden + 2 * self.hidden + 1
+
+    def kv_cache_bytes_per_token(self, tp_size: int = 1) -> int:
+        """bf16 K and V of every layer, the KV heads split over the engine's TP group."""
+        return self.layers * 2 * max(1, self.kv_heads // tp_size) * self.head_dim * 2
+
+
+def _namespace(config: Any) -> Any:
+    if isinstance(config, Mapping):
+        return types.SimpleNamespace(**{k: _namespace(v) if isinstance(v, Mapping) else v for k, v in config.items()})
+    return config
+
+
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer."""
+    if rank <= 0:
+        return 0
+    return shape.layers * sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items() if name in targets)
+
+
+# ---- activations (bytes per token unless named otherwise) ----------------------------------------------
+def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, lora_targets: int = 0) -> int:
+    """Bytes per token one decoder layer keeps for its backward (bf16 compute; packed rows: causal
+    attention within each sequence, no mask, K/V not repeated to the query heads). ``lora_targets``
+    projections with rank-``lora_rank`` adapters each keep their ``[T, r]`` bf16 down-projection,
+    and the frozen base's norms need not keep their normalised input (eager)."""
+    H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    if compiled:
+        b = 8 * H + 4 * q + 4 * kv + 6 * I + 4 * n + 8
+    else:
+        b = 16 * H + 4 * q + 4 * kv + 8 * I + 4 * n + 8
+    if shape.qk_norm:  # estimated (not calibrated): normalised copies of q and k, fp32 in eager
+        b += (2 if compiled else 6) * (q + kv) + 4 * (shape.heads + shape.kv_heads)
+    if lora_rank and not compiled:  # frozen norm weights: their bf16 inputs are not kept (estimated kept when compiled)
+        b -= 4 * H
+    return b + 2 * lora_rank * lora_targets
+
+
+def train_activation_bytes(
+    shape: ModelShape, tokens: int, *, response_tokens: int, compiled: bool, checkpointing: bool,
+    lora_rank: int = 0, lora_targets: int = 0, lm_head: bool = True,
+) -> int:
+    """Bytes a training micro-batch of ``tokens`` (``response_tokens`` of them through the LM head)
+    keeps for its backward when the backward starts: every layer's saved tensors (with
+    checkpointing: every layer's input), the final norm and the loss terms per token, and per
+    response token the LM head's input and fp32 statistics."""
+    if checkpointing:
+        body = shape.layers * 2 * shape.hidden
+    else:
+        body = shape.layers * layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
+    per_token = body + 6 * shape.hidden + 4 + LOSS_BYTES_PER_TOKEN
+    head = (2 * shape.hidden + 72) * response_tokens if lm_head else 0
+    return tokens * per_token + head
+
+
+def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, checkpointing: bool,
+                         lora_rank: int = 0, lora_targets: int = 0) -> int:
+    """What a layer's backward adds on top of the saved tensors: its gradient buffers (``3I`` per
+    token, measured eager on CPU), with checkpointing also the recomputed layer's saved tensors."""
+    recomputed = layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
+    return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
+
+
+def lm_head_train_bytes(shape: ModelShape, chunk_rows: int, *, compiled: bool) -> int:
+    """The LM head's backward on top of the saved activations: the fp32 ``[V, H]`` weight-gradient
+    accumulator and its bf16 result, and one chunk of logits and their gradients (fused when compiled)."""
+    return 6 * shape.vocab * shape.hidden + (4 if compiled else 27) * chunk_rows * shape.vocab
+
+
+def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens: int, chunk_rows: int, compiled: bool,
+                             lm_head: bool = True) -> int:
+    """Peak of a no-grad forward of ``tokens``, the larger of: inside a layer (the MLP's gate, up
+    and product, the residual stream and norms, ``6I + 8H`` per token, and 64 bytes of token ids,
+    positions and masks), and at the LM head (the final hidden states, the response rows' inputs
+    and one chunk of logits: ``2cV`` compiled, ``14cV`` eager). Measured eager on CPU."""
+    body = tokens * (6 * shape.intermediate + 8 * shape.hidden + 64)
+    if not lm_head:
+        return body
+    head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
+    return max(body, head)
+
+
+def fsdp_working_bytes(shape: ModelShape, *, backward: bool) -> int:
+    """Unsharded bf16 parameters FSDP2 holds during a forward: the root's embedding/LM head for the
+    whole pass, the layer computing and the one prefetched; in the backward also one layer's bf16
+    gradients and their fp32 copy for the reduce-scatter."""
+    layer = shape.layer_params()
+    return 2 * shape.embedding_params() + 4 * layer + (6 * layer if backward else 0)
+
+
+def engine_prefill_bytes(shape: ModelShape, *, max_num_batched_tokens: int, tp_size: int) -> int:
+    """Activations of the engine's largest prefill step (eager): a chunk of ``max_num_batched_tokens``
+    through one layer at a time."""
+    return max_num_batched_tokens * (6 * shape.intermediate // tp_size + 8 * shape.hidden)
+
+
+def engine_decode_bytes(shape: ModelShape, *, max_num_seqs: int, tp_size: int) -> int:
+    """Activations of a decode step of ``max_num_seqs`` sequences with its fp32 logits and sampling
+    buffers; with CUDA graphs they live in the graphs' private pool (reserved, not allocated)."""
+    return max_num_seqs * (6 * shape.intermediate // tp_size + 8 * shape.hidden + 16 * shape.vocab // tp_size)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """One device: ``total`` bytes and ``context`` bytes used outside PyTorch's allocator when
+    measured (the CUDA context, other processes on the device)."""
+
+    name: str
+    total: int
+    context: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """Host memory the plan may count on: ``total`` bytes and where the figure comes from."""
+
+    total: int
+    source: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """Everything :func:`plan_memory` needs, as plain values (see :func:`inputs_from_config`).
+    ``None`` for a setting the plan decides (the user left it ``auto``)."""
+
+    shape: ModelShape
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    world_size: int = 1
+    local_world_size: int = 1
+    # rollout
+    sequences_per_rank: int
+    mini_batches: int = 1
+    max_prompt_len: int
+    max_new_tokens: int
+    # training
+    micro_batch_tokens: int | None = None
+    micro_batch_max_seqs: int = 64
+    forward_micro_batch_tokens: int | None = None
+    forward_micro_batch_max_seqs: int = 256
+    gradient_checkpointing: bool | None = None
+    logprob_chunk_tokens: int = 2048
+    # strategy
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    zero_stage: int = 3
+    compiled: bool = True
+    offload_optimizer: bool | None = None
+    offload_reference: bool = True
+    offload_critic: bool = False
+    offload_actor_during_rollout: bool = False
+    needs_reference: bool = False
+    needs_critic: bool = False
+    teacher: ModelShape | None = None  # a local distillation teacher (frozen, bf16, sharded)
+    offload_teacher: bool = True
+    # engine
+    engine_backend: str = "native"
+    tp_size: int = 1
+    sleep_level: int = 1
+    kv_cache_memory_fraction: float = 0.5
+    kv_cache_max_tokens: int = 0
+    kv_outside_allocator: bool = True
+    block_size: int = 16
+    max_num_seqs: int | None = None  # None: ``auto``, as many as the KV cache holds
+    max_num_batched_tokens: int = 8192
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 512
+    # machine
+    device: DeviceMemory
+    device_fraction: float = 0.9
+    host: HostMemory
+    host_fraction: float = 0.9
+
+    @property
+    def max_len(self) -> int:
+        return self.max_prompt_len + self.max_new_tokens
+
+    @property
+    def sequences_per_engine(self) -> int:
+        """Sequences one engine generates per rollout (a TP group's ranks gather their prompts)."""
+        return self.sequences_per_rank * self.tp_size
+
+    @property
+    def decode_batch(self) -> int:
+        """The largest decode batch: every sequence of the rollout (one wave) unless ``engine.max_num_seqs`` caps it."""
+        return min(self.sequences_per_engine, self.max_num_seqs or self.sequences_per_engine)
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def budget(self) -> int:
+        return int(self.device.total * self.device_fraction)
+
+
+def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int, device: DeviceMemory, host: HostMemory,
+                       needs_reference: bool, needs_critic: bool, compiled: bool, kv_outside_allocator: bool,
+                       teacher_hf_config: Any = None) -> PlanInputs:
+    """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (``auto`` settings become None).
+    ``hf_config``: the actor's Hugging Face config (or its ``config.json`` as a dict);
+    ``teacher_hf_config``: the local distillation teacher's (``model.teacher.path``), None without one."""
+    t, m, s, e, r = cfg.train, cfg.model, cfg.strategy, cfg.engine, cfg.rollout
+    auto = lambda v: None if v == "auto" else v  # noqa: E731
+    return PlanInputs(
+        shape=ModelShape.from_hf_config(hf_config), lora_rank=m.lora.rank, lora_targets=tuple(m.lora.target_modules),
+        world_size=world_size, local_world_size=local_world_size,
+        sequences_per_rank=max(1, r.prompts_per_step * r.n_samples // world_size), mini_batches=t.mini_batches,
+        max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
+        micro_batch_tokens=auto(t.micro_batch_tokens), micro_batch_max_seqs=t.micro_batch_max_seqs,
+        forward_micro_batch_tokens=auto(t.forward_micro_batch_tokens), forward_micro_batch_max_seqs=t.forward_micro_batch_max_seqs,
+        gradient_checkpointing=auto(m.gradient_checkpointing), logprob_chunk_tokens=m.logprob_chunk_tokens,
+        backend=s.backend, zero_stage=s.zero_stage, compiled=compiled, offload_optimizer=auto(s.offload_optimizer),
+        offload_reference=s.offload_reference, offload_critic=s.offload_critic,
+        offload_actor_during_rollout=s.offload_actor_during_rollout, needs_reference=needs_reference, needs_critic=needs_critic,
+        teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None,
+        offload_teacher=s.offload_teacher,
+        engine_backend=e.backend, tp_size=e.tp_size, sleep_level=e.sleep_level, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
+        kv_cache_max_tokens=e.kv_cache_max_tokens, kv_outside_allocator=kv_outside_allocator, block_size=e.block_size,
+        max_num_seqs=auto(e.max_num_seqs), max_num_batched_tokens=e.max_num_batched_tokens, cuda_graphs=e.cuda_graphs,
+        cuda_graph_max_batch=e.cuda_graph_max_batch,
+        device=device, device_fraction=cfg.memory.device_fraction, host=host, host_fraction=cfg.memory.host_fraction,
+    )
+
+
+# ---- the plan -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """``nbytes`` of one thing; ``allocated`` False for memory outside PyTorch's allocator."""
+
+    label: str
+    nbytes: int
+    allocated: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePeak:
+    name: str
+    parts: tuple[Part, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def allocated(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` would read at this phase's peak."""
+        return sum(p.nbytes for p in self.parts if p.allocated)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The settings one plan is computed for."""
+
+    micro_batch_tokens: int
+    forward_micro_batch_tokens: int
+    gradient_checkpointing: bool
+    offload_optimizer: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Predicted peaks of each phase for the chosen settings. ``problems`` is empty when it fits;
+    each problem is (config key to change, what to do)."""
+
+    inputs: PlanInputs
+    choice: Choice
+    phases: tuple[PhasePeak, ...]
+    host_parts: tuple[Part, ...]
+    host_setup_bytes: int
+    problems: tuple[tuple[str, str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak(self) -> PhasePeak:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total
+
+    @property
+    def predicted_peak_allocated_gib(self) -> float:
+        """The largest ``torch.cuda.max_memory_allocated`` of any phase, in GiB (for benchmarks)."""
+        return gib(max(p.allocated for p in self.phases))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of all local ranks in the steady state."""
+        return self.inputs.local_world_size * sum(p.nbytes for p in self.host_parts)
+
+    def chosen(self) -> dict[str, Any]:
+        """The keys the plan decided (they were ``auto``), with their values."""
+        inp, c = self.inputs, self.choice
+        out: dict[str, Any] = {}
+        if inp.micro_batch_tokens is None:
+            out["train.micro_batch_tokens"] = c.micro_batch_tokens
+        if inp.forward_micro_batch_tokens is None:
+            out["train.forward_micro_batch_tokens"] = c.forward_micro_batch_tokens
+        if inp.gradient_checkpointing is None:
+            out["model.gradient_checkpointing"] = c.gradient_checkpointing
+        if inp.offload_optimizer is None:
+            out["strategy.offload_optimizer"] = c.offload_optimizer
+        return out
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache is predicted to hold in the steady state (0: not the native engine)."""
+        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine_backend == "native" else 0
+
+    def table(self) -> str:
+        return format_plan(self)
+
+
+# ---- what is where, per phase -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Bytes of the resident pieces for one choice."""
+
+    actor_weights: int
+    actor_grads: int
+    actor_optim_device: int
+    actor_optim_host: int
+    optimizer_staging: int
+    critic_weights: int
+    critic_grads: int
+    critic_optim_device: int
+    critic_optim_host: int
+    reference: int
+    teacher: int
+    engine_weights: int
+    overhead: int
+
+
+def _trainable_params(inp: PlanInputs) -> int:
+    return lora_params(inp.shape, inp.lora_rank, inp.lora_targets) if inp.lora else inp.shape.params()
+
+
+def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
+    shape, world = inp.shape, inp.world_size
+    n_all, n_train = shape.params(), _trainable_params(inp)
+    n_base = n_all if inp.lora else 0
+    if inp.backend == "fsdp2":
+        # fp32 masters of everything (a LoRA base too), sharded; fp32 grads and AdamW moments of what trains
+        weights = 4 * (n_base + n_train) // world
+        grads = 4 * n_train // world
+        optim = 8 * n_train // world
+        optim_device, optim_host = (0, optim) if offload else (optim, 0)
+        staging = 2 * STREAM_CHUNK_BYTES if offload else 0
+    else:
+        weights, grads, optim_device, optim_host = _deepspeed_sizes(inp, n_base, n_train, offload)
+        staging = 0
+    critic = shape.critic_params() if inp.needs_critic else 0
+    critic_optim = 8 * critic // world
+    return _Sizes(
+        actor_weights=weights, actor_grads=grads, actor_optim_device=optim_device, actor_optim_host=optim_host,
+        optimizer_staging=staging,
+        critic_weights=4 * critic // world, critic_grads=4 * critic // world,
+        critic_optim_device=0 if offload else critic_optim, critic_optim_host=critic_optim if offload else 0,
+        reference=2 * n_all // world if inp.needs_reference and not inp.lora else 0,
+        teacher=2 * inp.teacher.params() // world if inp.teacher is not None else 0,
+        engine_weights=2 * n_all // inp.tp_size,
+        overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if world > 1 else 0),
+    )
+
+
+def _deepspeed_sizes(inp: PlanInputs, n_base: int, n_train: int, offload: bool) -> tuple[int, int, int, int]:
+    """(weights, grads, optimizer state on the device, on the host) of a ZeRO engine: bf16 compute
+    parameters (partitioned at stage 3, with a LoRA base), fp32 masters and moments partitioned at
+    every stage (on the host with ZeRO-Offload), fp32 gradient partitions at stages 2-3, full bf16
+    gradients at stage 1."""
+    world, stage = inp.world_size, inp.zero_stage
+    lp = 2 * (n_base + n_train) // (world if stage == 3 else 1)
+    masters, moments = 4 * n_train // world, 8 * n_train // world
+    grads = 4 * n_train // world if stage >= 2 else 2 * n_train
+    if offload:  # ZeRO-Offload: masters, moments and the fp32 gradient partitions live on the host
+        return lp, (2 * n_train // world if stage >= 2 else grads), 0, masters + moments + 4 * n_train // world
+    return lp + masters, grads, moments, 0
+
+
+def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
+    """The tokens of the engine's KV cache at a steady-state rollout: ``engine.kv_cache_max_tokens``
+    when set, else the engine's own rule (:func:`tidal.engine.sizing.kv_budget_bytes`) applied to the
+    memory available when it wakes up: the device less what is outside the allocator and what stays
+    allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
+    if inp.kv_cache_max_tokens:
+        return inp.kv_cache_max_tokens // inp.block_size * inp.block_size
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.offload_actor_during_rollout) if p.allocated)
+    available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+    per_block = inp.shape.kv_cache_bytes_per_token(inp.tp_size) * inp.block_size
+    return engine_sizing.kv_budget_bytes(inp, available) // per_block * inp.block_size
+
+
+def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
+    parts = [Part("CUDA context and library reserve", sz.overhead, allocated=False)]
+    if actor:
+        parts.append(Part("actor weights", sz.actor_weights))
+    if sz.actor_optim_device:
+        parts.append(Part("actor optimizer state", sz.actor_optim_device))
+    if sz.critic_weights and critic and not inp.offload_critic:
+        parts.append(Part("critic weights", sz.critic_weights))
+    if sz.critic_optim_device:
+        parts.append(Part("critic optimizer state", sz.critic_optim_device))
+    if sz.reference and not inp.offload_reference:
+        parts.append(Part("reference weights", sz.reference))
+    if sz.teacher and not inp.offload_teacher:
+        parts.append(Part("teacher weights", sz.teacher))
+    return [p for p in parts if p.nbytes]
+
+
+def _graphs_kept(inp: PlanInputs) -> bool:
+    """The native engine's decode CUDA graphs (and their pool) outlive level-1 sleeps when its KV
+    cache has a fixed address."""
+    return inp.engine_backend == "native" and inp.cuda_graphs and inp.kv_outside_allocator
+
+
+def _graph_pool(inp: PlanInputs) -> Part:
+    """Activations of the largest decode batch replayed from a CUDA graph (``engine.cuda_graph_max_batch``)."""
+    batch = min(inp.decode_batch, inp.cuda_graph_max_batch)
+    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.tp_size), allocated=False)
+
+
+def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
+    """What the engine keeps on the device outside rollouts: level 0 everything; level 1 its
+    weights (and its CUDA graphs' pool where the graphs survive); level 2 nothing."""
+    if inp.sleep_level >= 2:
+        return []
+    parts = [Part("engine weights", sz.engine_weights)]
+    if inp.sleep_level == 0:
+        parts.append(_kv_part(inp, sz))
+    if _graphs_kept(inp) or (inp.sleep_level == 0 and inp.cuda_graphs):
+        parts.append(_graph_pool(inp))
+    return parts
+
+
+def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
+    kv_tokens = _kv_tokens(inp, sz)
+    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.tp_size),
+                allocated=not inp.kv_outside_allocator)
+
+
+def _response_tokens(inp: PlanInputs, tokens: int) -> int:
+    return tokens * inp.max_new_tokens // inp.max_len
+
+
+def _lora_targets(inp: PlanInputs) -> int:
+    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes())) if inp.lora else 0
+
+
+def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
+    prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.max_num_batched_tokens, tp_size=inp.tp_size)
+    graphs = inp.cuda_graphs and inp.engine_backend == "native"
+    # decode batches above the graphs' largest run eagerly, their activations in the allocator
+    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.cuda_graph_max_batch else 0
+    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.tp_size)
+    parts = _resident(inp, sz, actor=not inp.offload_actor_during_rollout) + [
+        Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
+        Part("engine activations", max(prefill, decode)),
+    ]
+    if graphs:
+        parts.append(_graph_pool(inp))
+    return PhasePeak("rollout", tuple(parts))
+
+
+def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
+    """The no-grad forwards of the experience, one model at a time (actor, reference, critic,
+    teacher): the largest of them, with that model's weights when it is reloaded for it."""
+    tokens = c.forward_micro_batch_tokens
+    response = _response_tokens(inp, tokens)
+    runs = [("actor", inp.shape, 0)]  # (who, shape, weights brought in for it)
+    if sz.reference:
+        runs.append(("reference", inp.shape, sz.reference if inp.offload_reference else 0))
+    if sz.critic_weights:
+        runs.append(("critic", inp.shape, sz.critic_weights if inp.offload_critic else 0))
+    if sz.teacher:
+        runs.append(("teacher", inp.teacher, sz.teacher if inp.offload_teacher else 0))
+
+    def cost(run):
+        _, shape, weights = run
+        fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.logprob_chunk_tokens, response),
+                                       compiled=inp.compiled)
+        return [Part(f"{run[0]} weights (reloaded)", weights), Part(f"{run[0]} forward ({tokens} tokens)", fwd),
+                Part("unsharded layers", fsdp_working_bytes(shape, backward=False))]
+
+    largest = max((cost(r) for r in runs), key=lambda parts: sum(p.nbytes for p in parts))
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [p for p in largest if p.nbytes]
+    return PhasePeak("experience", tuple(parts))
+
+
+def _micro_batches(inp: PlanInputs, tokens: int) -> int:
+    """Training micro-batches per optimizer step (at least; rows do not pack perfectly)."""
+    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
+    return -(-per_mini // max(1, tokens))
+
+
+def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = None) -> PhasePeak:
+    """A training micro-batch in its backward: the saved activations plus the larger of the LM
+    head's backward (first) and a layer's (later). With several micro-batches per step the
+    gradients of the earlier ones are there; with one, they appear as the activations are freed,
+    layer by layer, so the peak is the larger of the two."""
+    tokens = c.micro_batch_tokens if tokens is None else tokens
+    response = _response_tokens(inp, tokens)
+    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank, lora_targets=_lora_targets(inp))
+    act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
+    head = lm_head_train_bytes(inp.shape, min(inp.logprob_chunk_tokens, response), compiled=inp.compiled)
+    layer = layer_backward_bytes(inp.shape, tokens, **kw)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
+    parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
+    several = _micro_batches(inp, tokens) > 1
+    if several or sz.actor_grads >= act + max(head, layer):
+        parts.append(Part("actor gradients", sz.actor_grads))
+    if several or sz.actor_grads < act + max(head, layer):
+        parts.append(Part(f"activations ({tokens} tokens{', checkpointed' if c.gradient_checkpointing else ''})", act))
+        parts.append(Part("LM head backward", head) if head >= layer else Part("a layer's backward", layer))
+    return PhasePeak("update", tuple(p for p in parts if p.nbytes))
+
+
+def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [Part("actor gradients", sz.actor_grads)]
+    if sz.optimizer_staging:
+        parts.append(Part("optimizer state staging (streamed)", sz.optimizer_staging))
+    return PhasePeak("optimizer step", tuple(parts))
+
+
+def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
+    tokens = c.micro_batch_tokens
+    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing)
+    act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
+    if inp.offload_critic:
+        parts.append(Part("critic weights (reloaded)", sz.critic_weights))
+    parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
+              Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True))]
+    return PhasePeak("critic update", tuple(parts))
+
+
+def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
+    # a LoRA target merged in fp32 (the largest one): its base and the merged result
+    merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
+    engine = _engine_between_rollouts(inp, sz) if inp.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
+    parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
+    return PhasePeak("weight sync", tuple(parts))
+
+
+def _phases(inp: PlanInputs, c: Choice) -> tuple[PhasePeak, ...]:
+    sz = _sizes(inp, c.offload_optimizer)
+    phases = [_phase_rollout(inp, sz, c), _phase_experience(inp, sz, c), _phase_update(inp, sz, c), _phase_optimizer_step(inp, sz, c)]
+    if inp.needs_critic:
+        phases.append(_phase_critic_update(inp, sz, c))
+    phases.append(_phase_weight_sync(inp, sz, c))
+    return tuple(phases)
+
+
+def _host_parts(inp: PlanInputs, c: Choice) -> tuple[list[Part], int]:
+    """(steady-state host memory of one rank, its peak while loading a model at setup)."""
+    sz = _sizes(inp, c.offload_optimizer)
+    parts = [Part("process (Python, torch, CUDA libraries)", HOST_PROCESS_BYTES)]
+    if sz.actor_optim_host:
+        pinned = "pinned" if inp.backend == "fsdp2" else "ZeRO-Offload: fp32 masters, moments, gradients"
+        parts.append(Part(f"actor optimizer state ({pinned})", sz.actor_optim_host))
+    if sz.critic_optim_host:
+        parts.append(Part("critic optimizer state (pinned)", sz.critic_optim_host))
+    if inp.sleep_level == 2 and inp.engine_backend == "native":
+        parts.append(Part("engine weights while asleep (pinned)", sz.engine_weights))
+    if sz.reference and inp.offload_reference:
+        parts.append(Part("parked reference weights (pinned)", sz.reference))
+    if sz.teacher and inp.offload_teacher:
+        parts.append(Part("parked teacher weights (pinned)", sz.teacher))
+    if inp.offload_actor_during_rollout:
+        parts.append(Part("actor weights during rollout", sz.actor_weights))
+    if inp.offload_critic:
+        parts.append(Part("critic weights between uses", sz.critic_weights))
+    # from_pretrained materialises a whole model in fp32 on the host before it is sharded
+    setup = HOST_PROCESS_BYTES + 4 * max(inp.shape.params(), inp.teacher.params() if inp.teacher is not None else 0)
+    return parts, setup
+
+
+# ---- choosing -----------------------------------------------------------------------------------------------
+def _fits(phase: PhasePeak, budget: int) -> bool:
+    return phase.total <= budget
+
+
+def _largest_fitting(lo: int, hi: int, fits) -> int:
+    """The largest t in [lo, hi] with ``fits(t)`` (monotone), or 0 when even ``lo`` does not fit."""
+    if hi < lo or not fits(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _round_tokens(t: int, floor: int) -> int:
+    """Round a chosen token budget down to a multiple of 1024 (never below ``floor``)."""
+    return max(floor, t // 1024 * 1024) if t >= 4096 else t
+
+
+def _train_cap(inp: PlanInputs) -> int:
+    """The most tokens a training micro-batch can hold: a rank's mini-batch, or max_seqs full rows."""
+    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
+    return max(inp.max_len, min(per_mini, inp.micro_batch_max_seqs * inp.max_len))
+
+
+def _forward_cap(inp: PlanInputs) -> int:
+    rows = min(inp.sequences_per_rank, inp.forward_micro_batch_max_seqs)
+    return max(inp.max_len, min(MAX_FORWARD_MICRO_BATCH_TOKENS, rows * inp.max_len))
+
+
+def _base_choice(inp: PlanInputs, offload: bool, gc: bool) -> Choice:
+    return Choice(
+        micro_batch_tokens=inp.micro_batch_tokens or inp.max_len,
+        forward_micro_batch_tokens=inp.forward_micro_batch_tokens or inp.max_len,
+        gradient_checkpointing=gc, offload_optimizer=offload,
+    )
+
+
+def _choose_tokens(inp: PlanInputs, c: Choice) -> Choice:
+    """Fill in the ``auto`` token budgets: the largest that fit (whole rows: at least one full one)."""
+    budget = inp.budget
+    sz = _sizes(inp, c.offload_optimizer)
+    if inp.micro_batch_tokens is None:
+        best = _largest_fitting(inp.max_len, _train_cap(inp), lambda t: _fits(_phase_update(inp, sz, c, t), budget))
+        c = dataclasses.replace(c, micro_batch_tokens=_round_tokens(best, inp.max_len) if best else inp.max_len)
+    if inp.forward_micro_batch_tokens is None:
+        def fwd_fits(t):
+            return _fits(_phase_experience(inp, sz, dataclasses.replace(c, forward_micro_batch_tokens=t)), budget)
+        best = _largest_fitting(inp.max_len, _forward_cap(inp), fwd_fits)
+        c = dataclasses.replace(c, forward_micro_batch_tokens=_round_tokens(best, inp.max_len) if best else inp.max_len)
+    return c
+
+
+def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_parts: list[Part], host_setup: int) -> list[tuple[str, str]]:
+    out = []
+    budget = inp.budget
+    for ph in phases:
+        if ph.total > budget:
+            out.append(_phase_problem(inp, c, ph))
+    kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
+    if inp.engine_backend == "native" and kv_tokens < inp.max_len:
+        key = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
+        out.append((key, f"the engine's KV cache would hold {kv_tokens} tokens, less than one sequence of "
+                    f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); raise {key}, free device memory "
+                    "during rollouts (strategy.offload_optimizer=true, strategy.offload_actor_during_rollout=true) or "
+                    "shorten the sequences"))
+    host_budget = int(inp.host.total * inp.host_fraction)
+    steady = inp.local_world_size * sum(p.nbytes for p in host_parts)
+    setup = inp.local_world_size * host_setup
+    for what, need in (("host memory in the steady state", steady), ("host memory while loading the model", setup)):
+        if need > host_budget:
+            out.append(("memory.host_memory_gib", (
+                f"{what}: {gib(need):.1f} GiB for {inp.local_world_size} rank(s) on this host, more than "
+                f"{inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source}). Keep less on the host "
+                "(strategy.offload_optimizer=false, engine.sleep_level=1, strategy.offload_reference=false) or, where "
+                "the machine has more memory than detected (memory that grows as it is used), set memory.host_memory_gib")))
+    return out
+
+
+def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]:
+    """(the first setting to change, the problem and every change that would lower this phase)."""
+    over = (f"the {ph.name} phase needs {gib(ph.total):.1f} GiB, over the budget of {gib(inp.budget):.1f} GiB "
+            f"({inp.device_fraction:.0%} of {gib(inp.device.total):.1f} GiB, memory.device_fraction)")
+    training = ph.name in ("update", "critic update")
+    hints: list[tuple[str, str]] = []
+    if training and inp.micro_batch_tokens is not None and inp.micro_batch_tokens > inp.max_len:
+        hints.append(("train.micro_batch_tokens", f"lower train.micro_batch_tokens ({inp.micro_batch_tokens}) or set it to auto"))
+    if ph.name == "experience" and inp.forward_micro_batch_tokens is not None and inp.forward_micro_batch_tokens > inp.max_len:
+        hints.append(("train.forward_micro_batch_tokens",
+                      f"lower train.forward_micro_batch_tokens ({inp.forward_micro_batch_tokens}) or set it to auto"))
+    if training and not c.gradient_checkpointing:
+        hints.append(("model.gradient_checkpointing", "set model.gradient_checkpointing=true (or auto)"))
+    if not c.offload_optimizer and ph.name != "weight sync":
+        hints.append(("strategy.offload_optimizer", "set strategy.offload_optimizer=true (or auto): the optimizer state waits in host memory"))
+    if inp.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
+        hints.append(("engine.sleep_level", "set engine.sleep_level=2: the engine's weights wait on the host outside rollouts"))
+    if ph.name == "rollout":
+        hints.append(("engine.kv_cache_memory_fraction", "lower engine.kv_cache_memory_fraction or set engine.kv_cache_max_tokens, "
+                      "or strategy.offload_actor_during_rollout=true"))
+    one = training and c.micro_batch_tokens <= inp.max_len
+    hints.append(("rollout.max_new_tokens", (f"a packed micro-batch of one longest sequence ({inp.max_len} tokens) already "
+                  "does not fit: " if one else "") + f"shorten sequences (data.max_prompt_len + rollout.max_new_tokens = "
+                  f"{inp.max_len} tokens; a micro-batch holds whole sequences), train with LoRA (model.lora.rank) or use "
+                  "more GPUs (weights and optimizer state shard over them)"))
+    return hints[0][0], over + ": " + "; ".join(h for _, h in hints)
+
+
+def _candidates(inp: PlanInputs) -> list[tuple[bool, bool]]:
+    """(offload_optimizer, gradient_checkpointing) in order of preference: streaming the optimizer
+    state costs PCIe traffic per optimizer step, checkpointing a third more compute per token."""
+    offloads = [inp.offload_optimizer] if inp.offload_optimizer is not None else [False, True]
+    gcs = [inp.gradient_checkpointing] if inp.gradient_checkpointing is not None else [False, True]
+    order = [(False, False), (True, False), (False, True), (True, True)]
+    return [(o, g) for o, g in order if o in offloads and g in gcs]
+
+
+def plan_memory(inp: PlanInputs) -> MemoryPlan:
+    """The memory plan for ``inp``: among the allowed choices of optimizer offload and gradient
+    checkpointing, the first (in :func:`_candidates` order) that fits with a training micro-batch of
+    at least :data:`MIN_EFFICIENT_MICRO_BATCH_TOKENS` (or the whole mini-batch, if smaller); else
+    the fitting one with the largest micro-batch; else the one that misses by the least (its
+    ``problems`` say what to change). Never raises for a plan that does not fit."""
+    plans = []
+    for offload, gc in _candidates(inp):
+        plans.append(_plan_for(inp, _choose_tokens(inp, _base_choice(inp, offload, gc))))
+    enough = min(MIN_EFFICIENT_MICRO_BATCH_TOKENS, _train_cap(inp))
+    for p in plans:
+        if p.fits and p.choice.micro_batch_tokens >= enough:
+            return p
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        return max(fitting, key=lambda p: p.choice.micro_batch_tokens)
+    return min(plans, key=lambda p: p.peak_bytes)
+
+
+def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
+    phases = _phases(inp, c)
+    host_parts, host_setup = _host_parts(inp, c)
+    notes = []
+    if inp.engine_backend not in ("native", "hf"):
+        notes.append(f"engine.backend={inp.engine_backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
+    if inp.backend == "deepspeed":
+        notes.append("DeepSpeed figures follow its documented layout (not calibrated on a GPU)")
+    if inp.shape.vision:
+        notes.append("vision-language model: the vision tower's weights and activations are not counted")
+    kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
+    if inp.engine_backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
+        notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
+                     "sequences at full length: long rollouts run in more than one wave")
+    return MemoryPlan(inputs=inp, choice=c, phases=phases, host_parts=tuple(host_parts), host_setup_bytes=host_setup,
+                      problems=tuple(_problems(inp, c, phases, host_parts, host_setup)), notes=tuple(notes))
+
+
+# ---- the settings a run uses ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """The values a run uses for the settings the plan decides: the user's explicit value, or the
+    plan's choice where it was ``auto``. Components read these, never ``auto`` from the config.
+    ``plan``: None when no plan was made (a CPU run without ``memory.device_memory_gib``, the
+    reward-model job)."""
+
+    micro_batch_tokens: int
+    forward_micro_batch_tokens: int
+    gradient_checkpointing: bool
+    offload_optimizer: bool
+    plan: MemoryPlan | None = None
+
+    # Config sections as a component should read them, ``auto`` replaced by these values: copies for
+    # components that take a section (the user's config objects are never changed).
+    def train_config(self, cfg):
+        """``cfg`` (``train.*``) with the micro-batch token budgets this run uses."""
+        return dataclasses.replace(cfg, micro_batch_tokens=self.micro_batch_tokens, forward_micro_batch_tokens=self.forward_micro_batch_tokens)
+
+    def model_config(self, cfg):
+        """``cfg`` (``model.*``) with the gradient checkpointing this run uses."""
+        return dataclasses.replace(cfg, gradient_checkpointing=self.gradient_checkpointing)
+
+    def strategy_config(self, cfg):
+        """``cfg`` (``strategy.*``) with the optimizer offload this run uses."""
+        return dataclasses.replace(cfg, offload_optimizer=self.offload_optimizer)
+
+    def run_config(self, cfg):
+        """The root config ``cfg`` with the three sections above resolved: what every component
+        built after the plan is handed (the user's ``cfg`` stays as written, ``auto`` included)."""
+        return dataclasses.replace(cfg, train=self.train_config(cfg.train), model=self.model_config(cfg.model),
+                                   strategy=self.strategy_config(cfg.strategy))
+
+
+# Values of ``auto`` settings in a run without a plan (a CPU run without memory.device_memory_gib,
+# the reward-model job): the fixed defaults these keys had before the plan.
+UNPLANNED_DEFAULTS = dict(micro_batch_tokens=16384, forward_micro_batch_tokens=65536, gradient_checkpointing=False, offload_optimizer=False)
+
+
+def settings_without_plan(cfg, *, longest: int = 0) -> MemorySettings:
+    """Settings of a run that makes no plan: explicit values as given, ``auto`` ones at
+    :data:`UNPLANNED_DEFAULTS`, the token budgets raised to ``longest`` (the longest sequence, which
+    a packed micro-batch must hold) where that is more."""
+    given = dict(micro_batch_tokens=cfg.train.micro_batch_tokens, forward_micro_batch_tokens=cfg.train.forward_micro_batch_tokens,
+                 gradient_checkpointing=cfg.model.gradient_checkpointing, offload_optimizer=cfg.strategy.offload_optimizer)
+    values = {k: UNPLANNED_DEFAULTS[k] if v == "auto" else v for k, v in given.items()}
+    for k in ("micro_batch_tokens", "forward_micro_batch_tokens"):
+        if given[k] == "auto":
+            values[k] = max(values[k], longest)
+    return MemorySettings(**values)
+
+
+def apply_plan(plan: MemoryPlan) -> MemorySettings:
+    """The settings of ``plan``, or a ConfigError (key: the first setting to change) whose message
+    lists every problem and the plan's table, when it does not fit."""
+    if not plan.fits:
+        key = plan.problems[0][0]
+        lines = [f"the run does not fit in memory ({len(plan.problems)} problem(s)):"]
+        lines += [f"  - {k}: {msg}" for k, msg in plan.problems]
+        raise ConfigError(key, "\n".join(lines) + "\n" + format_plan(plan))
+    c = plan.choice
+    return MemorySettings(micro_batch_tokens=c.micro_batch_tokens, forward_micro_batch_tokens=c.forward_micro_batch_tokens,
+                          gradient_checkpointing=c.gradient_checkpointing, offload_optimizer=c.offload_optimizer, plan=plan)
+
+
+# ---- the table --------------------------------------------------------------------------------------------------
+def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
+    """A readable table: the device and budget, the settings (chosen or given), each phase's peak
+    with its largest parts, and the host memory."""
+    inp, c = plan.inputs, plan.choice
+    shape = inp.shape
+    lines = [
+        f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
+        f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
+        + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
+        + f"; {inp.world_size} rank(s), {inp.backend}",
+    ]
+    chosen = plan.chosen()
+    settings = [
+        ("train.micro_batch_tokens", c.micro_batch_tokens), ("train.forward_micro_batch_tokens", c.forward_micro_batch_tokens),
+        ("model.gradient_checkpointing", c.gradient_checkpointing), ("strategy.offload_optimizer", c.offload_optimizer),
+    ]
+    if plan.kv_cache_tokens:
+        source = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else f"{inp.kv_cache_memory_fraction:g} of the memory available"
+        settings.append(("engine KV cache", f"{plan.kv_cache_tokens} tokens ({source})"))
+    lines.append("  settings: " + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}{' (auto)' if k in chosen else ''}"
+                                             for k, v in settings))
+    width = max(len(p.name) for p in plan.phases)
+    lines.append(f"  {'phase':<{width}}  peak GiB  allocated  largest parts (GiB)")
+    for ph in plan.phases:
+        top = sorted(ph.parts, key=lambda p: -p.nbytes)[:parts_shown]
+        flag = "  OVER BUDGET" if ph.total > inp.budget else ""
+        lines.append(f"  {ph.name:<{width}}  {gib(ph.total):8.1f}  {gib(ph.allocated):9.1f}  "
+                     + ", ".join(f"{p.label} {gib(p.nbytes):.1f}" for p in top) + flag)
+    host_total = sum(p.nbytes for p in plan.host_parts)
+    lines.append(f"  host: {gib(plan.host_bytes):.1f} GiB steady ({inp.local_world_size} rank(s) x {gib(host_total):.1f}: "
+                 + ", ".join(f"{p.label} {gib(p.nbytes):.1f}" for p in plan.host_parts)
+                 + f"), {gib(inp.local_world_size * plan.host_setup_bytes):.1f} GiB while loading; "
+                 f"budget {inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source})")
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)
