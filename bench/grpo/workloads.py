@@ -143,6 +143,6 @@ def select(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
         return list(workloads)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(w.name, p) for w in workloads):
-            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-MODE, e.g. "
+            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-LENGTHS[-carry|-drop], e.g. "
                              f"{workloads[0].name}; known: {', '.join(w.name for w in workloads)}")
     return [w for w in workloads if any(fnmatch.fnmatchcase(w.name, p) for p in patterns)]
