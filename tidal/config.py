@@ -23,6 +23,7 @@ from tidal.engine.config import EngineConfig
 from tidal.envs.base import check_engine_backend
 from tidal.envs.config import EnvConfig
 from tidal.jobs import check_job, check_job_world
+from tidal.trainer.partial import check_partial_rollout
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
@@ -93,6 +94,7 @@ class TidalConfig:
                   f"({getattr(self.train, key)}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
                   f"= {longest} tokens; raise it (or lower those)")
         check_engine_backend(self.env, self.engine.backend)
+        check_partial_rollout(self)
         check(
             self.rollout.prompts_per_step % self.train.mini_batches == 0,
             "train.mini_batches",

@@ -7,7 +7,9 @@ time limit.
     python -m bench.grpo matrix --tiny                       # CPU: the tiny model, 4 cases
 
 A case line (``figure: "case"``) holds the workload (``size``, ``seqs``, ``prompt_len``,
-``max_new_tokens``, ``lengths``, ``partial_rollout``), Tidal's steady ``iteration_s`` (median) and
+``max_new_tokens``, ``lengths``, ``partial_rollout``, ``rollout_mode``: ``plain``, ``carry`` or
+``drop``, with the medians of its ``partial/*`` metrics in ``partial``), Tidal's steady
+``iteration_s`` (median) and
 ``first_iteration_s``, its ``phases`` (medians of ``time/<phase>``) against their ``bounds``
 (:mod:`bench.grpo.bounds`, from each iteration's own completion lengths: real tokens only),
 ``real_tokens`` and ``generated_tokens`` per iteration, ``generated_tokens_per_s`` (whole
@@ -57,7 +59,8 @@ def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict,
            for x, p in zip(lengths, per_step)] if ceilings else []
     return {
         "size": w.size, "seqs": w.seqs, "prompts": w.prompts, "samples": w.samples, "prompt_len": w.prompt_len,
-        "max_new_tokens": w.max_new_tokens, "lengths": w.lengths, "partial_rollout": w.partial_rollout, "kl": w.kl,
+        "max_new_tokens": w.max_new_tokens, "lengths": w.lengths, "partial_rollout": w.partial_rollout,
+        "rollout_mode": w.rollout, "partial": t.get("partial"), "kl": w.kl,
         "case": w.name, "iteration_s": median_or_none(steady), "steady_s": steady,
         "first_iteration_s": t.get("first_iteration_s"), "phases": t.get("phases") or {},
         "bounds": median_bounds(bounds_per_step),
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     everything = tiny_matrix() if args.tiny else matrix()
     try:
         workloads = select(everything, _patterns(args.cases))
-        trl_cases = {w.name for w in select(workloads, _patterns(args.trl))} if args.trl else set()
+        # TRL has no partial rollout: its figures belong on the plain cases
+        trl_cases = {w.name for w in select(workloads, _patterns(args.trl)) if not w.partial_rollout} if args.trl else set()
     except ValueError as e:
         raise SystemExit(str(e))
     if args.list:

@@ -8,7 +8,9 @@ boundaries, placement moves with bytes, each rollout's lengths and finish reason
 and host timers) and ``trainer.phases.engine.memory_report()``. Natural lengths go through
 ``trainer.maker.completion_budget``: each sequence's drawn length is its budget, and the sequence
 ends with EOS there (budget forcing: ``finish_reason`` ``stop``, EOS included), with
-``rollout.ignore_eos`` so that no sequence ends earlier.
+``rollout.ignore_eos`` so that no sequence ends earlier. A long-tail case (``carry``, ``drop``) sets
+``rollout.partial.mode`` (``carry`` with ``algorithm.mismatch.mode: token_truncate``, which it
+requires; the default ``oversample``); its rollouts draw budgets for the sequences they start.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ REWARD_PATH = "bench.grpo.rewards:tidal_reward"
 def tidal_config(spec: dict) -> dict:
     """The Tidal run config of a case, before the case's ``tidal_set`` overrides."""
     w, s = Workload(**spec["workload"]), RunSettings(**spec["settings"])
-    return {
+    cfg = {
         # one more when profiling: the profiled iteration comes after the timed ones
         "run": {"output_dir": spec["run_dir"], "steps": s.tidal_warmup + s.tidal_steps + int(bool(spec.get("profile"))),
                 "seed": s.seed, "device": "cuda" if spec["device"] == "cuda" else "cpu"},
@@ -46,18 +48,24 @@ def tidal_config(spec: dict) -> dict:
         "checkpoint": {"every": 0, "at_end": False, "resume": "never"},
         "logging": {"backends": []},
     }
+    if w.partial_rollout:
+        cfg["rollout"]["partial"] = {"mode": w.rollout}
+    if w.rollout == "carry":
+        cfg["algorithm"]["mismatch"] = {"mode": "token_truncate"}
+    return cfg
 
 
 class DrawnLengths:
     """The ``lengths`` of a :class:`tidal.trainer.budget.CompletionBudget`: rollout k (the k-th call)
-    gets ``workload.completion_lengths(k, seed)``, the same draws the TRL runner uses."""
+    gets ``workload.completion_lengths(k, seed)``, the same draws the TRL runner uses (a long-tail
+    rollout: as many draws as sequences it starts)."""
 
     def __init__(self, workload: Workload, seed: int):
         self.workload, self.seed, self.calls = workload, seed, 0
 
     def __call__(self, items, params) -> list[int]:
         self.calls += 1
-        return self.workload.completion_lengths(self.calls - 1, self.seed)
+        return self.workload.completion_lengths(self.calls - 1, self.seed, count=len(items) * params.n)
 
 
 def predicted_peak_gib(trainer) -> float | None:
@@ -130,7 +138,8 @@ def _loop(trainer, obs, w: Workload, s: RunSettings, deadline: float, cuda: bool
             "kind": "step", "step": step, "wall_s": last, "metrics": {k: float(v) for k, v in metrics.items()},
             "peak_allocated": _max(p.get("peak") for p in points), "peak_reserved": _max(p.get("peak_reserved") for p in points),
             "timeline": points, "calls": calls, "rollout": rollouts[-1] if rollouts else None, "rollouts": len(rollouts),
-            "expected_lengths": w.completion_lengths(n_rollouts, s.seed),  # rollout k's lengths (forced or drawn)
+            # rollout k's lengths (forced or drawn); a long-tail rollout trains sequences of several rollouts
+            "expected_lengths": None if w.partial_rollout else w.completion_lengths(n_rollouts, s.seed),
             "engine": {k: v - engine_before.get(k, 0) for k, v in getattr(engine, "stats", {}).items()
                        if isinstance(v, (int, float))},
         })
@@ -152,14 +161,20 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
     """Each iteration ran the workload it claims: prompt length, one rollout of ``seqs`` completions
     with the expected lengths (forced: all ``max_new_tokens``, ``length``; natural: the draws, each
     ending ``stop`` with the forced EOS), the length metric, finite rewards, no skipped step, a
-    reference model if and only if KL is on."""
+    reference model if and only if KL is on. A long-tail rollout trains ``seqs`` completions whose
+    lengths come from several rollouts' draws: each within ``1..max_new_tokens``, the length metric
+    their mean, and its ``partial/*`` metrics reported."""
     rollouts = [r.get("rollout") or {} for r in steps]
     end = "stop" if w.lengths == "natural" else "length"
+    if w.partial_rollout:
+        steps = [{**r, "expected_lengths": ro.get("lengths") or [0]} for r, ro in zip(steps, rollouts)]
     return {
         "prompt_len": init.get("prompt_lens") == [w.prompt_len],
         "completions_per_rollout": bool(steps) and all(r.get("rollouts") == 1 and len(ro.get("lengths", [])) == w.seqs
                                                        for r, ro in zip(steps, rollouts)),
-        "completion_lengths": bool(steps) and all(ro.get("lengths") == r["expected_lengths"] for r, ro in zip(steps, rollouts)),
+        "completion_lengths": bool(steps) and all(
+            all(1 <= x <= w.max_new_tokens for x in ro.get("lengths") or [0]) if w.partial_rollout else ro.get("lengths") == r["expected_lengths"]
+            for r, ro in zip(steps, rollouts)),
         f"finish_{end}": bool(steps) and all(ro.get("finish_reasons") and set(ro["finish_reasons"]) == {end} for ro in rollouts),
         "response_length_metric": bool(steps) and all(
             math.isclose(r["metrics"].get("response/length_mean", -1.0), statistics.mean(r["expected_lengths"]), rel_tol=1e-4)
@@ -167,6 +182,7 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
         "finite_rewards": bool(steps) and all(math.isfinite(r["metrics"].get("reward/mean", math.nan)) for r in steps),
         "one_optimizer_step": bool(steps) and all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in steps),
         "reference_model_iff_kl": bool(steps) and all(("actor/kl" in r["metrics"]) == w.kl for r in steps),
+        "partial_metrics_iff_partial": bool(steps) and all(("partial/new_groups" in r["metrics"]) == w.partial_rollout for r in steps),
     }
 
 
@@ -185,7 +201,9 @@ def summarize_tidal(records: list[dict], w: Workload, s: RunSettings) -> dict:
         "first_iteration_s": all_steps[0]["wall_s"] if all_steps else None,
         "phases": {p: statistics.median([r["metrics"].get(f"time/{p}", 0.0) for r in steady]) for p in names},
         "phases_per_step": [{k[5:]: v for k, v in r["metrics"].items() if k.startswith("time/")} for r in steady],
-        "lengths_per_step": [(r.get("rollout") or {}).get("lengths") or r["expected_lengths"] for r in steady],
+        "lengths_per_step": [(r.get("rollout") or {}).get("lengths") or r["expected_lengths"] or [] for r in steady],
+        "partial": {k: statistics.median([r["metrics"].get(k, 0.0) for r in steady])
+                    for k in sorted({k for r in steady for k in r["metrics"] if k.startswith("partial/")})} or None,
         "checks": tidal_checks(init, all_steps, w),
         "stopped_early": any(r["kind"] == "stopped" for r in records),
         "peak_allocated": _max([init.get("peak_allocated")] + [r["peak_allocated"] for r in all_steps]),

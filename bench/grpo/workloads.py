@@ -9,9 +9,16 @@ A :class:`Workload` is a model size, a rollout (``prompts`` x ``samples`` sequen
   of ``max_new_tokens`` and of which about 3% reach the maximum (they end with EOS there too). Every
   framework reproduces the same draws: rollout k of Tidal and rollout k of TRL have the same lengths.
 
+The rollout (``rollout``): ``plain`` (every group runs to its end), or the long-tail modes of
+``rollout.partial`` (docs/partial_rollout.md), on ``natural`` lengths only: ``carry`` (partial
+rollout: stop at ``prompts`` complete groups, resume the unfinished sequences next iteration) and
+``drop`` (over-sample, drop the slowest groups). Their cases are named ``...-natural-carry`` and
+``...-natural-drop``; a long-tail case's rollouts draw their lengths for the new sequences they start
+(:meth:`Workload.completion_lengths` with ``count``), from the same distribution.
+
 The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
-(``samples`` per prompt), 256 to 4096 new tokens and both length modes; ``--cases`` picks cases by
-name (:func:`select`), e.g. ``0.5b-512x1024-*``.
+(``samples`` per prompt), 256 to 4096 new tokens, both length modes and, on natural lengths, the
+three rollouts; ``--cases`` picks cases by name (:func:`select`), e.g. ``0.5b-512x1024-*``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from bench.grpo.shapes import SHAPES, SIZE_ORDER
 
 LengthMode = Literal["forced", "natural"]
 LENGTH_MODES: tuple[str, ...] = ("forced", "natural")
+RolloutMode = Literal["plain", "carry", "drop"]
+ROLLOUT_MODES: tuple[str, ...] = ("plain", "carry", "drop")
 MEDIAN_FRACTION = 0.25  # natural: median length / max_new_tokens
 TRUNCATED_FRACTION = 0.03  # natural: share of draws at or beyond max_new_tokens (cut to it)
 # lognormal sigma with P(X >= max) = TRUNCATED_FRACTION when the median is MEDIAN_FRACTION * max
@@ -44,8 +53,9 @@ class Workload:
     """One case's rollout and update. ``size``: a key of :data:`~bench.grpo.shapes.SHAPES`;
     ``prompts`` x ``samples`` sequences (GRPO groups of ``samples``), each prompt exactly
     ``prompt_len`` tokens; completions of at most ``max_new_tokens`` in ``lengths`` mode; ``kl``: a
-    reference model and a KL loss (coefficient 0.04, k3) in both frameworks. ``partial_rollout`` is
-    recorded as False: partial rollout (issue 20) is not a benchmark setting yet."""
+    reference model and a KL loss (coefficient 0.04, k3) in both frameworks; ``rollout``: ``plain``
+    or a long-tail mode of ``rollout.partial`` (``carry``, ``drop``: natural lengths only), recorded
+    as ``partial_rollout`` (not plain) and ``rollout_mode``."""
 
     size: str
     prompts: int
@@ -54,6 +64,7 @@ class Workload:
     max_new_tokens: int
     lengths: LengthMode = "forced"
     kl: bool = False
+    rollout: RolloutMode = "plain"
 
     def __post_init__(self):
         if self.size not in SHAPES:
@@ -65,6 +76,10 @@ class Workload:
             raise ValueError(f"samples must be >= 2 (GRPO groups), got {self.samples}")
         if self.lengths not in LENGTH_MODES:
             raise ValueError(f"lengths must be one of {LENGTH_MODES}, got {self.lengths!r}")
+        if self.rollout not in ROLLOUT_MODES:
+            raise ValueError(f"rollout must be one of {ROLLOUT_MODES}, got {self.rollout!r}")
+        if self.rollout != "plain" and self.lengths != "natural":
+            raise ValueError(f"rollout={self.rollout!r} needs natural lengths: with forced ones every sequence ends at the same step")
         if self.prompt_len + self.max_new_tokens > SHAPES[self.size]["max_position_embeddings"]:
             raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
                              f"{self.size} model's max_position_embeddings")
@@ -75,17 +90,20 @@ class Workload:
 
     @property
     def partial_rollout(self) -> bool:
-        return False
+        return self.rollout != "plain"
 
     @property
     def name(self) -> str:
-        return f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}" + ("-kl" if self.kl else "")
+        mode = "" if self.rollout == "plain" else f"-{self.rollout}"
+        return f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}{mode}" + ("-kl" if self.kl else "")
 
-    def completion_lengths(self, rollout: int, seed: int) -> list[int]:
-        """The completion lengths of rollout ``rollout`` (0-based), prompt-major."""
+    def completion_lengths(self, rollout: int, seed: int, count: int | None = None) -> list[int]:
+        """The completion lengths of rollout ``rollout`` (0-based), prompt-major: ``count``
+        sequences (default ``seqs``; a long-tail rollout starts as many as it has free slots)."""
+        count = self.seqs if count is None else count
         if self.lengths == "forced":
-            return [self.max_new_tokens] * self.seqs
-        return natural_lengths(self.seqs, self.max_new_tokens, seed=seed, rollout=rollout)
+            return [self.max_new_tokens] * count
+        return natural_lengths(count, self.max_new_tokens, seed=seed, rollout=rollout)
 
 
 def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> list[int]:
@@ -99,16 +117,18 @@ def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> 
 
 def matrix(sizes: list[str] | None = None, *, samples: int = MATRIX_SAMPLES, prompt_len: int = MATRIX_PROMPT_LEN,
            seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS) -> list[Workload]:
-    """Every (size, sequences, new tokens, length mode) case, cheapest first within each size."""
+    """Every (size, sequences, new tokens, length mode) case, and on natural lengths every rollout
+    mode, cheapest first within each size (plain, carry, drop next to each other)."""
     out = []
     for size in sizes or SIZE_ORDER:
         for s in seqs:
             for r in new_tokens:
                 for mode in LENGTH_MODES:
-                    out.append(Workload(size=size, prompts=s // samples, samples=samples, prompt_len=prompt_len,
-                                        max_new_tokens=r, lengths=mode))
+                    for rollout in (ROLLOUT_MODES if mode == "natural" else ("plain",)):
+                        out.append(Workload(size=size, prompts=s // samples, samples=samples, prompt_len=prompt_len,
+                                            max_new_tokens=r, lengths=mode, rollout=rollout))
     return sorted(out, key=lambda w: (SIZE_ORDER.index(w.size) if w.size in SIZE_ORDER else -1,
-                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.lengths))
+                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.lengths, ROLLOUT_MODES.index(w.rollout)))
 
 
 def tiny_matrix() -> list[Workload]:
@@ -123,6 +143,6 @@ def select(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
         return list(workloads)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(w.name, p) for w in workloads):
-            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-MODE, e.g. "
+            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-LENGTHS[-carry|-drop], e.g. "
                              f"{workloads[0].name}; known: {', '.join(w.name for w in workloads)}")
     return [w for w in workloads if any(fnmatch.fnmatchcase(w.name, p) for p in patterns)]

@@ -54,17 +54,25 @@ def test_workload_lengths_and_validation():
 
 def test_matrix_crosses_sizes_rollouts_lengths_and_modes():
     cases = workloads.matrix()
-    assert len(cases) == 4 * 3 * 3 * 2 and len({w.name for w in cases}) == len(cases)
+    assert len(cases) == 4 * 3 * 3 * (1 + 3) and len({w.name for w in cases}) == len(cases)
     assert {w.size for w in cases} == {"0.5b", "1.5b", "3b", "7b"}
     assert {w.seqs for w in cases} == {128, 512, 2048} and {w.max_new_tokens for w in cases} == {256, 1024, 4096}
     assert {w.lengths for w in cases} == {"forced", "natural"} and {w.samples for w in cases} == {8}
     assert [w.size for w in cases] == sorted((w.size for w in cases), key=["0.5b", "1.5b", "3b", "7b"].index)
     picked = workloads.select(cases, ["0.5b-512x1024-*", "7b-512x1024-forced"])
-    assert [w.name for w in picked] == ["0.5b-512x1024-forced", "0.5b-512x1024-natural", "7b-512x1024-forced"]
+    assert [w.name for w in picked] == ["0.5b-512x1024-forced", "0.5b-512x1024-natural", "0.5b-512x1024-natural-carry",
+                                        "0.5b-512x1024-natural-drop", "7b-512x1024-forced"]
+    assert [(w.rollout, w.partial_rollout) for w in picked[1:4]] == [("plain", False), ("carry", True), ("drop", True)]
     with pytest.raises(ValueError, match="'0.5b-999x1-\\*' matches no case"):
         workloads.select(cases, ["0.5b-999x1-*"])
-    assert [w.name for w in workloads.tiny_matrix()] == ["tiny-4x8-forced", "tiny-4x8-natural", "tiny-4x16-forced",
-                                                         "tiny-4x16-natural"]
+    assert [w.name for w in workloads.tiny_matrix()] == [
+        "tiny-4x8-forced", "tiny-4x8-natural", "tiny-4x8-natural-carry", "tiny-4x8-natural-drop",
+        "tiny-4x16-forced", "tiny-4x16-natural", "tiny-4x16-natural-carry", "tiny-4x16-natural-drop"]
+    with pytest.raises(ValueError, match="needs natural lengths"):
+        Workload(size="tiny", prompts=1, samples=2, prompt_len=1, max_new_tokens=4, rollout="carry")
+    w = Workload(size="tiny", prompts=2, samples=2, prompt_len=1, max_new_tokens=64, lengths="natural", rollout="drop")
+    assert w.completion_lengths(0, 1) == workloads.natural_lengths(4, 64, seed=1, rollout=0)
+    assert w.completion_lengths(0, 1, count=6) == workloads.natural_lengths(6, 64, seed=1, rollout=0)
 
 
 def _summary(steady, lengths, train_s):
@@ -122,14 +130,19 @@ def test_tiny_matrix_on_cpu(tmp_path):
                    "--work-dir", str(tmp_path / "w"), "--commit", "abc"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(x) for x in record.read_text().splitlines()]
-    assert [x["case"] for x in lines] == ["tiny-4x8-forced", "tiny-4x8-natural"] and {x["figure"] for x in lines} == {"case"}
+    assert [x["case"] for x in lines] == ["tiny-4x8-forced", "tiny-4x8-natural", "tiny-4x8-natural-carry",
+                                          "tiny-4x8-natural-drop"] and {x["figure"] for x in lines} == {"case"}
     for x in lines:
         assert CASE_KEYS <= set(x), CASE_KEYS - set(x)
         assert x["error"] is None and x["checks_ok"] is True, x
         assert x["commit"] == "abc" and x["device"] == "cpu" and x["run_id"] == lines[0]["run_id"]
         assert x["iteration_s"] > 0 and x["first_iteration_s"] == x["steady_s"][0] and {"generate", "train"} <= set(x["phases"])
         assert x["bounds"] == {} and x["mfu"] is None  # no ceilings on CPU
-        assert x["trl_iteration_s"] is None and x["partial_rollout"] is False
-    forced, natural = lines
+        assert x["trl_iteration_s"] is None and x["partial_rollout"] is (x["rollout_mode"] != "plain")
+    forced, natural, carry, drop = lines
+    assert [x["rollout_mode"] for x in lines] == ["plain", "plain", "carry", "drop"]
+    assert forced["partial"] is None and carry["partial"]["partial/new_groups"] >= 2 and "partial/carried" in carry["partial"]
+    assert drop["partial"]["partial/new_groups"] == 3 and "partial/dropped_groups" in drop["partial"]
+    assert carry["generated_tokens"] > 0 and "finish_stop" in carry["checks"] and "finish_stop" in drop["checks"]
     assert forced["generated_tokens"] == 4 * 8 and "finish_length" in forced["checks"]
     assert natural["generated_tokens"] < forced["generated_tokens"] and "finish_stop" in natural["checks"]

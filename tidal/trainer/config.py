@@ -36,12 +36,53 @@ class RunConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Long-tail handling of training rollouts (``rollout.partial.*``; docs/partial_rollout.md).
+    Each rank keeps ``ceil(G * (1 + oversample))`` prompt groups in flight, G being its share of
+    ``rollout.prompts_per_step``; a rollout stops as soon as G groups are complete (all their
+    ``n_samples`` sequences finished) and those G are trained.
+
+    mode: ``off`` (plain rollout: every group runs to its end). ``carry`` (partial rollout across
+        iterations): the unfinished sequences (tokens, sampling logprobs, policy versions) and the
+        complete groups beyond G are kept, checkpointed, and resumed first in the next rollout under
+        the new weights (re-prefilled); new prompts refill the in-flight groups, so after the first
+        step each rollout takes G new prompts. Needs an ``algorithm.mismatch.mode`` (stale tokens
+        were sampled by older weights: the correction weights them by pi_old / pi_rollout).
+        ``drop`` (over-sample, drop the slowest): the groups that are not among the first G complete
+        are aborted and discarded (biased towards short responses; nothing is stale).
+    oversample: extra groups in flight as a fraction of G (>= 0). 0 cuts nothing: every group in
+        flight completes, which is exactly a plain rollout.
+    max_staleness: ``carry`` only: the most policy versions a trained token may lag behind the
+        weights it is trained with. A carried sequence whose oldest token would lag more is
+        restarted from its prompt (counted in ``partial/restarted``); 0 restarts every carried
+        sequence. A sequence that needs more than ``max_staleness + 1`` rollouts to finish is
+        restarted again and again: keep it large enough for ``max_new_tokens``.
+    """
+
+    mode: Literal["off", "carry", "drop"] = "off"
+    oversample: float = 0.5
+    max_staleness: int = 4
+
+    def __post_init__(self):
+        check(self.oversample >= 0, "oversample", "must be >= 0")
+        check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        check(self.mode != "off" or self.oversample == 0.5, "oversample", "only used when mode is carry or drop")
+        check(self.mode == "carry" or self.max_staleness == 4, "max_staleness", f"only used when mode is carry, not '{self.mode}'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
     """prompts_per_step: prompts per iteration over ALL ranks (must divide by WORLD_SIZE).
     n_samples: responses per prompt (the group size of GRPO-family estimators).
     temperature/top_p/top_k: sampling; the actor's logprobs use the same temperature.
     max_new_tokens: response length limit (longer responses are truncated, finish_reason=length).
     ignore_eos: never stop at EOS, always generate max_new_tokens (benchmarks with random models).
+    partial: long-tail handling, partial rollout across iterations or drop-the-slowest
+        (:class:`PartialRolloutConfig`).
     """
 
     prompts_per_step: int = 16
@@ -51,6 +92,7 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 256
     ignore_eos: bool = False
+    partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
 
     def __post_init__(self):
         check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")

@@ -46,6 +46,7 @@ from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig, require_resolved
 from tidal.trainer.experience import Experience, packed_micro_batches
+from tidal.trainer.partial import LongTailRollout
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -157,6 +158,17 @@ class ExperienceMaker:
         with self.phases.rollout() as engine:
             result = self.trajectories(engine, items, params, first_group_id, self.completion_budget)
         return Rollout(items=items, trajectories=result.trajectories, metrics=result.metrics if self.multi_turn else {})
+
+    def generate_partial(self, long_tail: LongTailRollout, step: int, params: SamplingParams) -> Rollout:
+        """Step ``step``'s rollout under ``rollout.partial`` (:mod:`tidal.trainer.partial`): the
+        groups it trains, as single-turn trajectories, with the ``partial/*`` metrics."""
+        with self.phases.rollout() as engine, self.timer.phase("generate"):
+            trained, metrics, _ = long_tail.collect(engine, step, params, self.completion_budget)
+        items, trajectories = long_tail.trajectories(trained, self.env.renderer.decode_batch)
+        self.timer.event("generate:done", {"prompts": len(items),
+                                           "completion_lengths": [t.num_sampled_tokens for t in trajectories],
+                                           "finish_reasons": [t.turns[-1].finish_reason for t in trajectories]})
+        return Rollout(items=items, trajectories=trajectories, metrics=metrics)
 
     # ---- tensors ---------------------------------------------------------------------------------
     def _pack(self, trajectories: list[Trajectory]) -> tuple[PackedRows, dict]:

@@ -30,6 +30,7 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.partial import LongTailRollout, per_rank_states
 from tidal.trainer.perf import PerfMeter
 from tidal.trainer.run_dir import RunDir
 from tidal.trainer.stop import StopRequest, StopRun
@@ -101,6 +102,11 @@ class PPOTrainer:
                                      rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
         self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=phases.strategy.compiles,
                               compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
+        self.long_tail = None  # rollout.partial: the groups in flight across steps
+        if cfg.rollout.partial.enabled:
+            self.long_tail = LongTailRollout(cfg.rollout.partial, groups_per_step=cfg.rollout.prompts_per_step // self.rt.world_size,
+                                             n_samples=cfg.rollout.n_samples, rank=self.rt.rank, runtime=self.rt,
+                                             dataset=data.train, draw=lambda: self._next_items()[1])
         self.updater = Updater(models=models, phases=phases, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
                                model=cfg.model, split=self.perf.split)
 
@@ -122,6 +128,8 @@ class PPOTrainer:
         the algorithm does not keep (DAPO dynamic sampling: zero reward variance) are dropped and more
         prompts are sampled until this rank has ``prompts_per_rank`` groups or the rounds are used
         up (all ranks make equally many rounds). With one round every group is kept."""
+        if self.long_tail is not None:  # rollout.partial: one rollout of the groups in flight
+            return self.maker.make(self.maker.generate_partial(self.long_tail, step, self.sampling_params(step)))
         per_rank = self.cfg.rollout.prompts_per_step // self.rt.world_size
         rounds = self.algo.sampling_rounds
         kept: list[Experience] = []
@@ -252,6 +260,9 @@ class PPOTrainer:
             "step": step, "sampler": self.data.sampler.state_dict(), "algorithm": self.algo.state_dict(),
             "trainer": dataclasses.asdict(self.state),
         }
+        if self.long_tail is not None:  # every rank's groups in flight (a collective)
+            state = self.long_tail.state_dict()
+            trainer_state["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
         with self.timer.phase("checkpoint"):
             ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
                                  rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
@@ -279,6 +290,8 @@ class PPOTrainer:
         self.data.sampler.load_state_dict(st["sampler"])
         self.algo.load_state_dict(st["algorithm"])
         self.state = TrainerState(**st["trainer"])
+        if self.long_tail is not None and "partial" in st:
+            self.long_tail.load_state_dict(per_rank_states(st["partial"], self.rt.rank, self.rt.world_size))
         step = int(st["step"])
         if step != point.step:
             self.logger.rewind(step)

@@ -1,0 +1,328 @@
+"""Long-tail handling of training rollouts (``rollout.partial.*``): partial rollout across
+iterations (``carry``) and over-sampling with the slowest groups dropped (``drop``).
+
+Heavy-tailed completion lengths leave the device decoding a few long sequences at the end of every
+plain rollout. Here each rank keeps ``in_flight = ceil(G * (1 + oversample))`` prompt groups in
+flight (G: its share of ``rollout.prompts_per_step``) and a rollout stops at the engine step where G
+groups are complete (all ``n_samples`` sequences of the prompt finished). The G groups trained are
+the ones complete at the start of the rollout (complete groups carried over), then those that
+completed first; they enter the batch ordered by group id (oldest prompts first), so a rollout that
+cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the same order,
+the same seed, the same group ids.
+
+``carry``: what is left (unfinished sequences with their tokens, sampling logprobs and per-token
+policy versions, finished members of incomplete groups, complete groups beyond G) is kept by
+:class:`LongTailRollout`, checkpointed (:meth:`LongTailRollout.state_dict`), and resumed first in
+the next rollout: unfinished sequences are re-prefilled under the new weights
+(:meth:`tidal.engine.base.Request.resume`) and go on. New prompts refill the in-flight groups. At
+the start of a rollout, a carried sequence whose oldest token lags the engine's policy version by
+more than ``max_staleness`` is restarted from its prompt, so no trained token lags more than that.
+
+``drop``: every rollout starts ``in_flight`` fresh groups; those not among the first G complete are
+aborted and discarded (``partial/dropped_groups``). Nothing is stale, the batch is biased towards
+short responses.
+
+Under tensor parallelism the TP group's ranks share one engine: each rank brings its own groups,
+the requests are gathered over the group (as :class:`~tidal.distributed.generate.GroupGenerator`
+does) and every rank makes the same engine calls, stepping until every rank of the group has its G
+complete groups; each rank keeps its own.
+
+Metrics (per rank, averaged over ranks; ``_max`` ones the max): ``partial/staleness_mean`` and
+``partial/staleness_max`` (policy versions a trained token lags the weights it is trained with),
+``partial/stale_token_frac``, ``partial/span_mean`` / ``partial/span_max`` (rollouts a trained
+sequence spanned, 1 for one that started and finished in this rollout), ``partial/resumed``
+(unfinished sequences resumed with tokens), ``partial/restarted`` (sequences restarted: past
+``max_staleness``), ``partial/carried`` (sequences carried to the next rollout),
+``partial/carried_groups``, ``partial/dropped_groups`` (``drop``), ``partial/new_groups``,
+``partial/engine_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from tidal.config_base import check
+from tidal.distributed.generate import force_end
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental
+from tidal.envs.base import EnvRow
+from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
+from tidal.trainer.config import PartialRolloutConfig
+
+# request id = group id * SAMPLE_SLOTS + sample index (unique among the requests in flight)
+SAMPLE_SLOTS = 1024
+# group id = step * STEP_GROUPS + rank * in_flight + k: unique over ranks and steps
+STEP_GROUPS = 1_000_000
+
+
+def check_partial_rollout(cfg: Any) -> None:
+    """Cross-section checks of ``rollout.partial`` (``cfg``: the root ``TidalConfig``)."""
+    p = cfg.rollout.partial
+    if not p.enabled:
+        return
+    key = "rollout.partial.mode"
+    check(cfg.engine.backend == "native", key, f"{p.mode} needs an engine with incremental requests (add/step/abort): "
+          f"set engine.backend=native (got {cfg.engine.backend!r}) or rollout.partial.mode=off")
+    check(cfg.env.name == "single_turn", key, f"{p.mode} applies to single-turn rollouts; env.name is {cfg.env.name!r}: "
+          f"set rollout.partial.mode=off")
+    check(not cfg.algorithm.dynamic_sampling.enabled, key,
+          f"{p.mode} does not combine with algorithm.dynamic_sampling (both decide which groups a batch takes); turn one off")
+    check(cfg.rollout.n_samples <= SAMPLE_SLOTS, key, f"supports rollout.n_samples <= {SAMPLE_SLOTS}")
+    if p.mode == "carry":
+        check(cfg.algorithm.mismatch.enabled, key,
+              "carry trains tokens sampled by older weights: set algorithm.mismatch.mode (token_truncate, token_mask, "
+              "seq_truncate or seq_mask) so that they are weighted by pi_old / pi_rollout")
+
+
+def in_flight_groups(groups_per_step: int, oversample: float) -> int:
+    """Groups a rank keeps in flight: ``ceil(G * (1 + oversample))`` (float noise rounded away)."""
+    return max(groups_per_step, math.ceil(round(groups_per_step * (1.0 + oversample), 6)))
+
+
+@dataclasses.dataclass(kw_only=True)
+class SeqState:
+    """One sequence of a group in flight. ``finish_reason`` None: unfinished (``token_ids`` may
+    hold tokens sampled so far). ``versions[i]``: the policy version that sampled ``token_ids[i]``.
+    ``budget``: its ``max_new_tokens`` (resumed tokens included). ``start_step``: the step whose
+    rollout started it (or restarted it)."""
+
+    budget: int
+    start_step: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def restart(self, step: int) -> None:
+        self.token_ids, self.logprobs, self.versions, self.finish_reason, self.start_step = [], [], [], None, step
+
+    def take(self, c: Completion) -> None:
+        self.token_ids, self.logprobs = list(c.token_ids), list(c.logprobs)
+        self.versions = list(c.versions) if c.versions is not None else [0] * len(c.token_ids)
+        self.finish_reason = None if c.finish_reason == "abort" else c.finish_reason
+
+
+@dataclasses.dataclass(kw_only=True)
+class GroupState:
+    """A prompt group in flight: the dataset row ``index`` and its ``n_samples`` sequences."""
+
+    gid: int
+    index: int
+    seqs: list[SeqState]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunResult:
+    """What one engine run gave: every completion (finished or aborted) and the group ids that
+    completed, in the order they completed; ``steps``: engine steps."""
+
+    completions: list[Completion]
+    completed: list[int]
+    steps: int
+
+
+def run_until_complete(engine: IncrementalEngine, requests: list[Request], owner: dict[int, int], left: dict[int, int],
+                       needed: dict[int, int]) -> RunResult:
+    """Add ``requests`` to the idle engine and step it until every owner ``o`` has ``needed[o]``
+    more complete groups (group ``g`` of owner ``owner[g]`` completes when its ``left[g]``
+    unfinished requests have finished) or nothing is unfinished; then abort the rest. Identical
+    calls on every TP rank give identical results."""
+    if engine.has_unfinished():
+        raise RuntimeError("partial rollout needs an idle engine: it aborts whatever is unfinished at the end")
+    left, todo = dict(left), {o: n for o, n in needed.items() if n > 0}
+    completions: list[Completion] = []
+    completed: list[int] = []
+    steps = 0
+    engine.add(requests)
+    try:
+        while todo and engine.has_unfinished():
+            for c in engine.step():
+                completions.append(c)
+                left[c.group_id] -= 1
+                if left[c.group_id] == 0:
+                    completed.append(c.group_id)
+                    o = owner[c.group_id]
+                    if o in todo:
+                        todo[o] -= 1
+                        if todo[o] == 0:
+                            del todo[o]
+            steps += 1
+    finally:
+        completions += engine.abort()
+    return RunResult(completions=completions, completed=completed, steps=steps)
+
+
+class LongTailRollout:
+    """One rank's groups in flight and its policy (see the module docstring).
+
+    ``dataset[i]``: a prompt item (``prompt_ids``, ``mm_inputs``, ...); ``draw()``: the next batch of
+    dataset indices from the rank's sampler (drawn indices not started yet wait in a queue, which
+    the checkpoint keeps). ``runtime``: for the TP group (``tp_size``, ``tp_rank``, ``tp_cpu_group``).
+    """
+
+    def __init__(self, cfg: PartialRolloutConfig, *, groups_per_step: int, n_samples: int, rank: int, runtime: Any,
+                 dataset: Any, draw: Callable[[], list[int]]):
+        if not cfg.enabled:
+            raise ValueError("LongTailRollout needs rollout.partial.mode carry or drop")
+        self.cfg = cfg
+        self.G, self.n, self.rank = groups_per_step, n_samples, rank
+        self.in_flight = in_flight_groups(groups_per_step, cfg.oversample)
+        self.runtime, self.dataset, self.draw = runtime, dataset, draw
+        self.groups: list[GroupState] = []  # carried over (carry mode), oldest first
+        self.queue: list[int] = []  # drawn dataset indices not started yet
+
+    # ---- one rollout -------------------------------------------------------------------------------
+    def collect(self, engine: Any, step: int, params: SamplingParams, budget: Any = None
+                ) -> tuple[list[GroupState], dict[str, float], int]:
+        """Run step ``step``'s rollout on the awake ``engine``; returns the G trained groups (by group
+        id), the ``partial/*`` metrics and the policy version they are trained with. ``budget``: a
+        :class:`~tidal.trainer.budget.CompletionBudget` for the new groups' sequences."""
+        engine = require_incremental(engine, f"rollout.partial.mode={self.cfg.mode}")
+        version = int(engine.policy_version)
+        stats = Counter()
+        self._restart_stale(version, step, stats)
+        new = self._refill(step, params, budget)
+        stats["new_groups"] = len(new)
+        groups = self.groups + new
+        requests = self._requests(groups, params, stats)
+        run = self._run(engine, groups, requests)
+        by_gid = {g.gid: g for g in groups}
+        end = budget.end_token_id if budget is not None else None
+        for c in run.completions:
+            if c.group_id in by_gid:
+                seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
+                seq.take(force_end(c, seq.budget, end) if end is not None else c)
+        now = set(run.completed)
+        order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
+        order += [gid for gid in run.completed if gid in by_gid]
+        chosen = set(order[: self.G])
+        trained = sorted((by_gid[g] for g in chosen), key=lambda g: g.gid)
+        rest = [g for g in groups if g.gid not in chosen]
+        if self.cfg.mode == "carry":
+            self.groups = rest
+            stats["carried_groups"] = len(rest)
+            stats["carried"] = sum(len(g.seqs) for g in rest)
+        else:
+            self.groups = []
+            stats["dropped_groups"] = len(rest)
+        stats["engine_steps"] = run.steps
+        return trained, self._metrics(trained, version, step, stats), version
+
+    def _restart_stale(self, version: int, step: int, stats: Counter) -> None:
+        for g in self.groups:
+            for s in g.seqs:
+                if s.versions and version - min(s.versions) > self.cfg.max_staleness:
+                    s.restart(step)
+                    stats["restarted"] += 1
+
+    def _refill(self, step: int, params: SamplingParams, budget: Any) -> list[GroupState]:
+        """New groups for the free in-flight slots, from the queue of drawn indices."""
+        need = self.in_flight - len(self.groups)
+        while len(self.queue) < need:
+            self.queue += [int(i) for i in self.draw()]
+        idx, self.queue = self.queue[:need], self.queue[need:]
+        budgets = [params.max_new_tokens] * (need * self.n)
+        if budget is not None and need:
+            budgets = budget.budgets([self.dataset[i] for i in idx], params)
+        # carried groups were started by earlier steps: these ids are free
+        return [GroupState(gid=step * STEP_GROUPS + self.rank * self.in_flight + k, index=i,
+                           seqs=[SeqState(budget=budgets[k * self.n + s], start_step=step) for s in range(self.n)])
+                for k, i in enumerate(idx)]
+
+    def _requests(self, groups: list[GroupState], params: SamplingParams, stats: Counter) -> list[Request]:
+        out = []
+        for g in groups:
+            item = self.dataset[g.index]
+            for j, s in enumerate(g.seqs):
+                if s.finished:
+                    continue
+                stats["resumed"] += bool(s.token_ids)
+                out.append(Request(request_id=g.gid * SAMPLE_SLOTS + j, prompt_ids=list(item.prompt_ids), group_id=g.gid,
+                                   params=dataclasses.replace(params, n=1, max_new_tokens=s.budget),
+                                   mm_inputs=item.mm_inputs, token_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                                   versions=list(s.versions)))
+        return out
+
+    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request]) -> RunResult:
+        """The engine run of this rank's requests, with the other TP ranks' when the group is larger
+        than one (gathered in rank order: every rank makes the same calls)."""
+        done = sum(g.complete for g in groups)
+        left = {g.gid: sum(not s.finished for s in g.seqs) for g in groups}
+        mine = (requests, left, max(self.G - done, 0))
+        rt = self.runtime
+        parts = [mine]
+        if rt is not None and rt.tp_size > 1:
+            parts = [None] * rt.tp_size
+            group = rt.tp_cpu_group if rt.tp_cpu_group is not None else rt.tp_group
+            dist.all_gather_object(parts, mine, group=group)
+        all_requests = [r for reqs, _, _ in parts for r in reqs]
+        owner = {gid: o for o, (_, lf, _) in enumerate(parts) for gid in lf}
+        left_all = {gid: n for _, lf, _ in parts for gid, n in lf.items()}
+        return run_until_complete(engine, all_requests, owner, left_all, {o: p[2] for o, p in enumerate(parts)})
+
+    # ---- metrics -------------------------------------------------------------------------------------
+    def _metrics(self, trained: list[GroupState], version: int, step: int, stats: Counter) -> dict[str, float]:
+        lags = [version - v for g in trained for s in g.seqs for v in s.versions]
+        spans = [step - s.start_step + 1 for g in trained for s in g.seqs]
+        out = {
+            "partial/staleness_mean": sum(lags) / max(len(lags), 1),
+            "partial/staleness_max": float(max(lags, default=0)),
+            "partial/stale_token_frac": sum(x > 0 for x in lags) / max(len(lags), 1),
+            "partial/span_mean": sum(spans) / max(len(spans), 1),
+            "partial/span_max": float(max(spans, default=0)),
+        }
+        keys = ("resumed", "restarted", "carried", "carried_groups", "new_groups", "engine_steps") if self.cfg.mode == "carry" \
+            else ("new_groups", "dropped_groups", "engine_steps")
+        out.update({f"partial/{k}": float(stats[k]) for k in keys})
+        return out
+
+    # ---- trajectories --------------------------------------------------------------------------------
+    def trajectories(self, trained: list[GroupState], decode: Callable[[list[list[int]]], list[str]]
+                     ) -> tuple[list[Any], list[Trajectory]]:
+        """The trained groups as single-turn trajectories (group-major, ``n`` each), exactly as the
+        ``single_turn`` environment builds them, and their prompt items."""
+        items = [self.dataset[g.index] for g in trained]
+        texts = decode([s.token_ids for g in trained for s in g.seqs])
+        out = []
+        for g, item in zip(trained, items):
+            row = EnvRow.from_prompt_item(item)
+            for s in g.seqs:
+                b = TrajectoryBuilder(list(row.prompt_ids), list(row.messages or []))
+                b.add_turn(list(s.token_ids), list(s.logprobs), s.finish_reason, texts[len(out)])
+                out.append(b.finish(row=row, group_id=g.gid, finish_reason="done"))
+        return items, out
+
+    # ---- checkpoint ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The carried groups and the queue of drawn indices (JSON-serialisable)."""
+        return {"groups": [dataclasses.asdict(g) for g in self.groups], "queue": list(self.queue),
+                "in_flight": self.in_flight}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["in_flight"]) != self.in_flight:
+            raise ValueError(f"the checkpoint's partial rollout kept {state['in_flight']} groups in flight per rank, this "
+                             f"run keeps {self.in_flight} (rollout.prompts_per_step, rollout.partial.oversample and the "
+                             f"world size must match to resume exactly)")
+        self.groups = [GroupState(gid=int(g["gid"]), index=int(g["index"]), seqs=[SeqState(**s) for s in g["seqs"]])
+                       for g in state["groups"]]
+        self.queue = [int(i) for i in state["queue"]]
+
+
+def per_rank_states(states: Sequence[dict], rank: int, world_size: int) -> dict:
+    """This rank's entry of the checkpoint's per-rank partial rollout states."""
+    if len(states) != world_size:
+        raise ValueError(f"the checkpoint holds partial rollout state for {len(states)} ranks, this run has {world_size}: "
+                         f"resume partial rollout with the same world size")
+    return states[rank]
