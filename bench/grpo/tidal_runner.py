@@ -8,7 +8,10 @@ boundaries, placement moves with bytes, each rollout's lengths and finish reason
 and host timers) and ``trainer.phases.engine.memory_report()``. Natural lengths go through
 ``trainer.maker.completion_budget``: each sequence's drawn length is its budget, and the sequence
 ends with EOS there (budget forcing: ``finish_reason`` ``stop``, EOS included), with
-``rollout.ignore_eos`` so that no sequence ends earlier.
+``rollout.ignore_eos`` so that no sequence ends earlier. A distillation case (``Workload.teacher``)
+adds ``model.teacher.path`` (the teacher folder the setup built) and ``algorithm.distill_coef: 1``
+with ``distill_task_weight: 0`` (the teacher's signal alone; the rewards are still computed);
+where the teacher waits between uses is Tidal's default (``strategy.offload_teacher``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from bench.grpo.settings import RunSettings
 from bench.grpo.workloads import Workload
 
 KL_COEF = 0.04
+DISTILL_COEF = 1.0
+DISTILL_TASK_WEIGHT = 0.0
 REWARD_PATH = "bench.grpo.rewards:tidal_reward"
 
 
 def tidal_config(spec: dict) -> dict:
     """The Tidal run config of a case, before the case's ``tidal_set`` overrides."""
     w, s = Workload(**spec["workload"]), RunSettings(**spec["settings"])
-    return {
+    cfg = {
         # one more when profiling: the profiled iteration comes after the timed ones
         "run": {"output_dir": spec["run_dir"], "steps": s.tidal_warmup + s.tidal_steps + int(bool(spec.get("profile"))),
                 "seed": s.seed, "device": "cuda" if spec["device"] == "cuda" else "cpu"},
@@ -46,6 +51,10 @@ def tidal_config(spec: dict) -> dict:
         "checkpoint": {"every": 0, "at_end": False, "resume": "never"},
         "logging": {"backends": []},
     }
+    if w.teacher:
+        cfg["model"]["teacher"] = {"path": spec["teacher_dir"]}
+        cfg["algorithm"].update(distill_coef=DISTILL_COEF, distill_task_weight=DISTILL_TASK_WEIGHT)
+    return cfg
 
 
 class DrawnLengths:
@@ -152,7 +161,8 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
     """Each iteration ran the workload it claims: prompt length, one rollout of ``seqs`` completions
     with the expected lengths (forced: all ``max_new_tokens``, ``length``; natural: the draws, each
     ending ``stop`` with the forced EOS), the length metric, finite rewards, no skipped step, a
-    reference model if and only if KL is on."""
+    reference model if and only if KL is on, a teacher's signal (``distill/reverse_kl``, finite) and
+    forward (``time/teacher_logprobs``) if and only if the case distils."""
     rollouts = [r.get("rollout") or {} for r in steps]
     end = "stop" if w.lengths == "natural" else "length"
     return {
@@ -167,6 +177,9 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
         "finite_rewards": bool(steps) and all(math.isfinite(r["metrics"].get("reward/mean", math.nan)) for r in steps),
         "one_optimizer_step": bool(steps) and all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in steps),
         "reference_model_iff_kl": bool(steps) and all(("actor/kl" in r["metrics"]) == w.kl for r in steps),
+        "teacher_iff_distill": bool(steps) and all(
+            ("distill/reverse_kl" in r["metrics"]) == ("time/teacher_logprobs" in r["metrics"]) == bool(w.teacher)
+            and math.isfinite(r["metrics"].get("distill/reverse_kl", 0.0)) for r in steps),
     }
 
 

@@ -10,8 +10,11 @@ A :class:`Workload` is a model size, a rollout (``prompts`` x ``samples`` sequen
   framework reproduces the same draws: rollout k of Tidal and rollout k of TRL have the same lengths.
 
 The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
-(``samples`` per prompt), 256 to 4096 new tokens and both length modes; ``--cases`` picks cases by
-name (:func:`select`), e.g. ``0.5b-512x1024-*``.
+(``samples`` per prompt), 256 to 4096 new tokens and both length modes, and the same rollouts for
+on-policy distillation of a student by a larger teacher of the same tokenizer
+(:data:`DISTILL_PAIRS`: 0.5b from 1.5b); ``--cases`` picks cases by name (:func:`select`), e.g.
+``0.5b-512x1024-*``. Names are ``SIZE-SEQSxNEW-MODE``, with ``-kl`` for a KL case and
+``-distillTEACHER`` for a distillation case (``0.5b-512x1024-natural-distill1.5b``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ MATRIX_SEQS = (128, 512, 2048)
 MATRIX_NEW_TOKENS = (256, 1024, 4096)
 MATRIX_SAMPLES = 8
 MATRIX_PROMPT_LEN = 256
+# (student, teacher) sizes of the distillation cases; the tokenizer is one per vocabulary size, so a
+# pair shares it when the two shapes' vocab_size agree (7b's differs from the others').
+DISTILL_PAIRS: tuple[tuple[str, str], ...] = (("0.5b", "1.5b"),)
+TINY_DISTILL_PAIRS: tuple[tuple[str, str], ...] = (("tiny", "tiny2"),)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -44,8 +51,11 @@ class Workload:
     """One case's rollout and update. ``size``: a key of :data:`~bench.grpo.shapes.SHAPES`;
     ``prompts`` x ``samples`` sequences (GRPO groups of ``samples``), each prompt exactly
     ``prompt_len`` tokens; completions of at most ``max_new_tokens`` in ``lengths`` mode; ``kl``: a
-    reference model and a KL loss (coefficient 0.04, k3) in both frameworks. ``partial_rollout`` is
-    recorded as False: partial rollout (issue 20) is not a benchmark setting yet."""
+    reference model and a KL loss (coefficient 0.04, k3) in both frameworks. ``teacher``: None, or
+    the size (a key of :data:`~bench.grpo.shapes.SHAPES`, same ``vocab_size`` as ``size``: the same
+    tokenizer) of a local teacher that scores the student's tokens (on-policy distillation, Tidal
+    only). ``partial_rollout`` is recorded as False: partial rollout (issue 20) is not a benchmark
+    setting yet."""
 
     size: str
     prompts: int
@@ -54,10 +64,18 @@ class Workload:
     max_new_tokens: int
     lengths: LengthMode = "forced"
     kl: bool = False
+    teacher: str | None = None
 
     def __post_init__(self):
         if self.size not in SHAPES:
             raise ValueError(f"size: unknown {self.size!r}; known: {sorted(SHAPES)}")
+        if self.teacher is not None:
+            if self.teacher not in SHAPES:
+                raise ValueError(f"teacher: unknown {self.teacher!r}; known: {sorted(SHAPES)}")
+            if SHAPES[self.teacher]["vocab_size"] != SHAPES[self.size]["vocab_size"]:
+                raise ValueError(f"teacher: {self.teacher} has another vocabulary than the {self.size} student "
+                                 f"({SHAPES[self.teacher]['vocab_size']} vs {SHAPES[self.size]['vocab_size']}): "
+                                 "distillation needs one tokenizer")
         for name in ("prompts", "prompt_len", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -65,9 +83,10 @@ class Workload:
             raise ValueError(f"samples must be >= 2 (GRPO groups), got {self.samples}")
         if self.lengths not in LENGTH_MODES:
             raise ValueError(f"lengths must be one of {LENGTH_MODES}, got {self.lengths!r}")
-        if self.prompt_len + self.max_new_tokens > SHAPES[self.size]["max_position_embeddings"]:
-            raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
-                             f"{self.size} model's max_position_embeddings")
+        for size in filter(None, (self.size, self.teacher)):
+            if self.prompt_len + self.max_new_tokens > SHAPES[size]["max_position_embeddings"]:
+                raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
+                                 f"{size} model's max_position_embeddings")
 
     @property
     def seqs(self) -> int:
@@ -79,7 +98,8 @@ class Workload:
 
     @property
     def name(self) -> str:
-        return f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}" + ("-kl" if self.kl else "")
+        return (f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}" + ("-kl" if self.kl else "")
+                + (f"-distill{self.teacher}" if self.teacher else ""))
 
     def completion_lengths(self, rollout: int, seed: int) -> list[int]:
         """The completion lengths of rollout ``rollout`` (0-based), prompt-major."""
@@ -98,31 +118,41 @@ def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> 
 
 
 def matrix(sizes: list[str] | None = None, *, samples: int = MATRIX_SAMPLES, prompt_len: int = MATRIX_PROMPT_LEN,
-           seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS) -> list[Workload]:
-    """Every (size, sequences, new tokens, length mode) case, cheapest first within each size."""
+           seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS,
+           distill: tuple[tuple[str, str], ...] | None = None) -> list[Workload]:
+    """Every (size, sequences, new tokens, length mode) case, and the same for each (student,
+    teacher) pair of ``distill`` (default :data:`DISTILL_PAIRS`, those whose student is among
+    ``sizes``); cheapest first within each student size, a plain case before its distillation ones."""
+    sizes = sizes or SIZE_ORDER
+    pairs = [(z, None) for z in sizes] + [p for p in (DISTILL_PAIRS if distill is None else distill) if p[0] in sizes]
     out = []
-    for size in sizes or SIZE_ORDER:
+    for size, teacher in pairs:
         for s in seqs:
             for r in new_tokens:
                 for mode in LENGTH_MODES:
                     out.append(Workload(size=size, prompts=s // samples, samples=samples, prompt_len=prompt_len,
-                                        max_new_tokens=r, lengths=mode))
+                                        max_new_tokens=r, lengths=mode, teacher=teacher))
     return sorted(out, key=lambda w: (SIZE_ORDER.index(w.size) if w.size in SIZE_ORDER else -1,
-                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.lengths))
+                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.teacher is not None, w.teacher or "",
+                                      w.lengths))
 
 
 def tiny_matrix() -> list[Workload]:
-    """The CPU matrix: the tiny model, 2 prompts x 2 samples, 8 prompt tokens, 8 or 16 new tokens."""
-    return matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16))
+    """The CPU matrix: the tiny model, 2 prompts x 2 samples, 8 prompt tokens, 8 or 16 new tokens,
+    both length modes; and one distillation case (8 new tokens, natural lengths, teacher ``tiny2``)."""
+    plain = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16), distill=())
+    distill = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8,), distill=TINY_DISTILL_PAIRS)
+    return plain + [w for w in distill if w.teacher is not None and w.lengths == "natural"]
 
 
-def select(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
+def select(workloads: list[Workload], patterns: list[str], *, option: str = "--cases") -> list[Workload]:
     """The workloads whose name matches one of the shell-style ``patterns`` (all when none), in
-    matrix order. A pattern that matches nothing is an error naming the known cases."""
+    matrix order. A pattern that matches nothing is an error naming ``option`` and the known cases."""
     if not patterns:
         return list(workloads)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(w.name, p) for w in workloads):
-            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-MODE, e.g. "
-                             f"{workloads[0].name}; known: {', '.join(w.name for w in workloads)}")
+            example = workloads[0].name if workloads else "0.5b-512x1024-natural"
+            raise ValueError(f"{option}: {p!r} matches no case; cases are named SIZE-SEQSxNEW-MODE[-distillTEACHER], "
+                             f"e.g. {example}; known: {', '.join(w.name for w in workloads) or 'none'}")
     return [w for w in workloads if any(fnmatch.fnmatchcase(w.name, p) for p in patterns)]
