@@ -179,7 +179,7 @@ def test_tiny_matrix_on_cpu(tmp_path):
     assert natural["generated_tokens"] < forced["generated_tokens"] and "finish_stop" in natural["checks"]
 
 
-@pytest.mark.slow  # 9-12 s: three subprocesses (setup, Tidal) each importing torch
+@pytest.mark.slow  # 9-12 s: two worker subprocesses (setup, Tidal), each importing torch
 def test_tiny_distillation_case_on_cpu(tmp_path):
     """The tiny student distilled from the tiny2 teacher (same tokenizer, another shape): Tidal loads
     the teacher folder the setup built, the teacher's forward is a phase, TRL is not run."""
