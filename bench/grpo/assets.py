@@ -60,14 +60,11 @@ def teacher_folder(work_dir: str, size: str, model_dir: str, tokenizer_dir: str)
     import shutil
 
     path = os.path.join(work_dir, f"teacher-{size}")
-    os.makedirs(path, exist_ok=True)
+    shutil.rmtree(path, ignore_errors=True)  # no stale links from an earlier build of the model folder
+    os.makedirs(path)
     for name in os.listdir(model_dir):
-        if name == "bench_shape.json":
-            continue
-        dst = os.path.join(path, name)
-        if os.path.lexists(dst):
-            os.remove(dst)
-        os.symlink(os.path.abspath(os.path.join(model_dir, name)), dst)
+        if name != "bench_shape.json":
+            os.symlink(os.path.abspath(os.path.join(model_dir, name)), os.path.join(path, name))
     for name in os.listdir(tokenizer_dir):
         if name != "config.json":  # the teacher's config.json is the model's
             shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
