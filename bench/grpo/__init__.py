@@ -2,9 +2,10 @@
 
 Layout (each module owns one thing):
 
-- :mod:`.shapes`: the model shapes (Qwen2.5 0.5B, 1.5B, 3B, 7B; a tiny one for CPU) and their counts.
+- :mod:`.shapes`: the model shapes (Qwen2.5 0.5B, 1.5B, 3B, 7B; two tiny ones for CPU) and their counts.
 - :mod:`.workloads`: what one case generates and trains (:class:`~.workloads.Workload`), the matrix,
-  and the ``natural`` length draws shared by every framework.
+  and the ``natural`` length draws shared by every framework; a case may distil its student from a
+  larger teacher of the same tokenizer (Tidal only).
 - :mod:`.settings`: how a run measures (:class:`~.settings.RunSettings`: warm-up, timed steps, TRL's
   micro-batch and dtype).
 - :mod:`.bounds`: the device ceilings measured in the run, and each phase's lower bound from bytes

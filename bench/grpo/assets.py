@@ -1,5 +1,6 @@
 """What both frameworks load: a random-initialised model folder per size (bf16 on disk), a
-WordLevel tokenizer over the whole vocabulary, and prompts of exact length."""
+WordLevel tokenizer over the whole vocabulary, and prompts of exact length; for a size that is a
+distillation teacher, a teacher folder (the model's files and the tokenizer's)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,27 @@ def build_model_dir(path: str, shape: dict, device: str) -> int:
     return n
 
 
+def teacher_folder(work_dir: str, size: str, model_dir: str, tokenizer_dir: str) -> str:
+    """A folder for ``model.teacher.path``: links to ``model_dir``'s files plus a copy of the
+    tokenizer files. Tidal reads a local teacher's tokenizer from its folder and refuses one whose
+    vocabulary or special-token ids differ from the student's; the model folder itself stays without
+    tokenizer files (see :func:`build_model_dir`: transformers would read them there as a
+    Qwen2Tokenizer, which keeps the vocabulary and special ids but encodes these prompts to nothing:
+    harmless for the teacher, which only scores the student's token ids)."""
+    import shutil
+
+    path = os.path.join(work_dir, f"teacher-{size}")
+    shutil.rmtree(path, ignore_errors=True)  # no stale links from an earlier build of the model folder
+    os.makedirs(path)
+    for name in os.listdir(model_dir):
+        if name != "bench_shape.json":
+            os.symlink(os.path.abspath(os.path.join(model_dir, name)), os.path.join(path, name))
+    for name in os.listdir(tokenizer_dir):
+        if name != "config.json":  # the teacher's config.json is the model's
+            shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+    return path
+
+
 def write_prompts(path: str, *, rows: int, prompt_len: int, vocab_size: int, seed: int = 0) -> None:
     """JSONL of ``{"prompt": "t.. t.. ..."}``: each prompt is ``prompt_len`` random vocabulary words."""
     rng = random.Random(seed)
@@ -57,8 +79,9 @@ def write_prompts(path: str, *, rows: int, prompt_len: int, vocab_size: int, see
             f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(vocab_size - 2)}" for _ in range(prompt_len))}) + "\n")
 
 
-def model_assets(work_dir: str, size: str, device: str) -> dict:
-    """The model and tokenizer folders of ``size`` under ``work_dir`` (built unless already there)."""
+def model_assets(work_dir: str, size: str, device: str, *, teacher: bool = False) -> dict:
+    """The model and tokenizer folders of ``size`` under ``work_dir`` (built unless already there);
+    ``teacher``: also its :func:`teacher_folder` (``teacher_dir``, else None)."""
     shape = SHAPES[size]
     model_dir = os.path.join(work_dir, f"model-{size}")
     marker = os.path.join(model_dir, "bench_shape.json")
@@ -73,7 +96,8 @@ def model_assets(work_dir: str, size: str, device: str) -> dict:
         # Tidal's load_tokenizer wants a config.json; one without a model_type keeps the class as saved.
         json.dump(TOKENIZER_CONFIG, open(os.path.join(tok_dir, "config.json"), "w"))
     return {"size": size, "model_dir": model_dir, "tokenizer_dir": tok_dir, "params": n,
-            "params_formula": param_count(shape), "shape": shape}
+            "params_formula": param_count(shape), "shape": shape,
+            "teacher_dir": teacher_folder(work_dir, size, model_dir, tok_dir) if teacher else None}
 
 
 def prompts_file(work_dir: str, *, size: str, prompt_len: int, prompts_per_step: int) -> str:

@@ -8,6 +8,7 @@ per second) and ``matmul`` (bf16 FLOP/s).
 
 - forward (old logprobs, reference): ``2 N_body S + 2 N_head L`` (the LM head only where a logprob
   is needed) plus causal attention ``2 l d S (S + 1)`` (QK^T and AV), per sequence, over ``matmul``.
+- teacher forward (distillation, ``teacher_logprobs``): the same forward with the teacher's shape.
 - train: 3 x the forward FLOPs (forward + backward; the 6N-per-token rule with attention), over
   ``matmul``, plus the fp32 AdamW update, 28 bytes per parameter (read weight, grad, two moments;
   write weight and moments), over ``copy_bw``. MFU of the train phase: those FLOPs / (seconds x matmul).
@@ -117,9 +118,10 @@ def generation_bound_s(shape: dict, *, prompt_len: int, unique_prompts: int, com
 
 
 def phase_bounds(shape: dict, *, prompt_len: int, unique_prompts: int, completion_lens, c: Ceilings,
-                 old_logprobs: bool, kl: bool) -> dict[str, float]:
+                 old_logprobs: bool, kl: bool, teacher_shape: dict | None = None) -> dict[str, float]:
     """Lower bound in seconds of each phase that has one (module docstring). ``old_logprobs``: the
-    run had a separate old-logprob pass (else the update's forward gave them); ``kl``: a reference pass."""
+    run had a separate old-logprob pass (else the update's forward gave them); ``kl``: a reference
+    pass; ``teacher_shape``: a distillation teacher's shape (its forward, ``teacher_logprobs``), or None."""
     n = param_count(shape)
     fwd = forward_flops(shape, prompt_len, completion_lens) / c.matmul_flops
     out = {
@@ -132,6 +134,8 @@ def phase_bounds(shape: dict, *, prompt_len: int, unique_prompts: int, completio
         out["actor_logprobs"] = fwd
     if kl:
         out["reference_logprobs"] = fwd
+    if teacher_shape is not None:
+        out["teacher_logprobs"] = forward_flops(teacher_shape, prompt_len, completion_lens) / c.matmul_flops
     return out
 
 

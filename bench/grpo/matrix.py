@@ -1,15 +1,17 @@
-"""The workload matrix (issue 20 item 1): one JSON line per case, Tidal on every selected case and
-TRL 1.16 (HF ``generate``) where ``--trl`` selects it, each case in its own subprocess with its own
-time limit.
+"""The workload matrix (issue 20 item 1, issue 25: distillation cases): one JSON line per case,
+Tidal on every selected case and TRL 1.16 (HF ``generate``) where ``--trl`` selects it (never on a
+distillation case), each case in its own subprocess with its own time limit.
 
     python -m bench.grpo matrix --list                       # the case names
     python -m bench.grpo matrix --cases '0.5b-512x1024-*' --trl '0.5b-*' --time-budget-s 540 --record $OUT/matrix.jsonl
-    python -m bench.grpo matrix --tiny                       # CPU: the tiny model, 4 cases
+    python -m bench.grpo matrix --cases '0.5b-512x1024-natural-distill1.5b' --record $OUT/matrix.jsonl
+    python -m bench.grpo matrix --tiny                       # CPU: the tiny model, 5 cases
 
 A case line (``figure: "case"``) holds the workload (``size``, ``seqs``, ``prompt_len``,
 ``max_new_tokens``, ``lengths``, ``partial_rollout``, ``rollout_mode``: ``plain``, ``carry`` or
-``drop``, with the medians of its ``partial/*`` metrics in ``partial``), Tidal's steady
-``iteration_s`` (median) and
+``drop``, with the medians of its ``partial/*`` metrics in ``partial``; ``teacher_size``: null, or
+the distillation teacher's size, whose forward is the ``teacher_logprobs`` phase with its bound),
+Tidal's steady ``iteration_s`` (median) and
 ``first_iteration_s``, its ``phases`` (medians of ``time/<phase>``) against their ``bounds``
 (:mod:`bench.grpo.bounds`, from each iteration's own completion lengths: real tokens only),
 ``real_tokens`` and ``generated_tokens`` per iteration, ``generated_tokens_per_s`` (whole
@@ -37,7 +39,7 @@ from bench.grpo.workloads import Workload, matrix, select, tiny_matrix
 DEFAULT_RECORD = os.path.join(REPO, "bench", "results", "matrix.jsonl")
 # Seconds each framework's subprocess of a case may take (--case-timeout-s overrides), and the
 # least a case needs left in the run's budget to start.
-CASE_TIMEOUT_S = {"tiny": 120, "0.5b": 300, "1.5b": 360, "3b": 480, "7b": 570}
+CASE_TIMEOUT_S = {"tiny": 120, "tiny2": 120, "0.5b": 300, "1.5b": 360, "3b": 480, "7b": 570}
 CASE_MIN_S = 60
 MATRIX_SETTINGS = dict(tidal_warmup=1, tidal_steps=3, trl_warmup=1, trl_steps=2)
 TINY_SETTINGS = dict(tidal_warmup=1, tidal_steps=2, trl_warmup=1, trl_steps=1)
@@ -61,7 +63,7 @@ def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict,
         "size": w.size, "seqs": w.seqs, "prompts": w.prompts, "samples": w.samples, "prompt_len": w.prompt_len,
         "max_new_tokens": w.max_new_tokens, "lengths": w.lengths, "partial_rollout": w.partial_rollout,
         "rollout_mode": w.rollout, "partial": t.get("partial"), "kl": w.kl,
-        "case": w.name, "iteration_s": median_or_none(steady), "steady_s": steady,
+        "teacher_size": w.teacher, "case": w.name, "iteration_s": median_or_none(steady), "steady_s": steady,
         "first_iteration_s": t.get("first_iteration_s"), "phases": t.get("phases") or {},
         "bounds": median_bounds(bounds_per_step),
         "iteration_bound_s": median_or_none([sum(b.values()) for b in bounds_per_step]),
@@ -87,6 +89,11 @@ def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict,
     }
 
 
+def case_timeout_s(w: Workload) -> float:
+    """The default time limit of a case's subprocess: its student's, or its teacher's when larger."""
+    return max(CASE_TIMEOUT_S.get(z, max(CASE_TIMEOUT_S.values())) for z in filter(None, (w.size, w.teacher)))
+
+
 class Matrix:
     """The parent of one matrix run: selected cases in matrix order, one line each."""
 
@@ -101,7 +108,7 @@ class Matrix:
             self.run_case(w, with_trl=w.name in trl_cases, profiled=w.name == profile_case)
 
     def run_case(self, w: Workload, *, with_trl: bool, profiled: bool) -> None:
-        timeout = self.args.case_timeout_s or CASE_TIMEOUT_S.get(w.size, max(CASE_TIMEOUT_S.values()))
+        timeout = self.args.case_timeout_s or case_timeout_s(w)
         need = CASE_MIN_S if not self.args.tiny else 5
         s = self.session
         tidal = trl = None
@@ -149,7 +156,8 @@ def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="python -m bench.grpo matrix", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="", help="comma list of case-name patterns (shell style, e.g. '0.5b-512x1024-*'); "
                                                "default: every case")
-    p.add_argument("--trl", default="", help="comma list of case-name patterns where TRL runs too (default: none)")
+    p.add_argument("--trl", default="", help="comma list of case-name patterns where TRL runs too (default: none; "
+                                             "never a distillation case)")
     p.add_argument("--list", action="store_true", help="print the case names (after --cases) and exit")
     p.add_argument("--case-timeout-s", type=float, default=None,
                    help=f"seconds each framework's subprocess of a case may take (default by size: {CASE_TIMEOUT_S})")
@@ -162,6 +170,17 @@ def parse_args(argv: list[str] | None = None):
 
 def _patterns(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def trl_selection(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
+    """The cases among ``workloads`` where TRL runs too: those ``patterns`` match (none without
+    patterns), distillation and long-tail cases left out (the TRL runner has no teacher and no
+    partial rollout: its figures belong on the plain cases); a pattern that matches no case TRL can
+    run is an error."""
+    if not patterns:
+        return []
+    return select([w for w in workloads if w.teacher is None and not w.partial_rollout], patterns,
+                  option="--trl (TRL runs only plain cases: no distillation, no long-tail rollout)")
 
 
 def settings_of(args) -> RunSettings:
@@ -179,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     everything = tiny_matrix() if args.tiny else matrix()
     try:
         workloads = select(everything, _patterns(args.cases))
-        # TRL has no partial rollout: its figures belong on the plain cases
-        trl_cases = {w.name for w in select(workloads, _patterns(args.trl)) if not w.partial_rollout} if args.trl else set()
+        trl_cases = {w.name for w in trl_selection(workloads, _patterns(args.trl))}
     except ValueError as e:
         raise SystemExit(str(e))
     if args.list:

@@ -54,9 +54,11 @@ class Session:
         """Model folders and prompts for ``workloads``, ceilings on CUDA; figures env, model,
         ceilings through ``emit`` (default: recorded); an ``error`` figure and False on failure."""
         emit = emit or self.emit
-        sizes = list(dict.fromkeys(w.size for w in workloads))
+        teachers = list(dict.fromkeys(w.teacher for w in workloads if w.teacher))
+        sizes = list(dict.fromkeys([w.size for w in workloads] + teachers))
         prompt_sets = list(dict.fromkeys((w.size, w.prompt_len, w.prompts) for w in workloads))
-        records, rc, tail = self.spawner.run("setup", {"sizes": sizes, "prompt_sets": prompt_sets}, self.remaining(), "setup")
+        records, rc, tail = self.spawner.run("setup", {"sizes": sizes, "teachers": teachers, "prompt_sets": prompt_sets},
+                                             self.remaining(), "setup")
         for r in records:
             if r["kind"] == "env":
                 self.env = {k: v for k, v in r.items() if k != "kind"}
@@ -89,7 +91,8 @@ class Session:
                 "model_dir": model["model_dir"], "tokenizer_dir": model["tokenizer_dir"],
                 "data": self.prompts[(w.size, w.prompt_len, w.prompts)],
                 "run_dir": os.path.join(self.work_dir, f"run-{tag}-{self.recorder.run_id}"),
-                "deadline": time.time() + budget_s - 10, "tidal_set": tidal_set}
+                "deadline": time.time() + budget_s - 10, "tidal_set": tidal_set,
+                "teacher_dir": self.models[w.teacher]["teacher_dir"] if w.teacher else None}
         if profile:
             spec["profile"] = profile
         records, rc, tail = self.spawner.run(framework, spec, budget_s, tag)
@@ -98,12 +101,15 @@ class Session:
         return summary, tail
 
     def bounds_per_step(self, w: Workload, lengths_per_step: list[list[int]], *, old_logprobs: bool) -> list[dict]:
-        """Each steady iteration's phase bounds from its own completion lengths ([] without ceilings)."""
+        """Each steady iteration's phase bounds from its own completion lengths ([] without ceilings);
+        a distillation case's include its teacher's forward."""
         if self.ceilings is None:
             return []
         shape = self.models[w.size]["shape"]
+        teacher_shape = self.models[w.teacher]["shape"] if w.teacher else None
         return [phase_bounds(shape, prompt_len=w.prompt_len, unique_prompts=w.prompts, completion_lens=lens,
-                             c=self.ceilings, old_logprobs=old_logprobs, kl=w.kl) for lens in lengths_per_step]
+                             c=self.ceilings, old_logprobs=old_logprobs, kl=w.kl, teacher_shape=teacher_shape)
+                for lens in lengths_per_step]
 
     def finish(self) -> None:
         self.recorder.write()

@@ -11,7 +11,8 @@ from bench.grpo.procs import Sink, version_of
 
 
 def worker_setup(spec: dict, sink: Sink) -> None:
-    """Spec: ``sizes``, ``prompt_sets`` (``[size, prompt_len, prompts_per_step]`` each)."""
+    """Spec: ``sizes``, ``teachers`` (the sizes among them that teach: their teacher folders too),
+    ``prompt_sets`` (``[size, prompt_len, prompts_per_step]`` each)."""
     import torch
     import transformers
 
@@ -22,7 +23,8 @@ def worker_setup(spec: dict, sink: Sink) -> None:
         env[name] = version_of(name)
     sink.write(env)
     for size in spec["sizes"]:
-        sink.write({"kind": "model", **model_assets(spec["work_dir"], size, device)})
+        teacher = size in spec["teachers"]
+        sink.write({"kind": "model", **model_assets(spec["work_dir"], size, device, teacher=teacher)})
     for size, prompt_len, per_step in spec["prompt_sets"]:
         path = prompts_file(spec["work_dir"], size=size, prompt_len=prompt_len, prompts_per_step=per_step)
         sink.write({"kind": "prompts", "size": size, "prompt_len": prompt_len, "prompts_per_step": per_step, "path": path})

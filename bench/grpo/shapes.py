@@ -1,5 +1,6 @@
-"""Model shapes: the real Qwen2.5 configs (random weights) and a tiny one for CPU runs, with the
-counts the bounds need. A shape is the keyword set of ``transformers.Qwen2Config``."""
+"""Model shapes: the real Qwen2.5 configs (random weights) and two tiny ones for CPU runs (``tiny``,
+and ``tiny2``, a wider and deeper one over the same vocabulary: the CPU matrix's distillation
+teacher), with the counts the bounds need. A shape is the keyword set of ``transformers.Qwen2Config``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=1024, tie_word_embeddings=True, rope_theta=10000.0,
                  max_position_embeddings=4096, rms_norm_eps=1e-6),
+    "tiny2": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=192, vocab_size=1024, tie_word_embeddings=True, rope_theta=10000.0,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6),
 }
 SIZE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
 

@@ -10,7 +10,11 @@ and host timers) and ``trainer.phases.engine.memory_report()``. Natural lengths 
 ends with EOS there (budget forcing: ``finish_reason`` ``stop``, EOS included), with
 ``rollout.ignore_eos`` so that no sequence ends earlier. A long-tail case (``carry``, ``drop``) sets
 ``rollout.partial.mode`` (``carry`` with ``algorithm.mismatch.mode: token_truncate``, which it
-requires; the default ``oversample``); its rollouts draw budgets for the sequences they start.
+requires; the default ``oversample``); its rollouts draw budgets for the sequences they start. A
+distillation case (``Workload.teacher``) adds ``model.teacher.path`` (the teacher folder the setup
+built) and ``algorithm.distill_coef: 1`` with ``distill_task_weight: 0`` (the teacher's signal
+alone; the rewards are still computed); where the teacher waits between uses is Tidal's default
+(``strategy.offload_teacher``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from bench.grpo.settings import RunSettings
 from bench.grpo.workloads import Workload
 
 KL_COEF = 0.04
+DISTILL_COEF = 1.0
+DISTILL_TASK_WEIGHT = 0.0
 REWARD_PATH = "bench.grpo.rewards:tidal_reward"
 
 
@@ -52,6 +58,9 @@ def tidal_config(spec: dict) -> dict:
         cfg["rollout"]["partial"] = {"mode": w.rollout}
     if w.rollout == "carry":
         cfg["algorithm"]["mismatch"] = {"mode": "token_truncate"}
+    if w.teacher:
+        cfg["model"]["teacher"] = {"path": spec["teacher_dir"]}
+        cfg["algorithm"].update(distill_coef=DISTILL_COEF, distill_task_weight=DISTILL_TASK_WEIGHT)
     return cfg
 
 
@@ -161,9 +170,10 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
     """Each iteration ran the workload it claims: prompt length, one rollout of ``seqs`` completions
     with the expected lengths (forced: all ``max_new_tokens``, ``length``; natural: the draws, each
     ending ``stop`` with the forced EOS), the length metric, finite rewards, no skipped step, a
-    reference model if and only if KL is on. A long-tail rollout trains ``seqs`` completions whose
-    lengths come from several rollouts' draws: each within ``1..max_new_tokens``, the length metric
-    their mean, and its ``partial/*`` metrics reported."""
+    reference model if and only if KL is on, a teacher's signal (``distill/reverse_kl``, finite) and
+    forward (``time/teacher_logprobs``) if and only if the case distils. A long-tail rollout trains
+    ``seqs`` completions whose lengths come from several rollouts' draws: each within
+    ``1..max_new_tokens``, the length metric their mean, and its ``partial/*`` metrics reported."""
     rollouts = [r.get("rollout") or {} for r in steps]
     end = "stop" if w.lengths == "natural" else "length"
     if w.partial_rollout:
@@ -183,6 +193,9 @@ def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
         "one_optimizer_step": bool(steps) and all(r["metrics"].get("actor/skipped", 0.0) == 0.0 for r in steps),
         "reference_model_iff_kl": bool(steps) and all(("actor/kl" in r["metrics"]) == w.kl for r in steps),
         "partial_metrics_iff_partial": bool(steps) and all(("partial/new_groups" in r["metrics"]) == w.partial_rollout for r in steps),
+        "teacher_iff_distill": bool(steps) and all(
+            ("distill/reverse_kl" in r["metrics"]) == ("time/teacher_logprobs" in r["metrics"]) == bool(w.teacher)
+            and math.isfinite(r["metrics"].get("distill/reverse_kl", 0.0)) for r in steps),
     }
 
 

@@ -18,7 +18,11 @@ rollout: stop at ``prompts`` complete groups, resume the unfinished sequences ne
 
 The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
 (``samples`` per prompt), 256 to 4096 new tokens, both length modes and, on natural lengths, the
-three rollouts; ``--cases`` picks cases by name (:func:`select`), e.g. ``0.5b-512x1024-*``.
+three rollouts, and the same (plain rollouts) for on-policy distillation of a student by a larger
+teacher of the same tokenizer (:data:`DISTILL_PAIRS`: 0.5b from 1.5b); ``--cases`` picks cases by
+name (:func:`select`), e.g. ``0.5b-512x1024-*``. Names are ``SIZE-SEQSxNEW-LENGTHS``, with
+``-carry``/``-drop`` for a long-tail rollout, ``-kl`` for a KL case and ``-distillTEACHER`` for a
+distillation case (``0.5b-512x1024-natural-distill1.5b``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ MATRIX_SEQS = (128, 512, 2048)
 MATRIX_NEW_TOKENS = (256, 1024, 4096)
 MATRIX_SAMPLES = 8
 MATRIX_PROMPT_LEN = 256
+# (student, teacher) sizes of the distillation cases; the tokenizer is one per vocabulary size, so a
+# pair shares it when the two shapes' vocab_size agree (7b's differs from the others').
+DISTILL_PAIRS: tuple[tuple[str, str], ...] = (("0.5b", "1.5b"),)
+TINY_DISTILL_PAIRS: tuple[tuple[str, str], ...] = (("tiny", "tiny2"),)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -55,7 +63,9 @@ class Workload:
     ``prompt_len`` tokens; completions of at most ``max_new_tokens`` in ``lengths`` mode; ``kl``: a
     reference model and a KL loss (coefficient 0.04, k3) in both frameworks; ``rollout``: ``plain``
     or a long-tail mode of ``rollout.partial`` (``carry``, ``drop``: natural lengths only), recorded
-    as ``partial_rollout`` (not plain) and ``rollout_mode``."""
+    as ``partial_rollout`` (not plain) and ``rollout_mode``. ``teacher``: None, or the size (a key
+    of :data:`~bench.grpo.shapes.SHAPES`, same ``vocab_size`` as ``size``: the same tokenizer) of a
+    local teacher that scores the student's tokens (on-policy distillation, Tidal only)."""
 
     size: str
     prompts: int
@@ -65,10 +75,18 @@ class Workload:
     lengths: LengthMode = "forced"
     kl: bool = False
     rollout: RolloutMode = "plain"
+    teacher: str | None = None
 
     def __post_init__(self):
         if self.size not in SHAPES:
             raise ValueError(f"size: unknown {self.size!r}; known: {sorted(SHAPES)}")
+        if self.teacher is not None:
+            if self.teacher not in SHAPES:
+                raise ValueError(f"teacher: unknown {self.teacher!r}; known: {sorted(SHAPES)}")
+            if SHAPES[self.teacher]["vocab_size"] != SHAPES[self.size]["vocab_size"]:
+                raise ValueError(f"teacher: {self.teacher} has another vocabulary than the {self.size} student "
+                                 f"({SHAPES[self.teacher]['vocab_size']} vs {SHAPES[self.size]['vocab_size']}): "
+                                 "distillation needs one tokenizer")
         for name in ("prompts", "prompt_len", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -80,9 +98,10 @@ class Workload:
             raise ValueError(f"rollout must be one of {ROLLOUT_MODES}, got {self.rollout!r}")
         if self.rollout != "plain" and self.lengths != "natural":
             raise ValueError(f"rollout={self.rollout!r} needs natural lengths: with forced ones every sequence ends at the same step")
-        if self.prompt_len + self.max_new_tokens > SHAPES[self.size]["max_position_embeddings"]:
-            raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
-                             f"{self.size} model's max_position_embeddings")
+        for size in filter(None, (self.size, self.teacher)):
+            if self.prompt_len + self.max_new_tokens > SHAPES[size]["max_position_embeddings"]:
+                raise ValueError(f"prompt_len + max_new_tokens ({self.prompt_len + self.max_new_tokens}) exceeds the "
+                                 f"{size} model's max_position_embeddings")
 
     @property
     def seqs(self) -> int:
@@ -95,7 +114,8 @@ class Workload:
     @property
     def name(self) -> str:
         mode = "" if self.rollout == "plain" else f"-{self.rollout}"
-        return f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}{mode}" + ("-kl" if self.kl else "")
+        return (f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}{mode}" + ("-kl" if self.kl else "")
+                + (f"-distill{self.teacher}" if self.teacher else ""))
 
     def completion_lengths(self, rollout: int, seed: int, count: int | None = None) -> list[int]:
         """The completion lengths of rollout ``rollout`` (0-based), prompt-major: ``count``
@@ -116,33 +136,43 @@ def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> 
 
 
 def matrix(sizes: list[str] | None = None, *, samples: int = MATRIX_SAMPLES, prompt_len: int = MATRIX_PROMPT_LEN,
-           seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS) -> list[Workload]:
-    """Every (size, sequences, new tokens, length mode) case, and on natural lengths every rollout
-    mode, cheapest first within each size (plain, carry, drop next to each other)."""
+           seqs: tuple[int, ...] = MATRIX_SEQS, new_tokens: tuple[int, ...] = MATRIX_NEW_TOKENS,
+           distill: tuple[tuple[str, str], ...] | None = None) -> list[Workload]:
+    """Every (size, sequences, new tokens, length mode) case, on natural lengths every rollout mode,
+    and the plain cases again for each (student, teacher) pair of ``distill`` (default
+    :data:`DISTILL_PAIRS`, those whose student is among ``sizes``); cheapest first within each
+    student size (plain, carry, drop next to each other), a plain case before its distillation ones."""
+    sizes = sizes or SIZE_ORDER
+    pairs = [(z, None) for z in sizes] + [p for p in (DISTILL_PAIRS if distill is None else distill) if p[0] in sizes]
     out = []
-    for size in sizes or SIZE_ORDER:
+    for size, teacher in pairs:
         for s in seqs:
             for r in new_tokens:
                 for mode in LENGTH_MODES:
-                    for rollout in (ROLLOUT_MODES if mode == "natural" else ("plain",)):
+                    for rollout in (ROLLOUT_MODES if mode == "natural" and teacher is None else ("plain",)):
                         out.append(Workload(size=size, prompts=s // samples, samples=samples, prompt_len=prompt_len,
-                                            max_new_tokens=r, lengths=mode, rollout=rollout))
+                                            max_new_tokens=r, lengths=mode, rollout=rollout, teacher=teacher))
     return sorted(out, key=lambda w: (SIZE_ORDER.index(w.size) if w.size in SIZE_ORDER else -1,
-                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.lengths, ROLLOUT_MODES.index(w.rollout)))
+                                      w.seqs * (w.prompt_len + w.max_new_tokens), w.teacher is not None, w.teacher or "",
+                                      w.lengths, ROLLOUT_MODES.index(w.rollout)))
 
 
 def tiny_matrix() -> list[Workload]:
-    """The CPU matrix: the tiny model, 2 prompts x 2 samples, 8 prompt tokens, 8 or 16 new tokens."""
-    return matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16))
+    """The CPU matrix: the tiny model, 2 prompts x 2 samples, 8 prompt tokens, 8 or 16 new tokens,
+    both length modes; and one distillation case (8 new tokens, natural lengths, teacher ``tiny2``)."""
+    plain = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16), distill=())
+    distill = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8,), distill=TINY_DISTILL_PAIRS)
+    return plain + [w for w in distill if w.teacher is not None and w.lengths == "natural"]
 
 
-def select(workloads: list[Workload], patterns: list[str]) -> list[Workload]:
+def select(workloads: list[Workload], patterns: list[str], *, option: str = "--cases") -> list[Workload]:
     """The workloads whose name matches one of the shell-style ``patterns`` (all when none), in
-    matrix order. A pattern that matches nothing is an error naming the known cases."""
+    matrix order. A pattern that matches nothing is an error naming ``option`` and the known cases."""
     if not patterns:
         return list(workloads)
     for p in patterns:
         if not any(fnmatch.fnmatchcase(w.name, p) for w in workloads):
-            raise ValueError(f"--cases: {p!r} matches no case; cases are named SIZE-SEQSxNEW-LENGTHS[-carry|-drop], e.g. "
-                             f"{workloads[0].name}; known: {', '.join(w.name for w in workloads)}")
+            example = workloads[0].name if workloads else "0.5b-512x1024-natural"
+            raise ValueError(f"{option}: {p!r} matches no case; cases are named SIZE-SEQSxNEW-LENGTHS[-carry|-drop][-distillTEACHER], "
+                             f"e.g. {example}; known: {', '.join(w.name for w in workloads) or 'none'}")
     return [w for w in workloads if any(fnmatch.fnmatchcase(w.name, p) for p in patterns)]
