@@ -32,9 +32,9 @@ import json
 import os
 import random
 import resource
-import subprocess
 import time
 
+from bench.grpo.record import git_commit
 from tidal.logging import PhaseObserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,13 +101,6 @@ def write_prompts(path: str, *, rows: int, prompt_len: int) -> None:
     with open(path, "w") as f:
         for _ in range(rows):
             f.write(json.dumps({"prompt": "".join(str(rng.randrange(10)) for _ in range(prompt_len))}) + "\n")
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 class PhasePeaks(PhaseObserver):

@@ -51,6 +51,7 @@ for path in (ROOT, HERE):  # tidal, and bench/e2e_grpo.py's asset builders
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from bench.grpo.record import git_commit  # noqa: E402
 from tidal.envs import Environment, Observation, StepResult  # noqa: E402
 
 ENV_PATH = "multiturn:SyntheticToolEnv"  # bench/ is on sys.path (as e2e_grpo's reward is)
@@ -186,13 +187,6 @@ def _worker(spec: dict) -> None:
     print(json.dumps(run_case(config, case)), flush=True)
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--turns", default="4", help="comma-separated turn counts (each with its single-turn baseline)")
@@ -212,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1, size="tiny") if args.tiny else {"steps": args.steps}
     os.makedirs(args.work_dir, exist_ok=True)
     assets = _assets(args.work_dir, args.tiny, sizes.get("prompt_len", 128), device)
-    meta = {"commit": _commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "bench": "multiturn"}
+    meta = {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "bench": "multiturn"}
     failed = 0
     for turns in [int(t) for t in args.turns.split(",")]:
         turns = 2 if args.tiny else turns
