@@ -137,10 +137,12 @@ def test_unknown_label_and_missing_default_are_errors():
     eng = engine({"m": {"type": "math_answer"}}, {"default": [["m", 1.0]]})
     with pytest.raises(RewardError, match="sample 1 has label 'geo'"):
         eng.score([S("x"), S("x", label="geo")])
-    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]]}, default_recipe=None)
-    with pytest.raises(RewardError, match="sample 0 has no label"):
+    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]], "chat": [["m", 2.0]]}, default_recipe=None)
+    with pytest.raises(RewardError, match="sample 0 has no label.*set reward.default_recipe"):
         eng.score([S("x")])
     assert eng.score([S("\\boxed{1}", "1", label="math")]).total_B.tolist() == [1.0]
+    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]]})  # one recipe: unlabelled rows use it
+    assert eng.score([S("\\boxed{1}", "1")]).total_B.tolist() == [1.0]
 
 
 def test_empty_config_and_empty_batch():

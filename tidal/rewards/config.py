@@ -185,7 +185,10 @@ class RewardConfig:
         Names become metric names (``reward/<name>``): letters, digits, ``_ . -``.
     recipes: label -> ``[[component, weight], ...]`` (or ``{component: weight}``). Every component
         must be used by some recipe, and every recipe entry must name a component.
-    default_recipe: the recipe of rows whose label is empty; ``null`` makes unlabeled rows an error.
+    default_recipe: the recipe of rows whose label is empty. ``null`` (default): the recipe named
+        ``default`` when there is one, else the only recipe when there is exactly one; with several
+        recipes and none named ``default``, an unlabelled row is an error naming the sample. A name
+        must be one of ``recipes``. The recipe it resolves to is :attr:`unlabelled_recipe`.
     on_error: what a failed component does to a sample (a raising or timed-out function, a remote
         request that failed after its retries, a NaN, infinite, beyond-float32 or non-number score):
         ``raise`` stops the step with an error naming the component and the sample; ``drop`` marks
@@ -207,12 +210,13 @@ class RewardConfig:
 
     components: dict[str, Any] = dataclasses.field(default_factory=dict)
     recipes: dict[str, Any] = dataclasses.field(default_factory=dict)
-    default_recipe: str | None = "default"
+    default_recipe: str | None = None
     on_error: Literal["raise", "drop"] = "raise"
     timeout_s: float | None = None
 
     specs: dict[str, ComponentSpec] = dataclasses.field(init=False, repr=False, compare=False)
     recipe_weights: dict[str, list[tuple[str, float]]] = dataclasses.field(init=False, repr=False, compare=False)
+    unlabelled_recipe: str | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_choice(self.on_error, ("raise", "drop"), "on_error")
@@ -227,6 +231,14 @@ class RewardConfig:
         self._check_references(specs, recipes)
         self.specs = specs
         self.recipe_weights = recipes
+        self.unlabelled_recipe = self._resolve_default(recipes)
+
+    def _resolve_default(self, recipes: dict) -> str | None:
+        if self.default_recipe is not None:
+            return self.default_recipe
+        if "default" in recipes:
+            return "default"
+        return next(iter(recipes)) if len(recipes) == 1 else None
 
     def _check_references(self, specs: dict[str, ComponentSpec], recipes: dict[str, list[tuple[str, float]]]) -> None:
         if not specs:

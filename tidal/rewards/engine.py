@@ -2,8 +2,8 @@
 
 Contract:
 - ``score(samples)`` returns a :class:`~tidal.rewards.types.RewardOutput` for exactly those samples.
-  Each sample's recipe is ``reward.recipes[sample.label]`` (``default_recipe`` when the label is
-  empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
+  Each sample's recipe is ``reward.recipes[sample.label]`` (``RewardConfig.unlabelled_recipe`` when
+  the label is empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
 - Rules and local reward models run on the calling thread; functions and remote services run
   concurrently on the engine's own event loop (a daemon thread), overlapping with them.
 - ``score`` always returns: function and remote components get a deadline (``reward.timeout_s``,
@@ -111,9 +111,10 @@ class RewardEngine:
     # -- recipes ---------------------------------------------------------------------------------
 
     def _recipe_of(self, i: int, sample: RewardSample) -> list[tuple[str, float]]:
-        label = sample.label or self.cfg.default_recipe
+        label = sample.label or self.cfg.unlabelled_recipe
         if label is None:
-            raise RewardError(f"sample {i} has no label and reward.default_recipe is null")
+            raise RewardError(f"sample {i} has no label, and with several recipes ({sorted(self.cfg.recipe_weights)}) "
+                              "and none named 'default' it has no recipe: label the row or set reward.default_recipe")
         if label not in self.cfg.recipe_weights:
             raise RewardError(f"sample {i} has label '{label}', which is not a recipe; recipes: {sorted(self.cfg.recipe_weights)}")
         return self.cfg.recipe_weights[label]
