@@ -36,6 +36,7 @@ from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.models.varlen import enable_packed_attention
+from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
@@ -160,6 +161,7 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
 
 
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
+    check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads

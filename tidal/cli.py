@@ -22,9 +22,13 @@ from tidal.trainer.stop import StopRun
 
 
 def _load(args):
+    """The config, validated, with its optional packages checked (before any process group or model)."""
     from tidal.config import load_config
+    from tidal.optional_deps import check_dependencies
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check_dependencies(cfg)
+    return cfg
 
 
 def cmd_train(args) -> int:

@@ -98,10 +98,11 @@ def test_tensorboard_writes_events(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0)]
 
 
-def test_wandb_missing_is_a_clear_error_on_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if wandb were not installed
-    with pytest.raises(ImportError, match="pip install wandb"):
-        MetricsLogger(LoggingConfig(backends=["wandb"]), tmp_path, is_main=False, total_steps=1)
+@pytest.mark.parametrize("backend", ["wandb", "tensorboard"])
+def test_missing_backend_package_is_a_clear_error_on_every_rank(tmp_path, monkeypatch, backend):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=rf"logging.backends.*pip install 'tidal-rft\[{backend}\]'"):
+        MetricsLogger(LoggingConfig(backends=[backend]), tmp_path, is_main=False, total_steps=1)
 
 
 def test_wandb_backend_offline_run_with_stable_id(tmp_path, monkeypatch):
@@ -118,6 +119,7 @@ def test_wandb_backend_offline_run_with_stable_id(tmp_path, monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("importlib.metadata.version", lambda dist: "0.19.0")
     for _ in range(2):
         log = MetricsLogger(LoggingConfig(backends=["wandb"], wandb_project="p"), tmp_path, is_main=True, total_steps=1, hparams={"lr": 1})
         log.log(1, {"r": 2.0})

@@ -9,7 +9,6 @@ continuous. Backends never reduce across ranks; values arrive already reduced.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tidal.logging.config import LoggingConfig
+from tidal.optional_deps import OPTIONAL, require
 from tidal.registry import Registry
 
 BACKENDS: Registry["MetricsBackend"] = Registry("logging backend")
@@ -81,9 +81,11 @@ class TensorBoardBackend:
         self._w.close()
 
 
-def require_wandb() -> None:
-    if importlib.util.find_spec("wandb") is None:
-        raise ImportError("logging.backends has 'wandb' but wandb is not installed: `pip install wandb`, or remove 'wandb' from logging.backends")
+def require_package(backend: str) -> None:
+    """A ConfigError at ``logging.backends`` naming the install command when the package of
+    ``backend`` (tensorboard, wandb) is missing (:mod:`tidal.optional_deps`)."""
+    if backend in OPTIONAL:
+        require(backend, "logging.backends", f"logging backend '{backend}'")
 
 
 @BACKENDS.register("wandb")
@@ -91,7 +93,6 @@ class WandbBackend:
     """A W&B run in ``RUN_DIR/wandb``; its id is kept in ``RUN_DIR/wandb_run_id`` so a resumed run continues it."""
 
     def __init__(self, cfg, run_dir, *, total_steps, start_step, hparams):
-        require_wandb()
         import wandb
 
         id_file = run_dir / "wandb_run_id"

@@ -16,7 +16,8 @@ class LoggingConfig:
 
     backends: any of ``console`` (rich progress bar and a per-step table), ``jsonl``
         (``RUN_DIR/metrics.jsonl``, one object per logged step), ``tensorboard`` (``RUN_DIR/tb``),
-        ``wandb`` (needs ``pip install wandb``).
+        ``wandb``; ``tensorboard`` and ``wandb`` need their extras
+        (``pip install 'tidal-rft[tensorboard]'``, ``[wandb]``, checked before anything loads).
     wandb_project: W&B project name. wandb_mode: ``offline`` (files under ``RUN_DIR/wandb``, sync
         later with ``wandb sync``) or ``online``.
     log_every: write every N-th step (and the last); each written value is the mean of that

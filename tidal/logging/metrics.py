@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.logging import console as _console  # noqa: F401  (registers the console backend)
-from tidal.logging.backends import make_backend, require_wandb
+from tidal.logging.backends import make_backend, require_package
 from tidal.logging.config import LoggingConfig
 
 
@@ -27,8 +27,8 @@ class MetricsLogger:
     write (keys logged on one step only, such as eval/*, pass through unchanged). ``start_step`` is
     the last step completed before this process started (resume): backends discard what they had
     recorded after it, and the progress bar starts there. ``hparams`` (the run config as a dict) is
-    given to W&B and TensorBoard. On other ranks every call is a no-op, but a missing wandb package
-    still raises at construction on every rank.
+    given to W&B and TensorBoard. On other ranks every call is a no-op, but a missing backend package
+    (tensorboard, wandb) still raises a ConfigError at construction on every rank.
     """
 
     def __init__(
@@ -41,8 +41,8 @@ class MetricsLogger:
         start_step: int = 0,
         hparams: dict | None = None,
     ):
-        if "wandb" in cfg.backends:
-            require_wandb()
+        for name in cfg.backends:  # on every rank: all fail alike, before anything is written
+            require_package(name)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.is_main = is_main
