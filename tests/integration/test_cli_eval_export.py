@@ -30,7 +30,7 @@ def test_eval_and_export_from_checkpoint(tmp_path, tiny_task_overrides):
     assert "data:image/png;base64," in (run / "report.html").read_text()
     out = _cli("eval", *common, "--checkpoint", str(ckpt))
     res = json.loads(out.strip().splitlines()[-1])
-    assert res["step"] == 1 and res["eval/prompts"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
+    assert res["step"] == 1 and res["eval/prompts_count"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
     _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

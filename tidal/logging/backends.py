@@ -1,7 +1,8 @@
 """Metrics backends: each writes one logged step's ``{key: float}`` somewhere.
 
 Contract: a backend is built with ``(cfg, run_dir, total_steps=, start_step=, hparams=)`` on the
-main rank only, gets ``write(step, metrics)`` for each logged step in increasing order, and
+main rank only, gets ``write(step, metrics)`` for each logged step in increasing order (step 0:
+the start of the run, its evaluation before training, :meth:`MetricsLogger.log_start`), and
 ``close()`` once. ``start_step`` is the last step already done (0 for a fresh run): anything a
 backend had recorded after it (a crashed run's tail) is discarded so a resumed run's record is
 continuous. Backends never reduce across ranks; values arrive already reduced.
@@ -54,7 +55,8 @@ def _truncate_after(path: Path, start_step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step]
+    # a fresh run (start_step 0) keeps nothing: its step 0 (the start-of-run evaluation) is written anew
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step] if start_step > 0 else []
     if len(kept) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")

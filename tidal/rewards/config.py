@@ -33,7 +33,7 @@ class FunctionRewardConfig:
         A function with the attribute ``batched = True`` takes ``list[RewardSample]`` and returns
         ``list[number]`` of the same length.
     timeout_s: limit of one call (one sample; one whole call for a batched function). A timed-out
-        call is an error of that sample (see ``reward.on_error``), counted in ``reward/<name>/timeouts``.
+        call is an error of that sample (see ``reward.on_error``), counted in ``reward/<name>/timeouts_count``.
     concurrency: calls of this function in flight at once (threads for ``def``, tasks for
         ``async def``; worker processes with ``isolation: process``).
     isolation: where calls run. ``thread``: in the trainer's process (``async def`` on the reward
@@ -193,11 +193,11 @@ class RewardConfig:
         request that failed after its retries, a NaN, infinite, beyond-float32 or non-number score):
         ``raise`` stops the step with an error naming the component and the sample; ``drop`` marks
         the sample invalid (``valid_B`` False, total 0, excluded from training) and counts it in
-        ``reward/dropped``. Nothing is ever silently scored 0.
+        ``reward/dropped_count``. Nothing is ever silently scored 0.
     timeout_s: deadline of one scoring call for its function and remote components together, so
         that scoring can never hang training. Past it the call stops waiting: every sample of a
         component that has not answered is an error of that component (``on_error``), and
-        ``reward/deadline_exceeded`` is 1. ``null`` (default) derives it from the components' own
+        ``reward/deadline_exceeded_max`` is 1. ``null`` (default) derives it from the components' own
         limits -- the longest their ``timeout_s``, ``concurrency``, retries and backoff allow for
         the call's sample count, plus a minute -- so it fires only when a component breaks its own
         limits (an ``async def`` function that blocks the event loop, a wedged connection). A
