@@ -109,10 +109,34 @@ def cmd_report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def shipped_configs() -> list[str]:
+    """The names of the configs shipped in ``tidal/configs`` (``tidal train NAME``)."""
+    from tidal.config import CONFIG_DIR
+
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+TRAIN_EPILOG = """\
+configs shipped with Tidal: {configs}
+
+overrides: key.sub=value, any number, after the config (and before or after --checkpoint/--out for
+eval and export); values are YAML: run.steps=10 rollout.temperature=0.7 logging.backends=[console,jsonl]
+engine.backend=native. Every key is listed in the README's config table.
+
+several ranks or GPUs: every rank runs the same command under torchrun, e.g.
+  torchrun --nproc_per_node 8 -m tidal.cli train my.yaml engine.tp_size=2
+
+exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+saved step."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Colocated RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run the config's job: RL training (job: rl) or reward-model training (job: reward_model)")
+    t = sub.add_parser("train", help="run the config's job: RL training (job: rl) or reward-model training (job: reward_model)",
+                       description="Run the config's job: RL training (job: rl) or reward-model training (job: reward_model).",
+                       epilog=TRAIN_EPILOG.format(configs=", ".join(shipped_configs()), stop=STOP_EXIT_CODE),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")
@@ -130,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The train/eval/export command line; ``key=value`` overrides may come anywhere after the config
+    (argparse alone takes them only before ``--checkpoint``/``--out``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve-reward":
@@ -138,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve_teacher(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command](args)
     except ConfigError as e:
