@@ -1,7 +1,8 @@
-"""The ``tidal`` command: train, eval, export, serve-reward, report.
+"""The ``tidal`` command: train, check, eval, export, serve-reward, report.
 
     tidal train CONFIG [key.sub=value ...]        # CONFIG: a shipped name (quickstart) or a YAML path
                                                    # its root key `job` picks what runs (rl, reward_model)
+    tidal check CONFIG [overrides]                 # every check a run makes before loading, then its plan
     tidal eval CONFIG --checkpoint DIR [overrides]
     tidal export CONFIG --checkpoint DIR --out OUT [overrides]
     tidal serve-reward ...                         # see `tidal serve-reward --help`
@@ -45,6 +46,16 @@ def cmd_train(args) -> int:
         trainer.fit()
     finally:
         shutdown()
+    return 0
+
+
+def cmd_check(args) -> int:
+    from tidal.check import check
+
+    cfg = _load(args)
+    for line in check(cfg):
+        print(f"[tidal] {line}", flush=True)
+    print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
     return 0
 
 
@@ -139,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    c = sub.add_parser("check", help="validate a config, its optional packages, device, ranks and paths, print what the run will do; no training",
+                       description="Every check `tidal train` makes before loading a model, then what the run will do "
+                                   "(and the memory plan when a model folder is at hand). Nothing is trained or written.")
+    c.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
+    c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")
     e.add_argument("config")
     e.add_argument("--checkpoint", required=True)
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_report(argv[1:])
     args = parse_args(argv)
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command](args)
+        return {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "export": cmd_export}[args.command](args)
     except ConfigError as e:
         print(f"tidal: {e}", file=sys.stderr)
         return 2
