@@ -72,6 +72,9 @@ def cmd_eval(args) -> int:
     trainer = build_trainer(cfg)
     try:
         step = trainer.resume()
+        if trainer.rt.is_main:
+            print(f"[tidal] evaluating the actor of checkpoint {trainer.loaded_from} (step {step}) on "
+                  f"{len(trainer.data.eval_items)} eval prompts", flush=True)
         metrics = trainer.evaluate(step)
         if trainer.rt.is_main:
             import json
@@ -95,8 +98,11 @@ def cmd_export(args) -> int:
 
     trainer = build_trainer(cfg)
     try:
-        trainer.resume()
-        export_hf(trainer, args.out)
+        step = trainer.resume()
+        out = export_hf(trainer, args.out)
+        if trainer.rt.is_main:
+            print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
+                  f"(a Hugging Face folder: weights, config, tokenizer)", flush=True)
     finally:
         shutdown()
     return 0

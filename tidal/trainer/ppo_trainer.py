@@ -90,6 +90,7 @@ class PPOTrainer:
         self.data = data
         self.logger = logger
         self.run_dir = run_dir
+        self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
         self.timer: StageTimer = phases.timer
         self.watchdog = self.timer.watchdog
         self.rt = phases.runtime
@@ -263,7 +264,8 @@ class PPOTrainer:
         """Load the checkpoint chosen at setup (models, optimizer, sampler, algorithm and trainer
         state, RNG) and sync the engine; returns its step (0 for a fresh run). Under
         ``checkpoint.resume: auto`` a checkpoint that fails to load on any rank is skipped for the
-        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`)."""
+        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`). The
+        checkpoint's path is kept in ``loaded_from``; the caller says what it loaded it for."""
         point = self.run_dir.resume
         if point is None:
             return 0
@@ -287,8 +289,7 @@ class PPOTrainer:
             self.logger.rewind(step)
         self.phases.sync_weights(version=step)
         self.timer.pop()  # loading is not a step's phase
-        if self.rt.is_main:
-            print(f"[tidal] resumed from {path} (step {step})", flush=True)
+        self.loaded_from = str(path)
         return step
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -308,6 +309,8 @@ class PPOTrainer:
         self.timer.pop()  # setup's phases (the first weight sync) are not step 1's
         with self.watchdog.stage("resume"):
             start = self.resume()
+        if start and self.rt.is_main:
+            print(f"[tidal] resumed from {self.loaded_from} (step {start})", flush=True)
         cfg = self.cfg
         if start == 0 and cfg.eval.at_start and self.data.eval_items:
             initial = self.evaluate(0)
