@@ -99,10 +99,13 @@ def cmd_export(args) -> int:
     trainer = build_trainer(cfg)
     try:
         step = trainer.resume()
-        out = export_hf(trainer, args.out)
+        import torch
+
+        dtype = getattr(torch, args.dtype) if args.dtype else trainer.phases.strategy.param_dtype
+        out = export_hf(trainer, args.out, dtype)
         if trainer.rt.is_main:
             print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
-                  f"(a Hugging Face folder: weights, config, tokenizer)", flush=True)
+                  f"(a Hugging Face folder: weights in {str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
     finally:
         shutdown()
     return 0
@@ -169,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("config")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
+    x.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="the weights' dtype (default: the dtype the model trained in, strategy.param_dtype)")
     x.add_argument("overrides", nargs="*")
     sub.add_parser("serve-reward", help="serve a reward model or function over HTTP", add_help=False)
     sub.add_parser("serve-teacher", help="serve a distillation teacher's token logprobs over HTTP", add_help=False)
