@@ -204,3 +204,12 @@ def test_config_errors_name_the_key(data, key):
 def test_trajectories_due():
     assert [LoggingConfig(trajectories_every=3).trajectories_due(s) for s in range(1, 7)] == [False, False, True, False, False, True]
     assert not LoggingConfig().trajectories_due(3)
+
+
+def test_step_line_shows_device_memory_by_part():
+    from tidal.logging.console import step_line
+
+    m = {"time/step": 2.0, "memory/device_used_gib": 115.2, "memory/peak_allocated_gib": 40.06,
+         "memory/engine_weights_gib": 0.93, "memory/engine_kv_cache_gib": 70.3}
+    assert step_line(3, 10, m).endswith("mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)")
+    assert "mem" not in step_line(3, 10, {"time/step": 2.0})  # off CUDA: no memory figures

@@ -6,7 +6,8 @@ The line reads, for example::
     step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)
 
 ``reward`` is ``reward/total`` (else ``reward/mean``); ``eval acc`` is ``eval/greedy_accuracy`` on
-the steps that evaluate; ``kl`` is ``actor/kl`` (else ``kl/rollout``); tokens per second are the
+the steps that evaluate; ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
+the device memory by part (:func:`memory_text`); tokens per second are the
 tokens generated on all ranks (``response/tokens_count``) over the generate phase
 (``time/generate``); the phases are the largest ``time/*`` entries. The table lists every metric by
 group under its full name, which says how ranks were combined (:mod:`tidal.logging.reduce`).
@@ -95,7 +96,24 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     if "time/step" in metrics:
         shown = ", ".join(f"{name} {v:.2f}" for name, v in phases[:PHASES_SHOWN])
         parts.append(f"{metrics['time/step']:.2f} s/step" + (f" ({shown})" if shown else ""))
+    memory = memory_text(metrics)
+    if memory:
+        parts.append(memory)
     return "  ".join(parts)
+
+
+MEMORY_PARTS = (("peak alloc", "memory/peak_allocated_gib"), ("engine weights", "memory/engine_weights_gib"),
+                ("KV cache", "memory/engine_kv_cache_gib"), ("graphs", "memory/engine_graphs_gib"))
+
+
+def memory_text(metrics: dict[str, float]) -> str:
+    """``mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)``: what the
+    device holds (``memory/device_used_gib``, the KV cache outside PyTorch's allocator included) and
+    its known parts; empty off CUDA."""
+    if "memory/device_used_gib" not in metrics:
+        return ""
+    shown = ", ".join(f"{label} {metrics[key]:.1f}" for label, key in MEMORY_PARTS if key in metrics)
+    return f"mem {metrics['memory/device_used_gib']:.1f} GiB on the device" + (f" ({shown})" if shown else "")
 
 
 def step_table(step: int, total_steps: int, metrics: dict[str, float]) -> str:

@@ -175,6 +175,8 @@ class PPOTrainer:
         if device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics["memory/reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+            free, total = torch.cuda.mem_get_info(device)  # what the device holds, outside the allocator too
+            metrics["memory/device_used_gib"] = (total - free) / 2**30
             # the engine's own memory while it generated (its KV cache may live outside the allocator)
             metrics.update({f"memory/engine_{kind}_gib": b / 2**30 for kind, b in self.phases.engine_memory.items()})
             torch.cuda.reset_peak_memory_stats(device)
