@@ -15,6 +15,7 @@ Run under ``torchrun --nproc_per_node N`` for several ranks; every rank runs the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tidal.config_base import ConfigError
@@ -204,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "export": cmd_export}[args.command](args)
-    except ConfigError as e:
-        print(f"tidal: {e}", file=sys.stderr)
+    except ConfigError as e:  # every rank finds the same error: rank 0 says it (RANK is set by torchrun)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tidal: {e}", file=sys.stderr)
         return 2
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)

@@ -33,3 +33,13 @@ def test_train_help_lists_configs_overrides_and_torchrun(capsys):
     examples = out.split("values are YAML: ")[1].split(". Every key")[0].split()
     assert len(examples) >= 4
     load_config("quickstart", examples)  # the override examples of the help are valid
+
+
+@pytest.mark.parametrize("rank,said", [("0", True), ("1", False)])
+def test_a_config_error_is_said_once_under_torchrun(rank, said, monkeypatch, capsys):
+    from tidal.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main(["check", "quickstart", "run.steps=-1"]) == 2  # exit 2 on every rank
+    err = capsys.readouterr().err
+    assert ("config error at 'run.steps'" in err) == said and err.count("\n") == int(said)
