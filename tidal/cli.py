@@ -103,7 +103,10 @@ def cmd_export(args) -> int:
         import torch
 
         dtype = getattr(torch, args.dtype) if args.dtype else trainer.phases.strategy.param_dtype
-        out = export_hf(trainer, args.out, dtype)
+        from tidal.logging.progress import stage
+
+        with stage(f"gathering and writing the weights to {args.out}", enabled=trainer.rt.is_main):
+            out = export_hf(trainer, args.out, dtype)
         if trainer.rt.is_main:
             print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
                   f"(a Hugging Face folder: weights in {str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
