@@ -34,11 +34,13 @@ from tidal.distributed import Runtime, init_runtime
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
+from tidal.logging.progress import stage
 from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.models.varlen import enable_packed_attention
+from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
 from tidal.trainer import checkpoint as ckpt
@@ -159,10 +161,6 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
         eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
         n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
         eval_items = [eval_data[i] for i in range(n)]
-    if runtime.is_main:
-        skipped = f"{train.num_dropped} dropped as overlong, {train.num_truncated} left-truncated"
-        print(f"[tidal] data: {len(train)} training prompts from {train.num_rows} rows ({skipped}); "
-              f"{len(eval_items)} eval prompts", flush=True)
     sampler = StatefulDistributedSampler(
         len(train), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
@@ -171,6 +169,7 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
 
 
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
+    check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
@@ -199,22 +198,29 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     run_cfg = memory.run_config(cfg)  # what every component below reads: no `auto` left for the plan's settings
 
     strategy = get_strategy(run_cfg.strategy, runtime)
-    models, hf_config = build_models(run_cfg, paths, strategy, algorithm, tokenizer)
+    with stage(f"loading and sharding the models ({paths.model})", enabled=runtime.is_main):
+        models, hf_config = build_models(run_cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
         trained = [models.actor.model] + ([models.critic.model] if models.critic is not None else [])
         ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained), keep=cfg.checkpoint.keep)
     phases = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
     engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
-    engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
-                           tp_group=runtime.tp_group)
-    phases.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
+    with stage(f"starting the {run_cfg.engine.backend} rollout engine and syncing its weights", enabled=runtime.is_main):
+        engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
+                               tp_group=runtime.tp_group)
+        phases.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
 
     rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=phases)
-    data = build_data(run_cfg, paths, tokenizer, runtime)
+    with stage("loading the prompts", enabled=runtime.is_main) as shown:
+        data = build_data(run_cfg, paths, tokenizer, runtime)
+        shown.done(f"{len(data.train)} training prompts from {data.train.num_rows} rows ({data.train.num_dropped} dropped as "
+                   f"overlong, {data.train.num_truncated} left-truncated); {len(data.eval_items)} eval prompts")
     logger = MetricsLogger(
         run_cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
         start_step=run_dir.resume.step if run_dir.resume is not None else 0, hparams=run_cfg.to_dict(),
     )
+    for observer in logger.observers():  # the console's step bar shows the phase a step is in
+        phases.timer.add_observer(observer)
     if runtime.is_main:
         announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
     return PPOTrainer(cfg=run_cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,

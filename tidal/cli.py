@@ -1,7 +1,8 @@
-"""The ``tidal`` command: train, eval, export, serve-reward, report.
+"""The ``tidal`` command: train, check, eval, export, serve-reward, report.
 
     tidal train CONFIG [key.sub=value ...]        # CONFIG: a shipped name (quickstart) or a YAML path
                                                    # its root key `job` picks what runs (rl, reward_model)
+    tidal check CONFIG [overrides]                 # every check a run makes before loading, then its plan
     tidal eval CONFIG --checkpoint DIR [overrides]
     tidal export CONFIG --checkpoint DIR --out OUT [overrides]
     tidal serve-reward ...                         # see `tidal serve-reward --help`
@@ -14,6 +15,7 @@ Run under ``torchrun --nproc_per_node N`` for several ranks; every rank runs the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tidal.config_base import ConfigError
@@ -22,9 +24,13 @@ from tidal.trainer.stop import StopRun
 
 
 def _load(args):
+    """The config, validated, with its optional packages checked (before any process group or model)."""
     from tidal.config import load_config
+    from tidal.optional_deps import check_dependencies
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check_dependencies(cfg)
+    return cfg
 
 
 def cmd_train(args) -> int:
@@ -44,6 +50,16 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from tidal.check import check
+
+    cfg = _load(args)
+    for line in check(cfg):
+        print(f"[tidal] {line}", flush=True)
+    print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
+    return 0
+
+
 def cmd_eval(args) -> int:
     args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}", "run.steps=1"]
     cfg = _load(args)
@@ -57,6 +73,9 @@ def cmd_eval(args) -> int:
     trainer = build_trainer(cfg)
     try:
         step = trainer.resume()
+        if trainer.rt.is_main:
+            print(f"[tidal] evaluating the actor of checkpoint {trainer.loaded_from} (step {step}) on "
+                  f"{len(trainer.data.eval_items)} eval prompts", flush=True)
         metrics = trainer.evaluate(step)
         if trainer.rt.is_main:
             import json
@@ -80,8 +99,17 @@ def cmd_export(args) -> int:
 
     trainer = build_trainer(cfg)
     try:
-        trainer.resume()
-        export_hf(trainer, args.out)
+        step = trainer.resume()
+        import torch
+
+        dtype = getattr(torch, args.dtype) if args.dtype else trainer.phases.strategy.param_dtype
+        from tidal.logging.progress import stage
+
+        with stage(f"gathering and writing the weights to {args.out}", enabled=trainer.rt.is_main):
+            out = export_hf(trainer, args.out, dtype)
+        if trainer.rt.is_main:
+            print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
+                  f"(a Hugging Face folder: weights in {str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
     finally:
         shutdown()
     return 0
@@ -105,12 +133,41 @@ def cmd_report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def shipped_configs() -> list[str]:
+    """The names of the configs shipped in ``tidal/configs`` (``tidal train NAME``)."""
+    from tidal.config import CONFIG_DIR
+
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+TRAIN_EPILOG = """\
+configs shipped with Tidal: {configs}
+
+overrides: key.sub=value, any number, after the config (and before or after --checkpoint/--out for
+eval and export); values are YAML: run.steps=10 rollout.temperature=0.7 logging.backends=[console,jsonl]
+engine.backend=native. Every key is listed in the README's config table.
+
+several ranks or GPUs: every rank runs the same command under torchrun, e.g.
+  torchrun --nproc_per_node 8 -m tidal.cli train my.yaml engine.tp_size=2
+
+exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+saved step."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Colocated RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run the config's job: RL training (job: rl) or reward-model training (job: reward_model)")
+    t = sub.add_parser("train", help="run the config's job: RL training (job: rl) or reward-model training (job: reward_model)",
+                       description="Run the config's job: RL training (job: rl) or reward-model training (job: reward_model).",
+                       epilog=TRAIN_EPILOG.format(configs=", ".join(shipped_configs()), stop=STOP_EXIT_CODE),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    c = sub.add_parser("check", help="validate a config, its optional packages, device, ranks and paths, print what the run will do; no training",
+                       description="Every check `tidal train` makes before loading a model, then what the run will do "
+                                   "(and the memory plan when a model folder is at hand). Nothing is trained or written.")
+    c.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
+    c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")
     e.add_argument("config")
     e.add_argument("--checkpoint", required=True)
@@ -119,11 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("config")
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
+    x.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="the weights' dtype (default: the dtype the model trained in, strategy.param_dtype)")
     x.add_argument("overrides", nargs="*")
     sub.add_parser("serve-reward", help="serve a reward model or function over HTTP", add_help=False)
     sub.add_parser("serve-teacher", help="serve a distillation teacher's token logprobs over HTTP", add_help=False)
     sub.add_parser("report", help="draw a run's metric curves (PNG + HTML)", add_help=False)
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The train/eval/export command line; ``key=value`` overrides may come anywhere after the config
+    (argparse alone takes them only before ``--checkpoint``/``--out``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve_teacher(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command](args)
-    except ConfigError as e:
-        print(f"tidal: {e}", file=sys.stderr)
+        return {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "export": cmd_export}[args.command](args)
+    except ConfigError as e:  # every rank finds the same error: rank 0 says it (RANK is set by torchrun)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tidal: {e}", file=sys.stderr)
         return 2
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)

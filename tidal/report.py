@@ -2,8 +2,10 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (as written by the ``jsonl`` logging backend). When a step appears
 more than once (a file appended to by a resumed run), its last record wins. Keys are grouped by
-their prefix before the first ``/`` (a key without one is its own group); each group is one
-panel (split into several when it has more than ``MAX_LINES`` keys). Groups are ordered reward,
+their prefix before the first ``/`` (a key without one is its own group) and by their unit
+(:func:`unit_of`: seconds, GiB, counts, fractions, other values), so one axis never mixes a count of
+200 with accuracies near 1; each group is one panel (split into several when it has more than
+``MAX_LINES`` keys). A series that never changes is not plotted: the HTML lists it with its value. Groups are ordered reward,
 eval, kl, entropy, response/length, loss, time, memory, then the rest alphabetically. Non-numeric
 and null values are skipped. The HTML page embeds the PNG (base64) and a table of each key's last
 value; it references no external file.
@@ -55,13 +57,41 @@ def _group_rank(group: str) -> tuple[int, str]:
     return len(GROUP_ORDER), group
 
 
+def unit_of(key: str) -> str:
+    """The unit a metric is plotted in, from its name (:mod:`tidal.logging.reduce`'s contract)."""
+    from tidal.logging.reduce import is_count
+
+    last = key.rpartition("/")[2]
+    if key.startswith("time/") or last.endswith("_s") or last == "seconds":
+        return "s"
+    if last.endswith("_gib"):
+        return "GiB"
+    if is_count(key):
+        return "count"
+    if last.endswith("_frac") or "accuracy" in last or last.startswith(("pass@", "mean@")):
+        return "fraction"
+    return ""
+
+
+def constant_keys(series: Series) -> list[str]:
+    """The keys whose every value is the same (listed, not plotted)."""
+    return sorted(k for k, (_, values) in series.items() if len(values) > 1 and min(values) == max(values))
+
+
 def panels(keys: list[str]) -> list[tuple[str, list[str]]]:
-    """``[(title, keys)]``: one panel per prefix group in display order, at most MAX_LINES keys each."""
-    groups: dict[str, list[str]] = {}
+    """``[(title, keys)]``: one panel per prefix group and unit in display order (the unit in the
+    title, ``eval [count]``, where a group has several), at most MAX_LINES keys each."""
+    by_prefix: dict[str, list[str]] = {}
     for key in keys:
-        groups.setdefault(key.partition("/")[0], []).append(key)
+        by_prefix.setdefault(key.partition("/")[0], []).append(key)
+    groups: dict[str, list[str]] = {}
+    for prefix in sorted(by_prefix, key=_group_rank):
+        units = sorted({unit_of(k) for k in by_prefix[prefix]})
+        for unit in units:
+            title = prefix if len(units) == 1 else f"{prefix} [{unit or 'value'}]"
+            groups[title] = [k for k in by_prefix[prefix] if unit_of(k) == unit]
     out = []
-    for group in sorted(groups, key=_group_rank):
+    for group in groups:
         members = sorted(groups[group])
         chunks = [members[i : i + MAX_LINES] for i in range(0, len(members), MAX_LINES)]
         for n, chunk in enumerate(chunks, start=1):
@@ -75,7 +105,7 @@ def render_png(series: Series, title: str) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layout = panels(list(series))
+    layout = panels([k for k in series if k not in set(constant_keys(series))]) or [("no changing metric", [])]
     ncols = min(3, len(layout))
     nrows = -(-len(layout) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
@@ -99,6 +129,8 @@ def render_png(series: Series, title: str) -> bytes:
 
 def render_html(series: Series, png: bytes, title: str) -> str:
     rows = []
+    constant = constant_keys(series)
+    listed = "".join(f"<tr><td>{html.escape(k)}</td><td>{series[k][1][0]:.6g}</td></tr>" for k in constant)
     for panel_title, keys in panels(list(series)):
         for key in keys:
             steps, values = series[key]
@@ -113,7 +145,9 @@ def render_html(series: Series, png: bytes, title: str) -> str:
         f"<img alt='metric curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
         "<h2>Final metrics</h2><table><tr><th>metric</th><th>last value</th><th>at step</th></tr>"
         + "".join(rows)
-        + "</table></body></html>\n"
+        + "</table>"
+        + (f"<h2>Constant (not plotted)</h2><table><tr><th>metric</th><th>value</th></tr>{listed}</table>" if constant else "")
+        + "</body></html>\n"
     )
 
 

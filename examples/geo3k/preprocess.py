@@ -39,18 +39,18 @@ def convert_row(where: str, row: dict, index: int, *, split: str, out_dir: Path,
     """One output row; writes the row's images as PNG files under ``out_dir/images/<split>``."""
     problem, answer, images = row.get("problem"), row.get("answer"), row.get("images")
     if not isinstance(problem, str) or not problem.strip():
-        raise ValueError(f"{where}: needs a non-empty string 'problem'")
+        raise ValueError(f"{where}: field 'problem': must be a non-empty string, got {problem!r:.40}")
     if answer is None or (isinstance(answer, str) and not answer.strip()):
-        raise ValueError(f"{where}: needs an 'answer'")
+        raise ValueError(f"{where}: field 'answer': missing or empty")
     if images is None:
         images = []
     if not isinstance(images, list):
         images = [images]
     if not images:
-        raise ValueError(f"{where}: has no image (Geometry3K problems have one)")
+        raise ValueError(f"{where}: field 'images': no image (Geometry3K problems have one)")
     marks = problem.count(IMAGE_PLACEHOLDER)
     if marks and marks != len(images):
-        raise ValueError(f"{where}: {marks} '{IMAGE_PLACEHOLDER}' placeholders but {len(images)} images")
+        raise ValueError(f"{where}: field 'problem': {marks} '{IMAGE_PLACEHOLDER}' placeholders but {len(images)} images")
     img_dir = out_dir / "images" / split
     img_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -58,7 +58,7 @@ def convert_row(where: str, row: dict, index: int, *, split: str, out_dir: Path,
         try:
             image = load_image(ref, base_dir)
         except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: image {k}: {e}") from None
+            raise ValueError(f"{where}: field 'images' [{k}]: {e}") from None
         name = f"{index:05d}-{k}.png"
         image.save(img_dir / name)
         paths.append(f"images/{split}/{name}")
@@ -72,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", required=True, help="name of the output split (train, validation, test)")
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for <split>.jsonl and images/<split>/")
     args = parser.parse_args(argv)
-    out = []
-    for path in args.input:
-        base = Path(path).resolve().parent
-        for where, row in load_rows(DataSource(path=path)):
-            out.append(convert_row(where, row, len(out), split=args.split, out_dir=args.out_dir, base_dir=base))
+    try:
+        out = []
+        for path in args.input:
+            base = Path(path).resolve().parent
+            for where, row in load_rows(DataSource(path=path)):
+                out.append(convert_row(where, row, len(out), split=args.split, out_dir=args.out_dir, base_dir=base))
+    except (ValueError, OSError) as e:  # bad input: one line naming the file, row and field
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     target = args.out_dir / f"{args.split}.jsonl"
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")

@@ -79,14 +79,14 @@ def test_a_remote_teacher_scores_training_and_its_failures_follow_on_error(tmp_p
             metrics = trainer.fit()
         finally:
             shutdown()
-        assert abs(metrics["distill/reverse_kl"]) < 1e-3 and metrics["distill/teacher_dropped"] == 0
+        assert abs(metrics["distill/reverse_kl"]) < 1e-3 and metrics["distill/teacher_dropped_count"] == 0
         trainer = build_trainer(_remote_run(tmp_path, tiny_task_overrides, url, "drop"))
         try:
             monkeypatch.setattr(trainer.models.remote_teacher, "url", "http://127.0.0.1:9")  # the endpoint goes down
             metrics = trainer.fit()
         finally:
             shutdown()
-        assert metrics["distill/teacher_dropped"] == 16 and metrics["distill/teacher_failed_requests"] >= 1
+        assert metrics["distill/teacher_dropped_count"] == 16 and metrics["distill/teacher_failed_requests_count"] >= 1
         trainer = build_trainer(_remote_run(tmp_path, tiny_task_overrides, url, "raise"))
         try:
             monkeypatch.setattr(trainer.models.remote_teacher, "url", "http://127.0.0.1:9")

@@ -18,9 +18,11 @@ def test_quickstart_improves_heldout_accuracy(tmp_path):
     assert "eval at start" in proc.stdout and "eval at end" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
-    start = float(proc.stdout.split("eval at start: greedy_accuracy=")[1].split(",")[0])
-    end = evals[-1][1]
+    assert evals[0][0] == 0  # the start-of-run evaluation is step 0 of metrics.jsonl
+    start, end = evals[0][1], evals[-1][1]
+    assert f"greedy_accuracy {start:.3g}" in proc.stdout.split("eval at start: ")[1].splitlines()[0]
     assert rows[-1]["step"] == 100 and evals[-1][0] == 100
     assert end >= start + 0.3, (start, evals)  # measured 0.395 -> 0.96
-    first, last = rows[0]["reward/mean"], sum(r["reward/mean"] for r in rows[-10:]) / 10
+    steps = [r for r in rows if r["step"] > 0]
+    first, last = steps[0]["reward/mean"], sum(r["reward/mean"] for r in steps[-10:]) / 10
     assert last > first, (first, last)

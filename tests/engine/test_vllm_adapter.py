@@ -109,17 +109,19 @@ def test_to_completions_prompt_major_by_index():
 
 # ---- optional-backend version checks -----------------------------------------------------------------------
 def test_check_backend_installed(monkeypatch):
+    from tidal import optional_deps
+
     assert backends.check_backend_installed("native") == ""
-    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r"pip install 'tidal-rft\[vllm\]' \(vllm>=0.32,<0.34\): vllm is not installed"):
+    monkeypatch.setattr(optional_deps.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"engine.backend.*vllm >=0.32,<0.34; vllm is not installed: pip install 'tidal-rft\[vllm\]'"):
         backends.check_backend_installed("vllm")
-    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(optional_deps.importlib.util, "find_spec", lambda name: object())
     for version, ok in [("0.31.9", False), ("0.32.0", True), ("0.33.5.dev3+g12", True), ("0.34.0", False)]:
-        monkeypatch.setattr(backends, "_installed_version", lambda dists, v=version: v)
+        monkeypatch.setattr(optional_deps.importlib.metadata, "version", lambda dist, v=version: v)
         if ok:
             assert backends.check_backend_installed("vllm") == version
         else:
-            with pytest.raises(ValueError, match=f"installed vllm {version} is outside"):
+            with pytest.raises(ConfigError, match=f"installed vllm {version} is outside"):
                 backends.check_backend_installed("vllm")
 
 

@@ -165,7 +165,7 @@ def test_reward_nan_dropped_and_counted(tmp_path, tiny_task_overrides):
     out = tmp_path / "run"
     m = _run(out, tiny_task_overrides, ["run.steps=2", "reward.on_error=drop", "reward.components.correct.path=tests.faults.rewards:nan_on_odd_index"])
     for row in _steps(out):  # 4 prompts x 4 samples a step, the odd-indexed half is NaN
-        assert (row["reward/dropped"], row["reward/valid"], row["reward/correct/errors"]) == (8.0, 8.0, 8.0)
+        assert (row["reward/dropped_count"], row["reward/total/count"], row["reward/correct/errors_count"]) == (8.0, 8.0, 8.0)
         assert row["actor/skipped"] == 0.0 and row["actor/loss"] is not None
     assert m["actor/grad_norm"] > 0
 
@@ -192,6 +192,6 @@ def test_reward_server_down(tmp_path, tiny_task_overrides, on_error):
         return
     _run(tmp_path / "run", tiny_task_overrides, extra)
     (row,) = _steps(tmp_path / "run")
-    assert (row["reward/dropped"], row["reward/valid"]) == (16.0, 0.0)
-    assert row["reward/correct/failed_requests"] == 1.0 and row["reward/correct/retries"] == 1.0
+    assert (row["reward/dropped_count"], row["reward/total/count"]) == (16.0, 0.0)
+    assert row["reward/correct/failed_requests_count"] == 1.0 and row["reward/correct/retries_count"] == 1.0
     assert row["actor/skipped"] == 0.0 and row["actor/grad_norm"] == 0.0  # nothing to learn from, nothing corrupted

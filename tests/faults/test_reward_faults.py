@@ -36,14 +36,14 @@ def test_base_exception_is_one_samples_error(fn, raised, isolation):
             eng.score([S("a"), S("exit"), S("b")])
     with engine(fn, on_error="drop", isolation=isolation) as eng:
         out = eng.score([S("a"), S("exit"), S("b")])
-        assert out.valid_B.tolist() == [True, False, True] and out.metrics["reward/f/errors"] == 1.0
+        assert out.valid_B.tolist() == [True, False, True] and out.metrics["reward/f/errors_count"] == 1.0
         assert eng.score([S("c")]).total_B.tolist() == [1.0]  # the engine (and its loop) still works
 
 
 def test_batched_base_exception_fails_the_batch():
     with engine("batched_exits", on_error="drop") as eng:
         out = eng.score([S("a"), S("exit")])
-    assert out.valid_B.tolist() == [False, False] and out.metrics["reward/dropped"] == 2.0
+    assert out.valid_B.tolist() == [False, False] and out.metrics["reward/dropped_count"] == 2.0
 
 
 @pytest.mark.parametrize("isolation", ["thread", "process"])
@@ -53,7 +53,7 @@ def test_hanging_function_meets_its_limit_and_is_counted(isolation):
         out = eng.score([S("a"), S("hang")])
         assert time.monotonic() - t0 < 20
         assert out.valid_B.tolist() == [True, False]
-        assert out.metrics["reward/f/timeouts"] == 1.0 and out.metrics["reward/deadline_exceeded"] == 0.0
+        assert out.metrics["reward/f/timeouts_count"] == 1.0 and out.metrics["reward/deadline_exceeded_max"] == 0.0
         assert eng.score([S("b")]).total_B.tolist() == [1.0]
     with engine("hangs_forever", isolation=isolation, timeout_s=0.5) as eng:
         with pytest.raises(RewardError, match=rf"failed on sample 0: timed out after 0.5 s in function '{F}:hangs_forever'"):
@@ -68,7 +68,7 @@ def test_process_isolation_kills_the_hung_worker_and_replaces_it():
     with engine("hangs_forever", on_error="drop", isolation="process", timeout_s=0.5, concurrency=1) as eng:
         eng.score([S("a")])
         (before,) = _worker_pids(eng)
-        assert eng.score([S("hang")]).metrics["reward/f/timeouts"] == 1.0
+        assert eng.score([S("hang")]).metrics["reward/f/timeouts_count"] == 1.0
         assert eng.score([S("a")]).valid_B.tolist() == [True]  # a new worker answers
         (after,) = _worker_pids(eng)
         assert after != before
@@ -100,9 +100,9 @@ def test_a_function_that_blocks_the_event_loop_meets_the_calls_deadline():
         t0 = time.monotonic()
         out = eng.score([S("hang"), S("a")])
         assert time.monotonic() - t0 < 5  # the loop is blocked for 8 s: only the call's deadline can end this
-        assert out.valid_B.tolist() == [False, False] and out.metrics["reward/deadline_exceeded"] == 1.0
+        assert out.valid_B.tolist() == [False, False] and out.metrics["reward/deadline_exceeded_max"] == 1.0
         ok = eng.score([S("a")])  # on a new event loop
-        assert ok.valid_B.tolist() == [True] and ok.metrics["reward/deadline_exceeded"] == 0.0
+        assert ok.valid_B.tolist() == [True] and ok.metrics["reward/deadline_exceeded_max"] == 0.0
     with engine("blocks_the_loop", deadline=1.0) as eng:
         with pytest.raises(RewardError, match=r"failed on sample 0: no answer within the scoring call's deadline \(reward.timeout_s=1\)"):
             eng.score([S("hang")])

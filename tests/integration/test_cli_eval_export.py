@@ -28,10 +28,16 @@ def test_eval_and_export_from_checkpoint(tmp_path, tiny_task_overrides):
     _cli("report", str(run))  # the report renders from a real run directory
     assert (run / "report.png").stat().st_size > 1000
     assert "data:image/png;base64," in (run / "report.html").read_text()
-    out = _cli("eval", *common, "--checkpoint", str(ckpt))
+    out = _cli("eval", *common, "--checkpoint", str(ckpt), "eval.greedy=true")  # an override after --checkpoint
+    assert f"evaluating the actor of checkpoint {ckpt} (step 1) on 16 eval prompts" in out and "resumed" not in out
     res = json.loads(out.strip().splitlines()[-1])
-    assert res["step"] == 1 and res["eval/prompts"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
-    _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
+    assert res["step"] == 1 and res["eval/prompts_count"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
+    out = _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "run.seed=1")
+    assert f"exported the actor of checkpoint {ckpt} (step 1) to {(tmp_path / 'hf').resolve()}" in out
+    assert "weights in float32" in out  # the dtype it trained in on the CPU (strategy.param_dtype auto)
+    _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf16"), "--dtype", "bfloat16")
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", dtype="auto")
+    assert half.dtype == torch.bfloat16 and json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.eos_token is not None

@@ -86,7 +86,7 @@ def test_function_server_with_batching(serve_app):
     with remote_engine(url, batch_size=2, concurrency=2) as eng:
         out = eng.score(samples("a", "bb", "ccc", "dddd", "eeeee"))
     assert out.total_B.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert out.metrics["reward/rm/retries"] == 0.0 and out.metrics["reward/rm/failed_requests"] == 0.0
+    assert out.metrics["reward/rm/retries_count"] == 0.0 and out.metrics["reward/rm/failed_requests_count"] == 0.0
 
 
 def test_per_sample_server_error_is_not_a_zero(serve_app):
@@ -96,7 +96,7 @@ def test_per_sample_server_error_is_not_a_zero(serve_app):
             eng.score(samples("a", "boom"))
     with remote_engine(url, on_error="drop") as eng:
         out = eng.score(samples("a", "boom"))
-    assert out.valid_B.tolist() == [True, False] and out.metrics["reward/dropped"] == 1.0
+    assert out.valid_B.tolist() == [True, False] and out.metrics["reward/dropped_count"] == 1.0
 
 
 def test_bearer_token(serve_app, monkeypatch):
@@ -162,7 +162,7 @@ def test_500_then_success_is_retried(serve_app):
     with remote_engine(serve_app(misbehaving_app(handler)), max_retries=3) as eng:
         out = eng.score(samples("a", "b"))
     assert out.total_B.tolist() == [0.25, 0.25] and len(calls) == 3
-    assert out.metrics["reward/rm/retries"] == 2.0
+    assert out.metrics["reward/rm/retries_count"] == 2.0
 
 
 def test_persistent_500_fails_after_bounded_retries(serve_app):
@@ -180,7 +180,7 @@ def test_persistent_500_fails_after_bounded_retries(serve_app):
     with remote_engine(url, max_retries=1, on_error="drop") as eng:
         out = eng.score(samples("a", "b"))
     assert out.valid_B.tolist() == [False, False] and out.total_B.tolist() == [0.0, 0.0]
-    assert out.metrics["reward/dropped"] == 2.0 and out.metrics["reward/rm/failed_requests"] == 1.0
+    assert out.metrics["reward/dropped_count"] == 2.0 and out.metrics["reward/rm/failed_requests_count"] == 1.0
 
 
 def test_timeout_is_retried_then_an_error(serve_app):

@@ -22,3 +22,59 @@ def test_groups_world8_tp4_and_tp1():
 def test_indivisible_world_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"WORLD_SIZE % engine.tp_size != 0 \(6 % 4\)"):
         rollout_group_ranks(6, 4)
+
+
+def test_tp_larger_than_the_world_says_how_to_launch():
+    with pytest.raises(ConfigError, match=r"2 needs at least 2 ranks.*WORLD_SIZE=1.*torchrun --nproc_per_node 2") as e:
+        rollout_group_ranks(1, 2)
+    assert e.value.key == "engine.tp_size"
+
+
+class _OneGPU:
+    """torch.cuda as one device would show it (nothing runs on it)."""
+
+    def __init__(self, monkeypatch):
+        import torch
+
+        self.set = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set.append)
+
+
+@pytest.mark.parametrize("local_rank, local_world, tp, key", [(1, 2, 2, "engine.tp_size"), (1, 2, 1, "run.device")])
+def test_more_ranks_than_gpus_is_a_config_error_before_any_process_group(monkeypatch, local_rank, local_world, tp, key):
+    from tidal.distributed.runtime import resolve_device
+
+    gpu = _OneGPU(monkeypatch)
+    with pytest.raises(ConfigError) as e:
+        resolve_device("auto", local_rank, local_world_size=local_world, tp_size=tp)
+    assert e.value.key == key and "1" in e.value.message and gpu.set == []
+    assert str(resolve_device("auto", 0, local_world_size=local_world, tp_size=tp)) == "cuda:0" and gpu.set == [0]
+
+
+def test_init_binds_the_device_also_in_a_single_process(monkeypatch):
+    """NCCL's barrier warns that its device guess "can potentially cause a hang" unless init_process_group
+    got device_id: also for a world of one started without torchrun."""
+    import torch.distributed as dist
+
+    from tidal.distributed import runtime
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    _OneGPU(monkeypatch)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Stop
+
+    for var in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(Stop):
+        runtime.init_runtime(1, "auto")
+    assert seen["backend"] == "nccl" and str(seen["device_id"]) == "cuda:0"

@@ -48,8 +48,27 @@ def test_prompt_style_with_boxed_instruction(tmp_path, preprocess):
     assert "messages" not in row and row["prompt"].endswith("put your final answer within \\boxed{}.")
 
 
-@pytest.mark.parametrize("answer, message", [("no marker", "no '####'"), ("#### seven", "'seven' is not a number")])
-def test_bad_answers_name_the_line(tmp_path, preprocess, answer, message):
-    (tmp_path / "a.jsonl").write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"question": "q", "answer": answer}) + "\n")
-    with pytest.raises(ValueError, match=f"a.jsonl:2: .*{message}"):
-        preprocess.main(["--input", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o.jsonl")])
+@pytest.mark.parametrize("row, message", [
+    ({"question": "q", "answer": "no marker"}, "a.jsonl:2: field 'answer': no '####'"),
+    ({"question": "q", "answer": "#### seven"}, "a.jsonl:2: field 'answer': final answer 'seven' is not a number"),
+    ({"question": "q"}, "a.jsonl:2: field 'answer': missing"),
+    ({"question": 3, "answer": "#### 3"}, "a.jsonl:2: field 'question': a int, not a string"),
+])
+def test_bad_rows_are_one_line_naming_file_row_and_field(tmp_path, preprocess, capsys, row, message):
+    (tmp_path / "a.jsonl").write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(row) + "\n")
+    assert preprocess.main(["--input", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_parquet_row_and_missing_file_as_a_script(tmp_path):
+    import subprocess
+    import sys
+
+    pq.write_table(pa.Table.from_pylist([ROWS[0], {"question": "q", "answer": "7"}]), tmp_path / "t.parquet")
+    for inputs, message in [([str(tmp_path / "t.parquet")], "t.parquet row 1: field 'answer': no '####'"),
+                            ([str(tmp_path / "nope.jsonl")], "data source not found")]:
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--input", *inputs, "--output", str(tmp_path / "o.jsonl")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

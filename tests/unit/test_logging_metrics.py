@@ -75,16 +75,77 @@ def test_non_numeric_metric_is_rejected(tmp_path):
         log.log(1, {"text": "hi"})
 
 
-def test_console_prints_grouped_table_and_progress(tmp_path):
+STEP = {"reward/total": 0.51234, "reward/total/count": 128.0, "reward/dropped_count": 0.0, "eval/greedy_accuracy": 0.625,
+        "eval/prompts_count": 200.0, "actor/kl": 0.0012345, "response/tokens_count": 4096.0, "time/generate": 0.5,
+        "time/train": 0.25, "time/weight_sync": 0.05, "time/step": 0.8, "loss": 2.0}
+
+
+def test_console_one_compact_line_per_step_and_a_table_every_n(tmp_path):
     out = io.StringIO()
     console = Console(file=out, width=100, force_terminal=False)
-    backend = ConsoleBackend(LoggingConfig(), tmp_path, total_steps=4, start_step=0, hparams=None, console=console)
-    backend.write(2, {"reward/mean": 0.51234, "reward/std": 0.1, "loss": 2.0})
+    backend = ConsoleBackend(LoggingConfig(table_every=2), tmp_path, total_steps=5, start_step=0, hparams=None, console=console)
+    for step in (1, 2, 3):
+        backend.write(step, STEP)
     backend.close()
-    text = out.getvalue()
-    assert "step 2/4" in text and "mean 0.5123" in text and "std 0.1" in text
-    assert any(line.split()[:2] == ["other", "loss"] for line in text.splitlines())
-    assert "2/4" in text.splitlines()[-1]  # the progress bar's final render
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("step 1/5  reward 0.512  eval acc 0.625  kl 0.00123  8192 tok/s  "
+                        "0.80 s/step (generate 0.50, train 0.25, weight_sync 0.05)")
+    assert [ln.split("  ")[0] for ln in lines if ln.startswith("step ")] == ["step 1/5", "step 2/5", "step 2/5: all metrics", "step 3/5"]
+    table = out.getvalue().split("step 2/5: all metrics\n", 1)[1].split("\nstep 3/5")[0].splitlines()
+    assert table[0] == "  reward    total 0.512  total/count 128  dropped_count 0"
+    assert "  eval      greedy_accuracy 0.625  prompts_count 200" == table[1]  # not 200.0000
+    assert "generate 0.5 s" in table[4] and table[-1] == "  other     loss 2"
+
+
+def test_console_table_at_the_last_step_and_never_with_0(tmp_path):
+    for every, tables in ((10, 1), (0, 0)):
+        out = io.StringIO()
+        backend = ConsoleBackend(LoggingConfig(table_every=every), tmp_path, total_steps=3, start_step=0, hparams=None,
+                                 console=Console(file=out, width=100))
+        backend.write(3, STEP)
+        backend.close()
+        assert out.getvalue().count("all metrics") == tables
+
+
+@pytest.mark.parametrize("key, value, text", [
+    ("eval/prompts_count", 200.0, "200"), ("response/tokens_count", 123456.0, "123,456"), ("reward/total", 0.51234, "0.512"),
+    ("actor/kl", 0.000012345, "1.23e-05"), ("x", 12345.0, "12.3k"), ("x", 2.5e6, "2.5M"), ("x", 512.0, "512"), ("x", 3.0, "3"),
+    ("time/generate", 1.23456, "1.23 s"), ("x", float("nan"), "–"),
+])
+def test_numbers_for_people(key, value, text):
+    from tidal.logging.console import format_value
+
+    assert format_value(key, value) == text
+
+
+def test_console_on_a_terminal_shows_the_phase_and_tokens_per_second(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=True)
+    backend = ConsoleBackend(LoggingConfig(), tmp_path, total_steps=4, start_step=0, hparams=None, console=console)
+    backend.phase_begin("generate")
+    backend.phase_end("generate", 2.0)
+    backend.event("generate:done", {"prompts": 2, "completion_lengths": [100, 300], "finish_reasons": ["stop", "length"]})
+    task = backend._display._progress.tasks[0]
+    assert task.description == "train" and task.fields["info"] == "generated 2 sequences, 200 tok/s (this rank)"
+    backend.write(2, STEP)
+    assert backend._display._progress.tasks[0].completed == 2
+    backend.close()
+    assert backend._display._progress is None  # the live display ends with its last task
+
+
+def test_start_of_run_is_step_0(tmp_path):
+    log = jsonl_logger(tmp_path)
+    log.log_start({"eval/greedy_accuracy": 0.4})
+    log.log(1, {"reward/mean": 1.0})
+    with pytest.raises(ValueError, match="step 0"):
+        log.log_start({"eval/greedy_accuracy": 0.5})
+    log.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/greedy_accuracy": 0.4},
+                                                      {"step": 1, "reward/mean": 1.0}]
+    log = jsonl_logger(tmp_path)  # a fresh run in the same directory starts its record anew, step 0 too
+    log.log_start({"eval/greedy_accuracy": 0.7})
+    log.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/greedy_accuracy": 0.7}]
 
 
 def test_tensorboard_writes_events(tmp_path):
@@ -98,10 +159,11 @@ def test_tensorboard_writes_events(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0)]
 
 
-def test_wandb_missing_is_a_clear_error_on_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if wandb were not installed
-    with pytest.raises(ImportError, match="pip install wandb"):
-        MetricsLogger(LoggingConfig(backends=["wandb"]), tmp_path, is_main=False, total_steps=1)
+@pytest.mark.parametrize("backend", ["wandb", "tensorboard"])
+def test_missing_backend_package_is_a_clear_error_on_every_rank(tmp_path, monkeypatch, backend):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=rf"logging.backends.*pip install 'tidal-rft\[{backend}\]'"):
+        MetricsLogger(LoggingConfig(backends=[backend]), tmp_path, is_main=False, total_steps=1)
 
 
 def test_wandb_backend_offline_run_with_stable_id(tmp_path, monkeypatch):
@@ -118,6 +180,7 @@ def test_wandb_backend_offline_run_with_stable_id(tmp_path, monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    monkeypatch.setattr("importlib.metadata.version", lambda dist: "0.19.0")
     for _ in range(2):
         log = MetricsLogger(LoggingConfig(backends=["wandb"], wandb_project="p"), tmp_path, is_main=True, total_steps=1, hparams={"lr": 1})
         log.log(1, {"r": 2.0})
@@ -141,3 +204,12 @@ def test_config_errors_name_the_key(data, key):
 def test_trajectories_due():
     assert [LoggingConfig(trajectories_every=3).trajectories_due(s) for s in range(1, 7)] == [False, False, True, False, False, True]
     assert not LoggingConfig().trajectories_due(3)
+
+
+def test_step_line_shows_device_memory_by_part():
+    from tidal.logging.console import step_line
+
+    m = {"time/step": 2.0, "memory/device_used_gib": 115.2, "memory/peak_allocated_gib": 40.06,
+         "memory/engine_weights_gib": 0.93, "memory/engine_kv_cache_gib": 70.3}
+    assert step_line(3, 10, m).endswith("mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)")
+    assert "mem" not in step_line(3, 10, {"time/step": 2.0})  # off CUDA: no memory figures

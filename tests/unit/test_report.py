@@ -4,7 +4,7 @@ import base64
 import json
 import re
 
-from tidal.report import load_series, main, panels
+from tidal.report import constant_keys, load_series, main, panels, unit_of
 
 
 def fake_run(tmp_path):
@@ -45,6 +45,24 @@ def test_panels_group_by_prefix_in_order():
     titles = [t for t, _ in panels(keys)]
     assert titles == ["reward", "eval", "kl", "time", "other_key", "zz (1/2)", "zz (2/2)"]
     assert dict(panels(keys))["zz (2/2)"] == ["zz/k8", "zz/k9"]
+
+
+def test_panels_never_mix_units():
+    keys = ["eval/greedy_accuracy", "eval/pass@4", "eval/prompts_count", "reward/total", "reward/total/count",
+            "reward/dropped_count", "time/generate", "memory/peak_allocated_gib"]
+    assert [unit_of(k) for k in keys] == ["fraction", "fraction", "count", "", "count", "count", "s", "GiB"]
+    assert panels(keys) == [("reward [value]", ["reward/total"]), ("reward [count]", ["reward/dropped_count", "reward/total/count"]),
+                            ("eval [count]", ["eval/prompts_count"]), ("eval [fraction]", ["eval/greedy_accuracy", "eval/pass@4"]),
+                            ("time", ["time/generate"]), ("memory", ["memory/peak_allocated_gib"])]
+
+
+def test_constant_series_are_listed_not_plotted(tmp_path):
+    run = fake_run(tmp_path)
+    series = load_series(run / "metrics.jsonl")
+    assert constant_keys(series) == ["loss", "memory/gpu_allocated_gib", "time/generate", "time/update"]
+    assert main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "Constant (not plotted)" in page and "<tr><td>time/update</td><td>0.5</td></tr>" in page
 
 
 def test_main_writes_png_and_self_contained_html(tmp_path, capsys):

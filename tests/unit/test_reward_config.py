@@ -64,7 +64,7 @@ def test_empty_config_is_valid_but_means_no_rewards():
         ({"components": {"a": {"type": "math_answer"}}, "recipes": {"default": []}}, "reward.recipes.default"),
         ({"components": {"a": {"type": "math_answer"}}, "recipes": {"default": [["a", float("nan")]]}}, "reward.recipes.default[0]"),
         ({"components": {"a": {"type": "math_answer"}, "b": {"type": "math_answer"}}, "recipes": {"default": [["a", 1]]}}, "reward.components.b"),
-        ({"components": {"a": {"type": "math_answer"}}, "recipes": {"math": [["a", 1]]}}, "reward.default_recipe"),
+        ({"components": {"a": {"type": "math_answer"}}, "recipes": {"math": [["a", 1]]}, "default_recipe": "default"}, "reward.default_recipe"),
         ({"components": {"a": {"type": "math_answer"}}}, "reward.recipes"),
         ({"recipes": {"default": [["a", 1]]}}, "reward.recipes"),
         ({"components": {"a": {"type": "math_answer"}}, "recipes": {"default": [["a", 1]]}, "on_error": "ignore"}, "reward.on_error"),
@@ -79,3 +79,14 @@ def test_errors_name_the_key(data, key):
 def test_labelled_only_data_may_disable_default_recipe():
     cfg = _reward({"components": {"a": {"type": "math_answer"}}, "recipes": {"math": [["a", 1]]}, "default_recipe": None})
     assert cfg.default_recipe is None
+
+
+@pytest.mark.parametrize("recipes, default, resolved", [
+    ({"gsm8k": [["a", 1]]}, None, "gsm8k"),                       # the README's GSM8K config: the only recipe
+    ({"default": [["a", 1]], "chat": [["a", 2]]}, None, "default"),  # the recipe named default
+    ({"math": [["a", 1]], "chat": [["a", 2]]}, None, None),          # ambiguous: unlabelled rows are an error
+    ({"math": [["a", 1]], "chat": [["a", 2]]}, "chat", "chat"),      # named
+])
+def test_default_recipe_resolves_without_breaking_a_single_recipe_config(recipes, default, resolved):
+    cfg = _reward({"components": {"a": {"type": "math_answer"}}, "recipes": recipes, "default_recipe": default})
+    assert cfg.unlabelled_recipe == resolved

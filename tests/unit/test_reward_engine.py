@@ -106,7 +106,7 @@ def test_recipe_with_two_components_hand_computed():
     assert out.metrics["reward/len"] == pytest.approx(17.5)
     assert out.metrics["reward/fmt"] == pytest.approx(0.5)
     assert out.metrics["reward/total"] == pytest.approx(17.75)
-    assert out.metrics["reward/dropped"] == 0.0 and out.metrics["reward/len/errors"] == 0.0
+    assert out.metrics["reward/dropped_count"] == 0.0 and out.metrics["reward/len/errors_count"] == 0.0
     eng.close()
 
 
@@ -137,10 +137,12 @@ def test_unknown_label_and_missing_default_are_errors():
     eng = engine({"m": {"type": "math_answer"}}, {"default": [["m", 1.0]]})
     with pytest.raises(RewardError, match="sample 1 has label 'geo'"):
         eng.score([S("x"), S("x", label="geo")])
-    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]]}, default_recipe=None)
-    with pytest.raises(RewardError, match="sample 0 has no label"):
+    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]], "chat": [["m", 2.0]]}, default_recipe=None)
+    with pytest.raises(RewardError, match="sample 0 has no label.*set reward.default_recipe"):
         eng.score([S("x")])
     assert eng.score([S("\\boxed{1}", "1", label="math")]).total_B.tolist() == [1.0]
+    eng = engine({"m": {"type": "math_answer"}}, {"math": [["m", 1.0]]})  # one recipe: unlabelled rows use it
+    assert eng.score([S("\\boxed{1}", "1")]).total_B.tolist() == [1.0]
 
 
 def test_empty_config_and_empty_batch():
@@ -185,8 +187,8 @@ def test_drop_policy_marks_invalid_and_counts():
     assert out.valid_B.tolist() == [True, False, True]
     assert out.total_B.tolist() == [3.0, 0.0, 5.0]  # dropped sample: total 0, excluded by valid_B
     assert out.component_masks["f"].tolist() == [True, False, True]
-    assert out.metrics["reward/dropped"] == 1.0 and out.metrics["reward/valid"] == 2.0
-    assert out.metrics["reward/f/errors"] == 1.0 and out.metrics["reward/g/errors"] == 0.0
+    assert out.metrics["reward/dropped_count"] == 1.0 and out.metrics["reward/total/count"] == 2.0
+    assert out.metrics["reward/f/errors_count"] == 1.0 and out.metrics["reward/g/errors_count"] == 0.0
     assert out.metrics["reward/total"] == pytest.approx(4.0)
     assert out.metrics["reward/g"] == pytest.approx(3.0)  # means are over valid samples only
 
@@ -208,7 +210,7 @@ def test_per_sample_timeout(name):
     _release.set()
     assert elapsed < 3.0
     assert out.valid_B.tolist() == [True, False, True]
-    assert out.metrics["reward/f/timeouts"] == 1.0
+    assert out.metrics["reward/f/timeouts_count"] == 1.0
     _release.clear()
     with engine({"f": fn(name, timeout_s=0.2)}) as eng:
         with pytest.raises(RewardError, match="sample 0: timed out after 0.2 s"):
@@ -222,7 +224,7 @@ def test_batched_function_wrong_length():
             eng.score([S("a"), S("b")])
     with engine({"f": fn("batched_short")}, on_error="drop") as eng:
         out = eng.score([S("a"), S("b")])
-    assert out.valid_B.tolist() == [False, False] and out.metrics["reward/dropped"] == 2.0
+    assert out.valid_B.tolist() == [False, False] and out.metrics["reward/dropped_count"] == 2.0
     assert math.isnan(out.metrics["reward/total"])
 
 

@@ -138,7 +138,7 @@ def test_non_finite_score_is_an_error(rm_dirs):
     with torch.no_grad():
         eng.components["rm"].model.score.weight.fill_(math.inf)
     out = eng.score([S("one", "two")])
-    assert out.valid_B.tolist() == [False] and out.metrics["reward/rm/errors"] == 1.0
+    assert out.valid_B.tolist() == [False] and out.metrics["reward/rm/errors_count"] == 1.0
 
 
 def test_separator_recorded_by_reward_model_training_is_used(rm_dirs, tmp_path):

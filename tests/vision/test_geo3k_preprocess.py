@@ -49,14 +49,18 @@ def test_parquet_to_rows_with_image_files(tmp_path, preprocess, squares_assets):
     assert ds[1].prompt_ids.count(proc.image_token_id) == 4 and ds[1].mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
-def test_bad_rows_name_the_row(tmp_path, preprocess):
+@pytest.mark.parametrize("row, message", [
+    ({"problem": "<image><image>Find x.", "answer": "1", "images": ["a.png"]},
+     "bad.jsonl:1: field 'problem': 2 '<image>' placeholders but 1 images"),
+    ({"problem": "Find x.", "answer": "1", "images": ["missing.png"]}, "bad.jsonl:1: field 'images' [0]: image not found"),
+    ({"problem": "Find x.", "images": ["a.png"]}, "bad.jsonl:1: field 'answer': missing or empty"),
+])
+def test_bad_rows_are_one_line_naming_file_row_and_field(tmp_path, preprocess, capsys, row, message):
     src = tmp_path / "bad.jsonl"
-    src.write_text(json.dumps({"problem": "<image><image>Find x.", "answer": "1", "images": ["a.png"]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: 2 '<image>' placeholders but 1 images"):
-        preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")])
-    src.write_text(json.dumps({"problem": "Find x.", "answer": "1", "images": ["missing.png"]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: image 0: image not found"):
-        preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")])
+    src.write_text(json.dumps(row) + "\n")
+    assert preprocess.main(["--input", str(src), "--split", "train", "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.parametrize("name", ["geo3k/geo3k-qwen2.5-vl-3b.yaml", "squares/config.yaml"])

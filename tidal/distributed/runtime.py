@@ -78,6 +78,9 @@ class Runtime:
 def rollout_group_ranks(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """Return (tp_groups, dp_groups) rank lists for a world, as in spec §2.2. The one check of
     ``engine.tp_size`` against the world (ConfigError naming it)."""
+    if 1 <= world_size < tp_size:
+        raise ConfigError("engine.tp_size", f"{tp_size} needs at least {tp_size} ranks, one per device (this run has "
+                          f"WORLD_SIZE={world_size}): launch with torchrun --nproc_per_node {tp_size}, or lower engine.tp_size")
     if tp_size < 1 or world_size % tp_size != 0:
         raise ConfigError(
             "engine.tp_size",
@@ -88,11 +91,21 @@ def rollout_group_ranks(world_size: int, tp_size: int) -> tuple[list[list[int]],
     return tp_groups, dp_groups
 
 
-def resolve_device(pref: str, local_rank: int) -> torch.device:
+def resolve_device(pref: str, local_rank: int, *, local_world_size: int = 1, tp_size: int = 1) -> torch.device:
+    """This rank's device: CPU, or the CUDA device of its local rank (one GPU per rank). A node
+    with fewer CUDA devices than its ranks is a ConfigError, before any process group exists: at
+    ``engine.tp_size`` when a TP group needs more GPUs than the node has, else at ``run.device``."""
     if pref == "cpu" or (pref == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"run.device={pref!r} but CUDA is not available; use run.device=cpu or auto")
+        raise ConfigError("run.device", f"{pref!r} but CUDA is not available; use run.device=cpu or auto")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        if tp_size > count:
+            raise ConfigError("engine.tp_size", f"{tp_size} ranks per rollout TP group need {tp_size} GPUs, but this node has "
+                              f"{count}; set engine.tp_size <= {count} and launch at most {count} ranks per node")
+        raise ConfigError("run.device", f"local rank {local_rank} has no GPU of its own: this node has {count} CUDA "
+                          f"device(s) for {local_world_size} ranks; launch with torchrun --nproc_per_node {count} (one rank per GPU)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -118,19 +131,22 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tp_groups, dp_groups = rollout_group_ranks(world_size, tp_size)
-    dev = resolve_device(device, local_rank)
+    dev = resolve_device(device, local_rank, local_world_size=local_world_size, tp_size=tp_size)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        # NCCL binds the rank to its device at init; without device_id every barrier guesses the
+        # device and warns that the guess "can potentially cause a hang"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         if "MASTER_ADDR" in os.environ:
-            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
             store = _elastic_store(world_size, timeout)
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
         else:
             if world_size != 1:
                 raise ValueError("WORLD_SIZE > 1 without MASTER_ADDR: launch with torchrun")
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
     # new_group must be called by every rank for every group, in the same order.
     tp_group = dp_group = None
     tp_cpu_group = None

@@ -1,7 +1,8 @@
 """Metrics backends: each writes one logged step's ``{key: float}`` somewhere.
 
 Contract: a backend is built with ``(cfg, run_dir, total_steps=, start_step=, hparams=)`` on the
-main rank only, gets ``write(step, metrics)`` for each logged step in increasing order, and
+main rank only, gets ``write(step, metrics)`` for each logged step in increasing order (step 0:
+the start of the run, its evaluation before training, :meth:`MetricsLogger.log_start`), and
 ``close()`` once. ``start_step`` is the last step already done (0 for a fresh run): anything a
 backend had recorded after it (a crashed run's tail) is discarded so a resumed run's record is
 continuous. Backends never reduce across ranks; values arrive already reduced.
@@ -9,7 +10,6 @@ continuous. Backends never reduce across ranks; values arrive already reduced.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tidal.logging.config import LoggingConfig
+from tidal.optional_deps import OPTIONAL, require
 from tidal.registry import Registry
 
 BACKENDS: Registry["MetricsBackend"] = Registry("logging backend")
@@ -54,7 +55,8 @@ def _truncate_after(path: Path, start_step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step]
+    # a fresh run (start_step 0) keeps nothing: its step 0 (the start-of-run evaluation) is written anew
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step] if start_step > 0 else []
     if len(kept) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
@@ -81,9 +83,11 @@ class TensorBoardBackend:
         self._w.close()
 
 
-def require_wandb() -> None:
-    if importlib.util.find_spec("wandb") is None:
-        raise ImportError("logging.backends has 'wandb' but wandb is not installed: `pip install wandb`, or remove 'wandb' from logging.backends")
+def require_package(backend: str) -> None:
+    """A ConfigError at ``logging.backends`` naming the install command when the package of
+    ``backend`` (tensorboard, wandb) is missing (:mod:`tidal.optional_deps`)."""
+    if backend in OPTIONAL:
+        require(backend, "logging.backends", f"logging backend '{backend}'")
 
 
 @BACKENDS.register("wandb")
@@ -91,7 +95,6 @@ class WandbBackend:
     """A W&B run in ``RUN_DIR/wandb``; its id is kept in ``RUN_DIR/wandb_run_id`` so a resumed run continues it."""
 
     def __init__(self, cfg, run_dir, *, total_steps, start_step, hparams):
-        require_wandb()
         import wandb
 
         id_file = run_dir / "wandb_run_id"

@@ -58,10 +58,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
     The adapters' initial values depend on ``seed`` alone (not on the global RNG state)."""
     if not cfg.enabled:
         return model
-    try:
-        import peft
-    except ImportError:
-        raise ValueError("model.lora.rank > 0 needs PEFT: pip install 'peft>=0.17'") from None
+    from tidal.optional_deps import require
+
+    require("lora", "model.lora.rank", "LoRA (model.lora.rank > 0)")
+    import peft
 
     peft_cfg = peft.LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none",

@@ -33,7 +33,7 @@ class FunctionRewardConfig:
         A function with the attribute ``batched = True`` takes ``list[RewardSample]`` and returns
         ``list[number]`` of the same length.
     timeout_s: limit of one call (one sample; one whole call for a batched function). A timed-out
-        call is an error of that sample (see ``reward.on_error``), counted in ``reward/<name>/timeouts``.
+        call is an error of that sample (see ``reward.on_error``), counted in ``reward/<name>/timeouts_count``.
     concurrency: calls of this function in flight at once (threads for ``def``, tasks for
         ``async def``; worker processes with ``isolation: process``).
     isolation: where calls run. ``thread``: in the trainer's process (``async def`` on the reward
@@ -185,16 +185,19 @@ class RewardConfig:
         Names become metric names (``reward/<name>``): letters, digits, ``_ . -``.
     recipes: label -> ``[[component, weight], ...]`` (or ``{component: weight}``). Every component
         must be used by some recipe, and every recipe entry must name a component.
-    default_recipe: the recipe of rows whose label is empty; ``null`` makes unlabeled rows an error.
+    default_recipe: the recipe of rows whose label is empty. ``null`` (default): the recipe named
+        ``default`` when there is one, else the only recipe when there is exactly one; with several
+        recipes and none named ``default``, an unlabelled row is an error naming the sample. A name
+        must be one of ``recipes``. The recipe it resolves to is :attr:`unlabelled_recipe`.
     on_error: what a failed component does to a sample (a raising or timed-out function, a remote
         request that failed after its retries, a NaN, infinite, beyond-float32 or non-number score):
         ``raise`` stops the step with an error naming the component and the sample; ``drop`` marks
         the sample invalid (``valid_B`` False, total 0, excluded from training) and counts it in
-        ``reward/dropped``. Nothing is ever silently scored 0.
+        ``reward/dropped_count``. Nothing is ever silently scored 0.
     timeout_s: deadline of one scoring call for its function and remote components together, so
         that scoring can never hang training. Past it the call stops waiting: every sample of a
         component that has not answered is an error of that component (``on_error``), and
-        ``reward/deadline_exceeded`` is 1. ``null`` (default) derives it from the components' own
+        ``reward/deadline_exceeded_max`` is 1. ``null`` (default) derives it from the components' own
         limits -- the longest their ``timeout_s``, ``concurrency``, retries and backoff allow for
         the call's sample count, plus a minute -- so it fires only when a component breaks its own
         limits (an ``async def`` function that blocks the event loop, a wedged connection). A
@@ -207,12 +210,13 @@ class RewardConfig:
 
     components: dict[str, Any] = dataclasses.field(default_factory=dict)
     recipes: dict[str, Any] = dataclasses.field(default_factory=dict)
-    default_recipe: str | None = "default"
+    default_recipe: str | None = None
     on_error: Literal["raise", "drop"] = "raise"
     timeout_s: float | None = None
 
     specs: dict[str, ComponentSpec] = dataclasses.field(init=False, repr=False, compare=False)
     recipe_weights: dict[str, list[tuple[str, float]]] = dataclasses.field(init=False, repr=False, compare=False)
+    unlabelled_recipe: str | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_choice(self.on_error, ("raise", "drop"), "on_error")
@@ -227,6 +231,14 @@ class RewardConfig:
         self._check_references(specs, recipes)
         self.specs = specs
         self.recipe_weights = recipes
+        self.unlabelled_recipe = self._resolve_default(recipes)
+
+    def _resolve_default(self, recipes: dict) -> str | None:
+        if self.default_recipe is not None:
+            return self.default_recipe
+        if "default" in recipes:
+            return "default"
+        return next(iter(recipes)) if len(recipes) == 1 else None
 
     def _check_references(self, specs: dict[str, ComponentSpec], recipes: dict[str, list[tuple[str, float]]]) -> None:
         if not specs:

@@ -2,8 +2,8 @@
 
 Contract:
 - ``score(samples)`` returns a :class:`~tidal.rewards.types.RewardOutput` for exactly those samples.
-  Each sample's recipe is ``reward.recipes[sample.label]`` (``default_recipe`` when the label is
-  empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
+  Each sample's recipe is ``reward.recipes[sample.label]`` (``RewardConfig.unlabelled_recipe`` when
+  the label is empty); ``total_B[b] = sum_c w_c * score_c[b]`` over that recipe.
 - Rules and local reward models run on the calling thread; functions and remote services run
   concurrently on the engine's own event loop (a daemon thread), overlapping with them.
 - ``score`` always returns: function and remote components get a deadline (``reward.timeout_s``,
@@ -111,9 +111,10 @@ class RewardEngine:
     # -- recipes ---------------------------------------------------------------------------------
 
     def _recipe_of(self, i: int, sample: RewardSample) -> list[tuple[str, float]]:
-        label = sample.label or self.cfg.default_recipe
+        label = sample.label or self.cfg.unlabelled_recipe
         if label is None:
-            raise RewardError(f"sample {i} has no label and reward.default_recipe is null")
+            raise RewardError(f"sample {i} has no label, and with several recipes ({sorted(self.cfg.recipe_weights)}) "
+                              "and none named 'default' it has no recipe: label the row or set reward.default_recipe")
         if label not in self.cfg.recipe_weights:
             raise RewardError(f"sample {i} has label '{label}', which is not a recipe; recipes: {sorted(self.cfg.recipe_weights)}")
         return self.cfg.recipe_weights[label]
@@ -132,12 +133,12 @@ class RewardEngine:
         if not self.components:
             zeros_B = torch.zeros(len(samples), dtype=torch.float32)
             return RewardOutput(total_B=zeros_B, components={}, valid_B=torch.ones(len(samples), dtype=torch.bool),
-                                metrics={"reward/valid": float(len(samples)), "reward/dropped": 0.0})
+                                metrics={"reward/total/count": float(len(samples)), "reward/dropped_count": 0.0})
         recipes = [self._recipe_of(i, s) for i, s in enumerate(samples)]
         positions = self._positions(recipes)
         results, seconds, late = self._run_components(samples, positions)
         out = self._assemble(len(samples), recipes, positions, results, seconds)
-        out.metrics["reward/deadline_exceeded"] = float(late)
+        out.metrics["reward/deadline_exceeded_max"] = float(late)
         return out
 
     def deadline_s(self, counts: dict[str, int]) -> float:
@@ -234,10 +235,10 @@ class RewardEngine:
         valid_B = torch.ones(B, dtype=torch.bool)
         metrics: dict[str, float] = {}
         for name, comp in self.components.items():
-            metrics[f"reward/{name}/errors"] = 0.0
+            metrics[f"reward/{name}/errors_count"] = 0.0
             metrics[f"reward/{name}/seconds"] = seconds.get(name, 0.0)
             for k in comp.counter_names:
-                metrics[f"reward/{name}/{k}"] = 0.0
+                metrics[f"reward/{name}/{k}_count"] = 0.0
         for name, res in results.items():
             pos = positions[name]
             if len(res.scores) != len(pos):
@@ -249,9 +250,9 @@ class RewardEngine:
                 idx = torch.tensor([pos[j] for j in ok], dtype=torch.long)
                 components[name][idx] = torch.tensor([res.scores[j] for j in ok], dtype=torch.float32)
                 masks[name][idx] = True
-            metrics[f"reward/{name}/errors"] = float(len(res.errors))
+            metrics[f"reward/{name}/errors_count"] = float(len(res.errors))
             for k, v in res.counters.items():
-                metrics[f"reward/{name}/{k}"] = float(v)
+                metrics[f"reward/{name}/{k}_count"] = float(v)
         # total_B = sum_c w_c * r_c over each sample's recipe (in float64: a sum of float32 scores may
         # overflow float32, and such a sample is invalid like a NaN one); dropped samples get 0.
         total64_B = torch.zeros(B, dtype=torch.float64)
@@ -283,15 +284,16 @@ class RewardEngine:
 
     @staticmethod
     def _summaries(metrics, components, masks, uses, valid_B, total_B) -> None:
-        """Means over the valid samples whose recipe uses each component, with their counts (to
-        combine ranks: sum(mean * count) / sum(count)); NaN when the count is 0."""
+        """Means over the valid samples whose recipe uses each component, with their counts (``K`` and
+        ``K/count``: ranks combine them weighted, :mod:`tidal.logging.reduce`); NaN when the count is 0.
+        ``reward/total/count`` is the number of valid samples."""
         for name, score_B in components.items():
             keep = masks[name] & valid_B
             metrics[f"reward/{name}"] = score_B[keep].double().mean().item() if keep.any() else math.nan
             metrics[f"reward/{name}/count"] = float(keep.sum())
         metrics["reward/total"] = total_B[valid_B].double().mean().item() if valid_B.any() else math.nan
-        metrics["reward/valid"] = float(valid_B.sum())
-        metrics["reward/dropped"] = float((~valid_B).sum())
+        metrics["reward/total/count"] = float(valid_B.sum())
+        metrics["reward/dropped_count"] = float((~valid_B).sum())
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ with ``fn.batched = True``: ``fn(samples: list[RewardSample]) -> list[number]`` 
 Whatever a function does -- return garbage, raise any exception (``SystemExit`` and
 ``KeyboardInterrupt`` included), or never return -- it is an error of its sample(s), never a hang
 or the end of the caller. Every call has a time limit (``timeout_s``), counted in
-``reward/<name>/timeouts`` when it runs out. Where the call runs is ``isolation``:
+``reward/<name>/timeouts_count`` when it runs out. Where the call runs is ``isolation``:
 
 - ``thread`` (default): an ``async def`` function runs on the reward engine's event loop and is
   cancelled at its limit (at its next ``await``); a ``def`` function runs on a daemon thread of its

@@ -21,6 +21,7 @@ from tidal.data.vision import VisionProcessor
 from tidal.distributed import Runtime, init_runtime
 from tidal.logging import MetricsLogger
 from tidal.models import load_tokenizer
+from tidal.optional_deps import check_dependencies
 from tidal.rm.dataset import PreferenceDataset
 from tidal.rm.model import load_trainable_reward_model
 from tidal.rm.trainer import RewardModelTrainer
@@ -88,6 +89,7 @@ def load_data(cfg, paths: RMPaths, tokenizer, runtime: Runtime) -> tuple[Prefere
 
 def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     """Everything a ``job: reward_model`` run needs, from its config (the root ``TidalConfig``)."""
+    check_dependencies(cfg)  # optional packages (deepspeed, logging backends) before anything starts
     runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end

@@ -13,10 +13,11 @@ def get_strategy(cfg: StrategyConfig, runtime: Runtime) -> Strategy:
 
         return FSDP2Strategy(cfg, runtime)
     if cfg.backend == "deepspeed":
-        try:
-            from tidal.strategy.deepspeed import DeepSpeedStrategy
-        except ImportError as e:
-            raise ValueError(f"strategy.backend=deepspeed needs the extra: pip install 'tidal-rft[deepspeed]' ({e})") from None
+        from tidal.optional_deps import require
+
+        require("deepspeed", "strategy.backend", "strategy.backend=deepspeed")
+        from tidal.strategy.deepspeed import DeepSpeedStrategy
+
         return DeepSpeedStrategy(cfg, runtime)
     raise ValueError(f"strategy.backend: unknown backend {cfg.backend!r}")
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tidal.config_base import ConfigError, check, to_dict
+from tidal.logging.progress import stage
 from tidal.tasks.arithmetic import sft_rows, split_problems
 from tidal.tasks.config import TaskConfig
 from tidal.tasks.model import build_model
@@ -115,7 +116,8 @@ def _build(cfg: TaskConfig, out: Path) -> None:
     eval_rows = [p.row() for p in held_out]
     _write_jsonl(out / "train.jsonl", [p.row() for p in train])
     _write_jsonl(out / "eval.jsonl", eval_rows)
-    tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
+    with stage(f"training the '{cfg.name}' task's tokenizer"):
+        tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.sft_threads)
     try:
@@ -140,13 +142,22 @@ def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[
     """Phase 1 teaches the procedure on correct demonstrations; phase 2 teaches the slip habit on
     demonstrations of which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
     sft = dict(lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
-    clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps, seed=cfg.seed, **sft)
-    clean_accuracy = evaluate_greedy(model, tokenizer, eval_rows)
+    clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps,
+                                seed=cfg.seed, description="warm start 1/2 (SFT on correct demonstrations)", **sft)
+    clean_accuracy = _held_out_accuracy(model, tokenizer, eval_rows)
     mistake_rows = sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed + 1)
-    slipped = supervised_finetune(model, tokenizer, mistake_rows, steps=cfg.sft_mistake_steps, seed=cfg.seed + 1, **sft)
+    slipped = supervised_finetune(model, tokenizer, mistake_rows, steps=cfg.sft_mistake_steps, seed=cfg.seed + 1,
+                                  description=f"warm start 2/2 (SFT, {cfg.sft_mistake_rate:.0%} slipped demonstrations)", **sft)
     return {
         "sft_loss": clean[-1] if clean else float("nan"),
         "clean_accuracy": clean_accuracy,
         "mistake_loss": slipped[-1] if slipped else float("nan"),
-        "sft_accuracy": evaluate_greedy(model, tokenizer, eval_rows) if slipped else clean_accuracy,
+        "sft_accuracy": _held_out_accuracy(model, tokenizer, eval_rows) if slipped else clean_accuracy,
     }
+
+
+def _held_out_accuracy(model, tokenizer, eval_rows: list[dict]) -> float:
+    with stage(f"greedy accuracy on {len(eval_rows)} held-out problems") as shown:
+        accuracy = evaluate_greedy(model, tokenizer, eval_rows)
+        shown.done(f"{accuracy:.3f}")
+    return accuracy

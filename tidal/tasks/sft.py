@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from tidal.logging.progress import Step
 from tidal.tasks.arithmetic import is_correct
 from tidal.tasks.tokenizer import prompt_ids
 
@@ -51,37 +52,48 @@ def _lr_factor(step: int, total: int) -> float:
 
 
 def supervised_finetune(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, rows: list[dict], *, steps: int, lr: float, batch_size: int, seed: int
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, rows: list[dict], *, steps: int, lr: float, batch_size: int, seed: int,
+    description: str = "warm start (SFT)",
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps on batches drawn (seeded) from ``rows``.
     Returns the loss of every step (mean cross-entropy per answer token)."""
     examples = [(ids, [0] * n + [1] * (len(ids) - n)) for ids, n in encode_sft_rows(tokenizer, rows)]
-    return train_masked(model, examples, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    return train_masked(model, examples, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                        description=description)
 
 
 def train_masked(
-    model: PreTrainedModel, examples: list[tuple[list[int], list[int]]], *, pad_id: int, steps: int, lr: float, batch_size: int, seed: int
+    model: PreTrainedModel, examples: list[tuple[list[int], list[int]]], *, pad_id: int, steps: int, lr: float, batch_size: int, seed: int,
+    description: str = "warm start (SFT)",
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps (linear warmup over 10%, then linear decay
     to zero) on batches drawn (seeded) from (ids, loss_mask) ``examples``; the loss is the mean
-    cross-entropy over the tokens whose mask is 1. Returns the loss of every step."""
+    cross-entropy over the tokens whose mask is 1. Returns the loss of every step. Its progress is
+    shown as ``description`` (:mod:`tidal.logging.progress`)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
     model.train()
     losses = []
-    for _ in range(steps):
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        input_ids_BT, mask_BT, labels_BT = collate_masked([examples[i] for i in idx], pad_id)
-        loss = model(input_ids=input_ids_BT, attention_mask=mask_BT, labels=labels_BT).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+    with Step(description, total=steps, unit="steps") as shown:
+        for _ in range(steps):
+            losses.append(_sft_step(model, examples, gen, opt, sched, pad_id=pad_id, batch_size=batch_size))
+            shown.advance(info=f"loss {losses[-1]:.3f}")
     model.eval()
     return losses
+
+
+def _sft_step(model, examples, gen, opt, sched, *, pad_id: int, batch_size: int) -> float:
+    """One AdamW step on a batch drawn from ``examples``; returns its loss."""
+    idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
+    input_ids_BT, mask_BT, labels_BT = collate_masked([examples[i] for i in idx], pad_id)
+    loss = model(input_ids=input_ids_BT, attention_mask=mask_BT, labels=labels_BT).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
 
 
 @torch.no_grad()

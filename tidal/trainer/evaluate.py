@@ -65,7 +65,7 @@ def evaluate(
     fields = [f.name for f in dataclasses.fields(EvalSums)]
     tot = dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields])))
     n = max(tot["prompts"], 1.0)
-    out = {"eval/prompts": tot["prompts"]}
+    out = {"eval/prompts_count": tot["prompts"]}
     if cfg.greedy:
         out.update({
             "eval/greedy_accuracy": tot["greedy_correct"] / n,

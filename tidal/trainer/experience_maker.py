@@ -329,7 +329,7 @@ class ExperienceMaker:
                 continue
             P = len(rows[b].prompt_ids)
             out_BT[b, P : P + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        metrics = {"distill/teacher_dropped": float(len(errors)), **{f"distill/teacher_{k}": v for k, v in counters.items()}}
+        metrics = {"distill/teacher_dropped_count": float(len(errors)), **{f"distill/teacher_{k}_count": v for k, v in counters.items()}}
         return out_BT * t["action_mask_BT"], ok_B, metrics
 
     def _metrics(self, exp: Experience, packed: PackedRows, scores: Scores, kl_BT) -> dict[str, float]:
@@ -344,6 +344,7 @@ class ExperienceMaker:
             "reward/mean": float(scores.total_N.mean()),
             "response/length_mean": float(len_N.mean()),
             "response/length_max": float(len_N.max()),
+            "response/tokens_count": float(act.sum()),  # sampled tokens (summed over ranks)
             "response/truncated_frac": float(truncated_N.float().mean()),
             "advantage/mean": float((exp.advantages_BT * act).sum() / ntok),
             "advantage/std": float(exp.advantages_BT[act.bool()].std()) if act.sum() > 1 else 0.0,

@@ -21,6 +21,9 @@ from tidal.data import PromptDataset, PromptItem, StatefulDistributedSampler
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import SamplingParams
 from tidal.logging import MetricsLogger, TrajectoryWriter
+from tidal.logging.console import format_value
+from tidal.logging.progress import stage
+from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
 from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.trainer import checkpoint as ckpt
@@ -44,19 +47,15 @@ def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
 
 
 def reduce_rollout_metrics(runtime: Runtime, metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks; keys ending in ``_max`` take the max. The keys are the union over ranks (a
-    counter that one rank's environment never reported counts as 0 there)."""
-    keys = sorted(metrics)
+    """This rank's rollout metrics combined over all ranks by the naming contract of
+    :mod:`tidal.logging.reduce` (counts summed, ``_max``/``_min`` extremes, weighted and plain means).
+    The keys are the union over ranks (an environment counter one rank never saw counts as nothing
+    there: :func:`~tidal.logging.reduce.with_absent`)."""
     if runtime.world_size > 1:
-        keys = sorted(set().union(*runtime.all_gather_objects(keys)))
-        metrics = {k: metrics.get(k, 0.0) for k in keys}
-    mean_keys = [k for k in keys if not k.endswith("_max")]
-    max_keys = [k for k in keys if k.endswith("_max")]
-    world = runtime.world_size
-    out = dict(zip(mean_keys, [v / world for v in runtime.all_reduce_sum([metrics[k] for k in mean_keys])])) if mean_keys else {}
-    if max_keys:
-        out.update(zip(max_keys, runtime.all_reduce_max([metrics[k] for k in max_keys])))
-    return out
+        keys = sorted(set().union(*runtime.all_gather_objects(sorted(metrics))))
+        metrics = with_absent(metrics, keys)
+    return reduce_over_ranks(metrics, world_size=runtime.world_size, all_reduce_sum=runtime.all_reduce_sum,
+                             all_reduce_max=runtime.all_reduce_max)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -92,6 +91,7 @@ class PPOTrainer:
         self.data = data
         self.logger = logger
         self.run_dir = run_dir
+        self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
         self.timer: StageTimer = phases.timer
         self.watchdog = self.timer.watchdog
         self.rt = phases.runtime
@@ -158,7 +158,7 @@ class PPOTrainer:
                 break
         if rounds > 1:
             metrics["dynamic_sampling/tries"] = float(tries)
-            metrics["dynamic_sampling/kept_groups"] = float(kept_groups)
+            metrics["dynamic_sampling/kept_groups_count"] = float(kept_groups)
             metrics["dynamic_sampling/filled_frac"] = kept_groups / per_rank
         if not kept:  # nothing with signal: train on the last batch with its (zero) advantages
             kept = [exp]
@@ -183,6 +183,8 @@ class PPOTrainer:
         if device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics["memory/reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+            free, total = torch.cuda.mem_get_info(device)  # what the device holds, outside the allocator too
+            metrics["memory/device_used_gib"] = (total - free) / 2**30
             # the engine's own memory while it generated (its KV cache may live outside the allocator)
             metrics.update({f"memory/engine_{kind}_gib": b / 2**30 for kind, b in self.phases.engine_memory.items()})
             torch.cuda.reset_peak_memory_stats(device)
@@ -240,11 +242,14 @@ class PPOTrainer:
         are not step phases, so they are left out)."""
         items = shard_items(self.data.eval_items, self.rt.rank, self.rt.world_size)
         pending = self.timer.pop()  # the step's own phases, given back below
-        with self.timer.phase("eval"):
+        what = "at the start" if step == 0 else f"at step {step}"
+        with stage(f"evaluating {len(self.data.eval_items)} prompts {what}", enabled=self.rt.is_main) as shown, \
+                self.timer.phase("eval"):
             out = evaluate(
                 self.maker, items, self.cfg.eval, max_new_tokens=self.cfg.rollout.max_new_tokens,
                 seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=99),
             )
+            shown.done(", ".join(f"{k[5:]} {v:.3f}" for k, v in out.items() if k.endswith("accuracy") or "pass@" in k))
         out["time/eval"] = self.timer.pop()["time/eval"]
         return {**pending, **out}
 
@@ -263,15 +268,17 @@ class PPOTrainer:
         if self.long_tail is not None:  # every rank's groups in flight (a collective)
             state = self.long_tail.state_dict()
             trainer_state["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
-        with self.timer.phase("checkpoint"):
-            ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
-                                 rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
+        with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
+            path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
+                                        rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
+            shown.done(f"in {path}")
 
     def resume(self) -> int:
         """Load the checkpoint chosen at setup (models, optimizer, sampler, algorithm and trainer
         state, RNG) and sync the engine; returns its step (0 for a fresh run). Under
         ``checkpoint.resume: auto`` a checkpoint that fails to load on any rank is skipped for the
-        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`)."""
+        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`). The
+        checkpoint's path is kept in ``loaded_from``; the caller says what it loaded it for."""
         point = self.run_dir.resume
         if point is None:
             return 0
@@ -297,8 +304,7 @@ class PPOTrainer:
             self.logger.rewind(step)
         self.phases.sync_weights(version=step)
         self.timer.pop()  # loading is not a step's phase
-        if self.rt.is_main:
-            print(f"[tidal] resumed from {path} (step {step})", flush=True)
+        self.loaded_from = str(path)
         return step
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -318,9 +324,13 @@ class PPOTrainer:
         self.timer.pop()  # setup's phases (the first weight sync) are not step 1's
         with self.watchdog.stage("resume"):
             start = self.resume()
+        if start and self.rt.is_main:
+            print(f"[tidal] resumed from {self.loaded_from} (step {start})", flush=True)
         cfg = self.cfg
         if start == 0 and cfg.eval.at_start and self.data.eval_items:
-            self.state.initial_eval = {k: v for k, v in self.evaluate(0).items() if not k.startswith("time/")}
+            initial = self.evaluate(0)
+            self.logger.log_start(initial)  # step 0 of metrics.jsonl: where the curves start
+            self.state.initial_eval = {k: v for k, v in initial.items() if not k.startswith("time/")}
             self._announce("start", self.state.initial_eval)
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.run.steps + 1):
@@ -348,9 +358,9 @@ class PPOTrainer:
         if not self.rt.is_main:
             return
         plain = {k: v for k, v in metrics.items() if not k.startswith("eval/env/")}
-        shown = ", ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in sorted(plain.items()) if not math.isnan(v))
+        shown = ", ".join(f"{k.split('/', 1)[1]} {format_value(k, v)}" for k, v in sorted(plain.items()) if not math.isnan(v))
         print(f"[tidal] eval at {when}: {shown}", flush=True)
-        env = ", ".join(f"{k[len('eval/env/'):]}={v:.4f}" for k, v in sorted(metrics.items())
+        env = ", ".join(f"{k[len('eval/env/'):]} {format_value(k, v)}" for k, v in sorted(metrics.items())
                         if k.startswith("eval/env/") and v and not math.isnan(v))
         if env:
             print(f"[tidal]   environment: {env}", flush=True)

@@ -1,0 +1,53 @@
+"""`tidal check CONFIG [overrides]`: the run's checks before loading (config, optional packages,
+device, ranks, paths, context), then its plan and memory plan; nothing trained or written."""
+
+import pytest
+from transformers import Qwen2Config
+
+from tidal.cli import main
+
+GSM8K = """\
+run: {{output_dir: {out}, steps: 200}}
+model: {{path: {model}}}
+data: {{train: [{{path: {train}}}], max_prompt_len: 512}}
+rollout: {{prompts_per_step: 64, n_samples: 8, max_new_tokens: 512}}
+reward: {{components: {{answer: {{type: math_answer}}}}, recipes: {{gsm8k: [[answer, 1.0]]}}}}
+logging: {{backends: [console, jsonl]}}
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    model = tmp_path / "model"
+    Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=1000, max_position_embeddings=2048).save_pretrained(model)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "reference": "2"}\n')
+    path = tmp_path / "my.yaml"
+    path.write_text(GSM8K.format(out=tmp_path / "run", model=model, train=tmp_path / "train.jsonl"))
+    return str(path)
+
+
+def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys):
+    assert main(["check", config]) == 0
+    out = capsys.readouterr().out
+    assert "200 steps into" in out and "64 prompts x 8 samples, up to 512 new tokens" in out
+    # 2 layers x 2 KV heads x 16 head dims x (K, V) x 4 bytes (float32 on the CPU) = 0.5 KiB per token
+    assert "KV cache 0.5 KiB per token" in out and "check passed" in out
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.train=[{path: /nonexistent.jsonl}]", "data.train[0].path"),
+    ("model.path=/nonexistent", "model.path"),
+    ("rollout.max_new_tokens=4000", "rollout.max_new_tokens"),  # beyond the model's 2048 positions
+    ("engine.tp_size=2", "engine.tp_size"),
+    ("logging.backends=[wandb]", "logging.backends"),
+])
+def test_check_fails_like_the_run_would(config, override, key, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["check", config, override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and key in err

@@ -1,0 +1,93 @@
+"""``tidal check CONFIG [overrides]``: everything a run checks before it loads a model, without
+training, then what the run will do.
+
+Checked, in the order a run checks them (each failure is the run's own ConfigError, exit 2): the
+config and its overrides, the optional packages it needs (:mod:`tidal.optional_deps`), the device
+this process would get (``run.device``, ranks per node against GPUs, under torchrun too) and the
+world against ``engine.tp_size`` and the batch sizes, every local path the run reads (model folders,
+data files), and the model's context against ``data.max_prompt_len + rollout.max_new_tokens``. With a
+model folder at hand it prints the memory plan that exists before anything loads: the engine's
+weights per rank, KV-cache bytes per token and, on CUDA, the KV budget and the tokens it holds. A
+built-in task (``task.name``) builds its assets at the first run, so its model is not read here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tidal.config import TidalConfig
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan_lines(cfg: TidalConfig, world_size: int, device: torch.device) -> list[str]:
+    """What the run will do, one fact a line."""
+    r, e = cfg.rollout, cfg.engine
+    lines = [
+        f"job: {cfg.job}; {cfg.run.steps} steps into {cfg.run.output_dir} (metrics.jsonl, checkpoints/ every "
+        f"{cfg.checkpoint.every or 'never'}; logging: {', '.join(cfg.logging.backends)})",
+        f"ranks: {world_size} on {device}; strategy {cfg.strategy.backend}",
+    ]
+    if cfg.job == "rl":
+        model = f"task {cfg.task.name!r} (built in {cfg.task.workdir} at the first run)" if cfg.task.name else cfg.model.path
+        lines += [
+            f"model: {model}; rollout engine {e.backend} with tp_size {e.tp_size}",
+            f"each step: {r.prompts_per_step} prompts x {r.n_samples} samples, up to {r.max_new_tokens} new tokens; "
+            f"algorithm {cfg.algorithm.advantage} / {cfg.algorithm.policy_loss}, kl_coef {cfg.algorithm.kl_coef}",
+            f"eval: every {cfg.eval.every or 'never'} steps" + (", and at the start" if cfg.eval.at_start else ""),
+        ]
+    return lines
+
+
+def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
+    """The memory plan known before loading (engine weights, KV bytes per token, the CUDA KV budget);
+    empty when no model folder is at hand (a built-in task, or a job without an engine)."""
+    if cfg.job != "rl" or cfg.task.name or not cfg.model.path:
+        return []
+    from transformers import AutoConfig
+
+    from tidal.dtypes import resolve_dtype
+    from tidal.engine import sizing
+
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    text = getattr(hf_config, "text_config", None) or hf_config
+    dtype = resolve_dtype(cfg.engine.dtype, device)
+    per_token = sizing.kv_bytes_per_token(text, dtype, cfg.engine.tp_size)
+    lines = [f"memory: engine weights {_gib(sizing.weight_bytes_per_rank(hf_config, dtype, cfg.engine.tp_size))} per rank "
+             f"({dtype}); KV cache {per_token / 1024:.1f} KiB per token"]
+    if sizing.sized_by_memory(device):
+        budget = sizing.kv_budget_bytes(cfg.engine, sizing.available_device_bytes(device))
+        lines.append(f"memory: KV budget {_gib(budget)} now free x engine.kv_cache_memory_fraction = {budget // per_token:,} tokens")
+    return lines
+
+
+def check(cfg: TidalConfig) -> list[str]:
+    """Run the checks (ConfigError on the first failure) and return the lines to print."""
+    from tidal.distributed.runtime import resolve_device, rollout_group_ranks
+    from tidal.optional_deps import check_dependencies
+
+    check_dependencies(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
+                            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)
+    cfg.check_world(world)
+    if cfg.job == "rl":
+        from tidal.algorithms import Algorithm
+        from tidal.build import ResolvedPaths, check_inputs
+        from tidal.models.loading import check_context_fits
+
+        rollout_group_ranks(world, cfg.engine.tp_size)
+        if not cfg.task.name:
+            m = cfg.model
+            paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
+                                  reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
+            check_inputs(cfg, paths, Algorithm(cfg.algorithm))
+            from transformers import AutoConfig
+
+            check_context_fits(AutoConfig.from_pretrained(m.path), max_prompt_len=cfg.data.max_prompt_len,
+                               max_new_tokens=cfg.rollout.max_new_tokens)
+    return plan_lines(cfg, world, device) + memory_lines(cfg, device)
