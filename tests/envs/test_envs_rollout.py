@@ -3,6 +3,7 @@ and decoding that goes on while a tool runs."""
 
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tidal.envs.tool_calls import format_tool_call, tool_message
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.tools import FunctionTool, ToolFailure
 
+from tests.e2e import plain_rollout
 from tests.envs.helpers import ScriptedEngine, char_ids, chat_row
 
 CALL = format_tool_call("calculator", {"expression": "347*29"})
@@ -90,25 +92,6 @@ def test_sampled_tokens_are_never_re_encoded(qwen25_tok, monkeypatch):
     assert encoded and not [t for t in encoded if "Zyx" in t or "The answer" in t]
 
 
-def plain_rollout_tensors(comps, pad):
-    """What the trainer packed from plain completions before environments existed (the reference
-    layout: prompt, response, right padding; actions and sampling logprobs on the response)."""
-    lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
-    B, T = len(comps), max(lens)
-    seq_BT = torch.full((B, T), pad, dtype=torch.long)
-    attn_BT = torch.zeros((B, T), dtype=torch.long)
-    act_BT = torch.zeros((B, T), dtype=torch.float32)
-    rlogp_BT = torch.zeros((B, T), dtype=torch.float32)
-    for b, c in enumerate(comps):
-        P, R = len(c.prompt_ids), len(c.token_ids)
-        seq_BT[b, :P] = torch.tensor(c.prompt_ids)
-        seq_BT[b, P : P + R] = torch.tensor(c.token_ids, dtype=torch.long)
-        attn_BT[b, : P + R] = 1
-        act_BT[b, P : P + R] = 1
-        rlogp_BT[b, P : P + R] = torch.tensor(c.logprobs, dtype=torch.float32)
-    return {"sequences_BT": seq_BT, "attention_mask_BT": attn_BT, "action_mask_BT": act_BT, "rollout_logp_BT": rlogp_BT}
-
-
 def test_single_turn_is_a_plain_rollout(qwen25_tok):
     """single_turn: one generate call with each row's prompt ids and the sampler's n, and the
     packed tensors equal what the trainer packed from those completions before environments."""
@@ -121,7 +104,7 @@ def test_single_turn_is_a_plain_rollout(qwen25_tok):
     packed = pack_trajectories(result.trajectories, pad_id=tok.pad_token_id)
     comps = [Completion(prompt_ids=t.rows[0].prompt_ids, token_ids=t.rows[0].token_ids, logprobs=t.rows[0].logprobs,
                         finish_reason="stop") for t in result.trajectories]
-    reference = plain_rollout_tensors(comps, tok.pad_token_id)
+    reference = plain_rollout.pack(comps, [types.SimpleNamespace(mm_inputs=None)] * len(rows), tok.pad_token_id)
     for key in ("sequences_BT", "attention_mask_BT", "action_mask_BT", "rollout_logp_BT"):
         assert torch.equal(getattr(packed, key), reference[key]), key
     assert result.trajectories[0].reward_sample(0).response == "3"
