@@ -1,14 +1,23 @@
 """``tidal report RUN_DIR``: metric curves of a run as ``report.png`` and a self-contained ``report.html``.
 
 Reads ``RUN_DIR/metrics.jsonl`` (as written by the ``jsonl`` logging backend). When a step appears
-more than once (a file appended to by a resumed run), its last record wins. Keys are grouped by
-their prefix before the first ``/`` (a key without one is its own group) and by their unit
-(:func:`unit_of`: seconds, GiB, counts, fractions, other values), so one axis never mixes a count of
-200 with accuracies near 1; each group is one panel (split into several when it has more than
-``MAX_LINES`` keys). A series that never changes is not plotted: the HTML lists it with its value. Groups are ordered reward,
-eval, kl, entropy, response/length, loss, time, memory, then the rest alphabetically. Non-numeric
-and null values are skipped. The HTML page embeds the PNG (base64) and a table of each key's last
-value; it references no external file.
+more than once (a file appended to by a resumed run), its last record wins. Two panels come first:
+
+- **phase time per step**: a stacked bar per step of each ``time/<phase>`` in seconds
+  (:func:`phase_keys`: every ``time/*`` but ``time/step``, their sum, drawn as a line over the bars,
+  and ``time/compile``, already inside the phases that compiled), largest phase at the bottom;
+- **memory timeline**: every ``memory/*_gib`` series per step, in GiB, in one panel (a constant one,
+  such as the engine's KV cache, dashed: the level the others are read against).
+
+The other keys are grouped by their prefix before the first ``/`` (a key without one is its own
+group) and by their unit (:func:`unit_of`: seconds, GiB, counts, fractions, other values), so one
+axis never mixes a count of 200 with accuracies near 1; each group is one panel (split into several
+when it has more than ``MAX_LINES`` keys). A series that never changes gets no curve of its own: the
+HTML lists it with its value. Groups are ordered reward, eval, kl, entropy, response/length, loss,
+time, memory, then the rest alphabetically. Non-numeric and null values are skipped. Panel titles
+are distinct and laid out without overlap (constrained layout). The HTML page embeds the PNG
+(base64, its ``alt`` naming the panels) and a table of each key's last value; it references no
+external file.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import sys
 from pathlib import Path
 
 MAX_LINES = 8
+NOT_STACKED = ("time/step", "time/compile")  # the phases' sum; compile time is inside the phases that compiled
+BAR_STEPS = 200  # above this many steps the phase stack is drawn as areas, not one bar per step
 GROUP_ORDER = ["reward", "eval", "kl", "entropy", "response", "length", "loss", "time", "memory", "gpu"]
 
 Series = dict[str, tuple[list[int], list[float]]]
@@ -99,28 +110,90 @@ def panels(keys: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def render_png(series: Series, title: str) -> bytes:
+def phase_keys(series: Series) -> list[str]:
+    """The ``time/<phase>`` keys stacked in the phase-time bar, largest mean first."""
+    keys = [k for k in series if k.startswith("time/") and k.count("/") == 1 and k not in NOT_STACKED]
+    return sorted(keys, key=lambda k: (-sum(series[k][1]) / len(series[k][1]), k))
+
+
+def memory_keys(series: Series) -> list[str]:
+    """The ``memory/*`` keys in GiB, drawn together in the memory timeline."""
+    return sorted(k for k in series if k.startswith("memory/") and unit_of(k) == "GiB")
+
+
+def layout(series: Series) -> list[tuple[str, str, list[str]]]:
+    """``[(kind, title, keys)]`` of every panel, in order: ``phases``, ``memory``, then ``lines``."""
+    out = []
+    if phases := phase_keys(series):
+        out.append(("phases", "phase time per step [s]", phases))
+    if memory := memory_keys(series):
+        out.append(("memory", "memory timeline [GiB]", memory))
+    special = {k for _, _, keys in out for k in keys} | set(constant_keys(series))
+    if phases and "time/step" in series:
+        special.add("time/step")  # the line over the stacked bars
+    out += [("lines", title, keys) for title, keys in panels([k for k in series if k not in special])]
+    return out or [("lines", "no changing metric", [])]
+
+
+def _draw_phases(ax, series: Series, keys: list[str]) -> None:
+    steps = sorted({s for k in keys for s in series[k][0]})
+    stacked = [[dict(zip(*series[k])).get(s, 0.0) for s in steps] for k in keys]
+    labels = [k.removeprefix("time/") for k in keys]
+    if len(steps) > BAR_STEPS:
+        ax.stackplot(steps, *stacked, labels=labels, step="mid")
+    else:
+        width = 0.8 * min((b - a for a, b in zip(steps, steps[1:])), default=1)
+        bottom = [0.0] * len(steps)
+        for label, values in zip(labels, stacked):
+            ax.bar(steps, values, width=width, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    if "time/step" in series:
+        ax.plot(*series["time/step"], color="black", linewidth=1, marker=".", markersize=3, label="step (sum)")
+    ax.set_ylabel("s")
+
+
+def _draw_lines(ax, series: Series, keys: list[str], constant: set[str], prefix: str = "") -> None:
+    for key in keys:
+        steps, values = series[key]
+        ax.plot(steps, values, marker="o" if len(steps) <= 20 else None, markersize=3, linewidth=1.2,
+                linestyle="--" if key in constant else "-", label=key.removeprefix(prefix))
+
+
+def build_figure(series: Series, title: str):
+    """The matplotlib figure of :func:`layout`'s panels (constrained layout: no title overlaps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layout = panels([k for k in series if k not in set(constant_keys(series))]) or [("no changing metric", [])]
-    ncols = min(3, len(layout))
-    nrows = -(-len(layout) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
-    for ax, (panel_title, keys) in zip(axes.flat, layout):
-        for key in keys:
-            steps, values = series[key]
-            ax.plot(steps, values, marker="o" if len(steps) <= 20 else None, markersize=3, linewidth=1.2, label=key)
-        ax.set_title(panel_title)
+    panes = layout(series)
+    constant = set(constant_keys(series))
+    ncols = min(3, len(panes))
+    nrows = -(-len(panes) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 3.8 * nrows), squeeze=False, layout="constrained")
+    for ax, (kind, panel_title, keys) in zip(axes.flat, panes):
+        if kind == "phases":
+            _draw_phases(ax, series, keys)
+        elif kind == "memory":
+            _draw_lines(ax, series, keys, constant, prefix="memory/")
+            ax.set_ylabel("GiB")
+        else:
+            _draw_lines(ax, series, keys, constant)
+        ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(layout) :]:
+        if keys:
+            ax.legend(fontsize=7, loc="best", ncol=2 if len(keys) > 6 else 1)
+    for ax in list(axes.flat)[len(panes) :]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.tight_layout()
+    return fig
+
+
+def render_png(series: Series, title: str) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(series, title)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
@@ -136,13 +209,14 @@ def render_html(series: Series, png: bytes, title: str) -> str:
             steps, values = series[key]
             rows.append(f"<tr><td>{html.escape(key)}</td><td>{values[-1]:.6g}</td><td>{steps[-1]}</td></tr>")
     last_step = max(s[-1] for s, _ in series.values())
+    alt = "metric curves: " + "; ".join(t for _, t, _ in layout(series))
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
         "img{max-width:100%}</style></head><body>"
         f"<h1>{html.escape(title)}</h1><p>{len(series)} metrics, last step {last_step}</p>"
-        f"<img alt='metric curves' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        f"<img alt='{html.escape(alt, quote=True)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
         "<h2>Final metrics</h2><table><tr><th>metric</th><th>last value</th><th>at step</th></tr>"
         + "".join(rows)
         + "</table>"

@@ -4,6 +4,8 @@ import base64
 import json
 import re
 
+import pytest
+
 from tidal.report import constant_keys, load_series, main, panels, unit_of
 
 
@@ -86,3 +88,140 @@ def test_main_errors(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("not json\n")
     assert main([str(tmp_path)]) == 1
     assert "metrics.jsonl:1: not a metrics record" in capsys.readouterr().err
+
+
+# ---- phase-time bar, memory timeline, layout (issue 23 item 7) --------------------------------------
+
+from tidal.report import BAR_STEPS, build_figure, layout, memory_keys, phase_keys  # noqa: E402
+
+PHASES = {"generate": 1.5, "train": 0.5, "reward": 0.1}
+
+
+def phase_run(tmp_path, steps=6):
+    run = tmp_path / "prun"
+    run.mkdir()
+    lines = [json.dumps({"step": 0, "time/eval": 3.0, "eval/greedy_accuracy": 0.4})]  # the start evaluation
+    for step in range(1, steps + 1):
+        rec = {"step": step, "reward/mean": step / steps, "time/compile": 9.0 if step == 1 else 0.0,
+               "memory/peak_allocated_gib": 10.0 + step, "memory/engine_kv_cache_gib": 40.0,
+               "memory/device_used_gib": 60.0 + step / 2, "memory/engines_count": 1.0 + step}
+        rec.update({f"time/{k}": v * step for k, v in PHASES.items()})
+        rec["time/step"] = sum(v for k, v in rec.items() if k.startswith("time/") and k != "time/compile")
+        lines.append(json.dumps(rec))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_phase_and_memory_keys(tmp_path):
+    series = load_series(phase_run(tmp_path) / "metrics.jsonl")
+    # largest mean first; the step total and compile time are not stacked
+    assert phase_keys(series) == ["time/generate", "time/eval", "time/train", "time/reward"]
+    assert memory_keys(series) == ["memory/device_used_gib", "memory/engine_kv_cache_gib", "memory/peak_allocated_gib"]
+    kinds = [(kind, title) for kind, title, _ in layout(series)]
+    assert kinds[:2] == [("phases", "phase time per step [s]"), ("memory", "memory timeline [GiB]")]
+    flat = [k for _, _, keys in layout(series)[2:] for k in keys]
+    assert "time/step" not in flat and "time/generate" not in flat and "memory/peak_allocated_gib" not in flat
+    assert "time/compile" in flat and "memory/engines_count" in flat  # not GiB: a count panel of its own
+
+
+def _axis(fig, title):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
+
+
+def test_phase_bar_stacks_each_step(tmp_path):
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(load_series(phase_run(tmp_path) / "metrics.jsonl"), "t")
+    ax = _axis(fig, "phase time per step [s]")
+    tops: dict[float, float] = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 6)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    assert tops == pytest.approx({0.0: 3.0, **{float(s): sum(PHASES.values()) * s for s in range(1, 7)}})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["step (sum)", "generate", "eval", "train", "reward"]
+    plt.close(fig)
+
+
+def test_phase_stack_as_areas_for_long_runs(tmp_path):
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(load_series(phase_run(tmp_path, steps=BAR_STEPS + 5) / "metrics.jsonl"), "t")
+    ax = _axis(fig, "phase time per step [s]")
+    assert not ax.patches and len(ax.collections) == 4  # one filled area per phase, no 800 bars
+    plt.close(fig)
+
+
+def test_memory_timeline_one_panel_in_gib(tmp_path):
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(load_series(phase_run(tmp_path) / "metrics.jsonl"), "t")
+    ax = _axis(fig, "memory timeline [GiB]")
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"device_used_gib", "engine_kv_cache_gib", "peak_allocated_gib"}
+    assert lines["engine_kv_cache_gib"].get_linestyle() == "--" and lines["peak_allocated_gib"].get_linestyle() == "-"
+    assert list(lines["peak_allocated_gib"].get_ydata()) == [11.0, 12.0, 13.0, 14.0, 15.0, 16.0]
+    assert ax.get_ylabel() == "GiB"
+    plt.close(fig)
+
+
+def test_titles_distinct_and_not_overlapping(tmp_path):
+    """Every panel title is distinct, and no title's box overlaps another title or another panel
+    (its ticks, labels and legend included) once drawn."""
+    import matplotlib.pyplot as plt
+
+    run = fake_run(tmp_path)
+    with (run / "metrics.jsonl").open("a") as f:  # many groups with long names: a crowded figure
+        for i in range(12):
+            f.write(json.dumps({"step": 31 + i, **{f"group_with_a_long_name_{g}/value_count": float(i * g) for g in range(9)},
+                                "memory/peak_allocated_gib": float(i)}) + "\n")
+    fig = build_figure(load_series(run / "metrics.jsonl"), "Tidal run with a long name")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    titles = [ax.get_title() for ax in shown]
+    assert len(titles) == len(set(titles)) >= 12
+    boxes = [ax.title.get_window_extent(renderer) for ax in shown] + [fig._suptitle.get_window_extent(renderer)]
+    for i, a in enumerate(boxes):
+        assert all(not a.overlaps(b) for b in boxes[i + 1:]), titles
+    for ax, box in zip(shown, boxes):
+        for other in shown:
+            if other is not ax:
+                assert not box.overlaps(other.get_tightbbox(renderer)), (ax.get_title(), other.get_title())
+    plt.close(fig)
+
+
+def test_html_names_the_panels(tmp_path):
+    run = phase_run(tmp_path)
+    assert main([str(run)]) == 0
+    alt = re.search(r"<img alt='([^']+)'", (run / "report.html").read_text()).group(1)
+    assert alt.startswith("metric curves: phase time per step [s]; memory timeline [GiB]; reward")
+
+
+@pytest.mark.slow
+def test_report_html_renders_in_headless_chromium(tmp_path):
+    """report.html opens in a real browser: no console error, no failed request, the image decodes."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    run = phase_run(tmp_path)
+    assert main([str(run)]) == 0
+    with sync_api.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch()
+        except sync_api.Error as e:
+            if "Executable doesn't exist" not in str(e):
+                raise
+            pytest.skip(f"Playwright's headless Chromium is not installed ({str(e).splitlines()[0]}); "
+                        "`playwright install chromium`")
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("requestfailed", lambda r: errors.append(f"failed request {r.url}"))
+            page.goto((run / "report.html").as_uri())
+            page.wait_for_load_state("load")
+            size = page.evaluate("() => { const i = document.querySelector('img'); return [i.complete, i.naturalWidth, i.naturalHeight]; }")
+            assert size[0] and size[1] > 500 and size[2] > 300, size
+            assert page.title().startswith("Tidal run") and "Constant (not plotted)" in page.content()
+        finally:
+            browser.close()
+    assert errors == []
