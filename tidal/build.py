@@ -223,5 +223,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         phases.timer.add_observer(observer)
     if runtime.is_main:
         announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
-    return PPOTrainer(cfg=run_cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
-                      logger=logger, run_dir=run_dir)
+    trainer = PPOTrainer(cfg=run_cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
+                         logger=logger, run_dir=run_dir)
+    trainer.memory = memory  # the settings the run was built with, and the plan behind them (None without one)
+    return trainer

@@ -69,6 +69,8 @@ def test_a_plan_for_a_given_device_is_applied_on_cpu(tmp_path, tiny_task_overrid
         assert trainer.updater.train_cfg.micro_batch_tokens == rows * max_len
         assert trainer.phases.strategy.cfg.offload_optimizer is False
         assert not _checkpointing(trainer.models.actor.model)
+        # the trainer carries the settings and plan it was built with (the bench reads the predicted peak there)
+        assert trainer.memory.micro_batch_tokens == rows * max_len and trainer.memory.plan.predicted_peak_allocated_gib > 0
         trainer.fit()
     finally:
         shutdown()

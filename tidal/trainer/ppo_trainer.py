@@ -33,6 +33,7 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.memory_plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
 from tidal.trainer.perf import PerfMeter
 from tidal.trainer.run_dir import RunDir
@@ -84,6 +85,7 @@ class PPOTrainer:
     def __init__(self, *, cfg: TrainerSections, phases: Colocation, models: Models, rewards: RewardEngine,
                  algorithm: Algorithm, data: RunData, logger: MetricsLogger, run_dir: RunDir):
         self.cfg = cfg
+        self.memory: MemorySettings | None = None  # set by build_trainer: the settings the run was built with and their plan
         self.phases = phases
         self.models = models
         self.rewards = rewards
