@@ -94,7 +94,7 @@ def cmd_export(args) -> int:
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
-        return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out)
+        return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
     from tidal.distributed import shutdown
     from tidal.trainer.export import export_hf
     from tidal.build import build_trainer
