@@ -58,6 +58,23 @@ def test_fsdp2_resident_bytes_by_hand(runtime):
     assert strategy.resident_bytes(state)["optimizer"] == 8 * numel + 4 * len(params)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_resident_bytes_by_hand(stage, runtime):
+    pytest.importorskip("deepspeed")
+    model = _tiny()
+    numel = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    strategy = get_strategy(StrategyConfig(backend="deepspeed", zero_stage=stage, param_dtype="float32"), runtime)
+    state = strategy.prepare_trainable(model, OptimConfig(lr=1e-3), lr=1e-3, total_steps=2)
+    # weights: the compute-dtype parameters (ZeRO-3: this rank's partitions); optimizer: the fp32 masters
+    assert strategy.resident_bytes(state) == {"weights": 4 * numel + buffers, "optimizer": 4 * numel}
+    out = state.model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum()
+    strategy.backward(out, state, sync_grads=True)
+    strategy.optimizer_step(state)
+    groups = len(state.model.basic_optimizer.param_groups)  # one flat fp32 partition per group, one step each
+    assert strategy.resident_bytes(state) == {"weights": 4 * numel + buffers, "optimizer": 12 * numel + 4 * groups}
+
+
 def test_memory_parts_record_an_update_and_are_cuda_metrics_only():
     parts = MemoryParts(CPU, lambda state: {"weights": 3 * 2**30, "optimizer": 6 * 2**30})
     with parts.update("actor", None):
