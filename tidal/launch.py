@@ -6,7 +6,8 @@ is ``torchrun [torchrun options] -m tidal.cli COMMAND CONFIG [overrides]`` (ever
 torch's own launcher, :func:`torch.distributed.run.run`), with one difference: torchrun ends with exit
 code 1 and a ``ChildFailedError`` report of about 40 lines whenever a rank fails, whatever the rank's
 exit code. Here the launcher ends with the exit code of the first rank that failed, so a config error
-exits 2 and a graceful stop 75 as documented (``tidal train --help``). For the codes Tidal documents,
+exits 2 and a rank's graceful stop 75 as documented (``tidal train --help``); a signal to the
+launcher itself (passed on to the ranks by torch's agent) ends it with 128 + the signal's number. For the codes Tidal documents,
 whose one-line message a rank has already printed (rank 0 prints a config error), nothing else is
 printed; for any other failure (a crash) torch's failure report is printed as torchrun prints it.
 
@@ -91,6 +92,7 @@ def exit_code(exitcode: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, run
 
@@ -105,4 +107,9 @@ def main(argv: list[str]) -> int:
         if failure.exitcode not in SAID_EXIT_CODES:
             print(e, file=sys.stderr)
         return exit_code(failure.exitcode)
+    except SignalException as e:  # the launcher itself was signalled; torch's agent passed it on to the ranks
+        name = signal.Signals(e.sigval).name
+        print(f"tidal launch: stopped by {name}; the ranks got it too and had --shutdown-timeout seconds "
+              f"to finish their step and save it", file=sys.stderr)
+        return exit_code(-int(e.sigval))
     return 0

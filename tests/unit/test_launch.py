@@ -66,3 +66,15 @@ def test_a_config_error_is_written_to_the_elastic_error_file(tmp_path, monkeypat
     message = ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=str(path)).message  # as torchrun reads it
     assert message["message"] == "tidal: config error at 'run.steps': must be >= 1"
     assert message["extraInfo"]["py_callstack"] == message["message"]
+
+
+def test_a_signal_to_the_launcher_ends_it_like_a_shell(monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def run(args):
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    assert launch.main(["--nproc_per_node", "2", "train", "quickstart"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.startswith("tidal launch: stopped by SIGTERM") and err.count("\n") == 1
