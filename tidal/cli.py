@@ -56,9 +56,11 @@ def cmd_check(args) -> int:
     from tidal.check import check
 
     cfg = _load(args)
-    for line in check(cfg):
-        print(f"[tidal] {line}", flush=True)
-    print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
+    lines = check(cfg)  # on every rank: each checks its own device and paths
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / tidal launch, rank 0 says it once
+        for line in lines:
+            print(f"[tidal] {line}", flush=True)
+        print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
     return 0
 
 

@@ -43,3 +43,12 @@ def test_a_config_error_is_said_once_under_torchrun(rank, said, monkeypatch, cap
     assert main(["check", "quickstart", "run.steps=-1"]) == 2  # exit 2 on every rank
     err = capsys.readouterr().err
     assert ("config error at 'run.steps'" in err) == said and err.count("\n") == int(said)
+
+
+@pytest.mark.parametrize("rank,said", [("0", True), ("1", False)])
+def test_check_passes_on_every_rank_and_rank_0_says_it(rank, said, monkeypatch, capsys):
+    from tidal.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main(["check", "quickstart"]) == 0
+    assert ("check passed" in capsys.readouterr().out) == said
