@@ -8,8 +8,10 @@
     tidal serve-reward ...                         # see `tidal serve-reward --help`
     tidal serve-teacher --model DIR ...            # a distillation teacher's token logprobs over HTTP
     tidal report RUN_DIR
+    tidal launch [torchrun options] COMMAND ...    # several ranks: torchrun that keeps the exit codes
 
-Run under ``torchrun --nproc_per_node N`` for several ranks; every rank runs the same command.
+Run under ``tidal launch --nproc_per_node N`` (or ``torchrun --nproc_per_node N -m tidal.cli``) for
+several ranks; every rank runs the same command.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def cmd_check(args) -> int:
     from tidal.check import check
 
     cfg = _load(args)
-    for line in check(cfg):
-        print(f"[tidal] {line}", flush=True)
-    print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
+    lines = check(cfg)  # on every rank: each checks its own device and paths
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / tidal launch, rank 0 says it once
+        for line in lines:
+            print(f"[tidal] {line}", flush=True)
+        print("[tidal] check passed: the config, optional packages, device, ranks and paths are fine", flush=True)
     return 0
 
 
@@ -92,7 +96,7 @@ def cmd_export(args) -> int:
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
-        return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out)
+        return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
     from tidal.distributed import shutdown
     from tidal.trainer.export import export_hf
     from tidal.build import build_trainer
@@ -133,6 +137,12 @@ def cmd_report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def cmd_launch(argv: list[str]) -> int:
+    from tidal.launch import main as launch_main
+
+    return launch_main(argv)
+
+
 def shipped_configs() -> list[str]:
     """The names of the configs shipped in ``tidal/configs`` (``tidal train NAME``)."""
     from tidal.config import CONFIG_DIR
@@ -147,8 +157,10 @@ overrides: key.sub=value, any number, after the config (and before or after --ch
 eval and export); values are YAML: run.steps=10 rollout.temperature=0.7 logging.backends=[console,jsonl]
 engine.backend=native. Every key is listed in the README's config table.
 
-several ranks or GPUs: every rank runs the same command under torchrun, e.g.
-  torchrun --nproc_per_node 8 -m tidal.cli train my.yaml engine.tp_size=2
+several ranks or GPUs: every rank runs the same command under torch's launcher, e.g.
+  tidal launch --nproc_per_node 8 train my.yaml engine.tp_size=2
+(torchrun's options, then the command; plain `torchrun --nproc_per_node 8 -m tidal.cli train ...` works
+too, but torchrun ends every failure with exit code 1 and its own failure report)
 
 exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
 saved step."""
@@ -182,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve-reward", help="serve a reward model or function over HTTP", add_help=False)
     sub.add_parser("serve-teacher", help="serve a distillation teacher's token logprobs over HTTP", add_help=False)
     sub.add_parser("report", help="draw a run's metric curves (PNG + HTML)", add_help=False)
+    sub.add_parser("launch", help="run a command on several ranks (torchrun's options first), keeping Tidal's exit codes",
+                   add_help=False)
     return p
 
 
@@ -205,13 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve_teacher(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
+    if argv and argv[0] == "launch":
+        return cmd_launch(argv[1:])
     args = parse_args(argv)
     try:
         return {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "export": cmd_export}[args.command](args)
     except ConfigError as e:  # every rank finds the same error: rank 0 says it (RANK is set by torchrun)
+        from tidal.launch import CONFIG_EXIT_CODE, record_error_file
+
         if os.environ.get("RANK", "0") == "0":
             print(f"tidal: {e}", file=sys.stderr)
-        return 2
+        record_error_file(f"tidal: {e}")  # torchrun's failure report then names it
+        return CONFIG_EXIT_CODE
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE

@@ -99,11 +99,11 @@ def check_job_world(cfg, world_size: int) -> None:
         check_reward_model_world(cfg, world_size)
 
 
-def run_job(cfg, command: str, *, checkpoint: str | None = None, out: str | None = None) -> int:
+def run_job(cfg, command: str, *, checkpoint: str | None = None, out: str | None = None, dtype: str | None = None) -> int:
     """``tidal train|eval|export`` of a job other than ``rl`` (the CLI has loaded ``cfg``, with
-    ``checkpoint.resume`` set to ``checkpoint`` for eval and export)."""
+    ``checkpoint.resume`` set to ``checkpoint`` for eval and export; ``dtype`` is export's ``--dtype``)."""
     if cfg.job == "reward_model":
         from tidal.rm.cli import run
 
-        return run(cfg, command, checkpoint=checkpoint, out=out)
+        return run(cfg, command, checkpoint=checkpoint, out=out, dtype=dtype)
     raise ValueError(f"job {cfg.job!r} has no runner")

@@ -29,7 +29,7 @@ def test_train_help_lists_configs_overrides_and_torchrun(capsys):
     out = capsys.readouterr().out
     assert shipped_configs() == ["calculator", "quickstart", "rm_quickstart"]
     assert all(name in out for name in shipped_configs())
-    assert "key.sub=value" in out and "torchrun --nproc_per_node" in out and "2 config error" in out
+    assert "key.sub=value" in out and "tidal launch --nproc_per_node" in out and "2 config error" in out
     examples = out.split("values are YAML: ")[1].split(". Every key")[0].split()
     assert len(examples) >= 4
     load_config("quickstart", examples)  # the override examples of the help are valid
@@ -43,3 +43,12 @@ def test_a_config_error_is_said_once_under_torchrun(rank, said, monkeypatch, cap
     assert main(["check", "quickstart", "run.steps=-1"]) == 2  # exit 2 on every rank
     err = capsys.readouterr().err
     assert ("config error at 'run.steps'" in err) == said and err.count("\n") == int(said)
+
+
+@pytest.mark.parametrize("rank,said", [("0", True), ("1", False)])
+def test_check_passes_on_every_rank_and_rank_0_says_it(rank, said, monkeypatch, capsys):
+    from tidal.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main(["check", "quickstart"]) == 0
+    assert ("check passed" in capsys.readouterr().out) == said

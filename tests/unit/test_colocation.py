@@ -64,6 +64,10 @@ class FakeStrategy:
     def reload_optimizer(self, s):
         self.log.append(f"reload_optimizer({self._n(s)})")
 
+    def resident_bytes(self, s):  # 10 bytes of weights when on the device, 20 of optimizer state
+        self.measured = (self._n(s), len(self.log))  # when it was measured: after how many moves
+        return {"weights": 10 * (self._n(s) in self.on), "optimizer": 20}
+
     def prepare_frozen(self, model, *, offload):
         self.names[id(model)] = "rm"
         self.on.add("rm")
@@ -168,3 +172,14 @@ def test_an_unresolved_optimizer_offload_is_refused():
     takes the decided value (a Strategy resolves it when built)."""
     with pytest.raises(ValueError, match="strategy.offload_optimizer is 'auto'"):
         build(offload_optimizer="auto")
+
+
+def test_the_update_measures_what_the_trained_model_holds_while_it_is_on_the_device():
+    phases, log, strategy, engine = build(offload_critic=True, offload_optimizer=True)
+    log.clear()
+    with phases.update(phases.models.critic):
+        pass
+    assert log == ["reload_model(critic)", "reload_optimizer(critic)", "offload_optimizer(critic)", "offload_model(critic)"]
+    assert strategy.measured == ("critic", 2)  # after the reloads, before the offloads
+    assert phases.memory.bytes == {"critic_weights": 10, "critic_optimizer": 20}  # no activation peak off CUDA
+    assert phases.memory.pop(phases.engine_memory) == {} and phases.memory.bytes == {}  # metrics on CUDA only

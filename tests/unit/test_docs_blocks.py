@@ -136,6 +136,11 @@ def check_tidal(argv: list[str], where: str, files: dict[str, str]) -> None:
         module = "tidal.rewards.server" if argv[0] == "serve-reward" else "tidal.distill.server"
         importlib.import_module(module).parse_args(argv[1:])
         return
+    if argv[0] == "launch":  # torchrun's options by torchrun's parser, then the Tidal command
+        from tidal.launch import parse_launch_args
+
+        check_tidal(parse_launch_args(argv[1:])[1], where, files)
+        return
     if argv[0] == "report":
         assert len(argv) == 2, f"{where}: tidal report RUN_DIR"
         return

@@ -102,18 +102,28 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     return "  ".join(parts)
 
 
-MEMORY_PARTS = (("peak alloc", "memory/peak_allocated_gib"), ("engine weights", "memory/engine_weights_gib"),
-                ("KV cache", "memory/engine_kv_cache_gib"), ("graphs", "memory/engine_graphs_gib"))
+# (label, metric name after ``memory/`` and before ``_gib``, how the trained models' values combine)
+MEMORY_PARTS = (("peak alloc", "peak_allocated", None), ("weights", "weights", sum), ("optimizer", "optimizer", sum),
+                ("activations peak", "activations_peak", max), ("engine weights", "engine_weights", None),
+                ("KV cache", "engine_kv_cache", None), ("graphs", "engine_graphs", None))
+TRAINED = ("actor", "critic")
 
 
 def memory_text(metrics: dict[str, float]) -> str:
-    """``mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)``: what the
-    device holds (``memory/device_used_gib``, the KV cache outside PyTorch's allocator included) and
-    its known parts; empty off CUDA."""
+    """``mem 115.2 GiB on the device (peak alloc 40.1, weights 2.8, optimizer 3.7, activations peak 12.0,
+    engine weights 0.9, KV cache 70.3, graphs 0.4)``: what the device holds (``memory/device_used_gib``,
+    the KV cache outside PyTorch's allocator included) and its known parts
+    (:mod:`tidal.trainer.memory_parts`): the trained models' weights and optimizer state summed, the
+    largest of their update peaks; empty off CUDA."""
     if "memory/device_used_gib" not in metrics:
         return ""
-    shown = ", ".join(f"{label} {metrics[key]:.1f}" for label, key in MEMORY_PARTS if key in metrics)
-    return f"mem {metrics['memory/device_used_gib']:.1f} GiB on the device" + (f" ({shown})" if shown else "")
+    shown = []
+    for label, name, combine in MEMORY_PARTS:
+        keys = [f"memory/{role}_{name}_gib" for role in TRAINED] if combine else [f"memory/{name}_gib"]
+        values = [metrics[k] for k in keys if k in metrics]
+        if values:
+            shown.append(f"{label} {(combine or sum)(values):.1f}")
+    return f"mem {metrics['memory/device_used_gib']:.1f} GiB on the device" + (f" ({', '.join(shown)})" if shown else "")
 
 
 def step_table(step: int, total_steps: int, metrics: dict[str, float]) -> str:

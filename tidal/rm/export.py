@@ -14,7 +14,10 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from tidal.models.lora import save_hf
+from tidal.trainer.export import set_config_dtype
 from tidal.rewards.model import FORMAT_FILE
 
 FORMAT_VERSION = 1
@@ -32,15 +35,20 @@ def reward_format(cfg) -> dict:
     }
 
 
-def export_reward_model(trainer, out_dir: str | os.PathLike) -> Path:
+def export_reward_model(trainer, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """Gather the full weights (a collective on every rank) and write ``out_dir`` on rank 0,
-    atomically (``out_dir.tmp`` renamed into place). Returns the folder."""
+    atomically (``out_dir.tmp`` renamed into place). Returns the folder. Floating weights are
+    written in ``dtype``, by default the dtype the model trained in (``strategy.param_dtype``),
+    and ``config.json`` says so."""
     out = Path(out_dir)
+    dtype = dtype or trainer.strategy.param_dtype
     full_sd = trainer.strategy.full_model_state_dict(trainer.model)
+    full_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_sd.items()}
     if trainer.rt.is_main:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_hf(trainer.model, full_sd, tmp)
+        set_config_dtype(tmp / "config.json", dtype)
         trainer.tokenizer.save_pretrained(tmp)
         (tmp / FORMAT_FILE).write_text(json.dumps(reward_format(trainer.cfg), indent=2))
         if out.exists():
@@ -48,3 +56,10 @@ def export_reward_model(trainer, out_dir: str | os.PathLike) -> Path:
         os.replace(tmp, out)
     trainer.rt.barrier()
     return out
+
+
+def export_summary(out: Path, dtype: torch.dtype, source: str) -> str:
+    """The line that says what an export wrote, where, and from what (``source``: ``checkpoint P (step N)``)."""
+    return (f"exported the reward model of {source} to {out.resolve()} (a Hugging Face sequence classifier folder: "
+            f"weights in {str(dtype).removeprefix('torch.')}, config, tokenizer, {FORMAT_FILE}; an RL run scores "
+            f"with it as reward.components.NAME: {{type: model, path: {out}}})")

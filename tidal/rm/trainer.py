@@ -74,6 +74,7 @@ class RewardModelTrainer:
         self.watchdog = watchdog
         self.state = RMTrainerState()
         self.resume_point = resume
+        self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
 
     @property
@@ -171,7 +172,8 @@ class RewardModelTrainer:
 
     def resume(self) -> int:
         """Load the resume point's checkpoint (model, optimizer, schedule, sampler position, RNG);
-        returns its step, 0 for a fresh run. A second call is a no-op."""
+        returns its step, 0 for a fresh run. A second call is a no-op. The checkpoint's path is kept
+        in ``loaded_from``; the caller says what it loaded it for (training, eval, export)."""
         point = self.resume_point
         if point is None:
             return 0
@@ -185,8 +187,7 @@ class RewardModelTrainer:
         self.sampler.load_state_dict(st["sampler"])
         self.state = RMTrainerState(**st["trainer"])
         self.resume_point = None
-        if self.rt.is_main:
-            print(f"[tidal] resumed from {point.path} (step {point.step})", flush=True)
+        self.loaded_from = str(point.path)
         return point.step
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -203,10 +204,12 @@ class RewardModelTrainer:
         return last
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
-        from tidal.rm.export import export_reward_model
+        from tidal.rm.export import export_reward_model, export_summary
 
         with self.watchdog.stage("resume"):
             start = self.resume()
+        if start and self.rt.is_main:
+            print(f"[tidal] resumed from {self.loaded_from} (step {start})", flush=True)
         cfg = self.cfg
         if start == 0 and cfg.eval.at_start and self.eval_pairs:
             self.state.initial_eval = self.evaluate(0)
@@ -234,7 +237,7 @@ class RewardModelTrainer:
             with self.timer.phase("export"):
                 out = export_reward_model(self, Path(cfg.run.output_dir) / EXPORT_DIR)
             if self.rt.is_main:
-                print(f"[tidal] reward model exported to {out}", flush=True)
+                print(f"[tidal] {export_summary(out, self.strategy.param_dtype, f'step {cfg.run.steps} (the end of training)')}", flush=True)
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:

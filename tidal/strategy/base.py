@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import math
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ import torch
 from tidal.distributed.runtime import Runtime
 from tidal.dtypes import resolve_dtype
 from tidal.models.logprobs import set_compile as set_lm_head_compile
+from tidal.strategy.resident import device_bytes, optimizer_state_tensors
 from tidal.strategy.config import OptimConfig, StrategyConfig
 
 
@@ -128,6 +130,14 @@ class Strategy(abc.ABC):
         if state.optimizer_offloaded:
             _move_optimizer_state(state.optimizer, self.device)
             state.optimizer_offloaded = False
+
+    def resident_bytes(self, state: TrainState) -> dict[str, int]:
+        """Bytes of ``state`` held on this rank's device now (:func:`tidal.strategy.resident.device_bytes`:
+        local shards, each storage once): ``weights``, its parameters and buffers (FSDP2: the fp32
+        master shards); ``optimizer``, its optimizer's state (AdamW's moments)."""
+        model = state.model
+        return {"weights": device_bytes(itertools.chain(model.parameters(), model.buffers()), self.device),
+                "optimizer": device_bytes(optimizer_state_tensors(state.optimizer), self.device)}
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     @abc.abstractmethod

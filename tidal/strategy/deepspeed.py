@@ -62,6 +62,7 @@ from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import merged, weight_plan
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, _move_optimizer_state, lr_lambda
 from tidal.strategy.config import OptimConfig, StrategyConfig
+from tidal.strategy.resident import device_bytes, optimizer_state_tensors
 
 # ZeRO-3 parameters are all-gathered for full_weights / export in groups of about this many bytes.
 GATHER_BUCKET_BYTES = 256 << 20
@@ -425,6 +426,17 @@ class DeepSpeedStrategy(Strategy):
             rec.optim_offloaded = True
             self._place_trainable(rec)
         state.optimizer_offloaded = True
+
+    def resident_bytes(self, state: TrainState) -> dict[str, int]:
+        """``weights``: the compute-dtype parameters (ZeRO-3: this rank's partitions, ``ds_tensor``)
+        and buffers; ``optimizer``: the fp32 master partitions and AdamW's moments (the ZeRO paper's
+        optimizer states), as far as they are on this rank's device."""
+        engine = state.model
+        zero, params = engine.optimizer, list(engine.module.parameters())
+        weights = [*params, *(p.ds_tensor for p in params if hasattr(p, "ds_tensor")), *engine.module.buffers()]
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
+        return {"weights": device_bytes(weights, self.device),
+                "optimizer": device_bytes([*masters, *optimizer_state_tensors(engine.basic_optimizer)], self.device)}
 
     def reload_optimizer(self, state: TrainState) -> None:
         rec = self._rec(state.model)

@@ -16,7 +16,8 @@ phases)                (reference with ``strategy.offload_reference``, a distill
 ``rollout()``          the engine awake (KV cache, weights); used for training rollouts AND
                        evaluation
 ``using(model)``       that model (a no-grad forward: reference, critic, reward model, ...)
-``update(state)``      the trained model, its gradients and optimizer state
+``update(state)``      the trained model, its gradients and optimizer state (measured:
+                       :attr:`memory`, :mod:`tidal.trainer.memory_parts`)
 ``sync_weights()``     actor and engine weights (the engine's KV cache stays freed)
 =====================  =========================================================================
 
@@ -43,6 +44,7 @@ from tidal.logging.timer import PhaseTimer
 from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
 from tidal.trainer.config import require_resolved
+from tidal.trainer.memory_parts import MemoryParts
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +98,7 @@ class Colocation:
         self.sleep_level = 0
         self.verify_sync = False
         self.engine_memory: dict[str, int] = {}  # the engine's device bytes by kind, at the end of the last rollout
+        self.memory = MemoryParts(strategy.device, strategy.resident_bytes)  # the step's memory by component
 
     def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int, verify: bool) -> None:
         """Take charge of the rollout engine: sync the actor's weights into it and put it to rest.
@@ -166,7 +169,8 @@ class Colocation:
                 self._move("reload_model", state.model, self.strategy.reload_model)
             if self._offload_optimizer:
                 self._move("reload_optimizer", state.model, self.strategy.reload_optimizer, state)
-            yield state
+            with self.memory.update(self._roles[id(state.model)], state):
+                yield state
         finally:
             if self._offload_optimizer:
                 self._move("offload_optimizer", state.model, self.strategy.offload_optimizer, state)

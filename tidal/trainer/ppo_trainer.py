@@ -181,15 +181,9 @@ class PPOTrainer:
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")
         # after time/step: compile time is inside the phases that compiled, not added to them
         metrics.update(self.perf.pop(exp.attention_mask_BT.sum(-1).tolist(), metrics.get("time/train", 0.0)))
-        device = self.rt.device
-        if device.type == "cuda":
-            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            metrics["memory/reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
-            free, total = torch.cuda.mem_get_info(device)  # what the device holds, outside the allocator too
-            metrics["memory/device_used_gib"] = (total - free) / 2**30
-            # the engine's own memory while it generated (its KV cache may live outside the allocator)
-            metrics.update({f"memory/engine_{kind}_gib": b / 2**30 for kind, b in self.phases.engine_memory.items()})
-            torch.cuda.reset_peak_memory_stats(device)
+        # the device's memory by component (CUDA): used, allocator peak, trained models' weights,
+        # optimizer state and update peaks, the engine's weights, KV cache and graphs
+        metrics.update(self.phases.memory.pop(self.phases.engine_memory))
         if self.trajectories is not None and self.cfg.logging.trajectories_due(step):
             self.trajectories.write(step, self._trajectory_records(samples, exp))
         return metrics
