@@ -37,11 +37,12 @@ from collections import Counter, defaultdict
 from typing import Any, Callable, Protocol
 
 from tidal.distributed.generate import GenerateBatch, Round, check_budgets, force_end
-from tidal.engine.base import Completion, SamplingParams
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, supports_incremental
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
+from tidal.envs.single_turn import SingleTurnEnv
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
 
@@ -124,6 +125,7 @@ class EnvRollout:
         probe = self.env_factory()
         if isinstance(probe, ToolEnv):  # the tool helpers follow the Qwen2.5/Qwen3 templates
             self.renderer.check_tool_messages()
+        self.single_turn = type(probe) is SingleTurnEnv  # always one batch generate: the plain rollout's call
         _close(probe)
 
     def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,
@@ -131,6 +133,8 @@ class EnvRollout:
         """Run ``params.n`` trajectories per row; the n of row i share group id ``first_group_id + i``.
         ``generate``: an engine's ``generate`` or a :class:`Generator` (in a TP group: every rank of
         the group calls ``run`` with its own rows, and the generator keeps their calls in step).
+        When it is the ``generate`` of an engine with incremental requests, or a generator of a TP
+        group of one over such an engine, a multi-turn rollout is continuous (module docstring).
 
         ``budgets`` (single turn only): one ``max_new_tokens`` per trajectory, row-major, each in
         ``1..params.max_new_tokens``; with ``end_token_id`` a sequence cut at its budget ends with
@@ -145,14 +149,26 @@ class EnvRollout:
             for ep, b in zip(episodes, budgets):
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
+        engine = None if self.single_turn or budgets is not None else incremental_engine(generate)
         run = _Run(self, episodes, gen, params, end_token_id)
         try:
-            run.loop()
+            run.loop() if engine is None else run.loop_continuous(engine)
         finally:
             run.pool.shutdown()
             for ep in episodes:
                 _close(ep.env)
         return RolloutResult(trajectories=[ep.result for ep in episodes], metrics=run.metrics())
+
+
+def incremental_engine(generate: Generate | Generator) -> IncrementalEngine | None:
+    """The engine a rollout drives continuously through ``generate``, or None (rounds): the engine
+    of a bound ``generate`` method, or of a generator whose TP group is one rank (``group_size``
+    1), when it offers incremental requests. A rollout TP group of several ranks keeps rounds."""
+    if hasattr(generate, "round"):
+        engine = getattr(generate, "engine", None) if getattr(generate, "group_size", None) == 1 else None
+    else:
+        engine = getattr(generate, "__self__", None) if getattr(generate, "__name__", "") == "generate" else None
+    return engine if engine is not None and supports_incremental(engine) else None
 
 
 def _close(env: Environment) -> None:
@@ -172,7 +188,7 @@ class _Run:
         self.end_token_id = end_token_id
         self.pool = StepPool(self.cfg.workers, self.cfg.step_timeout_s)
         self.ready: list[int] = []
-        self.calls = 0
+        self.calls = 0  # engine calls that start turns: batch generate calls, or add calls (continuous)
         self.timing = Counter()
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -342,12 +358,67 @@ class _Run:
             if self.end_token_id is not None:
                 completions = [force_end(c, self.episodes[i].budget, self.end_token_id) if self.episodes[i].budget else c
                                for i, c in zip(idx, completions)]
-            texts = self.renderer.decode_batch([list(c.token_ids) for c in completions])
-            for i, c, text in zip(idx, completions, texts):
-                ep = self.episodes[i]
-                ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
-                self.pool.submit(i, ep.env.step, ep.last_turn)
+            self._take_turns(idx, completions)
         return rnd.group_busy
+
+    def _take_turns(self, idx: list[int], completions: list[Completion]) -> None:
+        """Append each completion to its trajectory exactly as sampled and hand the turn to the pool."""
+        texts = self.renderer.decode_batch([list(c.token_ids) for c in completions])
+        for i, c, text in zip(idx, completions, texts):
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"the engine returned an unfinished turn ({c.finish_reason}) for trajectory {i}")
+            ep = self.episodes[i]
+            ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
+            self.pool.submit(i, ep.env.step, ep.last_turn)
+
+    # ---- continuous decoding (an engine with incremental requests) -----------------------------------------
+    def loop_continuous(self, engine: IncrementalEngine) -> None:
+        """The loop over the engine's requests: each ready trajectory's next turn is ``add``ed at
+        once, the engine is ``step``ped while tools run, the turns that finished in a step go to the
+        pool, and the loop blocks on the pool only when the engine has nothing unfinished
+        (``env/wait_s``). On any error the requests in flight are aborted (the engine is left idle)."""
+        if engine.has_unfinished():
+            raise RuntimeError("a continuous multi-turn rollout needs an idle engine (it has unfinished requests)")
+        for i, ep in enumerate(self.episodes):
+            self.pool.submit(i, ep.env.reset, ep.row)
+        try:
+            while len(self.pool):  # every reset first, so the n samples of a prompt are added together
+                self._collect(block=True)
+            while True:
+                self._add_ready(engine)
+                if engine.has_unfinished():
+                    t0 = time.perf_counter()
+                    finished = engine.step()
+                    self.timing["generate_s"] += time.perf_counter() - t0
+                    if finished:
+                        self._take_turns([int(c.request_id) for c in finished], finished)
+                    self._collect(block=False)
+                elif len(self.pool):
+                    self._collect(block=True)
+                else:
+                    return
+        except BaseException:
+            engine.abort()
+            raise
+
+    def _add_ready(self, engine: IncrementalEngine) -> None:
+        """``add`` the next turn of every ready trajectory (episode order, so the n samples of a
+        row are adjacent and share their prompt's prefill): one request each, named by its episode
+        index (one turn per trajectory is in flight at a time), ``max_new_tokens`` its turn limit."""
+        if not self.ready:
+            return
+        ready, self.ready = sorted(self.ready), []
+        seed = None if self.params.seed is None else self.params.seed + self.calls  # an idle engine reseeds
+        requests = []
+        for i in ready:
+            ep = self.episodes[i]
+            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep), seed=seed)
+            requests.append(Request(request_id=i, prompt_ids=ep.builder.context_ids, params=params, group_id=ep.group_id,
+                                    mm_inputs=ep.row.mm_inputs))
+        self.calls += 1
+        t0 = time.perf_counter()
+        engine.add(requests)
+        self.timing["generate_s"] += time.perf_counter() - t0
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
