@@ -244,7 +244,7 @@ def test_which_engines_run_continuously(model):
     hf = HFEngine(model.config, EngineConfig(backend="hf"), device=torch.device("cpu"), dtype=torch.float32)
     assert incremental_engine(native.generate) is native
     assert incremental_engine(GroupGenerator(native, types.SimpleNamespace(tp_size=1))) is native
-    assert incremental_engine(GroupGenerator(native, types.SimpleNamespace(tp_size=2))) is None  # TP > 1: rounds
+    assert incremental_engine(GroupGenerator(native, types.SimpleNamespace(tp_size=2, tp_rank=1))) is native  # TP groups too
     assert incremental_engine(hf.generate) is None and incremental_engine(LocalGenerator(native.generate)) is None
     # single_turn (the real one) keeps the plain rollout's one generate call
     spy = Spy(native)
