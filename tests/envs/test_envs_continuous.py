@@ -181,6 +181,53 @@ def test_a_turn_joins_while_others_decode(model):
             assert spy.joins == 0 and spy.adds == 0  # one generate per round: nothing joins a running batch
 
 
+class LatencyEnv(CountdownEnv):
+    """A tool of fixed latency per row (``row.metadata["latency_s"]``) between turns; counts the
+    tool calls in flight on the spy."""
+
+    spy = None
+
+    def step(self, turn):
+        with self.spy.lock:
+            self.spy.tools_in_flight += 1
+        try:
+            time.sleep(self.row.metadata["latency_s"])
+            return super().step(turn)
+        finally:
+            with self.spy.lock:
+                self.spy.tools_in_flight -= 1
+
+
+def test_fixed_latency_tools_overlap_with_decoding(model):
+    """Row r:0's tool answers at once, row r:1's after 30 ms; an engine step takes >= 5 ms (a
+    device step's scale), so a 20-token turn takes >= 100 ms. Continuous: r:1's next turn joins
+    while r:0 decodes, the engine steps while tools are pending, and the two trajectories' turns
+    share steps. Rounds: each round decodes the trajectories ready at its start only, so r:0's and
+    r:1's later turns take steps of their own."""
+    cfg = EnvConfig(name="single_turn", max_turns=3, max_tokens_per_turn=20)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    rows = _rows([3, 3])
+    rows[0].metadata["latency_s"], rows[1].metadata["latency_s"] = 0.0, 0.03
+    out = {}
+    for path in ("continuous", "rounds"):
+        engine = engine_for(model, kv_cache_max_tokens=4096)
+        spy = Spy(engine)
+        spy.on_step = lambda: time.sleep(0.005)
+
+        def factory(spy=spy):
+            env = LatencyEnv(cfg)
+            env.spy = spy
+            return env
+
+        gen = engine.generate if path == "continuous" else LocalGenerator(engine.generate)
+        out[path] = (_rollout(cfg, factory).run(gen, rows, params), spy)
+    (cont, c), (rounds, r) = out["continuous"], out["rounds"]
+    assert _key(cont) == _key(rounds) and [len(t.turns) for t in cont.trajectories] == [3, 3]
+    assert c.joins >= 1 and c.steps_while_tools >= 1 and r.joins == 0
+    assert c.steps < r.steps  # shared steps: decoding overlapped instead of queueing behind a round
+    assert set(cont.metrics) == set(rounds.metrics)
+
+
 class RaisingEnv(CountdownEnv):
     """Row r:1's first step raises, once row r:0 is decoding its second turn (``decoding`` set)."""
 
