@@ -14,6 +14,11 @@ step on their weight shards; TP rank 0 samples and broadcasts). Two entry points
   list, and hands each rank its completions. A rank with nothing to decode still joins every
   round (with no batch), so the calls stay in lockstep; the group stops when no rank has work.
   Across DP groups nothing needs to agree: each TP group has its own engine.
+- :meth:`GroupGenerator.exchange`: the continuous form, for an engine with incremental requests.
+  Before every engine step each rank brings the requests it adds now (possibly none) and whether
+  its environments are still working; every rank adds the gathered requests in rank order and
+  steps the engine, so all ranks make the same ``add`` / ``step`` calls; the group stops when the
+  engine has nothing unfinished and no rank has work.
 
 Prompts with images carry their pixel inputs (one entry per prompt, None for text); they reach the
 engine only when some prompt of a call has images. Control messages go over the TP group's gloo
@@ -55,6 +60,17 @@ class GenerateBatch:
 
 
 @dataclasses.dataclass(kw_only=True)
+class Exchange:
+    """What one engine step's exchange gave this rank (continuous multi-turn rollouts): the new
+    requests of every rank of the group, in rank order (every rank adds them, in this order),
+    whether some rank still has environment calls pending, and the failures ranks announced."""
+
+    requests: list[Request]
+    group_busy: bool
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
 class Round:
     """What a round gave this rank: the completions of each of its batches (in order), whether
     some rank of the group still has work (False: every rank leaves the loop after this round), and
@@ -76,7 +92,24 @@ class GroupGenerator:
         self.engine = engine
         self.runtime = runtime
         self.group_size = runtime.tp_size
+        self.rank = runtime.tp_rank if self.group_size > 1 else 0  # this rank's index in its TP group
         self.poll_s: float | None = TP_POLL_S if self.group_size > 1 else None
+
+    def exchange(self, requests: list[Request], *, busy: bool, failure: str | None = None) -> Exchange:
+        """Before each engine step of a continuous rollout (:mod:`tidal.envs.rollout`): every rank
+        of the group brings the requests it adds now (possibly none; ids unique over the group),
+        whether it has environment calls pending, and its failure if it is failing. Every rank then
+        adds the same requests in the same order and steps the engine, so the group's engine calls
+        stay identical. One gloo all-gather per step (``Runtime.tp_cpu_group``); none for a group of one."""
+        if self.group_size == 1:
+            return Exchange(requests=list(requests), group_busy=busy)
+        parts: list = [None] * self.group_size
+        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
+        dist.all_gather_object(parts, (list(requests), busy, failure), group=group)
+        failures = [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
+        if failures:
+            return Exchange(requests=[], group_busy=False, failures=failures)
+        return Exchange(requests=[r for p in parts for r in p[0]], group_busy=any(p[1] for p in parts))
 
     def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank

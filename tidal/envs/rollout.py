@@ -1,27 +1,39 @@
-"""Multi-turn rollouts over the engine's batch ``generate`` (works with every engine today).
+"""Multi-turn rollouts: continuous on an engine with incremental requests, in rounds of batch
+``generate`` calls otherwise.
 
 :class:`EnvRollout` runs ``n`` trajectories per data row: ``reset`` every environment, then
-repeatedly decode one turn for every trajectory that is ready, hand each turn to its
-environment's ``step`` on the worker pool, and append the observation that comes back. Decoding
-does not wait for every tool: whatever trajectories are ready are decoded while the others' tools
-run, and it blocks only when nothing is ready (``env/wait_s``).
+decode a turn for every trajectory that is ready, hand each turn to its environment's ``step`` on
+the worker pool, and append the observation that comes back, until every trajectory is done.
 
-Engine calls go through a :class:`~tidal.distributed.generate.GroupGenerator` (or a plain
-``generate`` callable, for a lone engine): the loop decodes in *rounds*, and in a rollout TP group
-every rank joins every round, with its ready turns or with none, so the group's engine calls stay
-in lockstep although the ranks' trajectories need different numbers of turns and their tools
-answer at different times; the loop ends on the round where no rank of the group has work left.
+Continuous (an engine with incremental requests, :func:`incremental_engine`: the native engine,
+seen through its ``generate`` or through a :class:`~tidal.distributed.generate.GroupGenerator`):
+a trajectory's next turn is ``add``ed as a request (its prompt: the trajectory so far; its
+``max_new_tokens``: the turn's limit) the moment its observation is appended; the engine is
+``step``ped while tools run; after each step the turns that finished in it are appended and
+handed to the pool; the loop blocks on the pool only when the engine has nothing unfinished and
+nothing is ready (``env/wait_s``: time where the engine had nothing to decode). The engine's
+prefix cache serves each trajectory's earlier turns (blocks keep their hashes after a turn ends).
+In a rollout TP group every rank exchanges its new requests before each step
+(:meth:`~tidal.distributed.generate.GroupGenerator.exchange`, over the group's gloo twin), then
+every rank adds the group's requests in rank order and steps: the ranks make identical engine
+calls; the loop ends at the step where the engine has nothing unfinished and no rank has work. An
+error on one rank is announced in the next exchange, every rank raises there, and the requests in
+flight are aborted (the engine is left idle). ``env/generate_calls`` counts ``add`` calls.
 
-The seam for the engine's incremental API (add/step/drain): only :meth:`_Run.loop` and
-:meth:`_Run._decode` know that a turn is one ``generate`` call. With the incremental API a round
-becomes ``add`` the ready trajectories' contexts, one ``step``, ``drain`` the finished turns, so a
-trajectory joins the running batch the moment its observation is appended instead of at the next
-call (docs/agentic.md, "Engine integration"); the builders, the renderer, the pool, the limits and
-the error handling stay as they are.
+Rounds (engines without incremental requests: HF, vLLM/SGLang adapters): the loop decodes in
+*rounds*, one batch ``generate`` call per distinct token limit over the trajectories that are
+ready, while the others' tools run; it blocks only when nothing is ready. In a rollout TP group
+every rank joins every round (:meth:`~tidal.distributed.generate.GroupGenerator.round`), with its
+ready turns or with none, so the group's engine calls stay in lockstep; the loop ends on the round
+where no rank of the group has work left. A round's decode and the tool waits of the trajectories
+in it do not overlap: a trajectory whose tool answered waits for the next round.
+
+Both loops share the builders, the renderer, the pool, the limits and the error handling, and give
+the same trajectories under greedy decoding.
 
 Single turn: with ``env.name: single_turn`` this makes exactly one ``generate(prompts, params)``
-call, with the same prompts (each row's ids) and the same sampling parameters (``n`` included) as
-a plain rollout, so the completions are those of a plain rollout.
+call on every engine (rounds), with the same prompts (each row's ids) and the same sampling
+parameters (``n`` included) as a plain rollout, so the completions are those of a plain rollout.
 
 Limits (``env.*``): ``max_turns``; ``max_tokens_per_turn`` (each turn's ``max_new_tokens``: it, or
 the sampler's when it is 0, and never more than what is left of ``max_total_tokens``); ``max_total_tokens``
@@ -36,12 +48,13 @@ import time
 from collections import Counter, defaultdict
 from typing import Any, Callable, Protocol
 
-from tidal.distributed.generate import GenerateBatch, Round, check_budgets, force_end
-from tidal.engine.base import Completion, SamplingParams
+from tidal.distributed.generate import Exchange, GenerateBatch, Round, check_budgets, force_end
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, supports_incremental
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
+from tidal.envs.single_turn import SingleTurnEnv
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
 
@@ -51,18 +64,27 @@ Generate = Callable[..., list[Completion]]
 
 class Generator(Protocol):
     """What the loop decodes through (:class:`~tidal.distributed.generate.GroupGenerator`): a
-    ``round`` of engine calls for this rank's ready turns, and ``poll_s``, how long to wait for the
-    environments when nothing is ready before joining the next round (None: until one answers)."""
+    ``round`` of engine calls for this rank's ready turns; ``exchange``, the requests every rank of
+    the group adds before an engine step (continuous loop); and ``poll_s``, how long to wait for the
+    environments when nothing is ready before joining the next round or step (None: until one answers)."""
 
     poll_s: float | None
+    group_size: int  # ranks of the TP group
+    rank: int  # this rank's index in it
 
     def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round: ...
+
+    def exchange(self, requests: list[Request], *, busy: bool, failure: str | None = None) -> Exchange: ...
 
 
 class LocalGenerator:
     """A lone engine's ``generate`` as a :class:`Generator` (no group to keep in step with)."""
 
     poll_s = None
+    group_size, rank = 1, 0
+
+    def exchange(self, requests: list[Request], *, busy: bool, failure: str | None = None) -> Exchange:
+        return Exchange(requests=list(requests), group_busy=busy)
 
     def __init__(self, generate: Generate):
         self.generate = generate
@@ -124,6 +146,7 @@ class EnvRollout:
         probe = self.env_factory()
         if isinstance(probe, ToolEnv):  # the tool helpers follow the Qwen2.5/Qwen3 templates
             self.renderer.check_tool_messages()
+        self.single_turn = type(probe) is SingleTurnEnv  # always one batch generate: the plain rollout's call
         _close(probe)
 
     def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,
@@ -131,6 +154,9 @@ class EnvRollout:
         """Run ``params.n`` trajectories per row; the n of row i share group id ``first_group_id + i``.
         ``generate``: an engine's ``generate`` or a :class:`Generator` (in a TP group: every rank of
         the group calls ``run`` with its own rows, and the generator keeps their calls in step).
+        When it is the ``generate`` of an engine with incremental requests, or a
+        :class:`~tidal.distributed.generate.GroupGenerator` over such an engine, a multi-turn
+        rollout is continuous (module docstring); ``single_turn`` and budgets always use rounds.
 
         ``budgets`` (single turn only): one ``max_new_tokens`` per trajectory, row-major, each in
         ``1..params.max_new_tokens``; with ``end_token_id`` a sequence cut at its budget ends with
@@ -145,14 +171,26 @@ class EnvRollout:
             for ep, b in zip(episodes, budgets):
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
+        engine = None if self.single_turn or budgets is not None else incremental_engine(generate)
         run = _Run(self, episodes, gen, params, end_token_id)
         try:
-            run.loop()
+            run.loop() if engine is None else run.loop_continuous(engine)
         finally:
             run.pool.shutdown()
             for ep in episodes:
                 _close(ep.env)
         return RolloutResult(trajectories=[ep.result for ep in episodes], metrics=run.metrics())
+
+
+def incremental_engine(generate: Generate | Generator) -> IncrementalEngine | None:
+    """The engine a rollout drives continuously through ``generate``, or None (rounds): the engine
+    of a bound ``generate`` method or of a :class:`~tidal.distributed.generate.GroupGenerator`
+    (any TP size), when it offers incremental requests."""
+    if hasattr(generate, "round"):
+        engine = getattr(generate, "engine", None)
+    else:
+        engine = getattr(generate, "__self__", None) if getattr(generate, "__name__", "") == "generate" else None
+    return engine if engine is not None and supports_incremental(engine) else None
 
 
 def _close(env: Environment) -> None:
@@ -172,7 +210,7 @@ class _Run:
         self.end_token_id = end_token_id
         self.pool = StepPool(self.cfg.workers, self.cfg.step_timeout_s)
         self.ready: list[int] = []
-        self.calls = 0
+        self.calls = 0  # engine calls that start turns: batch generate calls, or add calls (continuous)
         self.timing = Counter()
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -342,12 +380,84 @@ class _Run:
             if self.end_token_id is not None:
                 completions = [force_end(c, self.episodes[i].budget, self.end_token_id) if self.episodes[i].budget else c
                                for i, c in zip(idx, completions)]
-            texts = self.renderer.decode_batch([list(c.token_ids) for c in completions])
-            for i, c, text in zip(idx, completions, texts):
-                ep = self.episodes[i]
-                ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
-                self.pool.submit(i, ep.env.step, ep.last_turn)
+            self._take_turns(idx, completions)
         return rnd.group_busy
+
+    def _take_turns(self, idx: list[int], completions: list[Completion]) -> None:
+        """Append each completion to its trajectory exactly as sampled and hand the turn to the pool."""
+        texts = self.renderer.decode_batch([list(c.token_ids) for c in completions])
+        for i, c, text in zip(idx, completions, texts):
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"the engine returned an unfinished turn ({c.finish_reason}) for trajectory {i}")
+            ep = self.episodes[i]
+            ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
+            self.pool.submit(i, ep.env.step, ep.last_turn)
+
+    # ---- continuous decoding (an engine with incremental requests) -----------------------------------------
+    def loop_continuous(self, engine: IncrementalEngine) -> None:
+        """The loop over the engine's requests (module docstring): each iteration takes the
+        environments' answers (blocking only when the group's engine has nothing unfinished and
+        nothing is ready: ``env/wait_s``), exchanges the new requests over the TP group
+        (:meth:`~tidal.distributed.generate.GroupGenerator.exchange`), adds them, steps the engine
+        once and hands this rank's finished turns to the pool. An error on a rank is announced in
+        the exchange, so every rank raises at the same step; the requests in flight are aborted
+        (the engine is left idle)."""
+        if engine.has_unfinished():
+            raise RuntimeError("a continuous multi-turn rollout needs an idle engine (it has unfinished requests)")
+        size, rank = self.gen.group_size, self.gen.rank
+        failure: Exception | None = None
+        for i, ep in enumerate(self.episodes):
+            self.pool.submit(i, ep.env.reset, ep.row)
+        try:
+            try:
+                while len(self.pool):  # every reset first, so the n samples of a prompt are added together
+                    self._collect(block=True)
+            except Exception as e:
+                failure = e
+            while True:
+                if failure is None:
+                    try:
+                        idle = not engine.has_unfinished() and not self.ready
+                        self._collect(block=idle, timeout=self.gen.poll_s)
+                    except Exception as e:
+                        failure = e
+                requests = self._requests(size, rank) if failure is None else []
+                ex = self.gen.exchange(requests, busy=len(self.pool) > 0,
+                                       failure=None if failure is None else f"{type(failure).__name__}: {failure}")
+                if failure is not None:
+                    raise failure
+                if ex.failures:
+                    raise EnvError(f"another rank of the rollout TP group failed: {ex.failures[0]}")
+                t0 = time.perf_counter()
+                if ex.requests:
+                    engine.add(ex.requests)
+                if engine.has_unfinished():
+                    mine = [c for c in engine.step() if int(c.request_id) % size == rank]
+                    self.timing["generate_s"] += time.perf_counter() - t0
+                    self._take_turns([int(c.request_id) // size for c in mine], mine)
+                elif not ex.group_busy:
+                    return
+        except BaseException:
+            engine.abort()  # every rank of the group gets here at the same step (see above)
+            raise
+
+    def _requests(self, size: int, rank: int) -> list[Request]:
+        """The next turn of every ready trajectory, one request each (episode order, so the n
+        samples of a row are adjacent and share their prompt's prefill); ``max_new_tokens`` is the
+        turn's limit; the id ``episode * size + rank`` is unique over the TP group (one turn per
+        trajectory is in flight at a time)."""
+        if not self.ready:
+            return []
+        ready, self.ready = sorted(self.ready), []
+        seed = None if self.params.seed is None else self.params.seed + self.calls  # an idle engine reseeds
+        self.calls += 1
+        out = []
+        for i in ready:
+            ep = self.episodes[i]
+            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep), seed=seed)
+            out.append(Request(request_id=i * size + rank, prompt_ids=ep.builder.context_ids, params=params,
+                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs))
+        return out
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

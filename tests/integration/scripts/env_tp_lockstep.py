@@ -3,7 +3,9 @@
 Both ranks share one native engine sharded over the TP group (tp_size 2). Rank 0's rows need 3
 turns and their tool answers after 30 ms; rank 1's rows need 1 turn (its tool answers at once)
 and it has fewer rows. The GroupGenerator must keep the engine calls in lockstep (every rank the
-same calls with the same arguments) and end on the same round. Each rank checks its trajectories
+same calls with the same arguments) and end on the same round: with rounds of batch ``generate``
+calls (an engine seen through its ``generate`` only), and continuously (the native engine's
+``add``/``step``, exchanged before every step). Each rank checks its trajectories
 against the same rollout run alone on an unsharded HF engine (greedy), then the single_turn case
 (exactly one engine call, as a plain rollout), an environment error on one rank (every rank
 raises at once), a rank without prompts, and writes $TIDAL_TEST_OUT/rank<R>.json.
@@ -70,6 +72,29 @@ class Recorder:
         return self.engine.generate(prompts, params, **kw)
 
 
+class StepRecorder:
+    """Records an incremental engine's calls (``add`` with a digest of its requests, ``step`` with
+    the ids it finished) while installed on it."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.add, self.step = engine.add, engine.step
+        engine.add, engine.step = self._add, self._step
+
+    def _add(self, requests):
+        self.calls.append("add " + hashlib.sha256(pickle.dumps([(r.request_id, r.prompt_ids, r.params, r.group_id)
+                                                                for r in requests])).hexdigest()[:16])
+        return self.add(requests)
+
+    def _step(self):
+        out = self.step()
+        self.calls.append(f"step {[c.request_id for c in out]}")
+        return out
+
+    def remove(self):
+        del self.engine.add, self.engine.step
+
+
 def trajectories(result):
     return [(t.rows[0].input_ids, t.rows[0].action_mask, [tt.reward for tt in t.turns], t.outcome_reward, t.finish_reason)
             for t in result.trajectories]
@@ -111,6 +136,16 @@ def main():
         "wait_s": result.metrics["env/wait_s"],
     }
 
+    # continuous: the GroupGenerator over the native engine itself (incremental requests)
+    rec_steps = StepRecorder(native)
+    cont = rollout.run(GroupGenerator(native, rt), rows, params)
+    rec_steps.remove()
+    res["cont_calls"] = rec_steps.calls
+    res["cont_equal_alone"] = trajectories(cont) == trajectories(alone)
+    res["cont_turns"] = [len(t.turns) for t in cont.trajectories]
+    res["cont_adds"] = sum(c.startswith("add") for c in rec_steps.calls)
+    res["cont_idle"] = not native.has_unfinished()
+
     single = EnvRollout(EnvConfig(), tok)
     rec_single = Recorder(native)
     one = single.run(GroupGenerator(rec_single, rt), rows, params)
@@ -120,10 +155,11 @@ def main():
 
     failing = EnvRollout(env_cfg, tok, env_factory=lambda: FailingEnv(env_cfg))  # every rank raises, none waits
     try:
-        failing.run(GroupGenerator(native, rt), rows, params)
+        failing.run(GroupGenerator(native, rt), rows, params)  # continuous (the engine's own requests)
         res["failure"] = None
     except EnvError as e:
         res["failure"] = str(e)
+    res["failure_idle"] = not native.has_unfinished()
 
     empty = EnvRollout(EnvConfig(), tok)  # a rank without prompts still joins the group's call
     rec_empty = Recorder(native)
