@@ -66,6 +66,7 @@ def make(maker, items, comps, group_ids):
         "reward/mean": float(rew.total_B.float().mean()),
         "response/length_mean": float(exp.response_len_B.float().mean()),
         "response/length_max": float(exp.response_len_B.float().max()),
+        "response/tokens_count": float(act.sum()),  # added with the metric reduction contract (a count: summed over ranks)
         "response/truncated_frac": float(truncated_B.float().mean()),
         "advantage/mean": float((exp.advantages_BT * act).sum() / ntok),
         "advantage/std": float(exp.advantages_BT[act.bool()].std()) if act.sum() > 1 else 0.0,

@@ -1,6 +1,7 @@
 """Tiny local tokenizers carrying the real Qwen2.5 / Qwen3 chat templates (tidal/envs/templates)."""
 
 import pytest
+import torch
 
 from tidal.tasks.chatml import train_chatml_tokenizer
 
@@ -20,3 +21,12 @@ def qwen25_tok():
 @pytest.fixture(scope="session")
 def qwen3_tok():
     return train_chatml_tokenizer(CORPUS, template="qwen3")
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (tiny engines: threads only add overhead and jitter)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -26,12 +26,7 @@ class ThreeTurns(Environment):
         return StepResult(observation=Observation(messages=[{"role": "tool", "content": f"result {turn.index}"}]))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("backend, device", [

@@ -69,7 +69,7 @@ def runs(tmp_path_factory, tiny_rm_overrides):
     for name, extra in BACKENDS.items():
         out[name] = tmp_path_factory.mktemp(name)
         proc = torchrun(out[name], tiny_rm_overrides + COMMON + extra)
-        assert "reward-model eval at start" in proc.stdout and "exported to" in proc.stdout
+        assert "reward-model eval at start" in proc.stdout and "exported the reward model of step" in proc.stdout
     return out
 
 
