@@ -35,4 +35,7 @@ got = ckpt.load_resume("auto", root, model_states=lambda: states(0.0), rank=r, g
 assert got is not None
 path, sd, st = got
 print(f"RESUMED rank {r} step {st['step']} w {sd['m'][f'w{r}'][0].item()} lr {sd['m'][f'hp{r}']['lr']}", flush=True)
+# both ranks reach the end before either tears its process group down: without it, one rank in three
+# aborted in gloo's teardown ("terminate called without an active exception") after a rank's failed load
+torch.distributed.barrier()
 shutdown()
