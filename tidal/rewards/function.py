@@ -27,10 +27,10 @@ import multiprocessing
 import threading
 from typing import Any, Callable
 
-from tidal.rewards.base import AsyncComponent, ComponentResult, as_score
+from tidal.rewards.base import AsyncComponent, ComponentResult
 from tidal.rewards.config import FunctionRewardConfig
 from tidal.rewards.types import RewardSample
-from tidal.rewards.worker import UserBaseException, call_in_worker, describe, guarded, is_async, load_function
+from tidal.rewards.worker import UserBaseException, call_in_worker, checked_value, describe, guarded, is_async, load_function
 
 __all__ = ["FunctionReward", "load_function"]
 
@@ -117,21 +117,7 @@ class FunctionReward(AsyncComponent):
             raise
         except Exception as e:  # UserBaseException included
             return "error", describe(e)
-        if not self.batched:
-            try:
-                return "ok", as_score(value)
-            except (TypeError, ValueError) as e:
-                return "error", str(e)
-        if not isinstance(value, (list, tuple)) or len(value) != len(arg):
-            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else type(value).__name__
-            return "error", f"returned {got} for {len(arg)} samples"
-        checked = []
-        for v in value:
-            try:
-                checked.append((as_score(v), None))
-            except (TypeError, ValueError) as e:
-                checked.append((None, str(e)))
-        return "ok", checked
+        return checked_value(value, arg, self.batched)
 
     # -- scoring -------------------------------------------------------------------------------------
 

@@ -89,6 +89,13 @@ def call_in_worker(path: str, arg: Any, batched: bool) -> tuple[str, Any]:
         value = _run(fn, arg)
     except BaseException as e:  # noqa: BLE001 -- the worker survives whatever the function does
         return "error", describe(e)
+    return checked_value(value, arg, batched)
+
+
+def checked_value(value: Any, arg: Any, batched: bool) -> tuple[str, Any]:
+    """What a reward function returned, checked where the call ran: ``("ok", score)`` for a single
+    call; ``("ok", [(score, None) | (None, why), ...])`` for a batched one (one entry per sample of
+    ``arg``); ``("error", why)`` when the value is not a score, or a batch of the wrong length."""
     if not batched:
         try:
             return "ok", as_score(value)
