@@ -2,13 +2,11 @@
 gradient norms, learning rates and parameters; reference offload/reload; export; exact resume. The
 same for a LoRA (PEFT) actor: adapters, merged engine weights, adapter-disabled reference, export."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun_scripts import run_ranks
 
 pytest.importorskip("deepspeed")
 
@@ -16,11 +14,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def torchrun(script: str, nproc: int, out: Path, **env) -> list[dict]:
-    env = dict(os.environ, TIDAL_TEST_OUT=str(out), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(SCRIPTS / script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return run_ranks(SCRIPTS / script, out, nproc=nproc, DS_ACCELERATOR="cpu", **env)
 
 
 def assert_parity(x: dict, stages: list[int]) -> None:

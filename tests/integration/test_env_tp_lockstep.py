@@ -1,25 +1,19 @@
 """2-rank torchrun (gloo, CPU), one rollout TP group: multi-turn rollouts whose ranks need different
 numbers of turns keep the sharded engine's calls in lockstep (scripts/env_tp_lockstep.py)."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun_scripts import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "env_tp_lockstep.py"
 
 
 @pytest.mark.slow
 def test_multi_turn_rollouts_stay_in_lockstep_over_a_tp_group(tmp_path):
-    env = dict(os.environ, TIDAL_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_ranks(SCRIPT, tmp_path)
     # the same engine calls with the same arguments, although rank 1 finished after its first turn
     assert r0["calls"] == r1["calls"] and len(r0["calls"]) >= 3
     assert r0["turns"] == [3] * 6 and r1["turns"] == [1] * 4
