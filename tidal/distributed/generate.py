@@ -103,13 +103,18 @@ class GroupGenerator:
         stay identical. One gloo all-gather per step (``Runtime.tp_cpu_group``); none for a group of one."""
         if self.group_size == 1:
             return Exchange(requests=list(requests), group_busy=busy)
-        parts: list = [None] * self.group_size
-        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
-        dist.all_gather_object(parts, (list(requests), busy, failure), group=group)
-        failures = [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
+        parts, failures = self._gather(list(requests), busy, failure)
         if failures:
             return Exchange(requests=[], group_busy=False, failures=failures)
         return Exchange(requests=[r for p in parts for r in p[0]], group_busy=any(p[1] for p in parts))
+
+    def _gather(self, work: list, busy: bool, failure: str | None) -> tuple[list[tuple], list[str]]:
+        """Every rank's ``(work, busy, failure)`` over the group's gloo twin, in rank order, and the
+        failures announced (named by global rank)."""
+        parts: list = [None] * self.group_size
+        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
+        dist.all_gather_object(parts, (work, busy, failure), group=group)
+        return parts, [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
 
     def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
@@ -122,11 +127,7 @@ class GroupGenerator:
         if self.group_size == 1:
             return Round(completions=[_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches],
                          group_busy=busy)
-        parts: list = [None] * self.group_size
-        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
-        msg = ([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches], busy, failure)
-        dist.all_gather_object(parts, msg, group=group)
-        failures = [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
+        parts, failures = self._gather([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches], busy, failure)
         if failures:
             return Round(completions=[[] for _ in batches], group_busy=False, failures=failures)
         mine: list[list[Completion]] = [[] for _ in batches]
