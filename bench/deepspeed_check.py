@@ -22,7 +22,7 @@ global token count, clipping active, warmup + cosine LR, weight decay). Sections
   state (fp32 masters, moments) bit-identical after the round trip, a further step working;
   and for the frozen reference: memory while offloaded and reloaded, logprobs equal to a plain
   bf16 HF copy before and after an offload/reload cycle.
-- ``resume.<case>``: save through tidal.trainer.checkpoint (DCP), load into a fresh strategy, one
+- ``resume.<case>``: save through tidal.run.checkpoint (DCP), load into a fresh strategy, one
   step on both: loss and weights equal (exact).
 - ``ok``: every boolean check; ``errors``: exceptions per case (a failing case does not stop the rest).
 """
@@ -50,7 +50,7 @@ from tidal.engine.hf import HFEngine
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
 from tidal.sync import update_engine_weights
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 
 OPTIM = OptimConfig(lr=1e-4, weight_decay=0.01, warmup_steps=1, scheduler="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
 CASES = {

@@ -15,7 +15,7 @@ appends to ``--record``) one JSON line per iteration and a summary:
 - ``ratio`` = measured / predicted (the plan aims within 10%), the host's peak resident memory
   (``ru_maxrss``) against the plan's host figure.
 
-The plan is the one the run makes: :func:`tidal.trainer.memory_probe.make_plan` is called on the
+The plan is the one the run makes: :func:`tidal.memory.probe.make_plan` is called on the
 same config before ``build_trainer`` (before anything is allocated on the device, so the CUDA
 context is measured alone), and the summary says whether the run resolved its settings to the same
 choice (``same_choice``). This is also how any benchmark records ``predicted_peak_gib``.
@@ -180,7 +180,7 @@ def run(args) -> dict:
     from tidal.build import build_trainer
     from tidal.config import TidalConfig
     from tidal.config_base import apply_overrides, build
-    from tidal.trainer.memory_probe import make_plan
+    from tidal.memory.probe import make_plan
 
     work = os.path.abspath(args.workdir)
     prepare(args, work)
@@ -198,7 +198,7 @@ def run(args) -> dict:
     init_s = time.perf_counter() - t0
     used = trainer.cfg  # the run's config with its `auto` settings resolved
     same_choice = (used.train.micro_batch_tokens, used.train.forward_micro_batch_tokens, used.model.gradient_checkpointing,
-                   trainer.phases.strategy.cfg.offload_optimizer) == (plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens,
+                   trainer.colocation.strategy.cfg.offload_optimizer) == (plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens,
                                                                       plan.choice.gradient_checkpointing, plan.choice.offload_optimizer)
     rec = PhasePeaks(cuda)
     trainer.timer.add_observer(rec)

@@ -8,10 +8,10 @@ component its own sections); nothing below imports it.
 Derived values are computed once, here: the engine's dtype (:func:`tidal.dtypes.resolve_dtype`;
 the strategy resolves its own compute dtype once when built), the rollout TP groups (from
 ``engine.tp_size``, checked against the world in :func:`tidal.distributed.runtime.rollout_group_ranks`),
-the resume point (:func:`tidal.trainer.resume.resolve_resume_point`) and the memory plan's
-settings (:func:`tidal.trainer.memory_probe.plan_run`, before any model loads): every component
+the resume point (:func:`tidal.run.resume.resolve_resume_point`) and the memory plan's
+settings (:func:`tidal.memory.probe.plan_run`, before any model loads): every component
 built after it is handed the config with its ``auto`` settings resolved
-(:meth:`~tidal.trainer.memory_plan.MemorySettings.run_config`).
+(:meth:`~tidal.memory.plan.MemorySettings.run_config`).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from tidal.models.varlen import enable_packed_attention
 from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import require_resolved
-from tidal.trainer.memory_probe import plan_run
+from tidal.memory.probe import plan_run
 from tidal.trainer.ppo_trainer import PPOTrainer, RunData
-from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
-from tidal.trainer.watchdog import StageTimer, Watchdog
+from tidal.run.run_dir import announce_run_dir, claim_run_dir
+from tidal.run.watchdog import StageTimer, Watchdog
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -203,14 +203,14 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     if checkpoints_enabled(cfg):
         trained = [models.actor.model] + ([models.critic.model] if models.critic is not None else [])
         ckpt.check_free_space(ckpt.checkpoint_root(cfg.run.output_dir), ckpt.checkpoint_bytes(trained), keep=cfg.checkpoint.keep)
-    phases = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
+    colocation = Colocation(strategy=strategy, models=models, timer=StageTimer(watchdog))
     engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
     with stage(f"starting the {run_cfg.engine.backend} rollout engine and syncing its weights", enabled=runtime.is_main):
         engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
                                tp_group=runtime.tp_group)
-        phases.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
+        colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
 
-    rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=phases)
+    rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
     with stage("loading the prompts", enabled=runtime.is_main) as shown:
         data = build_data(run_cfg, paths, tokenizer, runtime)
         shown.done(f"{len(data.train)} training prompts from {data.train.num_rows} rows ({data.train.num_dropped} dropped as "
@@ -220,10 +220,10 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         start_step=run_dir.resume.step if run_dir.resume is not None else 0, hparams=run_cfg.to_dict(),
     )
     for observer in logger.observers():  # the console's step bar shows the phase a step is in
-        phases.timer.add_observer(observer)
+        colocation.timer.add_observer(observer)
     if runtime.is_main:
         announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
-    trainer = PPOTrainer(cfg=run_cfg, phases=phases, models=models, rewards=rewards, algorithm=algorithm, data=data,
+    trainer = PPOTrainer(cfg=run_cfg, colocation=colocation, models=models, rewards=rewards, algorithm=algorithm, data=data,
                          logger=logger, run_dir=run_dir)
     trainer.memory = memory  # the settings the run was built with, and the plan behind them (None without one)
     return trainer

@@ -21,8 +21,8 @@ import os
 import sys
 
 from tidal.config_base import ConfigError
-from tidal.trainer.stop import EXIT_CODE as STOP_EXIT_CODE
-from tidal.trainer.stop import StopRun
+from tidal.run.stop import EXIT_CODE as STOP_EXIT_CODE
+from tidal.run.stop import StopRun
 
 
 def _load(args):
@@ -106,7 +106,7 @@ def cmd_export(args) -> int:
         step = trainer.resume()
         import torch
 
-        dtype = getattr(torch, args.dtype) if args.dtype else trainer.phases.strategy.param_dtype
+        dtype = getattr(torch, args.dtype) if args.dtype else trainer.colocation.strategy.param_dtype
         from tidal.logging.progress import stage
 
         with stage(f"gathering and writing the weights to {args.out}", enabled=trainer.rt.is_main):

@@ -31,7 +31,9 @@ from tidal.rm.config import RewardModelConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
-from tidal.trainer.config import CheckpointConfig, EvalConfig, MemoryConfig, RolloutConfig, RunConfig, TrainConfig
+from tidal.memory.config import MemoryConfig
+from tidal.run.config import CheckpointConfig
+from tidal.trainer.config import EvalConfig, RolloutConfig, RunConfig, TrainConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 

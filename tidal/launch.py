@@ -25,8 +25,8 @@ import signal
 import sys
 import time
 
-from tidal.trainer.stop import EXIT_CODE as STOP_EXIT_CODE
-from tidal.trainer.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
+from tidal.run.stop import EXIT_CODE as STOP_EXIT_CODE
+from tidal.run.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
 
 CONFIG_EXIT_CODE = 2
 COMMANDS = ("train", "check", "eval", "export")

@@ -25,7 +25,7 @@ Layout (each module owns one thing):
   points, ``python -m bench.grpo e2e ...`` and ``python -m bench.grpo matrix ...``.
 
 Nothing in the libraries is patched: Tidal is observed through ``trainer.timer.add_observer``, the
-metrics ``train_step`` returns, ``trainer.phases.engine.stats`` and, for natural lengths,
+metrics ``train_step`` returns, ``trainer.colocation.engine.stats`` and, for natural lengths,
 ``trainer.maker.completion_budget``; TRL through a ``transformers.TrainerCallback`` and its
 ``rollout_func`` argument (see :mod:`.trl_runner`).
 """

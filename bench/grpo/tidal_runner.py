@@ -4,8 +4,8 @@ iterations, and the summary of its records.
 Tidal is observed through public extension points only: ``trainer.timer.add_observer`` (phase
 boundaries, placement moves with bytes, each rollout's lengths and finish reasons:
 :class:`~bench.grpo.observe.TidalObserver`), the metrics ``train_step`` returns (``time/<phase>``,
-``response/length_mean``, ...), ``trainer.phases.engine.stats`` (the native engine's step counts
-and host timers) and ``trainer.phases.engine.memory_report()``. Natural lengths go through
+``response/length_mean``, ...), ``trainer.colocation.engine.stats`` (the native engine's step counts
+and host timers) and ``trainer.colocation.engine.memory_report()``. Natural lengths go through
 ``trainer.maker.completion_budget``: each sequence's drawn length is its budget, and the sequence
 ends with EOS there (budget forcing: ``finish_reason`` ``stop``, EOS included), with
 ``rollout.ignore_eos`` so that no sequence ends earlier. A long-tail case (``carry``, ``drop``) sets
@@ -80,7 +80,7 @@ class DrawnLengths:
 def predicted_peak_gib(trainer) -> float | None:
     """The memory plan's predicted peak allocated GiB (issue 21), or None while the trainer has no
     plan: it is read from ``trainer.memory.plan.predicted_peak_allocated_gib``, the name the memory
-    plan (``tidal/trainer/memory_plan.py``) gives it, as soon as the trainer carries one."""
+    plan (``tidal/memory/plan.py``) gives it, as soon as the trainer carries one."""
     plan = getattr(getattr(trainer, "memory", None), "plan", None)
     return None if plan is None else float(plan.predicted_peak_allocated_gib)
 
@@ -112,7 +112,7 @@ def worker_tidal(spec: dict, sink: Sink) -> None:
     data = trainer.data.train
     sink.write({"kind": "init", "init_s": init_s, "prompt_lens": sorted({len(data[i].prompt_ids) for i in range(len(data))}),
                 "peak_allocated": obs.peak(), "peak_reserved": obs.peak_reserved(), "config": cfg.to_dict(),
-                "engine_memory": trainer.phases.engine.memory_report(), "predicted_peak_gib": predicted_peak_gib(trainer)})
+                "engine_memory": trainer.colocation.engine.memory_report(), "predicted_peak_gib": predicted_peak_gib(trainer)})
     total = s.tidal_warmup + s.tidal_steps
     last = _loop(trainer, obs, w, s, spec["deadline"], cuda, sink)
     if spec.get("profile"):
@@ -130,7 +130,7 @@ def _loop(trainer, obs, w: Workload, s: RunSettings, deadline: float, cuda: bool
             sink.write({"kind": "stopped", "reason": "deadline", "after_step": step - 1})
             return last
         obs.mark("iteration:start")
-        engine = trainer.phases.engine
+        engine = trainer.colocation.engine
         engine_before = dict(getattr(engine, "stats", {}))
         n_rollouts = len(obs.rollouts)
         if cuda:

@@ -191,7 +191,7 @@ def test_an_experience_without_old_logprobs_refuses_what_needs_them(tmp_path, ti
     try:
         exp, _, _ = trainer.collect(0)
         assert exp.old_logp_BT is None
-        two_epochs = Updater(models=trainer.models, phases=trainer.phases, algorithm=trainer.algo, rollout=cfg.rollout,
+        two_epochs = Updater(models=trainer.models, colocation=trainer.colocation, algorithm=trainer.algo, rollout=cfg.rollout,
                              train=dataclasses.replace(trainer.cfg.train, epochs=2), model=cfg.model,
                              split=trainer.perf.split)  # the run's resolved budgets
         with pytest.raises(ValueError, match="train.old_logprobs=recompute"):

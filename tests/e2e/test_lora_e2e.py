@@ -61,8 +61,8 @@ def test_lora_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_task_overr
         assert logged[2]["actor/kl"] > 0.0
 
         # the engine holds W + (alpha/r) B A under HF names
-        engine_params = dict(trainer.phases.engine.model.named_parameters())
-        merged = dict(trainer.phases.strategy.full_weights(model, torch.float32))
+        engine_params = dict(trainer.colocation.engine.model.named_parameters())
+        merged = dict(trainer.colocation.strategy.full_weights(model, torch.float32))
         assert sorted(merged) == sorted(engine_params)
         for n, t in merged.items():
             torch.testing.assert_close(engine_params[n].detach(), t, msg=n)
@@ -137,12 +137,12 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
             return {n: safe_get_full_fp32_param(p).clone() for n, p in peft.named_parameters() if p.requires_grad}
 
         before_adapters = adapters()
-        before_merged = dict(trainer.phases.strategy.full_weights(trainer.models.actor.model, torch.float32))
+        before_merged = dict(trainer.colocation.strategy.full_weights(trainer.models.actor.model, torch.float32))
         metrics = trainer.fit()
         assert math.isfinite(metrics["actor/loss"])
         after = adapters()
         assert any(not torch.equal(after[n], before_adapters[n]) for n in after if ".lora_B." in n)
-        merged = dict(trainer.phases.strategy.full_weights(trainer.models.actor.model, torch.float32))
+        merged = dict(trainer.colocation.strategy.full_weights(trainer.models.actor.model, torch.float32))
         q = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(merged[q], before_merged[q])
         for n in ("model.embed_tokens.weight", "model.norm.weight"):  # not LoRA targets: frozen
@@ -150,7 +150,7 @@ def test_lora_deepspeed_trains_adapters_syncs_merged_and_exports(tmp_path, tiny_
         logged = _metrics(tmp_path)
         assert logged[1]["actor/kl"] == 0.0 and logged[2]["actor/kl"] > 0.0
 
-        engine_params = dict(trainer.phases.engine.model.named_parameters())
+        engine_params = dict(trainer.colocation.engine.model.named_parameters())
         assert sorted(merged) == sorted(engine_params)
         for n, t in merged.items():
             torch.testing.assert_close(engine_params[n].detach(), t, msg=n)

@@ -13,7 +13,7 @@ from tidal.config import load_config
 from tidal.config_base import ConfigError
 from tidal.distributed import shutdown
 from tidal.strategy.streamed_adamw import StreamedAdamW
-from tidal.trainer.memory_plan import MemorySettings
+from tidal.memory.plan import MemorySettings
 
 
 def _checkpointing(model) -> bool:
@@ -43,7 +43,7 @@ def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides,
         assert seen["cfg"] is cfg and cfg.train.micro_batch_tokens == "auto"  # planned from the config as written
         assert trainer.cfg.train.micro_batch_tokens == 70 and trainer.updater.train_cfg.micro_batch_tokens == 70
         assert trainer.maker.train_cfg.forward_micro_batch_tokens == 90
-        assert trainer.phases.strategy.cfg.offload_optimizer is True and trainer.phases._offload_optimizer is True
+        assert trainer.colocation.strategy.cfg.offload_optimizer is True and trainer.colocation._offload_optimizer is True
         assert isinstance(trainer.models.actor.optimizer, StreamedAdamW)
         assert isinstance(trainer.models.critic.optimizer, StreamedAdamW)
         assert _checkpointing(trainer.models.actor.model) and _checkpointing(trainer.models.critic.model)
@@ -67,7 +67,7 @@ def test_a_plan_for_a_given_device_is_applied_on_cpu(tmp_path, tiny_task_overrid
         # a tiny model on 80 GiB: the budgets take a whole rank's mini-batch, no checkpointing, state on the device
         rows, max_len = 16, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
         assert trainer.updater.train_cfg.micro_batch_tokens == rows * max_len
-        assert trainer.phases.strategy.cfg.offload_optimizer is False
+        assert trainer.colocation.strategy.cfg.offload_optimizer is False
         assert not _checkpointing(trainer.models.actor.model)
         # the trainer carries the settings and plan it was built with (the bench reads the predicted peak there)
         assert trainer.memory.micro_batch_tokens == rows * max_len and trainer.memory.plan.predicted_peak_allocated_gib > 0

@@ -32,7 +32,7 @@ def test_single_turn_experience_equals_the_plain_rollout(name, tmp_path, tiny_ta
         params = trainer.sampling_params(1)
         rollout = maker.generate(items, params, first_group_id=7)
         exp, metrics, samples = maker.make(rollout)
-        with trainer.phases.rollout() as engine:  # the plain call: every prompt, the sampler's params
+        with trainer.colocation.rollout() as engine:  # the plain call: every prompt, the sampler's params
             comps = engine.generate([it.prompt_ids for it in items], params)
         assert [t.rows[0].token_ids for t in rollout.trajectories] == [c.token_ids for c in comps]
         group_ids = [7 + i for i in range(len(items)) for _ in range(params.n)]

@@ -18,7 +18,7 @@ from tidal.config import load_config
 from tidal.config_base import ConfigError
 from tidal.distributed import shutdown
 from tidal.rewards.base import RewardError
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 from tests.faults import rewards
 
 HASH = "reward.components.correct.path=tests.faults.rewards:text_hash_reward"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tidal.distributed.runtime import init_runtime, shutdown
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 
 WORKER = Path(__file__).parent / "scripts" / "ckpt_worker.py"
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import init_runtime, shutdown
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 
 
 def _state(value: float) -> dict:

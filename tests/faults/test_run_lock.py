@@ -1,4 +1,4 @@
-"""The run-directory lock (tidal/trainer/run_lock.py; wired into setup by the lead): a second run in
+"""The run-directory lock (tidal/run/run_lock.py; wired into setup by the lead): a second run in
 the same output_dir gets a ConfigError naming the first (pid, host, command); a lock whose process
 is gone (same host) is taken over; another host's lock is never taken over; starting at once, only
 one run gets it; release removes only its own lock."""
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tidal.config_base import ConfigError
-from tidal.trainer.run_lock import LOCK_NAME, acquire_run_lock
+from tidal.run.run_lock import LOCK_NAME, acquire_run_lock
 
 REPO = Path(__file__).resolve().parents[2]
-HOLD = "import sys, time; from tidal.trainer.run_lock import acquire_run_lock; acquire_run_lock(sys.argv[1], 0); print('held', flush=True); time.sleep(60)"
+HOLD = "import sys, time; from tidal.run.run_lock import acquire_run_lock; acquire_run_lock(sys.argv[1], 0); print('held', flush=True); time.sleep(60)"
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
@@ -128,7 +128,7 @@ def test_tidal_train_in_a_directory_another_run_holds_exits_2_naming_it(tmp_path
     import sys
 
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from tidal.trainer.run_lock import acquire_run_lock; "
+        "import sys, time; from tidal.run.run_lock import acquire_run_lock; "
         f"acquire_run_lock({str(tmp_path)!r}, 0); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -1,5 +1,5 @@
 """SIGINT / SIGTERM stop a run gracefully: every rank finishes the step in which the first signal
-arrived, a checkpoint of that step is saved, the process exits with tidal.trainer.stop.EXIT_CODE (75),
+arrived, a checkpoint of that step is saved, the process exits with tidal.run.stop.EXIT_CODE (75),
 and the same command resumes exactly; a second signal aborts at once. Signals are delivered by
 TIDAL_FAULT (sigterm/sigint at a stage of a step, on one rank)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.test_torchrun_faults import COMMON, assert_same_metrics, metrics, torchrun
-from tidal.trainer.stop import EXIT_CODE
+from tidal.run.stop import EXIT_CODE
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

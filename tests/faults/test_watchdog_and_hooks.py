@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tidal.trainer import faults
-from tidal.trainer.watchdog import Watchdog, format_report
+from tidal.run import faults
+from tidal.run.watchdog import Watchdog, format_report
 
 
 def test_fault_rules_parse_and_match(monkeypatch):

@@ -66,7 +66,7 @@ def test_a_stale_engine_is_caught(verify, on_alarm, tmp_path, tiny_task_override
     ])
     trainer = build_trainer(cfg)
     try:
-        _corrupting(trainer.phases.engine)
+        _corrupting(trainer.colocation.engine)
         if verify:
             with pytest.raises(WeightSyncError, match="does not hold .* of the weights it was sent"):
                 trainer.fit()  # step 1's sync is read back

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tidal.trainer.stop import EXIT_CODE
+from tidal.run.stop import EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import memory_check  # noqa: E402
 
-from tidal.trainer.memory_plan import GiB, MemoryPlan, PhasePeak, Part  # noqa: E402
+from tidal.memory.plan import GiB, MemoryPlan, PhasePeak, Part  # noqa: E402
 
 
 def test_phase_peaks_and_comparison():
@@ -32,7 +32,7 @@ def test_phase_peaks_and_comparison():
 
 
 def test_shapes_are_the_qwen25_configs():
-    from tidal.trainer.memory_plan import ModelShape
+    from tidal.memory.plan import ModelShape
 
     assert round(ModelShape.from_hf_config(memory_check.SHAPES["7b"]).params() / 1e9, 2) == 7.62
     assert round(ModelShape.from_hf_config(memory_check.SHAPES["0.5b"]).params() / 1e9, 2) == 0.49

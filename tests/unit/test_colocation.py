@@ -87,29 +87,29 @@ def build(**strategy_cfg):
     names = {id(actor): "actor", id(critic): "critic", id(ref): "reference"}
     strategy = FakeStrategy(StrategyConfig(**{"offload_optimizer": False, **strategy_cfg}), log, names)  # as the memory plan resolves it
     models = Models(tokenizer=None, actor=_state(actor), critic=_state(critic), reference=ref)
-    phases = Colocation(strategy=strategy, models=models, timer=PhaseTimer(sync=lambda: None))
+    colocation = Colocation(strategy=strategy, models=models, timer=PhaseTimer(sync=lambda: None))
     engine = FakeEngine(log)
-    phases.attach_engine(engine, dtype=torch.float32, sleep_level=1, verify=False)
-    return phases, log, strategy, engine
+    colocation.attach_engine(engine, dtype=torch.float32, sleep_level=1, verify=False)
+    return colocation, log, strategy, engine
 
 
 def test_rest_state_after_setup():
-    phases, log, strategy, engine = build(offload_reference=True, offload_critic=True)
+    colocation, log, strategy, engine = build(offload_reference=True, offload_critic=True)
     assert log == ["offload_model(reference)", "offload_model(critic)", "engine.load_weights(['w'])", "engine.sleep(1)"]
     assert strategy.on == {"actor"} and not engine.awake
 
 
 def test_phases_bring_in_what_they_need_and_send_it_back():
-    phases, log, strategy, engine = build(offload_reference=True, offload_critic=True, offload_optimizer=True,
+    colocation, log, strategy, engine = build(offload_reference=True, offload_critic=True, offload_optimizer=True,
                                           offload_actor_during_rollout=True)
     log.clear()
-    with phases.rollout() as eng:
+    with colocation.rollout() as eng:
         assert eng is engine and engine.awake and "actor" not in strategy.on
-    with phases.using(phases.models.reference):
+    with colocation.using(colocation.models.reference):
         assert "reference" in strategy.on
-    with phases.using(phases.models.actor.model):  # at rest on the device: nothing moves
+    with colocation.using(colocation.models.actor.model):  # at rest on the device: nothing moves
         pass
-    with phases.update(phases.models.critic):
+    with colocation.update(colocation.models.critic):
         assert "critic" in strategy.on
     assert log == [
         "offload_model(actor)", "engine.wake_up", "engine.sleep(1)", "reload_model(actor)",
@@ -117,17 +117,17 @@ def test_phases_bring_in_what_they_need_and_send_it_back():
         "reload_model(critic)", "reload_optimizer(critic)", "offload_optimizer(critic)", "offload_model(critic)",
     ]
     assert strategy.on == {"actor"} and not engine.awake
-    assert phases.engine_memory == {"weights": 1, "kv_cache": 2}
+    assert colocation.engine_memory == {"weights": 1, "kv_cache": 2}
 
 
 @pytest.mark.parametrize("phase", ["rollout", "using", "update"])
 def test_an_exception_inside_a_phase_leaves_the_rest_state(phase):
-    phases, log, strategy, engine = build(offload_reference=True, offload_critic=True, offload_optimizer=True,
+    colocation, log, strategy, engine = build(offload_reference=True, offload_critic=True, offload_optimizer=True,
                                           offload_actor_during_rollout=True)
     rest_on = set(strategy.on)
     log.clear()
-    cm = {"rollout": phases.rollout(), "using": phases.using(phases.models.reference),
-          "update": phases.update(phases.models.critic)}[phase]
+    cm = {"rollout": colocation.rollout(), "using": colocation.using(colocation.models.reference),
+          "update": colocation.update(colocation.models.critic)}[phase]
     with pytest.raises(RuntimeError, match="boom"):
         with cm:
             raise RuntimeError("boom")
@@ -136,28 +136,28 @@ def test_an_exception_inside_a_phase_leaves_the_rest_state(phase):
 
 
 def test_frozen_models_registered_later_are_parked_between_uses():
-    phases, log, strategy, _ = build()
-    rm = phases.prepare_frozen(torch.nn.Linear(1, 1), resident=False)
+    colocation, log, strategy, _ = build()
+    rm = colocation.prepare_frozen(torch.nn.Linear(1, 1), resident=False)
     assert "rm" not in strategy.on
-    with phases.using(rm):
+    with colocation.using(rm):
         assert "rm" in strategy.on
     assert "rm" not in strategy.on
 
 
 def test_observers_see_every_move_with_its_role():
-    phases, log, strategy, _ = build(offload_reference=True)
+    colocation, log, strategy, _ = build(offload_reference=True)
     seen = []
 
     class Watch(PhaseObserver):
         def event(self, name, info=None):
             seen.append((name, info))
 
-    phases.timer.add_observer(Watch())
-    with phases.rollout():
+    colocation.timer.add_observer(Watch())
+    with colocation.rollout():
         pass
-    with phases.using(phases.models.reference):
+    with colocation.using(colocation.models.reference):
         pass
-    phases.sync_weights()
+    colocation.sync_weights()
     assert [n for n, _ in seen] == [
         "wake_up/engine:before", "wake_up/engine:after", "sleep/engine:before", "sleep/engine:after",
         "reload_model/reference:before", "reload_model/reference:after",
@@ -175,11 +175,11 @@ def test_an_unresolved_optimizer_offload_is_refused():
 
 
 def test_the_update_measures_what_the_trained_model_holds_while_it_is_on_the_device():
-    phases, log, strategy, engine = build(offload_critic=True, offload_optimizer=True)
+    colocation, log, strategy, engine = build(offload_critic=True, offload_optimizer=True)
     log.clear()
-    with phases.update(phases.models.critic):
+    with colocation.update(colocation.models.critic):
         pass
     assert log == ["reload_model(critic)", "reload_optimizer(critic)", "offload_optimizer(critic)", "offload_model(critic)"]
     assert strategy.measured == ("critic", 2)  # after the reloads, before the offloads
-    assert phases.memory.bytes == {"critic_weights": 10, "critic_optimizer": 20}  # no activation peak off CUDA
-    assert phases.memory.pop(phases.engine_memory) == {} and phases.memory.bytes == {}  # metrics on CUDA only
+    assert colocation.memory.bytes == {"critic_weights": 10, "critic_optimizer": 20}  # no activation peak off CUDA
+    assert colocation.memory.pop(colocation.engine_memory) == {} and colocation.memory.bytes == {}  # metrics on CUDA only

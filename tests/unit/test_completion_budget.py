@@ -87,7 +87,7 @@ def _maker(timer):
     from tidal.tasks.tokenizer import train_tokenizer
 
     maker = ExperienceMaker.__new__(ExperienceMaker)  # only what trajectories() reads
-    maker.timer, maker.phases = timer, types.SimpleNamespace(runtime=ONE_RANK)
+    maker.timer, maker.colocation = timer, types.SimpleNamespace(runtime=ONE_RANK)
     maker.env = EnvRollout(EnvConfig(), train_tokenizer(["seven eight"]))
     return maker
 

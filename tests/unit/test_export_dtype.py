@@ -13,7 +13,7 @@ def _trainer(param_dtype):
     model = AutoModelForCausalLM.from_config(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
     strategy = SimpleNamespace(param_dtype=param_dtype, full_model_state_dict=lambda m: m.state_dict())
-    return SimpleNamespace(phases=SimpleNamespace(strategy=strategy),
+    return SimpleNamespace(colocation=SimpleNamespace(strategy=strategy),
                            models=SimpleNamespace(actor=SimpleNamespace(model=model),
                                                   tokenizer=SimpleNamespace(save_pretrained=lambda path: None)),
                            rt=SimpleNamespace(is_main=True, barrier=lambda: None)), model

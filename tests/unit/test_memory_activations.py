@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.memory_accounting import LiveBytes
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
-from tidal.trainer.memory_plan import (
+from tidal.memory.plan import (
     ModelShape,
     forward_activation_bytes,
     layer_backward_bytes,

@@ -10,7 +10,7 @@ from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.logging.console import memory_text
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
 from tidal.strategy.resident import device_bytes
-from tidal.trainer.memory_parts import MemoryParts
+from tidal.memory.parts import MemoryParts
 
 CPU = torch.device("cpu")
 

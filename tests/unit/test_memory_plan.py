@@ -1,4 +1,4 @@
-"""The memory plan (``tidal.trainer.memory_plan``): hand-computed byte counts of a tiny shape, the
+"""The memory plan (``tidal.memory.plan``): hand-computed byte counts of a tiny shape, the
 Qwen2.5 shapes on one H200, the measured H200 peaks it must reproduce, explicit settings kept and
 checked, errors that name what to change, the host budget, and the ``auto`` config values."""
 
@@ -11,7 +11,7 @@ from transformers import Qwen2Config
 from tidal.config import load_config
 from tidal.config_base import ConfigError
 from tidal.host_memory import cgroup_limit, host_memory, meminfo_total
-from tidal.trainer.memory_plan import (
+from tidal.memory.plan import (
     GiB,
     MIN_EFFICIENT_MICRO_BATCH_TOKENS,
     MiB,
@@ -28,7 +28,7 @@ from tidal.trainer.memory_plan import (
     settings_without_plan,
     train_activation_bytes,
 )
-from tidal.trainer.memory_probe import make_plan, plan_run
+from tidal.memory.probe import make_plan, plan_run
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # config.json of the public Qwen2.5 checkpoints (hidden, layers, heads, kv heads, intermediate, vocab, tied)
@@ -393,7 +393,7 @@ def test_make_plan_reads_the_memory_section():
 def _agree_worker(rank: int, path: str, out: str):
     import torch.distributed as dist
 
-    from tidal.trainer.memory_probe import agreed
+    from tidal.memory.probe import agreed
 
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
     try:

@@ -13,7 +13,7 @@ from tidal.rm.loss import PairMeans, bradley_terry_loss, pair_sums
 from tidal.rm.model import collate_pairs
 from tidal.rm.setup import build_reward_model_trainer
 from tidal.rm.trainer import pair_micro_batches
-from tidal.trainer import faults
+from tidal.run import faults
 
 
 def test_bradley_terry_values():

@@ -79,7 +79,7 @@ def available_device_bytes(device: torch.device) -> int:
 def kv_budget_bytes(cfg: EngineConfig, available_bytes: int) -> int:
     """Bytes of KV cache to allocate out of ``available_bytes`` (CUDA). The one rule of the KV
     cache's size: the engine applies it at each wake-up, the memory plan
-    (:mod:`tidal.trainer.memory_plan`, whose inputs carry ``kv_cache_memory_fraction`` too) to its
+    (:mod:`tidal.memory.plan`, whose inputs carry ``kv_cache_memory_fraction`` too) to its
     predicted free memory."""
     return int(available_bytes * cfg.kv_cache_memory_fraction)
 

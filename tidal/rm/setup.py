@@ -26,10 +26,10 @@ from tidal.rm.dataset import PreferenceDataset
 from tidal.rm.model import load_trainable_reward_model
 from tidal.rm.trainer import RewardModelTrainer
 from tidal.strategy import get_strategy
-from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.memory_plan import settings_without_plan
-from tidal.trainer.run_dir import announce_run_dir, claim_run_dir
-from tidal.trainer.watchdog import StageTimer, Watchdog
+from tidal.run import checkpoint as ckpt
+from tidal.memory.plan import settings_without_plan
+from tidal.run.run_dir import announce_run_dir, claim_run_dir
+from tidal.run.watchdog import StageTimer, Watchdog
 
 
 @dataclasses.dataclass(kw_only=True)

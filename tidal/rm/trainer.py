@@ -7,8 +7,8 @@ sum to the global batch's mean loss: the Strategy's gradient contract) -> ``opti
 skip on a non-finite norm, LR schedule). Every rank runs the same number of forward passes (padding
 with zero-weight ones), because sharded forwards are collectives. Evaluation (pairwise accuracy,
 margin) at the start, every ``eval.every`` steps and at the end; checkpoints and exact resume
-through :mod:`tidal.trainer.checkpoint`; metrics through the MetricsLogger; a SIGINT/SIGTERM stops
-after the current step with a checkpoint (:mod:`tidal.trainer.stop`, exit code 75).
+through :mod:`tidal.run.checkpoint`; metrics through the MetricsLogger; a SIGINT/SIGTERM stops
+after the current step with a checkpoint (:mod:`tidal.run.stop`, exit code 75).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from tidal.rm.dataset import Pair, PreferenceDataset
 from tidal.rm.loss import PairMeans, bradley_terry_loss, pair_sums
 from tidal.rm.model import score_pairs
 from tidal.strategy.base import Strategy, TrainState
-from tidal.trainer import checkpoint as ckpt
-from tidal.trainer import faults
+from tidal.run import checkpoint as ckpt
+from tidal.run import faults
 from tidal.trainer.config import require_resolved
 from tidal.trainer.experience import token_budget_batches
-from tidal.trainer.resume import ResumePoint
-from tidal.trainer.stop import StopRequest, StopRun
+from tidal.run.resume import ResumePoint
+from tidal.run.stop import StopRequest, StopRun
 from tidal.trainer.update import nonfinite_guard
-from tidal.trainer.watchdog import Watchdog
+from tidal.run.watchdog import Watchdog
 
 EXPORT_DIR = "export"
 

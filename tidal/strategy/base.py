@@ -66,7 +66,7 @@ class Strategy(abc.ABC):
             cfg = dataclasses.replace(cfg, offload_optimizer=False)
         self.cfg = cfg
         """``strategy.*`` as this Strategy uses it: ``offload_optimizer`` is a bool (the memory
-        plan's decision, :meth:`tidal.trainer.memory_plan.MemorySettings.strategy_config`)."""
+        plan's decision, :meth:`tidal.memory.plan.MemorySettings.strategy_config`)."""
         self.runtime = runtime
         self.param_dtype = resolve_dtype(cfg.param_dtype, runtime.device)
         """Compute dtype of sharded models (``strategy.param_dtype``, resolved once)."""

@@ -46,7 +46,7 @@ def evaluate(
     through the same rollout phase as training; rewards are scored after it (engine asleep)."""
     s = EvalSums(prompts=float(len(items)))
     greedy = sampled = None
-    with maker.phases.rollout() as engine:
+    with maker.colocation.rollout() as engine:
         if cfg.greedy:
             greedy = maker.trajectories(engine, items, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1))
         if cfg.n_samples > 0:

@@ -115,17 +115,17 @@ class ExperienceMaker:
     ``max_new_tokens``, and optionally forces its end token there; evaluation is not budgeted. Set it
     after building the trainer: ``trainer.maker.completion_budget = CompletionBudget(lengths=..., end_token_id=...)``."""
 
-    def __init__(self, *, models: Models, phases: Colocation, rewards: RewardEngine, algorithm: Algorithm,
+    def __init__(self, *, models: Models, colocation: Colocation, rewards: RewardEngine, algorithm: Algorithm,
                  rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig):
         self.models = models
-        self.phases = phases
+        self.colocation = colocation
         self.rewards = rewards
         self.algo = algorithm
         self.rollout_cfg = rollout
         require_resolved(train, "train", "forward_micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
-        self.timer: PhaseTimer = phases.timer
+        self.timer: PhaseTimer = colocation.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
         self.env = EnvRollout(env, models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
@@ -133,13 +133,13 @@ class ExperienceMaker:
 
     @property
     def runtime(self) -> Runtime:
-        return self.phases.runtime
+        return self.colocation.runtime
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
     def trajectories(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams,
                      first_group_id: int = 0, budget: CompletionBudget | None = None) -> RolloutResult:
         """This rank's trajectories of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
-        which the caller holds in the rollout phase (``with phases.rollout() as engine``), each
+        which the caller holds in the rollout phase (``with colocation.rollout() as engine``), each
         sequence within its ``budget`` when one is given. Every rank of a rollout TP group calls
         this with its own items (possibly none). Observers get ``generate:done``."""
         rows = [EnvRow.from_prompt_item(it) for it in items]
@@ -155,14 +155,14 @@ class ExperienceMaker:
 
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
         """Generate ``params.n`` trajectories per item; the group id of item i is ``first_group_id + i``."""
-        with self.phases.rollout() as engine:
+        with self.colocation.rollout() as engine:
             result = self.trajectories(engine, items, params, first_group_id, self.completion_budget)
         return Rollout(items=items, trajectories=result.trajectories, metrics=result.metrics if self.multi_turn else {})
 
     def generate_partial(self, long_tail: LongTailRollout, step: int, params: SamplingParams) -> Rollout:
         """Step ``step``'s rollout under ``rollout.partial`` (:mod:`tidal.trainer.partial`): the
         groups it trains, as single-turn trajectories, with the ``partial/*`` metrics."""
-        with self.phases.rollout() as engine, self.timer.phase("generate"):
+        with self.colocation.rollout() as engine, self.timer.phase("generate"):
             trained, metrics, _ = long_tail.collect(engine, step, params, self.completion_budget)
         items, trajectories = long_tail.trajectories(trained, self.env.renderer.decode_batch)
         self.timer.event("generate:done", {"prompts": len(items),
@@ -215,11 +215,11 @@ class ExperienceMaker:
             return token_logprobs(model, ids, am, temperature=temp, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
                                   mm_inputs=mm, packed=packed)[0]
 
-        with self.phases.using(model):
+        with self.colocation.using(model):
             return self._per_token(forward, t, batches)
 
     def _values(self, critic: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
-        with self.phases.using(critic):
+        with self.colocation.using(critic):
             return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), t, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------

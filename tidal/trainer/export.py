@@ -19,8 +19,8 @@ def export_hf(trainer, out_dir: str, dtype: torch.dtype | None = None) -> Path:
     Floating weights are written in ``dtype``, by default the dtype the model trained in
     (``strategy.param_dtype``: bf16 on CUDA, not the fp32 master copy), and ``config.json`` says so."""
     out = Path(out_dir)
-    dtype = dtype or trainer.phases.strategy.param_dtype
-    full_sd = trainer.phases.strategy.full_model_state_dict(trainer.models.actor.model)
+    dtype = dtype or trainer.colocation.strategy.param_dtype
+    full_sd = trainer.colocation.strategy.full_model_state_dict(trainer.models.actor.model)
     full_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_sd.items()}
     if trainer.rt.is_main:
         tmp = out.with_name(out.name + ".tmp")

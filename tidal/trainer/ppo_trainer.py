@@ -26,20 +26,20 @@ from tidal.logging.progress import stage
 from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
 from tidal.sync import WeightSyncError, mismatch_alarm
-from tidal.trainer import checkpoint as ckpt
-from tidal.trainer import faults
+from tidal.run import checkpoint as ckpt
+from tidal.run import faults
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences
 from tidal.trainer.experience_maker import ExperienceMaker
-from tidal.trainer.memory_plan import MemorySettings
+from tidal.memory.plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
 from tidal.trainer.perf import PerfMeter
-from tidal.trainer.run_dir import RunDir
-from tidal.trainer.stop import StopRequest, StopRun
+from tidal.run.run_dir import RunDir
+from tidal.run.stop import StopRequest, StopRun
 from tidal.trainer.update import Updater
-from tidal.trainer.watchdog import StageTimer
+from tidal.run.watchdog import StageTimer
 
 
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -82,11 +82,11 @@ class PPOTrainer:
     component it builds gets its own sections. ``run_dir``: the run directory's lock (released when
     :meth:`fit` ends) and the resume point resolved at setup."""
 
-    def __init__(self, *, cfg: TrainerSections, phases: Colocation, models: Models, rewards: RewardEngine,
+    def __init__(self, *, cfg: TrainerSections, colocation: Colocation, models: Models, rewards: RewardEngine,
                  algorithm: Algorithm, data: RunData, logger: MetricsLogger, run_dir: RunDir):
         self.cfg = cfg
         self.memory: MemorySettings | None = None  # set by build_trainer: the settings the run was built with and their plan
-        self.phases = phases
+        self.colocation = colocation
         self.models = models
         self.rewards = rewards
         self.algo = algorithm
@@ -94,22 +94,22 @@ class PPOTrainer:
         self.logger = logger
         self.run_dir = run_dir
         self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
-        self.timer: StageTimer = phases.timer
+        self.timer: StageTimer = colocation.timer
         self.watchdog = self.timer.watchdog
-        self.rt = phases.runtime
+        self.rt = colocation.runtime
         self.state = TrainerState()
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
-        self.maker = ExperienceMaker(models=models, phases=phases, rewards=rewards, algorithm=algorithm,
+        self.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
                                      rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
-        self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=phases.strategy.compiles,
+        self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=colocation.strategy.compiles,
                               compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
         self.long_tail = None  # rollout.partial: the groups in flight across steps
         if cfg.rollout.partial.enabled:
             self.long_tail = LongTailRollout(cfg.rollout.partial, groups_per_step=cfg.rollout.prompts_per_step // self.rt.world_size,
                                              n_samples=cfg.rollout.n_samples, rank=self.rt.rank, runtime=self.rt,
                                              dataset=data.train, draw=lambda: self._next_items()[1])
-        self.updater = Updater(models=models, phases=phases, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
+        self.updater = Updater(models=models, colocation=colocation, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
                                model=cfg.model, split=self.perf.split)
 
     # ---- one iteration ---------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class PPOTrainer:
         with self.timer.phase("train"):
             update = self.updater.train(exp, generator=gen)
         metrics.update(update.flat())
-        self.phases.sync_weights(version=step)
+        self.colocation.sync_weights(version=step)
         self.algo.update_after_step(update.actor)
         self._track_skips(metrics)
         self._mismatch_alarm(metrics)
@@ -183,7 +183,7 @@ class PPOTrainer:
         metrics.update(self.perf.pop(exp.attention_mask_BT.sum(-1).tolist(), metrics.get("time/train", 0.0)))
         # the device's memory by component (CUDA): used, allocator peak, trained models' weights,
         # optimizer state and update peaks, the engine's weights, KV cache and graphs
-        metrics.update(self.phases.memory.pop(self.phases.engine_memory))
+        metrics.update(self.colocation.memory.pop(self.colocation.engine_memory))
         if self.trajectories is not None and self.cfg.logging.trajectories_due(step):
             self.trajectories.write(step, self._trajectory_records(samples, exp))
         return metrics
@@ -250,7 +250,7 @@ class PPOTrainer:
         return {**pending, **out}
 
     def _model_states(self) -> dict:
-        strategy, m = self.phases.strategy, self.models
+        strategy, m = self.colocation.strategy, self.models
         states = {"actor": strategy.state_dict(m.actor)}
         if m.critic is not None:
             states["critic"] = strategy.state_dict(m.critic)
@@ -273,12 +273,12 @@ class PPOTrainer:
         """Load the checkpoint chosen at setup (models, optimizer, sampler, algorithm and trainer
         state, RNG) and sync the engine; returns its step (0 for a fresh run). Under
         ``checkpoint.resume: auto`` a checkpoint that fails to load on any rank is skipped for the
-        next older one, every rank agreeing (:func:`tidal.trainer.checkpoint.load_resume`). The
+        next older one, every rank agreeing (:func:`tidal.run.checkpoint.load_resume`). The
         checkpoint's path is kept in ``loaded_from``; the caller says what it loaded it for."""
         point = self.run_dir.resume
         if point is None:
             return 0
-        strategy, m = self.phases.strategy, self.models
+        strategy, m = self.colocation.strategy, self.models
         which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
         loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
                                   group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS)
@@ -298,7 +298,7 @@ class PPOTrainer:
         step = int(st["step"])
         if step != point.step:
             self.logger.rewind(step)
-        self.phases.sync_weights(version=step)
+        self.colocation.sync_weights(version=step)
         self.timer.pop()  # loading is not a step's phase
         self.loaded_from = str(path)
         return step
@@ -306,7 +306,7 @@ class PPOTrainer:
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Run to ``run.steps``; returns the final metrics (with start/end eval when configured).
-        A SIGINT/SIGTERM stops it after the current step, with a checkpoint (:mod:`tidal.trainer.stop`)."""
+        A SIGINT/SIGTERM stops it after the current step, with a checkpoint (:mod:`tidal.run.stop`)."""
         with StopRequest() as stop:
             try:
                 return self._fit(stop)

@@ -27,7 +27,7 @@ from tidal.models.logprobs import token_logprobs
 from tidal.models.packing import PackedBatch
 from tidal.models.vision import collate_mm_inputs
 from tidal.strategy.base import TrainState
-from tidal.trainer import faults
+from tidal.run import faults
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import RolloutConfig, TrainConfig, require_resolved
 from tidal.trainer.experience import Experience, packed_micro_batches
@@ -108,11 +108,11 @@ class Updater:
     ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``); ``train`` as resolved by the memory
     plan (no ``auto`` budget). ``split`` times the forward, backward and optimizer parts."""
 
-    def __init__(self, *, models: Models, phases: Colocation, algorithm: Algorithm, rollout: RolloutConfig,
+    def __init__(self, *, models: Models, colocation: Colocation, algorithm: Algorithm, rollout: RolloutConfig,
                  train: TrainConfig, model: ModelConfig, split: UpdateSplit):
         self.models = models
         self.split = split
-        self.phases = phases
+        self.colocation = colocation
         self.algo = algorithm
         self.rollout_cfg = rollout
         require_resolved(train, "train", "micro_batch_tokens")
@@ -121,7 +121,7 @@ class Updater:
 
     @property
     def runtime(self) -> Runtime:
-        return self.phases.runtime
+        return self.colocation.runtime
 
     def _norm(self, mask_BT: torch.Tensor) -> LossNormalizer:
         tokens, seqs = self.runtime.all_reduce_sum([float(mask_BT.sum()), float((mask_BT.sum(-1) > 0).sum())])
@@ -135,11 +135,11 @@ class Updater:
         return batches, total
 
     def _step(self, state: TrainState, exp: Experience, loss_fn, means: MetricMeans) -> None:
-        strategy = self.phases.strategy
+        strategy = self.colocation.strategy
         mask_BT = exp.action_mask_BT * exp.loss_mask_B[:, None]
         norm = self._norm(mask_BT)
         batches, total = self._micro_batches(exp)
-        with self.phases.update(state):
+        with self.colocation.update(state):
             for i in range(total):
                 real = i < len(batches)
                 part = exp.select(batches[i] if real else batches[0])

@@ -1,7 +1,7 @@
 """Save checkpoints of a tiny state in a world of one: ``ckpt_worker.py ROOT KEEP STEP:VALUE ...``.
 
 Each STEP:VALUE saves ``{"m": {"w": full((4,), VALUE)}}`` with trainer state ``{"step", "value"}``
-through :func:`tidal.trainer.checkpoint.save_checkpoint`, in order; ``TIDAL_FAULT`` may kill or
+through :func:`tidal.run.checkpoint.save_checkpoint`, in order; ``TIDAL_FAULT`` may kill or
 fail the process at one of its points (that is the point of this script).
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tidal.distributed.runtime import init_runtime, shutdown
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 
 root, keep = Path(sys.argv[1]), int(sys.argv[2])
 init_runtime(1, "cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tidal.distributed.runtime import init_runtime, shutdown
-from tidal.trainer import checkpoint as ckpt
+from tidal.run import checkpoint as ckpt
 
 root = Path(sys.argv[1])
 rt = init_runtime(1, "cpu")

@@ -1,5 +1,5 @@
 """Run under torchrun (gloo, CPU): DeepSpeed ZeRO-{1,2,3} checkpoint -> exact resume, through
-Tidal's atomic DCP checkpoint (tidal.trainer.checkpoint). For each stage: train two steps, save,
+Tidal's atomic DCP checkpoint (tidal.run.checkpoint). For each stage: train two steps, save,
 train a third step (the reference); then a fresh strategy and a differently initialised model load
 the checkpoint and train the same third step. With TIDAL_DS_LORA=1 the actor is a LoRA (PEFT)
 model: the fresh one has the same base and differently initialised adapters, and the checkpoint must
@@ -21,7 +21,7 @@ from transformers import Qwen2ForCausalLM  # noqa: E402
 from tidal.distributed import init_runtime  # noqa: E402
 from tidal.models.logprobs import attach_logprob_method  # noqa: E402
 from tidal.strategy import StrategyConfig, get_strategy  # noqa: E402
-from tidal.trainer import checkpoint as ckpt  # noqa: E402
+from tidal.run import checkpoint as ckpt  # noqa: E402
 
 from ds_parity import OPTIM, full as merged_weights, max_diff, tiny_config, train  # noqa: E402
 

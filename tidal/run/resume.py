@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from tidal.distributed.runtime import Runtime
-from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.config import CheckpointConfig
+from tidal.run import checkpoint as ckpt
+from tidal.run.config import CheckpointConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,8 +26,8 @@ class ResumePoint:
 def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtime, *,
                          required_keys: tuple[str, ...] = ckpt.TRAINER_STATE_KEYS) -> ResumePoint | None:
     """The checkpoint to resume from (a collective; partial saves are settled before, by
-    :func:`tidal.trainer.run_dir.open_run_dir`). Under ``auto`` the newest checkpoint that passes the
-    cheap checks (:func:`tidal.trainer.checkpoint.checkpoint_problems`) is taken, every rank agreeing;
+    :func:`tidal.run.run_dir.open_run_dir`). Under ``auto`` the newest checkpoint that passes the
+    cheap checks (:func:`tidal.run.checkpoint.checkpoint_problems`) is taken, every rank agreeing;
     a bad explicit ``checkpoint.resume`` is a ConfigError naming what is wrong."""
     root = ckpt.checkpoint_root(output_dir)
     path = ckpt.resolve_resume(cfg.resume, root, group=runtime.cpu_group, required_keys=required_keys)

@@ -36,7 +36,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from tidal.logging.timer import PhaseTimer
-from tidal.trainer import faults
+from tidal.run import faults
 
 EXIT_CODE = 3
 

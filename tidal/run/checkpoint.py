@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from tidal.config_base import ConfigError
-from tidal.trainer import faults
+from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
 REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads

@@ -1,10 +1,10 @@
 """The memory plan of a run: the device's and the host's memory measured, the plan made, logged and
-applied (:func:`plan_run`). The arithmetic is in :mod:`tidal.trainer.memory_plan`.
+applied (:func:`plan_run`). The arithmetic is in :mod:`tidal.memory.plan`.
 
 Which runs plan: a run on a CUDA device, or any run given ``memory.device_memory_gib`` (the plan is
 then made for a device of that size, also on CPU: a way to see and test the plan without a GPU).
 A CPU run without it makes no plan: its ``auto`` settings take
-:data:`~tidal.trainer.memory_plan.UNPLANNED_DEFAULTS` (token budgets at least the longest
+:data:`~tidal.memory.plan.UNPLANNED_DEFAULTS` (token budgets at least the longest
 sequence), and the other ``memory.*`` keys, which
 nothing would read, must keep their defaults.
 """
@@ -18,8 +18,8 @@ import torch
 
 from tidal.config_base import ConfigError
 from tidal.host_memory import host_memory, local_world_size
-from tidal.trainer.config import MemoryConfig
-from tidal.trainer.memory_plan import (
+from tidal.memory.config import MemoryConfig
+from tidal.memory.plan import (
     ASSUMED_CUDA_CONTEXT,
     DeviceMemory,
     HostMemory,
@@ -80,7 +80,7 @@ def make_plan(cfg, hf_config, *, device: torch.device, world_size: int, needs_re
     ``memory.device_memory_gib``). ``hf_config``: the actor's Hugging Face config;
     ``teacher_hf_config``: the local distillation teacher's; ``needs_*``: the Algorithm's; with
     ``all_reduce_max`` the ranks agree on the machine's figures. Never raises for a plan that does
-    not fit (``plan.problems``; :meth:`~tidal.trainer.memory_plan.MemoryPlan.table` prints it)."""
+    not fit (``plan.problems``; :meth:`~tidal.memory.plan.MemoryPlan.table` prints it)."""
     total, source = host_memory(cfg.memory.host_memory_gib)
     dev, host = agreed(device_memory(device, cfg.memory.device_memory_gib), HostMemory(total=total, source=source), all_reduce_max)
     # a plan for a given device size counts it as CUDA: compiled layers and the native engine's
@@ -100,7 +100,7 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
     """The settings a run uses, before any model loads. Where a plan is made (:func:`plans_on`) it is
     the same on every rank, printed on the main rank and applied: a
     :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit.
-    Elsewhere (CPU) no plan is made (:func:`~tidal.trainer.memory_plan.settings_without_plan`) and a
+    Elsewhere (CPU) no plan is made (:func:`~tidal.memory.plan.settings_without_plan`) and a
     ``memory.*`` key set away from its default is a ConfigError (nothing would read it)."""
     if not plans_on(device, cfg.memory):
         defaults = MemoryConfig()

@@ -12,10 +12,10 @@ import yaml
 
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import Runtime
-from tidal.trainer import checkpoint as ckpt
-from tidal.trainer.config import CheckpointConfig
-from tidal.trainer.resume import ResumePoint, resolve_resume_point
-from tidal.trainer.run_lock import RunLock, acquire_run_lock
+from tidal.run import checkpoint as ckpt
+from tidal.run.config import CheckpointConfig
+from tidal.run.resume import ResumePoint, resolve_resume_point
+from tidal.run.run_lock import RunLock, acquire_run_lock
 
 
 @dataclasses.dataclass(kw_only=True)

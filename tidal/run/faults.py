@@ -17,7 +17,7 @@ ACTION
 POINT
     ``stage/<name>``: entry of a trainer stage (the watchdog's stages: ``setup``, ``resume``, the
     timed phases ``generate``, ``reward``, ``train``, ``checkpoint``, ...); ``checkpoint/<when>``:
-    inside :func:`tidal.trainer.checkpoint.save_checkpoint` (``begin``, ``shards``, ``marker``,
+    inside :func:`tidal.run.checkpoint.save_checkpoint` (``begin``, ``shards``, ``marker``,
     ``swapped``, ``renamed``, ``rotating``); ``policy_logp``: the actor's logprobs in the update (for ``nan``);
     ``sampled``: the prompt (or, in the reward-model job, pair) indices a rank takes for a step
     (for ``record``); ``rm_scores``: the reward model's scores of the chosen replies in its
