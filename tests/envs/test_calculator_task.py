@@ -16,7 +16,7 @@ from tidal.tasks.calculator import (
     split_products, transcript,
 )
 from tidal.tasks import TaskConfig, prepare
-from tidal.tasks.assets import settings_hash
+from tidal.tasks.store import settings_hash
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.tokenizer import save_tokenizer
 

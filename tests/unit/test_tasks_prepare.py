@@ -12,6 +12,7 @@ from tidal.tasks import TaskAssets, TaskConfig, prepare
 from tidal.tasks import assets as prepare_module
 from tidal.tasks.model import build_model
 from tidal.tasks.sft import IGNORE, collate_masked, encode_sft_rows, evaluate_greedy, supervised_finetune
+from tidal.tasks.store import asset_dir
 from tidal.tasks.tokenizer import prompt_ids, train_tokenizer
 
 TINY = dict(
@@ -73,7 +74,7 @@ def test_prepare_rejects_no_task_and_foreign_dirs(tmp_path):
         prepare(TaskConfig(workdir=str(tmp_path)))
     assert err.value.key == "name"
     cfg = _cfg(tmp_path)
-    prepare_module.asset_dir(cfg).mkdir(parents=True)
+    asset_dir(cfg, cfg.workdir).mkdir(parents=True)
     with pytest.raises(ConfigError) as err:
         prepare(cfg)
     assert err.value.key == "workdir"

@@ -117,8 +117,8 @@ class StepResult:
 
 
 class Environment(abc.ABC):
-    """Base class of environments; subclasses register with ``@ENVIRONMENTS.register(name)``
-    (:mod:`tidal.envs.registry`) or are named by import path in ``env.name``.
+    """Base class of environments; subclasses are named by import path in ``env.name``
+    (``module:Class``) or registered under a short name (:mod:`tidal.envs.registry`).
 
     The constructor receives the ``env`` config and ``env.kwargs`` as keyword arguments.
     """
@@ -149,15 +149,15 @@ EnvFactory = Callable[[], Environment]
 
 
 def env_class(cfg: EnvConfig) -> type[Environment]:
-    """The class named by ``env.name``: a registered name or ``module:Class``."""
-    from tidal.envs.registry import ENVIRONMENTS, load_all
+    """The class named by ``env.name``: a built-in or registered name, or ``module:Class``."""
+    from tidal.envs.registry import BUILT_IN, ENVIRONMENTS
 
-    if ":" not in cfg.name:
-        load_all()
+    path = BUILT_IN.get(cfg.name, cfg.name)
+    if ":" not in path:
         return ENVIRONMENTS.get(cfg.name, "env.name")
     from tidal.rewards.function import load_function
 
-    cls = load_function(cfg.name, "env.name")
+    cls = load_function(path, "env.name")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError("env.name", f"'{cfg.name}' is not a subclass of tidal.envs.Environment")
     if cls.name == Environment.name:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import operator
-from tidal.envs.registry import ENVIRONMENTS
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.tools import FunctionTool, Tool, ToolArgumentError
 
@@ -75,9 +74,9 @@ def calculator_tool() -> Tool:
     )
 
 
-@ENVIRONMENTS.register("calculator")
 class CalculatorEnv(ToolEnv):
     """Arithmetic with a calculator tool; the final answer is scored by the RewardEngine."""
+    name = "calculator"
 
     def make_tools(self) -> list[Tool]:
         return [calculator_tool()]

@@ -101,12 +101,11 @@ class EnvConfig:
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
     def __post_init__(self):
-        from tidal.envs.registry import ENVIRONMENTS, load_all
+        from tidal.envs.registry import known_names
 
-        load_all()
         check(bool(self.name), "name", "must name an environment")
         if ":" not in self.name:
-            check_choice(self.name, ENVIRONMENTS.names(), "name")
+            check_choice(self.name, known_names(), "name")
         check(self.max_turns >= 1, "max_turns", "must be >= 1")
         check(self.max_tokens_per_turn >= 0, "max_tokens_per_turn", "must be >= 0 (0: the sampler's max_new_tokens)")
         check(self.max_total_tokens >= 0, "max_total_tokens", "must be >= 0 (0: no limit)")

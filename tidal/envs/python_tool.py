@@ -8,7 +8,6 @@ sandbox can be created here and raises :class:`~tidal.envs.sandbox.SandboxError`
 
 from __future__ import annotations
 
-from tidal.envs.registry import ENVIRONMENTS
 from tidal.envs.sandbox import PythonSandbox, PythonTool
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.tools import Tool
@@ -19,8 +18,8 @@ SYSTEM_PROMPT = (
 )
 
 
-@ENVIRONMENTS.register("python")
 class PythonToolEnv(ToolEnv):
+    name = "python"
     default_system_prompt = SYSTEM_PROMPT
 
     def make_tools(self) -> list[Tool]:

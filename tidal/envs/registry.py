@@ -1,12 +1,22 @@
-"""The registry of environments by name (``env.name``); each built-in module registers itself on import."""
+"""Environments by name (``env.name``).
+
+The built-in environments are named by import path, like a user's ``module:Class``: this module
+imports none of them, so naming and validating a name never loads an environment. A user's own
+environment can also be registered under a short name with ``@ENVIRONMENTS.register(name)`` (its
+module must then be imported before the config is built)."""
 
 from __future__ import annotations
 
 from tidal.registry import Registry
 
+BUILT_IN: dict[str, str] = {
+    "single_turn": "tidal.envs.single_turn:SingleTurnEnv",
+    "calculator": "tidal.envs.calculator:CalculatorEnv",
+    "python": "tidal.envs.python_tool:PythonToolEnv",
+}
 ENVIRONMENTS: Registry = Registry("environment")
 
 
-def load_all() -> None:
-    """Import every built-in environment so the registry is complete."""
-    from tidal.envs import calculator, python_tool, single_turn  # noqa: F401
+def known_names() -> list[str]:
+    """Every short name ``env.name`` may take: the built-in ones and the registered ones."""
+    return sorted(set(BUILT_IN) | set(ENVIRONMENTS.names()))

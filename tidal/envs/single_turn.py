@@ -8,11 +8,10 @@ tokens, one row, a contiguous action mask: exactly the tensors of a plain single
 from __future__ import annotations
 
 from tidal.envs.base import EnvRow, Environment, ModelTurn, Observation, StepResult
-from tidal.envs.registry import ENVIRONMENTS
 
 
-@ENVIRONMENTS.register("single_turn")
 class SingleTurnEnv(Environment):
+    name = "single_turn"
     def reset(self, row: EnvRow) -> Observation:
         return Observation(token_ids=list(row.prompt_ids))
 

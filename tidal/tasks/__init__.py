@@ -8,7 +8,8 @@ tool; reward ``tidal.tasks.calculator:calculator_reward``, environment ``env.nam
 run config ``tidal/configs/calculator.yaml``).
 """
 
+from tidal.tasks.assets import prepare
 from tidal.tasks.config import TaskConfig
-from tidal.tasks.assets import TaskAssets, prepare
+from tidal.tasks.store import TaskAssets
 
 __all__ = ["TaskAssets", "TaskConfig", "prepare"]

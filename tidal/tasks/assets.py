@@ -7,104 +7,34 @@ Layout under ``{workdir}/{name}-{hash of the settings}/``::
     eval.jsonl    held-out rows, disjoint from train
     task.json     completion marker: the settings and SFT results (written last)
 
-Assets are built in a sibling temporary directory and renamed into place, so a directory that
-exists is complete. Concurrent builders (e.g. every rank of a torchrun job) each build and the
-first rename wins; call it on one rank and barrier to avoid duplicate work.
+Where the folder lives and how it is built atomically: :mod:`tidal.tasks.store`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from tidal.config_base import ConfigError, check, to_dict
+from tidal.config_base import check, to_dict
 from tidal.logging.progress import stage
 from tidal.tasks.arithmetic import sft_rows, split_problems
+from tidal.tasks.calculator import prepare_calculator
 from tidal.tasks.config import TaskConfig
 from tidal.tasks.model import build_model
 from tidal.tasks.sft import evaluate_greedy, supervised_finetune
+from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
-
-MARKER = "task.json"
-BUILD_VERSION = 3  # part of the asset hash: bump whenever the same settings would build different assets
-# Where and how fast to build do not change the assets; the other task's section is not this task's.
-_NOT_SETTINGS = ("workdir", "sft_threads", "calculator")
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class TaskAssets:
-    """Paths of a built task. model_path holds both tokenizer and model; sft_accuracy is the greedy
-    held-out accuracy of the warm-started model (fraction of eval rows correct)."""
-
-    model_path: str
-    train_path: str
-    eval_path: str
-    sft_accuracy: float
-
-
-def settings_hash(cfg) -> str:
-    settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
-    settings["build_version"] = BUILD_VERSION
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def asset_dir(cfg: TaskConfig) -> Path:
-    return Path(cfg.workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
 
 
 def prepare(cfg: TaskConfig) -> TaskAssets:
     """Return the task's assets, building them first unless a complete build exists."""
     check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
     if cfg.name == "calculator":
-        from tidal.tasks.calculator import prepare_calculator
-
         return prepare_calculator(cfg.calculator, workdir=cfg.workdir, threads=cfg.sft_threads)
-    root = asset_dir(cfg)
-    if not (root / MARKER).is_file():
-        if root.exists():
-            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
-        _build_atomically(cfg, root)
-    return _assets(root)
-
-
-def _assets(root: Path) -> TaskAssets:
-    marker = json.loads((root / MARKER).read_text())
-    return TaskAssets(
-        model_path=str(root / "model"),
-        train_path=str(root / "train.jsonl"),
-        eval_path=str(root / "eval.jsonl"),
-        sft_accuracy=marker["sft_accuracy"],
-    )
-
-
-def _build_atomically(cfg, root: Path, build=None) -> None:
-    """Run ``build(cfg, tmp_dir)`` (default: this module's arithmetic build) in a sibling
-    temporary directory and rename it to ``root``."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the assets are meant to be shared
-    try:
-        (build or _build)(cfg, tmp)
-        os.rename(tmp, root)
-    except OSError:
-        if not (root / MARKER).is_file():  # not a lost race with another builder
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    return built(cfg, cfg.workdir, lambda c, out: _build(c, out))
 
 
 def _build(cfg: TaskConfig, out: Path) -> None:
@@ -114,8 +44,8 @@ def _build(cfg: TaskConfig, out: Path) -> None:
         seed=cfg.seed, fixed_width=cfg.fixed_width,
     )
     eval_rows = [p.row() for p in held_out]
-    _write_jsonl(out / "train.jsonl", [p.row() for p in train])
-    _write_jsonl(out / "eval.jsonl", eval_rows)
+    write_jsonl(out / "train.jsonl", [p.row() for p in train])
+    write_jsonl(out / "eval.jsonl", eval_rows)
     with stage(f"training the '{cfg.name}' task's tokenizer"):
         tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
     threads = torch.get_num_threads()

@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-from tidal.config_base import ConfigError
 from tidal.engine.base import SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.envs import ChatRenderer, EnvConfig, EnvRollout, EnvRow, TrajectoryBuilder
 from tidal.envs.tool_calls import format_tool_call, tool_message
 from tidal.rewards.types import RewardSample
 from tidal.tasks.arithmetic import is_correct
-from tidal.tasks.assets import MARKER, TaskAssets, _assets, _build_atomically, _write_jsonl, settings_hash
+from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.config import CalculatorTaskConfig
 from tidal.tasks.model import build_model
@@ -163,19 +162,14 @@ def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/ti
     """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once under
     ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads (``task.workdir`` and
     ``task.sft_threads`` in a run)."""
-    root = Path(workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
-    if not (root / MARKER).is_file():
-        if root.exists():
-            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
-        _build_atomically(cfg, root, lambda c, out: _build(c, out, threads))
-    return _assets(root)
+    return built(cfg, workdir, lambda c, out: _build(c, out, threads))
 
 
 def _build(cfg: CalculatorTaskConfig, out: Path, threads_to_use: int) -> None:
     start = time.perf_counter()
     train, held_out = split_products(cfg)
-    _write_jsonl(out / "train.jsonl", [p.row() for p in train])
-    _write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
+    write_jsonl(out / "train.jsonl", [p.row() for p in train])
+    write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
     tokenizer = train_chatml_tokenizer(_corpus(train), template="qwen2_5")
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_to_use)

@@ -1,0 +1,87 @@
+"""Where a built-in task's assets live and how they are built: once, atomically.
+
+A task's assets are a folder ``{workdir}/{name}-{hash of the settings}/`` holding a completion
+marker (``task.json``, written last) beside what the task builds. Each task says how to build its
+folder; this module owns the folder's name, the marker and the atomic build. Assets are built in a
+sibling temporary directory and renamed into place, so a directory that exists is complete.
+Concurrent builders (e.g. every rank of a torchrun job) each build and the first rename wins; call
+it on one rank and barrier to avoid duplicate work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from tidal.config_base import ConfigError, to_dict
+
+MARKER = "task.json"
+BUILD_VERSION = 3  # part of the asset hash: bump whenever the same settings would build different assets
+# Where and how fast to build do not change the assets; the other task's section is not this task's.
+_NOT_SETTINGS = ("workdir", "sft_threads", "calculator")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TaskAssets:
+    """Paths of a built task. model_path holds both tokenizer and model; sft_accuracy is the greedy
+    held-out accuracy of the warm-started model (fraction of eval rows correct)."""
+
+    model_path: str
+    train_path: str
+    eval_path: str
+    sft_accuracy: float
+
+
+def settings_hash(cfg) -> str:
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
+    settings["build_version"] = BUILD_VERSION
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def asset_dir(cfg: Any, workdir: str) -> Path:
+    """The folder of the task ``cfg`` (a task section with a ``name``) under ``workdir``."""
+    return Path(workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
+
+
+def built(cfg: Any, workdir: str, build: Callable[[Any, Path], None]) -> TaskAssets:
+    """The assets of ``cfg`` under ``workdir``, built first by ``build(cfg, tmp_dir)`` unless a
+    complete build exists; a folder of that name without the marker is a config error."""
+    root = asset_dir(cfg, workdir)
+    if not (root / MARKER).is_file():
+        if root.exists():
+            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
+        _build_atomically(cfg, root, build)
+    marker = json.loads((root / MARKER).read_text())
+    return TaskAssets(
+        model_path=str(root / "model"),
+        train_path=str(root / "train.jsonl"),
+        eval_path=str(root / "eval.jsonl"),
+        sft_accuracy=marker["sft_accuracy"],
+    )
+
+
+def _build_atomically(cfg, root: Path, build: Callable[[Any, Path], None]) -> None:
+    """Run ``build(cfg, tmp_dir)`` in a sibling temporary directory and rename it to ``root``."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the assets are meant to be shared
+    try:
+        build(cfg, tmp)
+        os.rename(tmp, root)
+    except OSError:
+        if not (root / MARKER).is_file():  # not a lost race with another builder
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
