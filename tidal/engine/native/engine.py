@@ -41,7 +41,8 @@ from tidal.engine.native.model_runner import ModelRunner, SamplingState
 from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
-from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
+from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable, Status
+from tidal.engine.native.speculative import Speculator
 from tidal.host_memory import ParamHostCopy
 
 
@@ -99,9 +100,11 @@ class NativeEngine:
         self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
         self._sampling: SamplingState | None = None  # of the requests in flight
         self._policy_version = 0
+        self.spec = Speculator(cfg.speculative)  # drafts and their index (host only; survives sleep and weight loads)
         self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
                           ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
         self.stats.update(self.runner.timings)
+        self.stats.update(self.spec.stats)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig, *, device, dtype, tp_group=None) -> "NativeEngine":
@@ -296,6 +299,7 @@ class NativeEngine:
                            old_versions=list(r.versions), version=self._policy_version)
             slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
             self.scheduler.add(slot)
+            self.spec.add(seq)
             self._requests[r.request_id] = seq
 
     def _sampling_for(self, requests: Seq[Request]) -> SamplingState:
@@ -322,15 +326,19 @@ class NativeEngine:
         stats, runner, sched = self.stats, self.runner, self.scheduler
         hits_before, preempted_before = self.block_manager.num_hit_tokens, sched.num_preemptions
         t0 = time.perf_counter()
-        if self._pending is None:
+        proposed = self._pending is None  # a decode batch scheduled now (not ahead) may carry drafts
+        if proposed:
             batch = sched.schedule()
+            if not batch.is_prefill:
+                batch = sched.attach_drafts(batch, self.spec.propose(self.table, batch.rows), self.spec.policy.max_verify_rows())
             stats["schedule_s"] += time.perf_counter() - t0
             handle = runner.launch(batch, self.table, self._sampling)
             self._count(batch)
             t0 = time.perf_counter()
         else:
             batch, handle = self._pending
-        ahead = sched.schedule_ahead(batch) if self.cfg.overlap_scheduling else None
+        overlap = self.cfg.overlap_scheduling and (batch.is_prefill or not self.spec.wants(self.table, self.table.slots_with(Status.RUNNING)))
+        ahead = sched.schedule_ahead(batch) if overlap else None
         stats["schedule_s"] += time.perf_counter() - t0
         self._pending = None
         if ahead is not None:
@@ -340,6 +348,10 @@ class NativeEngine:
         tokens, logprobs = runner.wait(handle)
         t0 = time.perf_counter()
         finished = sched.postprocess(batch, tokens, logprobs)
+        if batch.draft_lens is not None:
+            self.spec.observe(self.table, batch, tokens)
+        elif proposed and not batch.is_prefill:
+            self.spec.observe_plain(self.table, batch.rows, batch.gens)
         done = sorted((self._complete(s) for s in finished.tolist()), key=lambda c: c[0])
         if not self._requests and self._pending is not None:  # every row ahead is void
             runner.wait(self._pending[1])
@@ -348,6 +360,7 @@ class NativeEngine:
         stats["preemptions"] += sched.num_preemptions - preempted_before
         stats["postprocess_s"] += time.perf_counter() - t0
         stats.update(runner.timings)
+        stats.update(self.spec.stats)
         return [c for _, c in done]
 
     def _complete(self, slot: int) -> tuple[int, Completion]:
@@ -362,6 +375,7 @@ class NativeEngine:
             versions=seq.old_versions + [seq.version] * new,
         )
         del self._requests[seq.request_id]
+        self.spec.finish(seq, t.tokens[slot, : t.num_tokens[slot]])
         t.release(slot)
         return seq.seq_id, completion
 
@@ -427,6 +441,8 @@ class NativeEngine:
     def _count(self, batch) -> None:
         if batch.is_prefill:
             self.stats["prefill_tokens"] += batch.num_tokens
+        else:
+            self.spec.step += 1
         self.stats["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
