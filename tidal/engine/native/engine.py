@@ -41,7 +41,7 @@ from tidal.engine.native.model_runner import ModelRunner, SamplingState
 from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
-from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable, Status
+from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
 from tidal.engine.native.speculative import Speculator
 from tidal.host_memory import ParamHostCopy
 
@@ -337,7 +337,7 @@ class NativeEngine:
             t0 = time.perf_counter()
         else:
             batch, handle = self._pending
-        overlap = self.cfg.overlap_scheduling and (batch.is_prefill or not self.spec.wants(self.table, self.table.slots_with(Status.RUNNING)))
+        overlap = self.cfg.overlap_scheduling and (batch.is_prefill or not self.spec.wants(self.table))
         ahead = sched.schedule_ahead(batch) if overlap else None
         stats["schedule_s"] += time.perf_counter() - t0
         self._pending = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tidal.engine.native.sequence import Status
 from tidal.engine.native.speculative.draft_index import DraftIndex
 from tidal.engine.native.speculative.policy import SeqDraftState, SpecPolicy
 
@@ -50,10 +51,13 @@ class Speculator:
             del self.states[seq.seq_id]
 
     # ---- steps ----------------------------------------------------------------------------------
-    def wants(self, table, slots: np.ndarray) -> bool:
-        """Whether the next decode step over the running ``slots`` may draft (then it must not be
+    def wants(self, table) -> bool:
+        """Whether the next decode step over the running sequences may draft (then it must not be
         scheduled ahead: drafts need the last tokens)."""
-        if not self.enabled or not self.policy.allows(self.step + 1, len(slots)):
+        if not self.enabled:
+            return False
+        slots = table.slots_with(Status.RUNNING)
+        if not self.policy.allows(self.step + 1, len(slots)):
             return False
         return any(self.states[table.seqs[s].seq_id].wake_step <= self.step + 1 for s in slots.tolist())
 
