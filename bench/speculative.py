@@ -216,7 +216,7 @@ def part_structured(args, meta, sink, device):
             "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
             "data": "bench/speculative.py worked_solution (word-level GSM8K-format template, digits split)"}
     emit({"part": "structured", "figure": "model", **made}, meta, sink)
-    for mode in ("off", "auto", "on", "off", "auto", "on"):
+    for mode in ("off", "auto", "on"):
         eng = engine_of(model, device, dtype, mode, kv_cache_memory_fraction=0.3)
         eng.eos_token_ids = {2}
         eng.generate(prompts, params)  # warm-up: graphs, and an earlier epoch in the index for auto/on
