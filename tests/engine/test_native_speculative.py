@@ -142,7 +142,7 @@ def test_sampled_distribution_equals_the_plain_one_and_a_biased_rule_fails(param
         assert abs(c.logprobs[1] - logp1[c.token_ids[0], c.token_ids[1]]) < 1e-4
     # a biased rule (on rejection, resample from the whole target instead of the target without the
     # draft) over-samples the draft: the same test rejects it
-    monkeypatch.setattr(acceptance, "residual_logp", lambda logp_TV, d_T, has_T: logp_TV)
+    monkeypatch.setattr(acceptance, "residual_scores", lambda scores_TV, d_T, has_T: scores_TV)
     biased = np.array([c.token_ids[1] for c in _second_tokens(hf, params, [d, d])])
     assert _chi2_pvalue(np.bincount(biased, minlength=16), marginal) < 1e-6
 

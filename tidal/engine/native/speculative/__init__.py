@@ -103,6 +103,7 @@ class Speculator:
         """After a decode step whose rows found no draft: each counts as a miss."""
         if not self.enabled or not self.policy.allows(self.step, len(rows)):
             return
+        self.policy.observe(self.step, 0, 0)
         for s, gen in zip(rows.tolist(), gens.tolist()):
             seq = table.seqs[s]
             if seq is not None and table.gen[s] == gen and self.states[seq.seq_id].wake_step <= self.step:

@@ -27,15 +27,12 @@ from tidal.engine.sampler import process_logits
 VOID = -1  # the token of a row past its sequence's first rejection
 
 
-def residual_logp(logp_TV: torch.Tensor, draft_T: torch.Tensor, has_draft_T: torch.Tensor) -> torch.Tensor:
-    """``log norm(max(0, p - delta(d)))`` per row: the target with the draft removed, renormalised
-    (rows without a draft: the target itself). A row whose draft holds all the mass keeps the
-    target (it can never be rejected)."""
-    removed_TV = logp_TV.scatter(-1, draft_T[:, None], float("-inf"))
-    removed_TV = torch.where(has_draft_T[:, None], removed_TV, logp_TV)
-    empty_T = torch.isinf(removed_TV).all(-1)
-    removed_TV = torch.where(empty_T[:, None], logp_TV, removed_TV)
-    return removed_TV.log_softmax(-1)
+def residual_scores(scores_TV: torch.Tensor, draft_T: torch.Tensor, has_draft_T: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max scores of ``norm(max(0, p - delta(d)))`` from those of ``p`` (``log p + Gumbel
+    noise``): the draft's score set to -inf on rows with a draft. Renormalising does not move an
+    argmax, so the argmax of these is a draw from the target with the draft removed (a row whose
+    draft holds all the mass is never rejected and its draw never used)."""
+    return torch.where(has_draft_T[:, None], scores_TV.scatter(-1, draft_T[:, None], float("-inf")), scores_TV)
 
 
 def accept(logits_TV: torch.Tensor, draft_T: torch.Tensor, group_T: torch.Tensor, *, temperature: float,
@@ -58,9 +55,9 @@ def accept(logits_TV: torch.Tensor, draft_T: torch.Tensor, group_T: torch.Tensor
     else:
         u_T = torch.rand(logp_d_T.shape, device=logp_d_T.device, generator=generator)
         ok_T = has_T & (u_T < logp_d_T.exp())
-        res_TV = residual_logp(logp_TV, d_T, has_T)
-        g_TV = torch.rand(res_TV.shape, device=res_TV.device, generator=generator)
-        final_T = (res_TV - torch.log(-torch.log(g_TV.clamp_min(1e-20)))).argmax(-1)  # Gumbel-max
+        g_TV = torch.rand(logp_TV.shape, device=logp_TV.device, generator=generator)
+        scores_TV = logp_TV - torch.log(-torch.log(g_TV.clamp_min(1e-20)))  # Gumbel-max
+        final_T = residual_scores(scores_TV, d_T, has_T).argmax(-1)
     token_T = torch.where(ok_T, d_T, final_T)
     # a row is emitted while no earlier row of its sequence was rejected
     bad_T = (~ok_T).long()

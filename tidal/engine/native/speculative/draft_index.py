@@ -30,10 +30,20 @@ _P = np.uint64(0x100000001B3)
 _POW = {n: np.array([int(_P) ** (n - 1 - j) % (1 << 64) for j in range(n)], dtype=np.uint64) for n in NGRAM_SIZES}
 
 
+_POW_PY = {n: [int(x) for x in _POW[n]] for n in NGRAM_SIZES}
+_MASK = (1 << 64) - 1
+_FEW = 16  # continuation positions below which ingestion runs on Python ints (numpy's per-call cost dominates)
+
+
 def ngram_hashes(windows_WN: np.ndarray) -> np.ndarray:
     """A polynomial hash (mod 2**64) of each row of ``windows_WN`` (token ids), ``uint64 [W]``."""
     n = windows_WN.shape[1]
     return (windows_WN.astype(np.uint64) * _POW[n]).sum(axis=1, dtype=np.uint64)
+
+
+def ngram_hash(tokens: list[int]) -> int:
+    """:func:`ngram_hashes` of one n-gram, on Python ints."""
+    return sum(t * w for t, w in zip(tokens, _POW_PY[len(tokens)])) & _MASK
 
 
 class _Doc:
@@ -87,6 +97,16 @@ class NgramStore:
         doc.extend_to(row)
         lo, hi = doc.indexed, doc.length
         toks = doc.tokens
+        if 0 < hi - lo <= _FEW:
+            recent = toks[max(0, lo - max(NGRAM_SIZES)) : hi].tolist()
+            off = max(0, lo - max(NGRAM_SIZES))
+            for p in range(lo, hi):
+                for n in NGRAM_SIZES:
+                    if p >= n:
+                        self.maps[n][ngram_hash(recent[p - n - off : p - off])] = (doc_id << 32) | p
+            doc.indexed = hi
+            self.num_tokens += added
+            return added
         for n in NGRAM_SIZES:
             a = max(lo, n)
             if hi - a <= 0:
@@ -167,10 +187,11 @@ class DraftIndex:
             keys += [key for key in self.groups.get(e.group_id, ()) if key != e.store_key and key in self.stores]
         stores = [self.stores[key] for key in keys]
         tail = row[-max(NGRAM_SIZES):]
+        tail_list = tail.tolist()
         for n in NGRAM_SIZES:
             if len(tail) < n:
                 continue
-            h = int(ngram_hashes(tail[None, -n:])[0])
+            h = ngram_hash(tail_list[-n:])
             for store in stores:
                 draft = store.continuation(tail, n, h, k)
                 if draft is not None and len(draft):

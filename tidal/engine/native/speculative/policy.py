@@ -8,8 +8,8 @@ never from clocks, so the ranks stay in lockstep without a collective:
 
 - ``off``: never. ``on``: every decode step in which some sequence has a draft (tests, measurements).
 - ``auto``: only while at most :data:`AUTO_MAX_RUNNING` sequences run, and not while the recent
-  acceptance (an exponential mean over verify steps of accepted tokens per drafting sequence) is
-  below :data:`AUTO_MIN_ACCEPTED`; then it pauses for a number of decode steps that doubles with
+  acceptance (an exponential mean over the steps that proposed drafts of accepted tokens per
+  drafting sequence, a step that found no draft counting 0) is below :data:`AUTO_MIN_ACCEPTED`; then it pauses for a number of decode steps that doubles with
   each pause (from :data:`AUTO_PAUSE_STEPS`) and probes again. Per sequence (also under ``auto``
   only), a sequence whose drafts fail :data:`MISSES_TO_SLEEP` times in a row (nothing accepted, or
   no draft found) stops drafting for a number of its steps that doubles with each stop.
@@ -84,11 +84,10 @@ class SpecPolicy:
         return AUTO_MAX_VERIFY_ROWS if self.mode == "auto" else None
 
     def observe(self, step: int, drafting: int, accepted: int) -> None:
-        """After a verify step in which ``drafting`` sequences had drafts and ``accepted`` drafted
-        tokens were kept in all."""
-        if not drafting:
-            return
-        mean = accepted / drafting
+        """After a decode step that proposed drafts, in which ``drafting`` sequences had drafts (0:
+        none was found: it cost the step its overlap for nothing, and counts as nothing accepted)
+        and ``accepted`` drafted tokens were kept in all."""
+        mean = accepted / drafting if drafting else 0.0
         self.accepted_ema = mean if self.accepted_ema is None else (1 - EMA) * self.accepted_ema + EMA * mean
         self.verifies += 1
         if self.mode == "auto" and self.verifies >= 4 and self.accepted_ema < AUTO_MIN_ACCEPTED:
