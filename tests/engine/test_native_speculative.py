@@ -78,6 +78,7 @@ def test_greedy_with_the_real_index_is_identical_and_drafts_get_accepted():
     plain = engine_for(hf, speculative="off").generate(REPEATING, params)
     for mode in ("on", "auto"):
         eng = engine_for(hf, speculative=mode)
+        eng.spec.policy.latency_bound = True  # as on a GPU (auto never speculates on a CPU)
         for _ in range(2):
             got = eng.generate(REPEATING, params)
             assert _tokens(got) == _tokens(plain)
@@ -306,6 +307,7 @@ def test_auto_speculates_only_with_few_sequences_and_pauses_on_low_acceptance():
     on, off, auto = SpecPolicy("on"), SpecPolicy("off"), SpecPolicy("auto")
     assert on.allows(1, 10_000) and not off.allows(1, 1)
     assert auto.allows(1, 8) and not auto.allows(1, 4096)
+    assert not SpecPolicy("auto", latency_bound=False).allows(1, 1) and SpecPolicy("on", latency_bound=False).allows(1, 1)
     for step in range(1, 5):
         auto.observe(step, drafting=8, accepted=0)
     assert not auto.allows(5, 8) and auto.allows(4 + 64, 8)  # paused for 64 decode steps
@@ -371,3 +373,12 @@ def test_tp2_gloo_speculates_in_lockstep(tmp_path):
     assert [t for t, _ in r0[0]] == _tokens(plain)
     for (_, lp), c in zip(r0[0], plain):
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+
+
+def test_auto_leaves_a_cpu_engine_on_the_plain_path():
+    hf = tiny_hf("qwen2")
+    eng = engine_for(hf)  # engine.speculative: auto (the default)
+    assert eng.cfg.speculative == "auto"
+    for _ in range(2):
+        eng.generate(REPEATING, GREEDY)
+    assert eng.stats["spec_steps"] == 0 and eng.stats["ahead_steps"] > 0 and not eng.spec.index.stores

@@ -100,7 +100,8 @@ class NativeEngine:
         self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
         self._sampling: SamplingState | None = None  # of the requests in flight
         self._policy_version = 0
-        self.spec = Speculator(cfg.speculative)  # drafts and their index (host only; survives sleep and weight loads)
+        # drafts and their index (host only; survives sleep and weight loads); auto speculates on accelerators only
+        self.spec = Speculator(cfg.speculative, latency_bound=self.device.type != "cpu")
         self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
                           ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
         self.stats.update(self.runner.timings)

@@ -10,6 +10,9 @@ with ``k + 1`` rows per drafting sequence (:meth:`ModelRunner.launch`), accepted
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import numpy as np
 
 from tidal.engine.native.sequence import Status
@@ -21,14 +24,15 @@ STAT_KEYS = ("spec_steps", "spec_seqs", "spec_drafted", "spec_accepted", "spec_r
 
 
 class Speculator:
-    """Drafts and their bookkeeping for one engine. ``mode``: ``engine.speculative``.
+    """Drafts and their bookkeeping for one engine. ``mode``: ``engine.speculative``;
+    ``latency_bound``: see :class:`SpecPolicy` (False on CPU: ``auto`` never speculates there).
 
     ``stats`` (cumulative): ``spec_steps`` (decode steps that verified drafts), ``spec_seqs``
     (drafting sequences over them), ``spec_drafted`` / ``spec_accepted`` (drafted tokens / kept),
     ``spec_rows`` (rows those steps computed) and ``spec_plain_rows`` (rows a plain step would have)."""
 
-    def __init__(self, mode: str):
-        self.policy = SpecPolicy(mode)
+    def __init__(self, mode: str, latency_bound: bool = True):
+        self.policy = SpecPolicy(mode, latency_bound)
         self.index = DraftIndex()
         self.states: dict[int, SeqDraftState] = {}
         self.step = 0  # decode steps launched (counted by the engine)
@@ -36,7 +40,8 @@ class Speculator:
 
     @property
     def enabled(self) -> bool:
-        return self.policy.mode != "off"
+        """Whether this engine may ever speculate (else it keeps no index either)."""
+        return self.policy.mode == "on" or (self.policy.mode == "auto" and self.policy.latency_bound)
 
     # ---- sequences ------------------------------------------------------------------------------
     def add(self, seq) -> None:
@@ -124,3 +129,17 @@ def rollout_metrics(before: dict, after: dict) -> dict[str, float]:
         "rollout/spec_verify_overhead": d["spec_rows"] / max(1, d["spec_plain_rows"]) - 1 if d["spec_steps"] else 0.0,
         "rollout/spec_tokens_per_step": (d["spec_plain_rows"] + d["spec_accepted"]) / max(1, d["spec_plain_rows"]),
     }
+
+
+@contextlib.contextmanager
+def speculation_metrics(engine) -> Iterator[dict[str, float]]:
+    """Around a rollout: yields a dict that holds, on exit, the rollout's ``rollout/spec_*`` metrics
+    (:func:`rollout_metrics`) when ``engine`` is a native engine that speculates; else it stays empty."""
+    from tidal.engine.native.engine import NativeEngine
+
+    out: dict[str, float] = {}
+    speculates = isinstance(engine, NativeEngine) and engine.spec.enabled
+    before = dict(engine.stats) if speculates else None
+    yield out
+    if speculates:
+        out.update(rollout_metrics(before, engine.stats))

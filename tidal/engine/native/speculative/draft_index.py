@@ -176,9 +176,6 @@ class DraftIndex:
         self.stores[e.store_key].docs[e.doc_id].live = False
         self._evict()
 
-    def group_of(self, seq_id: int):
-        return self.entries[seq_id].group_id
-
     def propose(self, seq_id: int, row: np.ndarray, k: int) -> np.ndarray | None:
         """Up to ``k`` drafted tokens after ``row`` (the sequence's text, already indexed), or None."""
         e = self.entries[seq_id]

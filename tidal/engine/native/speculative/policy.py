@@ -7,7 +7,8 @@ quantities every TP rank holds identically (the number of running sequences, the
 never from clocks, so the ranks stay in lockstep without a collective:
 
 - ``off``: never. ``on``: every decode step in which some sequence has a draft (tests, measurements).
-- ``auto``: only while at most :data:`AUTO_MAX_RUNNING` sequences run, and not while the recent
+- ``auto``: only on an accelerator (``latency_bound``: a CPU step is compute-bound at any batch),
+  only while at most :data:`AUTO_MAX_RUNNING` sequences run, and not while the recent
   acceptance (an exponential mean over the steps that proposed drafts of accepted tokens per
   drafting sequence, a step that found no draft counting 0) is below :data:`AUTO_MIN_ACCEPTED`; then it pauses for a number of decode steps that doubles with
   each pause (from :data:`AUTO_PAUSE_STEPS`) and probes again. Per sequence (also under ``auto``
@@ -59,12 +60,14 @@ class SeqDraftState:
 
 
 class SpecPolicy:
-    """The step-level gate (see the module docstring). ``mode``: ``auto``, ``on`` or ``off``."""
+    """The step-level gate (see the module docstring). ``mode``: ``auto``, ``on`` or ``off``;
+    ``latency_bound``: the engine runs on a device whose small decode steps are latency-bound."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, latency_bound: bool = True):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"engine.speculative must be 'auto', 'on' or 'off', got {mode!r}")
         self.mode = mode
+        self.latency_bound = latency_bound
         self.accepted_ema: float | None = None
         self.verifies = 0
         self.resume_step = 0
@@ -78,7 +81,7 @@ class SpecPolicy:
         """Whether the decode step numbered ``step`` with ``num_running`` sequences may speculate."""
         if self.mode != "auto":
             return self.mode == "on"
-        return num_running <= AUTO_MAX_RUNNING and step >= self.resume_step
+        return self.latency_bound and num_running <= AUTO_MAX_RUNNING and step >= self.resume_step
 
     def max_verify_rows(self) -> int | None:
         return AUTO_MAX_VERIFY_ROWS if self.mode == "auto" else None
