@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tidal.engine.base import Request, SamplingParams  # noqa: E402
 from tidal.engine.config import EngineConfig  # noqa: E402
 from tidal.engine.native import NativeEngine  # noqa: E402
-from tidal.engine.native.speculative import STAT_KEYS, rollout_metrics  # noqa: E402
+from tidal.engine.native.speculative import STAT_KEYS  # noqa: E402
+from tidal.engine.native.speculative.metrics import rollout_metrics  # noqa: E402
 
 QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,

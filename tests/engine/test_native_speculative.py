@@ -382,3 +382,23 @@ def test_auto_leaves_a_cpu_engine_on_the_plain_path():
     for _ in range(2):
         eng.generate(REPEATING, GREEDY)
     assert eng.stats["spec_steps"] == 0 and eng.stats["ahead_steps"] > 0 and not eng.spec.index.stores
+
+
+def test_rollout_metrics_count_what_the_steps_did():
+    from tidal.engine.native.speculative.metrics import speculation_metrics
+
+    hf = tiny_hf("qwen2")
+    plain = engine_for(hf, speculative="off")
+    with speculation_metrics(plain) as m:
+        plain.generate(PROMPTS, GREEDY)
+    assert m == {}  # an engine that never speculates reports nothing
+    eng = engine_for(hf, speculative="on")
+    eng.spec.index = OracleDrafter({tuple(p): c.token_ids for p, c in zip(PROMPTS, plain.generate(PROMPTS, GREEDY)[::2])},
+                                   "always", 128)
+    with speculation_metrics(eng) as m:
+        eng.generate(PROMPTS, GREEDY)
+    st = eng.stats
+    assert m["rollout/spec_acceptance_rate"] == 1.0
+    assert m["rollout/spec_accepted_per_verify"] == st["spec_accepted"] / st["spec_seqs"] > 1
+    assert m["rollout/spec_steps_frac"] == st["spec_steps"] / st["decode_steps"]
+    assert m["rollout/spec_verify_overhead"] == pytest.approx(st["spec_rows"] / st["spec_plain_rows"] - 1)

@@ -32,7 +32,7 @@ from tidal.data import PromptItem
 from tidal.distributed.generate import GroupGenerator
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import RolloutEngine, SamplingParams
-from tidal.engine.native.speculative import speculation_metrics
+from tidal.engine.native.speculative.metrics import speculation_metrics
 from tidal.envs import EnvConfig, EnvRollout, EnvRow, PackedRows, RolloutResult, Trajectory, pack_trajectories
 from tidal.logging import PhaseTimer
 from tidal.models.config import ModelConfig
