@@ -402,3 +402,17 @@ def test_rollout_metrics_count_what_the_steps_did():
     assert m["rollout/spec_accepted_per_verify"] == st["spec_accepted"] / st["spec_seqs"] > 1
     assert m["rollout/spec_steps_frac"] == st["spec_steps"] / st["decode_steps"]
     assert m["rollout/spec_verify_overhead"] == pytest.approx(st["spec_rows"] / st["spec_plain_rows"] - 1)
+
+
+@pytest.mark.parametrize("cache_tokens", [48, 96])
+def test_drafts_are_cut_to_the_free_blocks_and_preemption_keeps_outputs(cache_tokens):
+    hf = tiny_hf("qwen2")
+    params = dataclasses.replace(GREEDY, max_new_tokens=20)
+    plain = engine_for(hf, speculative="off").generate(PROMPTS[:2], params)
+    eng = engine_for(hf, speculative="on", kv_cache_max_tokens=cache_tokens)
+    eng.spec.index = OracleDrafter({tuple(p): c.token_ids for p, c in zip(PROMPTS[:2], plain[::2])}, "always", 128)
+    got = eng.generate(PROMPTS[:2], params)
+    assert _tokens(got) == _tokens(plain)
+    _assert_logprobs_close(got, plain)
+    assert eng.stats["spec_accepted"] > 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert cache_tokens > 48 or eng.stats["preemptions"] > 0

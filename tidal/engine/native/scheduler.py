@@ -205,17 +205,18 @@ class Scheduler:
         if max_rows is not None:
             budget = max(0, max_rows - len(lens))
             lens = np.minimum(lens, np.maximum(0, budget - (np.cumsum(lens) - lens)))
-        n = t.num_tokens[batch.rows]
-        for i in np.flatnonzero(lens).tolist():
-            s = int(batch.rows[i])
-            have = int(t.num_blocks[s])
-            need = -(-(int(n[i]) + int(lens[i])) // bs) - have  # positions up to n - 1 + k
-            if need > self.bm.num_free_blocks:
-                lens[i] = max(0, (have + self.bm.num_free_blocks) * bs - int(n[i]))
-                need = -(-(int(n[i]) + int(lens[i])) // bs) - have
-            if need > 0:
-                t.block_table[s, have : have + need] = self.bm.take(need)
-                t.num_blocks[s] = have + need
+        n, have = t.num_tokens[batch.rows], t.num_blocks[batch.rows]
+        need = np.maximum(0, -(-(n + lens) // bs) - have)  # blocks for positions up to n - 1 + k
+        if need.sum() > self.bm.num_free_blocks:  # cut the drafts in row order to the free blocks
+            room = np.maximum(0, self.bm.num_free_blocks - (np.cumsum(need) - need))
+            lens = np.minimum(lens, np.maximum(0, (have + room) * bs - n))
+            need = np.minimum(need, np.maximum(0, -(-(n + lens) // bs) - have))
+        if need.any():
+            got = self.bm.take(int(need.sum()))
+            r = np.repeat(np.arange(len(need)), need)
+            j = np.arange(len(got)) - np.repeat(np.cumsum(need) - need, need)
+            t.block_table[batch.rows[r], have[r] + j] = got
+            t.num_blocks[batch.rows] = have + need
         if not lens.any():
             return batch
         flat = np.concatenate([d[:k] for d, k in zip(drafts, lens.tolist()) if k]).astype(np.int64)
