@@ -10,7 +10,8 @@ matches first) with what followed their most recent occurrence in:
 
 Texts are kept per prompt (a :class:`NgramStore`, keyed by the prompt's token ids): one entry per
 ``(n, n-gram)`` pointing at the position after its most recent occurrence, so a lookup is a few dict
-reads. Stores are kept in least-recently-used order and evicted whole (oldest first, never one a
+reads. Text is copied in as sequences grow and finish, and indexed only when a lookup consults its
+store: a rollout that never drafts (``auto`` with many sequences running) pays a copy per sequence. Stores are kept in least-recently-used order and evicted whole (oldest first, never one a
 live sequence writes to) once they hold more than ``max_tokens`` tokens in all: memory is bounded
 and old prompts are forgotten by age. The index only proposes; correctness never depends on it
 (:mod:`.acceptance`), so a hash collision costs a rejected draft (and lookups compare the n-gram's
@@ -78,6 +79,7 @@ class NgramStore:
         self.maps: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
         self.num_tokens = 0
         self.prompt_indexed = False  # the shared prompt is in the maps (siblings skip it)
+        self.pending: set[int] = set()  # docs holding tokens not yet in the maps
 
     @property
     def live(self) -> bool:
@@ -89,12 +91,28 @@ class NgramStore:
         self.docs.append(_Doc(start))
         return len(self.docs) - 1
 
-    def ingest(self, doc_id: int, row: np.ndarray) -> int:
-        """Index the continuation positions of doc ``doc_id`` up to the end of ``row`` (its whole
-        text so far). Returns the tokens added."""
+    def extend(self, doc_id: int, row: np.ndarray) -> int:
+        """Make doc ``doc_id`` hold ``row`` (its whole text so far), indexed at the next lookup.
+        Returns the tokens added."""
         doc = self.docs[doc_id]
         added = len(row) - doc.length
         doc.extend_to(row)
+        self.num_tokens += added
+        if doc.indexed < doc.length:
+            self.pending.add(doc_id)
+        return added
+
+    def index_pending(self) -> None:
+        """Index what the docs received since the last lookup (older docs first: a later doc's
+        occurrence of an n-gram wins). Indexing waits for a lookup, so text that is never drafted
+        from (a rollout that does not speculate) costs a copy, not an index."""
+        for doc_id in sorted(self.pending):
+            self._index(doc_id)
+        self.pending.clear()
+
+    def _index(self, doc_id: int) -> None:
+        """Index the continuation positions of doc ``doc_id`` not yet indexed."""
+        doc = self.docs[doc_id]
         lo, hi = doc.indexed, doc.length
         toks = doc.tokens
         if 0 < hi - lo <= _FEW:
@@ -105,8 +123,7 @@ class NgramStore:
                     if p >= n:
                         self.maps[n][ngram_hash(recent[p - n - off : p - off])] = (doc_id << 32) | p
             doc.indexed = hi
-            self.num_tokens += added
-            return added
+            return
         for n in NGRAM_SIZES:
             a = max(lo, n)
             if hi - a <= 0:
@@ -115,8 +132,6 @@ class NgramStore:
             pos = np.arange(a, hi, dtype=np.int64) | (doc_id << 32)
             self.maps[n].update(zip(ngram_hashes(windows).tolist(), pos.tolist()))
         doc.indexed = max(lo, hi)
-        self.num_tokens += added
-        return added
 
     def continuation(self, tail: np.ndarray, n: int, key: int, k: int) -> np.ndarray | None:
         """Up to ``k`` tokens after the most recent occurrence of ``tail[-n:]`` (hash ``key``), or None."""
@@ -165,24 +180,27 @@ class DraftIndex:
                 self.groups.popitem(last=False)
 
     def update(self, seq_id: int, row: np.ndarray) -> None:
-        """Index sequence ``seq_id``'s text ``row`` (prompt + tokens so far; it only grows)."""
+        """Take sequence ``seq_id``'s text ``row`` (prompt + tokens so far; it only grows)."""
         e = self.entries[seq_id]
-        self.num_tokens += self.stores[e.store_key].ingest(e.doc_id, row)
+        self.num_tokens += self.stores[e.store_key].extend(e.doc_id, row)
 
     def finish(self, seq_id: int, row: np.ndarray) -> None:
-        """Index the final text of ``seq_id`` and keep it for its prompt's later sequences."""
+        """Take the final text of ``seq_id`` and keep it for its prompt's later sequences."""
         self.update(seq_id, row)
         e = self.entries.pop(seq_id)
         self.stores[e.store_key].docs[e.doc_id].live = False
         self._evict()
 
     def propose(self, seq_id: int, row: np.ndarray, k: int) -> np.ndarray | None:
-        """Up to ``k`` drafted tokens after ``row`` (the sequence's text, already indexed), or None."""
+        """Up to ``k`` drafted tokens after ``row`` (the sequence's text, already taken by
+        :meth:`update`), or None. Indexes the consulted stores' pending text first."""
         e = self.entries[seq_id]
         keys = [e.store_key]
         if e.group_id is not None:
             keys += [key for key in self.groups.get(e.group_id, ()) if key != e.store_key and key in self.stores]
         stores = [self.stores[key] for key in keys]
+        for store in stores:
+            store.index_pending()
         tail = row[-max(NGRAM_SIZES):]
         tail_list = tail.tolist()
         for n in NGRAM_SIZES:
