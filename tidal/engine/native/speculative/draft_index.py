@@ -31,7 +31,7 @@ _P = np.uint64(0x100000001B3)
 _POW = {n: np.array([int(_P) ** (n - 1 - j) % (1 << 64) for j in range(n)], dtype=np.uint64) for n in NGRAM_SIZES}
 
 
-_POW_PY = {n: [int(x) for x in _POW[n]] for n in NGRAM_SIZES}
+_P_PY = int(_P)
 _MASK = (1 << 64) - 1
 _FEW = 16  # continuation positions below which ingestion runs on Python ints (numpy's per-call cost dominates)
 
@@ -43,8 +43,11 @@ def ngram_hashes(windows_WN: np.ndarray) -> np.ndarray:
 
 
 def ngram_hash(tokens: list[int]) -> int:
-    """:func:`ngram_hashes` of one n-gram, on Python ints."""
-    return sum(t * w for t, w in zip(tokens, _POW_PY[len(tokens)])) & _MASK
+    """:func:`ngram_hashes` of one n-gram, on Python ints (Horner's rule)."""
+    h = 0
+    for t in tokens:
+        h = h * _P_PY + t
+    return h & _MASK
 
 
 class _Doc:
