@@ -120,7 +120,7 @@ def _exact_second_token(hf, params: dict):
     return (p0[:, None] * logp1.exp()).sum(0).numpy(), logp1.numpy()
 
 
-def _second_tokens(hf, params: dict, draft: list[int], n: int = 6000, seed: int = 1):
+def _second_tokens(hf, params: dict, draft: list[int], n: int = 3000, seed: int = 1):
     eng = engine_for(hf, speculative="on")
     eng.spec.index = OracleDrafter({tuple(PROMPT): draft}, "fixed", hf.config.vocab_size)
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True, n=n, seed=seed, **params)

@@ -11,6 +11,12 @@ none is unfinished, ``abort`` to get partial completions back. One step is
 runner.wait -> scheduler.postprocess``; the step scheduled ahead stays in flight across ``step``
 calls (``abort`` drops it: its sequences simply compute that token again).
 
+Speculation (``engine.speculative``, :mod:`tidal.engine.native.speculative`): a decode step
+scheduled now (not ahead) may carry drafts for some sequences; it then verifies ``k + 1`` positions
+per drafting sequence in one forward and may append several tokens to each, with exactly the
+plain path's distribution and logprobs. Such a step is never scheduled ahead, nor is the step after
+a plain one scheduled ahead while the policy may want to draft.
+
 Memory: construction allocates only the (zero) weights; the KV cache is allocated by ``wake_up``
 (or the first request), sized from the memory available then (:mod:`tidal.engine.sizing`);
 ``sleep(1)`` frees it, ``sleep(2)`` also moves the weights to host memory. On CUDA with the driver's
@@ -63,7 +69,8 @@ class NativeEngine:
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
     ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host
     wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
-    ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens).
+    ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens); and the
+    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`).
     :meth:`host_ms_per_step` turns two snapshots of ``stats`` into milliseconds per step.
 
     ``policy_version``: stamped on every token sampled from now on (``Completion.versions``); set it

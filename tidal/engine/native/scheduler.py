@@ -11,6 +11,10 @@ Policy (the nano-vllm shape):
   included) with the tokens they had generated.
 - Finished sequences (stop token, or their length limit) release their blocks at once, so waiting
   ones join the next step.
+- Speculation: :meth:`attach_drafts` turns a decode batch into a verify batch (blocks for the
+  drafted positions taken from the free ones, drafts cut to fit, never preempting);
+  :meth:`postprocess` appends each row's accepted tokens and gives back the blocks past the last
+  computed KV, leaving the table as plain steps would have.
 - Overlap: while a step runs on the device, :meth:`schedule_ahead` may schedule the next one
   before its sampled tokens are known. After a decode step: every running sequence decodes again,
   its input token fed on the device, when that is what :meth:`schedule` would do anyway (nothing
