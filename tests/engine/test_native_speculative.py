@@ -416,3 +416,24 @@ def test_drafts_are_cut_to_the_free_blocks_and_preemption_keeps_outputs(cache_to
     _assert_logprobs_close(got, plain)
     assert eng.stats["spec_accepted"] > 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     assert cache_tokens > 48 or eng.stats["preemptions"] > 0
+
+
+def test_a_next_turn_drafts_from_its_group_and_keeps_the_plain_tokens():
+    """Multi-turn: the second turn's prompt holds the first turn and an observation; it drafts from
+    its group (the other member's text under another prompt) and its own history."""
+    hf = tiny_hf("qwen2")
+    params = dataclasses.replace(GREEDY, n=1, max_new_tokens=16)
+
+    def turns(engine):
+        first = _run(engine, [Request(request_id=j, prompt_ids=PROMPTS[0], params=params, group_id=7) for j in range(2)])
+        obs = [40, 41, 42]
+        second = [Request(request_id=10 + j, prompt_ids=c.prompt_ids + c.token_ids + obs + ([43] if j else []),
+                          params=params, group_id=7) for j, c in enumerate(first)]
+        return first + _run(engine, second)
+
+    plain = turns(engine_for(hf, speculative="off"))
+    eng = engine_for(hf, speculative="on")
+    got = turns(eng)
+    assert _tokens(got) == _tokens(plain)
+    _assert_logprobs_close(got, plain)
+    assert eng.stats["spec_drafted"] > 0
