@@ -11,7 +11,7 @@ newest (by the record's ``time``, then file order) is shown. Lines with an ``err
 Sources: ``e2e_grpo.jsonl`` (``summary``: per case, the median steady iteration and peak; the speed
 targets), ``matrix.jsonl`` (``case``), ``memory_check.jsonl`` (``summary``: the memory plan's
 predicted peak against the measured one), ``multiturn.jsonl`` (``case``), ``rollout.jsonl`` (engine
-throughput lines: those with an ``engine``).
+throughput lines: those with an ``engine``), ``speculative.jsonl`` (``part``: overhead and structured).
 """
 
 from __future__ import annotations
@@ -162,8 +162,34 @@ def rollout_rows(records: list[dict]) -> list[Row]:
     return rows
 
 
+def speculative_rows(records: list[dict]) -> list[Row]:
+    """Speculative rollouts: ``auto`` against ``off`` on random weights (overhead), and the three
+    modes on the structured proxy model (each the newest record of its case and mode)."""
+    rows = []
+    over = {(r["case"], r["mode"]): r for r in newest([r for r in records if r.get("part") == "overhead"],
+                                                      lambda r: (r["case"], r["mode"]))}
+    for (case, mode), r in over.items():
+        off = over.get((case, "off"))
+        if mode != "auto" or off is None:
+            continue
+        what = f"`{case}`: {r['prompts']} x {r['n']}, prompt {r['prompt_len']}, up to {r['max_new_tokens']} new, random weights"
+        value = (f"auto {r['wall_s']:.3g} s vs off {off['wall_s']:.3g} s ({r['wall_s'] / off['wall_s'] - 1:+.1%}); "
+                 f"{r['counts']['spec_steps']} verify steps")
+        rows.append(row("speculative rollout, overhead", what, value, r))
+    proxy = {(r["prompts"], r["mode"]): r for r in newest([r for r in records if r.get("part") == "structured" and "mode" in r],
+                                                          lambda r: (r["prompts"], r["mode"]))}
+    for prompts in dict.fromkeys(p for p, _ in proxy):
+        modes = {m: proxy[(prompts, m)] for m in ("off", "auto", "on") if (prompts, m) in proxy}
+        on = modes.get("on") or modes.get("auto")
+        what = f"{prompts} x {on['n']}, 0.5B trained on worked solutions (proxy), temperature 1"
+        value = ", ".join(f"{m} {r['tokens_per_s']:,.0f}" for m, r in modes.items()) + " tok/s"
+        value += f"; acceptance {on['spec_acceptance_rate']:.2f}, {on['spec_accepted_per_verify']:.2f} accepted per verify"
+        rows.append(row("speculative rollout, structured", what, value, on))
+    return rows
+
+
 SOURCES = (("e2e_grpo", e2e_rows), ("matrix", matrix_rows), ("memory_check", memory_rows),
-           ("multiturn", multiturn_rows), ("rollout", rollout_rows))
+           ("multiturn", multiturn_rows), ("rollout", rollout_rows), ("speculative", speculative_rows))
 
 
 def render(results: Path = RESULTS) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -50,3 +51,38 @@ def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
 
 
 PROMPTS = [[3, 17, 99, 5, 42, 8, 61], [11, 12], list(range(20, 41)), [7]]
+
+
+class OracleDrafter:
+    """A stand-in for the speculative draft index (``engine.spec.index``) that drafts from known
+    continuations: ``refs[tuple(prompt)]`` is the sequence each prompt's samples should produce.
+    ``mode``: ``always`` (the reference's next tokens), ``never`` (each shifted by one: always
+    rejected under greedy), ``partly`` (the first ``len // 2`` right, the rest wrong), ``fixed``
+    (``refs[prompt]`` after the prompt, whatever was generated). ``skip(seq_id)``: sequences that
+    get no draft (plain rows beside verify rows)."""
+
+    def __init__(self, refs: dict, mode: str, vocab: int, skip=lambda seq_id: False):
+        self.refs, self.mode, self.vocab, self.skip = refs, mode, vocab, skip
+        self.prompts = {}
+
+    def add(self, seq_id, prompt_ids, group_id):
+        self.prompts[seq_id] = tuple(prompt_ids)
+
+    def update(self, seq_id, row):
+        pass
+
+    def finish(self, seq_id, row):
+        del self.prompts[seq_id]
+
+    def propose(self, seq_id, row, k):
+        if self.skip(seq_id):
+            return None
+        prompt = self.prompts[seq_id]
+        ref = self.refs[prompt]
+        done = len(row) - len(prompt)
+        nxt = list(ref[:k]) if self.mode == "fixed" else list(ref[done : done + k])
+        if self.mode == "never":
+            nxt = [(x + 1) % self.vocab for x in nxt]
+        elif self.mode == "partly":
+            nxt = nxt[: len(nxt) // 2] + [(x + 1) % self.vocab for x in nxt[len(nxt) // 2 :]]
+        return np.array(nxt, dtype=np.int64) if nxt else None

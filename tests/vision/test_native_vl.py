@@ -84,6 +84,26 @@ def test_native_greedy_equals_hf_engine_on_image_and_text_prompts(vl):
     assert max(abs(a - b) for a, b in zip(swapped[0].logprobs, got[0].logprobs)) > 1e-4
 
 
+def test_speculation_on_image_prompts_keeps_greedy_tokens_and_sampled_logprobs(vl):
+    """Drafts verified at text positions after image prompts (M-RoPE offsets): greedy tokens equal
+    the plain engine's, sampled logprobs equal the trainer's forward."""
+    from tests.engine.helpers import OracleDrafter
+
+    proc, model, ds = vl
+    items = [ds[i] for i in range(3)]
+    prompts, mm = [it.prompt_ids for it in items], [it.mm_inputs for it in items]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    want = _native(model, block_size=4, speculative="off").generate(prompts, greedy, mm_inputs=mm)
+    eng = _native(model, block_size=4, speculative="on")
+    refs = {tuple(p): w.token_ids for p, w in zip(prompts, want)}  # prompts 0 and 1 share ids (not images)
+    eng.spec.index = OracleDrafter(refs, "partly", model.config.get_text_config().vocab_size)
+    got = eng.generate(prompts, greedy, mm_inputs=mm)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and eng.stats["spec_accepted"] > 0
+    sampled = eng.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=3, ignore_eos=True), mm_inputs=mm)
+    assert eng.stats["spec_steps"] > 0
+    assert_completions_match_trainer(model, proc.pad_token_id, sampled, [mm[b // 2] for b in range(6)])
+
+
 def test_native_sampled_logprobs_equal_trainer_forward(vl):
     proc, model, ds = vl
     items = [ds[i] for i in range(3)]

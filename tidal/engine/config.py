@@ -12,9 +12,10 @@ from tidal.config_base import check
 UNHONOURED_FIELDS: dict[str, tuple[str, ...]] = {
     "native": (),
     "hf": ("max_num_batched_tokens", "block_size", "kv_cache_memory_fraction", "kv_cache_max_tokens",
-           "enable_prefix_caching", "cuda_graphs", "kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
-    "vllm": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
-    "sglang": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch"),
+           "enable_prefix_caching", "cuda_graphs", "kernel_backend", "overlap_scheduling", "cuda_graph_max_batch",
+           "speculative"),
+    "vllm": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch", "speculative"),
+    "sglang": ("kernel_backend", "overlap_scheduling", "cuda_graph_max_batch", "speculative"),
 }
 
 
@@ -52,6 +53,12 @@ class EngineConfig:
         CUDA when importable, else torch).
     overlap_scheduling: while a decode step runs on the device, schedule and prepare the next one on
         the host (its input tokens are fed on the device); off: strictly one step at a time.
+    speculative: lossless speculative decoding (native engine; docs/engine.md): drafts from an n-gram
+        index over each sequence's prompt, its own text, its group's siblings and its prompt's earlier
+        responses, verified several tokens per sequence in one step and accepted exactly (the sampled
+        distribution and the returned logprobs are the plain path's). ``auto``: only where decode is
+        latency-bound (few running sequences) and while drafts are accepted; ``on``: every decode step
+        in which a sequence has a draft; ``off``: never (no index is kept).
     """
 
     backend: Literal["native", "hf", "vllm", "sglang"] = "native"
@@ -68,6 +75,7 @@ class EngineConfig:
     sleep_level: int = 1
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     overlap_scheduling: bool = True
+    speculative: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self):
         check(self.tp_size >= 1, "tp_size", "must be >= 1")
@@ -78,6 +86,7 @@ class EngineConfig:
         check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two")
         check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction", "must be in (0, 0.95]")
         check(self.kv_cache_max_tokens >= 0, "kv_cache_max_tokens", "must be >= 0")
+        check(self.speculative in ("auto", "on", "off"), "speculative", f"must be 'auto', 'on' or 'off', got {self.speculative!r}")
         check(self.sleep_level in (0, 1, 2), "sleep_level", "must be 0 (never), 1 (KV cache) or 2 (KV cache and weights)")
         check(self.backend != "hf" or self.tp_size == 1, "tp_size", "engine.backend=hf runs on one rank: tensor parallelism needs engine.backend=native")
         defaults = EngineConfig.__dataclass_fields__
@@ -85,6 +94,6 @@ class EngineConfig:
             check(
                 getattr(self, name) == defaults[name].default, name,
                 f"is not honoured by engine.backend={self.backend} (it is a setting of "
-                f"{'the native engine' if name in ('kernel_backend', 'overlap_scheduling', 'cuda_graph_max_batch') else 'paged engines'}); "
+                f"{'the native engine' if name in ('kernel_backend', 'overlap_scheduling', 'cuda_graph_max_batch', 'speculative') else 'paged engines'}); "
                 f"leave it at its default ({defaults[name].default!r}) or choose a backend that has it",
             )

@@ -32,6 +32,7 @@ from tidal.data import PromptItem
 from tidal.distributed.generate import GroupGenerator
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import RolloutEngine, SamplingParams
+from tidal.engine.native.speculative.metrics import speculation_metrics
 from tidal.envs import EnvConfig, EnvRollout, EnvRow, PackedRows, RolloutResult, Trajectory, pack_trajectories
 from tidal.logging import PhaseTimer
 from tidal.models.config import ModelConfig
@@ -154,16 +155,19 @@ class ExperienceMaker:
         return result
 
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
-        """Generate ``params.n`` trajectories per item; the group id of item i is ``first_group_id + i``."""
-        with self.colocation.rollout() as engine:
+        """Generate ``params.n`` trajectories per item; the group id of item i is ``first_group_id + i``.
+        Metrics: the environment's (multi-turn) and the engine's ``rollout/spec_*`` (speculation)."""
+        with self.colocation.rollout() as engine, speculation_metrics(engine) as spec:
             result = self.trajectories(engine, items, params, first_group_id, self.completion_budget)
-        return Rollout(items=items, trajectories=result.trajectories, metrics=result.metrics if self.multi_turn else {})
+        return Rollout(items=items, trajectories=result.trajectories,
+                       metrics={**(result.metrics if self.multi_turn else {}), **spec})
 
     def generate_partial(self, long_tail: LongTailRollout, step: int, params: SamplingParams) -> Rollout:
         """Step ``step``'s rollout under ``rollout.partial`` (:mod:`tidal.trainer.partial`): the
         groups it trains, as single-turn trajectories, with the ``partial/*`` metrics."""
-        with self.colocation.rollout() as engine, self.timer.phase("generate"):
+        with self.colocation.rollout() as engine, self.timer.phase("generate"), speculation_metrics(engine) as spec:
             trained, metrics, _ = long_tail.collect(engine, step, params, self.completion_budget)
+        metrics.update(spec)
         items, trajectories = long_tail.trajectories(trained, self.env.renderer.decode_batch)
         self.timer.event("generate:done", {"prompts": len(items),
                                            "completion_lengths": [t.num_sampled_tokens for t in trajectories],

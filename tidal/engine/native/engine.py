@@ -11,6 +11,12 @@ none is unfinished, ``abort`` to get partial completions back. One step is
 runner.wait -> scheduler.postprocess``; the step scheduled ahead stays in flight across ``step``
 calls (``abort`` drops it: its sequences simply compute that token again).
 
+Speculation (``engine.speculative``, :mod:`tidal.engine.native.speculative`): a decode step
+scheduled now (not ahead) may carry drafts for some sequences; it then verifies ``k + 1`` positions
+per drafting sequence in one forward and may append several tokens to each, with exactly the
+plain path's distribution and logprobs. Such a step is never scheduled ahead, nor is the step after
+a plain one scheduled ahead while the policy may want to draft.
+
 Memory: construction allocates only the (zero) weights; the KV cache is allocated by ``wake_up``
 (or the first request), sized from the memory available then (:mod:`tidal.engine.sizing`);
 ``sleep(1)`` frees it, ``sleep(2)`` also moves the weights to host memory. On CUDA with the driver's
@@ -42,6 +48,7 @@ from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
+from tidal.engine.native.speculative import Speculator
 from tidal.host_memory import ParamHostCopy
 
 
@@ -62,7 +69,8 @@ class NativeEngine:
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
     ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host
     wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
-    ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens).
+    ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens); and the
+    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`).
     :meth:`host_ms_per_step` turns two snapshots of ``stats`` into milliseconds per step.
 
     ``policy_version``: stamped on every token sampled from now on (``Completion.versions``); set it
@@ -99,9 +107,12 @@ class NativeEngine:
         self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
         self._sampling: SamplingState | None = None  # of the requests in flight
         self._policy_version = 0
+        # drafts and their index (host only; survives sleep and weight loads); auto speculates on accelerators only
+        self.spec = Speculator(cfg.speculative, latency_bound=self.device.type != "cpu")
         self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
                           ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
         self.stats.update(self.runner.timings)
+        self.stats.update(self.spec.stats)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig, *, device, dtype, tp_group=None) -> "NativeEngine":
@@ -296,6 +307,7 @@ class NativeEngine:
                            old_versions=list(r.versions), version=self._policy_version)
             slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
             self.scheduler.add(slot)
+            self.spec.add(seq)
             self._requests[r.request_id] = seq
 
     def _sampling_for(self, requests: Seq[Request]) -> SamplingState:
@@ -322,15 +334,19 @@ class NativeEngine:
         stats, runner, sched = self.stats, self.runner, self.scheduler
         hits_before, preempted_before = self.block_manager.num_hit_tokens, sched.num_preemptions
         t0 = time.perf_counter()
-        if self._pending is None:
+        proposed = self._pending is None  # a decode batch scheduled now (not ahead) may carry drafts
+        if proposed:
             batch = sched.schedule()
+            if not batch.is_prefill:
+                batch = sched.attach_drafts(batch, self.spec.propose(self.table, batch.rows), self.spec.policy.max_verify_rows())
             stats["schedule_s"] += time.perf_counter() - t0
             handle = runner.launch(batch, self.table, self._sampling)
             self._count(batch)
             t0 = time.perf_counter()
         else:
             batch, handle = self._pending
-        ahead = sched.schedule_ahead(batch) if self.cfg.overlap_scheduling else None
+        overlap = self.cfg.overlap_scheduling and (batch.is_prefill or not self.spec.wants(self.table))
+        ahead = sched.schedule_ahead(batch) if overlap else None
         stats["schedule_s"] += time.perf_counter() - t0
         self._pending = None
         if ahead is not None:
@@ -340,6 +356,10 @@ class NativeEngine:
         tokens, logprobs = runner.wait(handle)
         t0 = time.perf_counter()
         finished = sched.postprocess(batch, tokens, logprobs)
+        if batch.draft_lens is not None:
+            self.spec.observe(self.table, batch, tokens)
+        elif proposed and not batch.is_prefill:
+            self.spec.observe_plain(self.table, batch.rows, batch.gens)
         done = sorted((self._complete(s) for s in finished.tolist()), key=lambda c: c[0])
         if not self._requests and self._pending is not None:  # every row ahead is void
             runner.wait(self._pending[1])
@@ -348,6 +368,7 @@ class NativeEngine:
         stats["preemptions"] += sched.num_preemptions - preempted_before
         stats["postprocess_s"] += time.perf_counter() - t0
         stats.update(runner.timings)
+        stats.update(self.spec.stats)
         return [c for _, c in done]
 
     def _complete(self, slot: int) -> tuple[int, Completion]:
@@ -362,6 +383,7 @@ class NativeEngine:
             versions=seq.old_versions + [seq.version] * new,
         )
         del self._requests[seq.request_id]
+        self.spec.finish(seq, t.tokens[slot, : t.num_tokens[slot]])
         t.release(slot)
         return seq.seq_id, completion
 
@@ -427,6 +449,8 @@ class NativeEngine:
     def _count(self, batch) -> None:
         if batch.is_prefill:
             self.stats["prefill_tokens"] += batch.num_tokens
+        else:
+            self.spec.step += 1
         self.stats["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
 
     def _generator(self, seed: int | None) -> torch.Generator | None:

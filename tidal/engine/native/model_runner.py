@@ -28,6 +28,7 @@ from tidal.engine.native.models import DecoderLM, head_dim_of
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
 from tidal.engine.native.sequence import SequenceTable
+from tidal.engine.native.speculative.acceptance import VOID, accept
 from tidal.engine.sampler import fused_applies, sample
 
 
@@ -220,6 +221,32 @@ class ModelRunner:
         width = int(table.num_blocks[rows].max())
         return inputs, table.block_table[rows, :width]
 
+    def _verify_inputs(self, batch: Batch, table: SequenceTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A verify batch as decode rows: row i of the batch becomes ``draft_lens[i] + 1`` rows at
+        positions ``N - 1 .. N - 1 + k`` (``N``: its tokens) feeding its last token then its drafts,
+        each attending to the context up to itself (the drafted positions' K/V are written by the
+        same step before any attention reads it, so this is causal attention over the drafts).
+        Returns the ``[4, T]`` inputs and ``[T, width]`` block tables as :meth:`_decode_inputs`, the
+        draft each row verifies (``VOID`` on a sequence's last row) and each row's sequence index."""
+        bs, rows, k = self.block_size, batch.rows, batch.draft_lens
+        reps = k + 1
+        T = int(reps.sum())
+        group_T = np.repeat(np.arange(len(rows)), reps)
+        slot_T = rows[group_T]
+        col_T = np.arange(T) - np.repeat(np.cumsum(reps) - reps, reps)
+        pos_T = table.num_tokens[slot_T] - 1 + col_T
+        inputs = np.empty((4, T), dtype=np.int64)
+        inputs[0] = table.tokens[slot_T, pos_T - col_T]
+        inputs[0, col_T > 0] = batch.drafts
+        inputs[1] = pos_T + table.rope_delta[slot_T]
+        inputs[2] = table.block_table[slot_T, pos_T // bs].astype(np.int64) * bs + pos_T % bs
+        inputs[3] = pos_T + 1
+        draft_T = np.full(T, VOID, dtype=np.int64)
+        nxt = col_T[1:] > 0
+        draft_T[:-1][nxt] = inputs[0, 1:][nxt]
+        width = int(table.num_blocks[rows].max())
+        return inputs, table.block_table[slot_T, :width], draft_T, group_T
+
     # ---- step -----------------------------------------------------------------------------------
     def run(self, batch: Batch, table: SequenceTable, sampling: SamplingState) -> tuple[np.ndarray, np.ndarray]:
         """Run ``batch``; returns (token ids, logprobs) of its sampling rows, identical on every TP rank."""
@@ -233,6 +260,7 @@ class ModelRunner:
         on the device."""
         t0 = time.perf_counter()
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
+        verify = batch.draft_lens is not None  # a decode step verifying drafts
         if batch.is_prefill:
             ids, pos, meta, rows, extra = self._prefill_inputs(batch, table)
             t1 = time.perf_counter()
@@ -240,7 +268,10 @@ class ModelRunner:
             n = len(rows)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if n else None
         else:
-            inputs, bt = self._decode_inputs(batch, table)
+            if verify:
+                inputs, bt, draft_T, group_T = self._verify_inputs(batch, table)
+            else:
+                inputs, bt = self._decode_inputs(batch, table)
             n = inputs.shape[1]
             ids_dev = None
             if batch.src_rows is not None:
@@ -250,7 +281,8 @@ class ModelRunner:
                 ids_dev = src.long()
             t1 = time.perf_counter()
             if self.graphs is not None and self.graphs.fits(n):
-                in_graph = sampling.fused_on(self.device)  # the logits and the draw are in the graph too
+                # the logits and the draw are in the graph too (not for a verify step: it accepts)
+                in_graph = sampling.fused_on(self.device) and not verify
                 res = self.graphs.run(inputs, bt, self.num_blocks, ids_dev,
                                       temperature=sampling.temperature if in_graph else None,
                                       generator=sampling.generator, draws=self.tp.is_first)
@@ -271,7 +303,12 @@ class ModelRunner:
             if samples is None:
                 logits = self.model.compute_logits(hidden)
         self.timings["prepare_s"] += t1 - t0
-        handle = self._publish(samples) if samples is not None else self._sample(logits, n, sampling)
+        if samples is not None:
+            handle = self._publish(samples)
+        elif verify:
+            handle = self._verify(logits, draft_T, group_T, sampling)
+        else:
+            handle = self._sample(logits, n, sampling)
         self.timings["submit_s"] += time.perf_counter() - t1
         return handle
 
@@ -282,6 +319,17 @@ class ModelRunner:
         if self.tp.is_first:
             token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
             out[0], out[1] = token_B, logp_B
+        return self._publish(out)
+
+    def _verify(self, logits_TV, draft_T: np.ndarray, group_T: np.ndarray, sampling: SamplingState) -> StepHandle:
+        """Accept the drafts on TP rank 0 (:func:`~tidal.engine.native.speculative.acceptance.accept`)
+        and share the emitted tokens: ``[2, T]`` (token or ``VOID``, logprob) per computed position."""
+        out = torch.empty(2, len(draft_T), dtype=torch.float64, device=self.device)
+        if self.tp.is_first:
+            token_T, logp_T = accept(logits_TV, self._tensor(draft_T, torch.int64), self._tensor(group_T, torch.int64),
+                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                     generator=sampling.generator)
+            out[0], out[1] = token_T, logp_T
         return self._publish(out)
 
     def _publish(self, out: torch.Tensor) -> StepHandle:

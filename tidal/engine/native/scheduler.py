@@ -11,6 +11,10 @@ Policy (the nano-vllm shape):
   included) with the tokens they had generated.
 - Finished sequences (stop token, or their length limit) release their blocks at once, so waiting
   ones join the next step.
+- Speculation: :meth:`attach_drafts` turns a decode batch into a verify batch (blocks for the
+  drafted positions taken from the free ones, drafts cut to fit, never preempting);
+  :meth:`postprocess` appends each row's accepted tokens and gives back the blocks past the last
+  computed KV, leaving the table as plain steps would have.
 - Overlap: while a step runs on the device, :meth:`schedule_ahead` may schedule the next one
   before its sampled tokens are known. After a decode step: every running sequence decodes again,
   its input token fed on the device, when that is what :meth:`schedule` would do anyway (nothing
@@ -43,7 +47,8 @@ class Batch:
     Prefill: row i computes ``num_new[i]`` tokens from position ``start[i]``; ``sampling[i]``: it
     samples a token (the chunk that reaches its last token). Decode: every row computes one token and
     samples; ``src_rows`` (scheduled ahead): the row of the previous batch whose sample is each row's
-    input token."""
+    input token. Verify (a decode batch with drafts): row i also feeds its ``draft_lens[i]`` drafted
+    tokens (``drafts``, concatenated in row order) and computes ``draft_lens[i] + 1`` positions."""
 
     rows: np.ndarray
     gens: np.ndarray
@@ -52,10 +57,14 @@ class Batch:
     sampling: np.ndarray | None = None
     start: np.ndarray | None = None
     src_rows: np.ndarray | None = None
+    draft_lens: np.ndarray | None = None
+    drafts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.num_new.sum()) if self.is_prefill else len(self.rows)
+        if self.is_prefill:
+            return int(self.num_new.sum())
+        return len(self.rows) + (len(self.drafts) if self.drafts is not None else 0)
 
 
 class Scheduler:
@@ -190,13 +199,40 @@ class Scheduler:
             t.block_table[slots, t.num_blocks[slots]] = self.bm.take(len(slots))
             t.num_blocks[slots] += 1
 
+    def attach_drafts(self, batch: Batch, drafts: list[np.ndarray | None], max_rows: int | None = None) -> Batch:
+        """The decode ``batch`` turned into a verify batch with ``drafts[i]`` for row i (None or empty:
+        a plain row), each cut to the blocks free now (drafts never preempt) and, with ``max_rows``, to
+        that many rows in all. Takes the blocks the drafted positions need. ``batch`` itself when no
+        draft is left."""
+        t, bs = self.table, self.block_size
+        lens = np.array([0 if d is None else len(d) for d in drafts], dtype=np.int64)
+        if max_rows is not None:
+            budget = max(0, max_rows - len(lens))
+            lens = np.minimum(lens, np.maximum(0, budget - (np.cumsum(lens) - lens)))
+        n, have = t.num_tokens[batch.rows], t.num_blocks[batch.rows]
+        need = np.maximum(0, -(-(n + lens) // bs) - have)  # blocks for positions up to n - 1 + k
+        if need.sum() > self.bm.num_free_blocks:  # cut the drafts in row order to the free blocks
+            room = np.maximum(0, self.bm.num_free_blocks - (np.cumsum(need) - need))
+            lens = np.minimum(lens, np.maximum(0, (have + room) * bs - n))
+            need = np.minimum(need, np.maximum(0, -(-(n + lens) // bs) - have))
+        if need.any():
+            got = self.bm.take(int(need.sum()))
+            r = np.repeat(np.arange(len(need)), need)
+            j = np.arange(len(got)) - np.repeat(np.cumsum(need) - need, need)
+            t.block_table[batch.rows[r], have[r] + j] = got
+            t.num_blocks[batch.rows] = have + need
+        if not lens.any():
+            return batch
+        flat = np.concatenate([d[:k] for d, k in zip(drafts, lens.tolist()) if k]).astype(np.int64)
+        return dataclasses.replace(batch, draft_lens=lens, drafts=flat)
+
     def schedule_ahead(self, batch: Batch) -> Batch | None:
         """The step after ``batch`` (still running, tokens unknown), or None when it cannot be known
         yet. After a prefill: the next prefill, if sequences wait and fit. After a decode: the next
         decode, unless sequences wait or a block would be short."""
         if batch.is_prefill:
             return self._schedule_prefill() if self.waiting else None
-        if self.waiting:
+        if self.waiting or batch.draft_lens is not None:  # a verify step's lengths are not known yet
             return None
         t, rows = self.table, batch.rows
         live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
@@ -221,6 +257,8 @@ class Scheduler:
         rows = batch.rows
         status = t.status[rows]
         live = (t.gen[rows] == batch.gens) & ((status == Status.RUNNING) | (status == Status.WAITING))
+        if batch.draft_lens is not None:
+            return self._postprocess_verify(batch, live, token_ids, logprobs)
         if batch.is_prefill:  # its KV was counted when it was scheduled
             samp = batch.sampling
             keep = live[samp]
@@ -246,18 +284,75 @@ class Scheduler:
             self._finish(finished)
         return finished
 
-    def _register_filled(self, slots: np.ndarray) -> None:
-        """Register the block each of ``slots`` completed with this step's KV (one per decode step)."""
+    def _postprocess_verify(self, batch: Batch, live: np.ndarray, token_ids: np.ndarray,
+                            logprobs: np.ndarray) -> np.ndarray:
+        """:meth:`postprocess` of a verify batch: ``token_ids``/``logprobs`` hold one entry per
+        computed position (``draft_lens[i] + 1`` per row, void ones < 0 past the first rejection).
+        Each live row appends its emitted tokens up to a stop token or its length limit; KV counts as
+        computed for every appended token but the last (the rejected drafts' KV is garbage past
+        ``num_cached``, overwritten when those positions are computed again), and the blocks taken
+        for positions past it are given back: the table is what plain steps would have left."""
         t, bs = self.table, self.block_size
-        filled = slots[t.num_cached[slots] // bs > t.num_hashed[slots]]
-        if not len(filled):
-            return
-        j = t.num_hashed[filled]
-        blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
-        hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
-        self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
-        t.last_hash[filled] = hashes
-        t.num_hashed[filled] = j + 1
+        reps = batch.draft_lens + 1
+        width = int(reps.max())
+        cu = np.concatenate([[0], np.cumsum(reps)])
+        col = np.arange(len(token_ids)) - np.repeat(cu[:-1], reps)
+        toks_RW = np.full((len(reps), width), -1, dtype=np.int64)
+        logp_RW = np.zeros((len(reps), width), dtype=np.float64)
+        toks_RW[np.repeat(np.arange(len(reps)), reps), col] = token_ids
+        logp_RW[np.repeat(np.arange(len(reps)), reps), col] = logprobs
+        emitted = (toks_RW >= 0).sum(axis=1)
+        srows, emitted, toks_RW, logp_RW = batch.rows[live], emitted[live], toks_RW[live], logp_RW[live]
+        if not len(srows):
+            return srows
+        n = t.num_tokens[srows]
+        stop_RW = self._is_stop(np.repeat(srows, width), toks_RW.reshape(-1)).reshape(toks_RW.shape)
+        stop_RW &= np.arange(width)[None, :] < emitted[:, None]
+        first_stop = np.where(stop_RW.any(axis=1), stop_RW.argmax(axis=1) + 1, width + 1)
+        m = np.minimum(np.minimum(emitted, first_stop), t.max_len[srows] - n)
+        t.reserve_length(int((n + m).max()))
+        r_idx = np.repeat(np.arange(len(srows)), m)
+        c_idx = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        t.tokens[srows[r_idx], n[r_idx] + c_idx] = toks_RW[r_idx, c_idx]
+        t.logprobs[srows[r_idx], n[r_idx] + c_idx] = logp_RW[r_idx, c_idx]
+        t.num_tokens[srows] = n + m
+        t.num_cached[srows] = n + m - 1
+        if self.bm.prefix_caching:
+            self._register_filled(srows)
+        stop = first_stop <= m
+        done = stop | (n + m >= t.max_len[srows])
+        self._trim_blocks(srows[~done])
+        finished = srows[done]
+        if len(finished):
+            t.finish[finished] = np.where(stop[done], STOP, LENGTH)
+            self._finish(finished)
+        return finished
+
+    def _trim_blocks(self, slots: np.ndarray) -> None:
+        """Give back the blocks of ``slots`` past the one holding position ``num_cached - 1``."""
+        t = self.table
+        keep = -(-t.num_cached[slots] // self.block_size)
+        extra = t.num_blocks[slots] - keep
+        for s, k, e in zip(slots.tolist(), keep.tolist(), extra.tolist()):
+            if e > 0:
+                self.bm.release(t.block_table[s, k : k + e][::-1].copy())
+                t.block_table[s, k : k + e] = 0
+                t.num_blocks[s] = k
+
+    def _register_filled(self, slots: np.ndarray) -> None:
+        """Register the blocks ``slots`` completed with this step's KV (one per decode step; up to
+        a verify step's accepted length)."""
+        t, bs = self.table, self.block_size
+        while True:
+            filled = slots[t.num_cached[slots] // bs > t.num_hashed[slots]]
+            if not len(filled):
+                return
+            j = t.num_hashed[filled]
+            blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
+            hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
+            self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
+            t.last_hash[filled] = hashes
+            t.num_hashed[filled] = j + 1
 
     def _is_stop(self, slots: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         sets = self.table.stop_set[slots]
