@@ -104,22 +104,16 @@ def write_prompts(path: str, *, rows: int, prompt_len: int) -> None:
 
 
 class PhasePeaks(PhaseObserver):
-    """The allocated peak of every trainer phase (peak stats reset at each phase's start), as an
-    observer of the trainer's PhaseTimer."""
+    """The allocated peak of every trainer phase, as an observer of the trainer's PhaseTimer that
+    reads each ended phase's peak from the run's peak owner (``trainer.colocation.peaks``,
+    :class:`tidal.memory.peaks.DevicePeaks`: the only resetter of the allocator's counter)."""
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.points = cuda, []
-
-    def phase_begin(self, name):
-        import torch
-
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+    def __init__(self, peaks):
+        self.peaks, self.points = peaks, []
 
     def phase_end(self, name, seconds):
-        import torch
-
-        self.points.append({"label": f"{name}:end", "peak": torch.cuda.max_memory_allocated() if self.cuda else None})
+        p = self.peaks.last.get(name) if self.peaks.cuda else None
+        self.points.append({"label": f"{name}:end", "peak": p.allocated if p else None})
 
     def pop(self) -> list[dict]:
         points, self.points = self.points, []
@@ -200,7 +194,7 @@ def run(args) -> dict:
     same_choice = (used.train.micro_batch_tokens, used.train.forward_micro_batch_tokens, used.model.gradient_checkpointing,
                    trainer.colocation.strategy.cfg.offload_optimizer) == (plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens,
                                                                       plan.choice.gradient_checkpointing, plan.choice.offload_optimizer)
-    rec = PhasePeaks(cuda)
+    rec = PhasePeaks(trainer.colocation.peaks)
     trainer.timer.add_observer(rec)
     base = {"figure": "memory_plan", "size": args.size, "lora": args.lora, "sequences": args.sequences, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "set": list(args.set), "chosen": plan.chosen(), "fits": plan.fits, "same_choice": same_choice,
@@ -217,7 +211,7 @@ def run(args) -> dict:
         trainer.train_step(step)
         wall = time.perf_counter() - t0
         points = rec.pop()
-        # the recorder resets the peak at each phase's start: the iteration's peak is its phases' largest
+        # each phase's own peak (the owner folds and resets at every boundary): the iteration's peak is their largest
         measured = max(phase_peaks(points).values(), default=None) if cuda else None
         record = {**base, "kind": "step", "step": step, "wall_s": round(wall, 2),
                   "measured_peak_gib": round(measured, 3) if measured is not None else None,
