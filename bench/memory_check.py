@@ -187,6 +187,8 @@ def run(args) -> dict:
     teacher = AutoConfig.from_pretrained(cfg.model.teacher.path) if cfg.model.teacher.path else None
     plan = make_plan(cfg, AutoConfig.from_pretrained(cfg.model.path), device=device, world_size=1,
                      needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic, teacher_hf_config=teacher)
+    if args.snapshot and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
     t0 = time.perf_counter()
     trainer = build_trainer(cfg)
     init_s = time.perf_counter() - t0
@@ -208,7 +210,14 @@ def run(args) -> dict:
     steps = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        trainer.train_step(step)
+        try:
+            trainer.train_step(step)
+        except torch.OutOfMemoryError as e:  # what the plan missed: the phases' peaks so far and the largest live blocks
+            emit(args, {**base, "kind": "oom", "step": step, "error": str(e)[:1500], "phases": compare(plan, phase_peaks(rec.pop())),
+                        "largest_blocks": largest_blocks() if args.snapshot else None,
+                        "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+                        "host_planned_gib": round(plan.host_bytes / GIB, 2), "plan": plan.table()})
+            raise
         wall = time.perf_counter() - t0
         points = rec.pop()
         # each phase's own peak (the owner folds and resets at every boundary): the iteration's peak is their largest
@@ -228,6 +237,21 @@ def run(args) -> dict:
                "steady_iteration_s": steady[-1]["wall_s"], "plan": plan.table()}
     emit(args, summary)
     return summary
+
+
+def largest_blocks(n: int = 25) -> list[dict]:
+    """The ``n`` largest live allocations (GiB) with the innermost Python frames that made them,
+    from the allocator's snapshot (``--snapshot`` records the history that names the frames)."""
+    import torch
+
+    blocks = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in b.get("frames", [])
+                          if f["filename"].endswith(".py")][:6]
+                blocks.append({"gib": round(b["size"] / GIB, 3), "frames": frames})
+    return sorted(blocks, key=lambda b: -b["gib"])[:n]
 
 
 def emit(args, record: dict) -> None:
@@ -250,6 +274,8 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], help="a config override key=value (repeatable)")
     p.add_argument("--workdir", default="/tmp/tidal_memory_check")
     p.add_argument("--record", default=os.path.join(HERE, "results", "memory_check.jsonl"))
+    p.add_argument("--snapshot", action="store_true", help="record the allocator's history; an out-of-memory error then "
+                   "lists the largest live blocks and where they were allocated")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (checks the script; nothing is measured)")
     p.add_argument("--device-gib", type=float, default=80.0, help="with --tiny: the device the plan is made for")
     args = p.parse_args(argv)

@@ -232,6 +232,13 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, chec
     return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
 
 
+def attention_workspace_bytes(shape: ModelShape, tokens: int) -> int:
+    """What the CUDA flash attention backward allocates for itself beside its outputs: an fp32
+    accumulator of the query gradient (``4Q`` per token) and fp32 row statistics (``4n`` per
+    token, twice). Not seen on CPU (its math kernel has none); counted from the kernel's buffers."""
+    return tokens * (4 * shape.q_dim + 8 * shape.heads)
+
+
 def lm_head_train_bytes(shape: ModelShape, chunk_rows: int, *, compiled: bool) -> int:
     """The LM head's backward on top of the saved activations: the fp32 ``[V, H]`` weight-gradient
     accumulator and its bf16 result, and one chunk of logits and their gradients (fused when compiled)."""
@@ -494,6 +501,7 @@ class _Sizes:
 
     actor_weights: int
     actor_grads: int
+    actor_grads_accumulating: int  # while several micro-batches accumulate (before the last one's reduction)
     actor_optim_device: int
     actor_optim_host: int
     optimizer_staging: int
@@ -519,16 +527,20 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
         # fp32 masters of everything (a LoRA base too), sharded; fp32 grads and AdamW moments of what trains
         weights = 4 * (n_base + n_train) // world
         grads = 4 * n_train // world
+        # without gradient sync (every micro-batch but a step's last) FSDP2 keeps each parameter's
+        # unsharded gradient, upcast to the fp32 reduce dtype: the whole model's, on every rank
+        accumulating = 4 * n_train
         optim = 8 * n_train // world
         optim_device, optim_host = (0, optim) if offload else (optim, 0)
         staging = 2 * STREAM_CHUNK_BYTES if offload else 0
     else:
         weights, grads, optim_device, optim_host = _deepspeed_sizes(inp, n_base, n_train, offload)
+        accumulating = grads
         staging = 0
     critic = shape.critic_params() if inp.needs_critic else 0
     critic_optim = 8 * critic // world
     return _Sizes(
-        actor_weights=weights, actor_grads=grads, actor_optim_device=optim_device, actor_optim_host=optim_host,
+        actor_weights=weights, actor_grads=grads, actor_grads_accumulating=accumulating, actor_optim_device=optim_device, actor_optim_host=optim_host,
         optimizer_staging=staging,
         critic_weights=4 * critic // world, critic_grads=4 * critic // world,
         critic_optim_device=0 if offload else critic_optim, critic_optim_host=critic_optim if offload else 0,
@@ -662,6 +674,13 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     return PhasePeak("experience", tuple(parts))
 
 
+def _layers_compiled(inp: PlanInputs, c: Choice) -> bool:
+    """Whether the trained models' decoder layers run compiled: not under gradient checkpointing
+    (:func:`tidal.strategy.fsdp2.compile_layers` leaves checkpointed layers eager); the LM head's
+    logprob passes compile either way (``inp.compiled``)."""
+    return inp.compiled and not c.gradient_checkpointing
+
+
 def _micro_batches(inp: PlanInputs, tokens: int) -> int:
     """Training micro-batches per optimizer step (at least; rows do not pack perfectly)."""
     per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
@@ -675,19 +694,35 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     layer by layer, so the peak is the larger of the two."""
     tokens = c.micro_batch_tokens if tokens is None else tokens
     response = _response_tokens(inp, tokens)
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank, lora_targets=_lora_targets(inp))
+    kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank,
+              lora_targets=_lora_targets(inp))
     act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
     head = lm_head_train_bytes(inp.shape, min(inp.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
     parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
     several = _micro_batches(inp, tokens) > 1
-    if several or sz.actor_grads >= act + max(head, layer):
-        parts.append(Part("actor gradients", sz.actor_grads))
-    if several or sz.actor_grads < act + max(head, layer):
+    grads = sz.actor_grads_accumulating if several else sz.actor_grads
+    if several or grads >= act + max(head, layer):
+        parts.append(Part("actor gradients" + (" (accumulating)" if grads != sz.actor_grads else ""), grads))
+    if several or grads < act + max(head, layer):
         parts.append(Part(f"activations ({tokens} tokens{', checkpointed' if c.gradient_checkpointing else ''})", act))
         parts.append(Part("LM head backward", head) if head >= layer else Part("a layer's backward", layer))
+    if layer >= head:
+        parts.append(Part("attention backward workspace", attention_workspace_bytes(inp.shape, tokens)))
+    parts.append(_allocator_slack(inp, tokens))
     return PhasePeak("update", tuple(p for p in parts if p.nbytes))
+
+
+def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
+    """Reserved beyond allocated at a training micro-batch's peak (not predicted: bounded). The
+    caching allocator serves each large request from a cached block at least as large, so a freed
+    block that is too small for the next request stays reserved: bounded here by one of the largest
+    blocks a micro-batch allocates (the MLP's ``[T, I]`` bf16 intermediate, or a chunk of fp32
+    logits). Not allocated: it counts against the budget, not in ``max_memory_allocated``."""
+    chunk = min(inp.logprob_chunk_tokens, _response_tokens(inp, tokens))
+    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.intermediate, 4 * chunk * inp.shape.vocab),
+                allocated=False)
 
 
 def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
@@ -699,7 +734,7 @@ def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     tokens = c.micro_batch_tokens
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing)
+    kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing)
     act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
     if inp.offload_critic:

@@ -52,11 +52,25 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def compile_layers(model: torch.nn.Module) -> None:
     """Compile each decoder layer's ``forward`` in place (``torch.compile``, dynamic shapes).
 
-    Only ``forward`` is compiled, not the module call: FSDP2's unshard/reshard hooks and HF
-    gradient checkpointing stay eager around it, and parameter names do not change. The layers
-    share one code object, so one compilation serves them all (parameters are graph inputs)."""
+    Only ``forward`` is compiled, not the module call: FSDP2's unshard/reshard hooks stay eager
+    around it, and parameter names do not change. The layers share one code object, so one
+    compilation serves them all (parameters are graph inputs).
+
+    A layer under gradient checkpointing (``model.gradient_checkpointing``: HF's checkpoint around
+    the module call) stays eager: the tensors a compiled region saves for its backward escape the
+    checkpoint's saved-tensor hooks, so a compiled checkpointed layer keeps its whole saved set (the
+    same bytes as without checkpointing: measured in tests/unit/test_memory_activations.py) and the
+    recompute would cost time for nothing."""
+    if checkpointed(model):
+        return
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether HF gradient checkpointing is on anywhere in ``model`` (on the layers, or on the
+    decoder stack in transformers versions that checkpoint from there)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 class FSDP2Strategy(Strategy):
