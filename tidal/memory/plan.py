@@ -63,11 +63,18 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tidal.config_base import ConfigError
 from tidal.engine import sizing as engine_sizing
 from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from tidal.engine.config import EngineConfig
+    from tidal.memory.config import MemoryConfig
+    from tidal.models.config import ModelConfig
+    from tidal.strategy.config import StrategyConfig
+    from tidal.trainer.config import RolloutConfig, TrainConfig
 
 GiB = 2**30
 MiB = 2**20
@@ -297,71 +304,83 @@ class HostMemory:
     source: str
 
 
+def given(value):
+    """A setting the user gave, or None where it is ``auto`` (the plan decides it)."""
+    return None if value == "auto" else value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanInputs:
-    """Everything :func:`plan_memory` needs, as plain values (see :func:`inputs_from_config`).
-    ``None`` for a setting the plan decides (the user left it ``auto``)."""
+    """Everything :func:`plan_memory` needs: the model's shape, the run's config sections as written
+    (``auto`` where the plan decides; every other value, default or not, is the section's own: the
+    plan keeps no copy of a config default), and the machine (see :func:`inputs_from_config`).
+    ``needs_*``: the Algorithm's; ``compiled``: ``strategy.compile`` resolved for the device;
+    ``kv_outside_allocator``: the engine's KV cache lives outside PyTorch's allocator;
+    ``teacher``: a local distillation teacher's shape."""
 
     shape: ModelShape
-    lora_rank: int = 0
-    lora_targets: tuple[str, ...] = ()
+    train: TrainConfig
+    model: ModelConfig
+    strategy: StrategyConfig
+    engine: EngineConfig
+    rollout: RolloutConfig
+    memory: MemoryConfig
+    max_prompt_len: int  # data.max_prompt_len
     world_size: int = 1
     local_world_size: int = 1
-    # rollout
-    sequences_per_rank: int
-    mini_batches: int = 1
-    max_prompt_len: int
-    max_new_tokens: int
-    # training
-    micro_batch_tokens: int | None = None
-    micro_batch_max_seqs: int = 64
-    forward_micro_batch_tokens: int | None = None
-    forward_micro_batch_max_seqs: int = 256
-    gradient_checkpointing: bool | None = None
-    logprob_chunk_tokens: int = 2048
-    # strategy
-    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
-    zero_stage: int = 3
-    compiled: bool = True
-    offload_optimizer: bool | None = None
-    offload_reference: bool = True
-    offload_critic: bool = False
-    offload_actor_during_rollout: bool = False
     needs_reference: bool = False
     needs_critic: bool = False
-    teacher: ModelShape | None = None  # a local distillation teacher (frozen, bf16, sharded)
-    offload_teacher: bool = True
-    # engine
-    engine_backend: str = "native"
-    tp_size: int = 1
-    sleep_level: int = 1
-    kv_cache_memory_fraction: float = 0.5
-    kv_cache_max_tokens: int = 0
+    compiled: bool = True
     kv_outside_allocator: bool = True
-    block_size: int = 16
-    max_num_seqs: int | None = None  # None: ``auto``, as many as the KV cache holds
-    max_num_batched_tokens: int = 8192
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 512
-    # machine
+    teacher: ModelShape | None = None
     device: DeviceMemory
-    device_fraction: float = 0.9
     host: HostMemory
-    host_fraction: float = 0.9
+
+    # the settings the plan decides: None where they are ``auto``
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        return given(self.train.micro_batch_tokens)
 
     @property
+    def forward_micro_batch_tokens(self) -> int | None:
+        return given(self.train.forward_micro_batch_tokens)
+
+    @property
+    def gradient_checkpointing(self) -> bool | None:
+        return given(self.model.gradient_checkpointing)
+
+    @property
+    def offload_optimizer(self) -> bool | None:
+        return given(self.strategy.offload_optimizer)
+
+    # derived numbers
+    @property
     def max_len(self) -> int:
-        return self.max_prompt_len + self.max_new_tokens
+        return self.max_prompt_len + self.rollout.max_new_tokens
+
+    @property
+    def sequences_per_rank(self) -> int:
+        """Sequences one rank rolls out and trains on per step."""
+        return max(1, self.rollout.prompts_per_step * self.rollout.n_samples // self.world_size)
 
     @property
     def sequences_per_engine(self) -> int:
         """Sequences one engine generates per rollout (a TP group's ranks gather their prompts)."""
-        return self.sequences_per_rank * self.tp_size
+        return self.sequences_per_rank * self.engine.tp_size
 
     @property
     def decode_batch(self) -> int:
         """The largest decode batch: every sequence of the rollout (one wave) unless ``engine.max_num_seqs`` caps it."""
-        return min(self.sequences_per_engine, self.max_num_seqs or self.sequences_per_engine)
+        cap = given(self.engine.max_num_seqs)
+        return min(self.sequences_per_engine, cap or self.sequences_per_engine)
+
+    @property
+    def lora_rank(self) -> int:
+        return self.model.lora.rank
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(self.model.lora.target_modules)
 
     @property
     def lora(self) -> bool:
@@ -369,35 +388,21 @@ class PlanInputs:
 
     @property
     def budget(self) -> int:
-        return int(self.device.total * self.device_fraction)
+        return int(self.device.total * self.memory.device_fraction)
 
 
 def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int, device: DeviceMemory, host: HostMemory,
                        needs_reference: bool, needs_critic: bool, compiled: bool, kv_outside_allocator: bool,
                        teacher_hf_config: Any = None) -> PlanInputs:
-    """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (``auto`` settings become None).
+    """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (its sections as they are).
     ``hf_config``: the actor's Hugging Face config (or its ``config.json`` as a dict);
     ``teacher_hf_config``: the local distillation teacher's (``model.teacher.path``), None without one."""
-    t, m, s, e, r = cfg.train, cfg.model, cfg.strategy, cfg.engine, cfg.rollout
-    auto = lambda v: None if v == "auto" else v  # noqa: E731
     return PlanInputs(
-        shape=ModelShape.from_hf_config(hf_config), lora_rank=m.lora.rank, lora_targets=tuple(m.lora.target_modules),
-        world_size=world_size, local_world_size=local_world_size,
-        sequences_per_rank=max(1, r.prompts_per_step * r.n_samples // world_size), mini_batches=t.mini_batches,
-        max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
-        micro_batch_tokens=auto(t.micro_batch_tokens), micro_batch_max_seqs=t.micro_batch_max_seqs,
-        forward_micro_batch_tokens=auto(t.forward_micro_batch_tokens), forward_micro_batch_max_seqs=t.forward_micro_batch_max_seqs,
-        gradient_checkpointing=auto(m.gradient_checkpointing), logprob_chunk_tokens=m.logprob_chunk_tokens,
-        backend=s.backend, zero_stage=s.zero_stage, compiled=compiled, offload_optimizer=auto(s.offload_optimizer),
-        offload_reference=s.offload_reference, offload_critic=s.offload_critic,
-        offload_actor_during_rollout=s.offload_actor_during_rollout, needs_reference=needs_reference, needs_critic=needs_critic,
-        teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None,
-        offload_teacher=s.offload_teacher,
-        engine_backend=e.backend, tp_size=e.tp_size, sleep_level=e.sleep_level, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
-        kv_cache_max_tokens=e.kv_cache_max_tokens, kv_outside_allocator=kv_outside_allocator, block_size=e.block_size,
-        max_num_seqs=auto(e.max_num_seqs), max_num_batched_tokens=e.max_num_batched_tokens, cuda_graphs=e.cuda_graphs,
-        cuda_graph_max_batch=e.cuda_graph_max_batch,
-        device=device, device_fraction=cfg.memory.device_fraction, host=host, host_fraction=cfg.memory.host_fraction,
+        shape=ModelShape.from_hf_config(hf_config), train=cfg.train, model=cfg.model, strategy=cfg.strategy, engine=cfg.engine,
+        rollout=cfg.rollout, memory=cfg.memory, max_prompt_len=cfg.data.max_prompt_len, world_size=world_size,
+        local_world_size=local_world_size, needs_reference=needs_reference, needs_critic=needs_critic, compiled=compiled,
+        kv_outside_allocator=kv_outside_allocator,
+        teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None, device=device, host=host,
     )
 
 
@@ -488,7 +493,7 @@ class MemoryPlan:
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache is predicted to hold in the steady state (0: not the native engine)."""
-        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine_backend == "native" else 0
+        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine.backend == "native" else 0
 
     def table(self) -> str:
         return format_plan(self)
@@ -523,7 +528,7 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
     shape, world = inp.shape, inp.world_size
     n_all, n_train = shape.params(), _trainable_params(inp)
     n_base = n_all if inp.lora else 0
-    if inp.backend == "fsdp2":
+    if inp.strategy.backend == "fsdp2":
         # fp32 masters of everything (a LoRA base too), sharded; fp32 grads and AdamW moments of what trains
         weights = 4 * (n_base + n_train) // world
         grads = 4 * n_train // world
@@ -546,7 +551,7 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
         critic_optim_device=0 if offload else critic_optim, critic_optim_host=critic_optim if offload else 0,
         reference=2 * n_all // world if inp.needs_reference and not inp.lora else 0,
         teacher=2 * inp.teacher.params() // world if inp.teacher is not None else 0,
-        engine_weights=2 * n_all // inp.tp_size,
+        engine_weights=2 * n_all // inp.engine.tp_size,
         overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if world > 1 else 0),
     )
 
@@ -556,7 +561,7 @@ def _deepspeed_sizes(inp: PlanInputs, n_base: int, n_train: int, offload: bool) 
     parameters (partitioned at stage 3, with a LoRA base), fp32 masters and moments partitioned at
     every stage (on the host with ZeRO-Offload), fp32 gradient partitions at stages 2-3, full bf16
     gradients at stage 1."""
-    world, stage = inp.world_size, inp.zero_stage
+    world, stage = inp.world_size, inp.strategy.zero_stage
     lp = 2 * (n_base + n_train) // (world if stage == 3 else 1)
     masters, moments = 4 * n_train // world, 8 * n_train // world
     grads = 4 * n_train // world if stage >= 2 else 2 * n_train
@@ -570,12 +575,12 @@ def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
     when set, else the engine's own rule (:func:`tidal.engine.sizing.kv_budget_bytes`) applied to the
     memory available when it wakes up: the device less what is outside the allocator and what stays
     allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
-    if inp.kv_cache_max_tokens:
-        return inp.kv_cache_max_tokens // inp.block_size * inp.block_size
-    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.offload_actor_during_rollout) if p.allocated)
+    if inp.engine.kv_cache_max_tokens:
+        return inp.engine.kv_cache_max_tokens // inp.engine.block_size * inp.engine.block_size
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
     available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
-    per_block = inp.shape.kv_cache_bytes_per_token(inp.tp_size) * inp.block_size
-    return engine_sizing.kv_budget_bytes(inp, available) // per_block * inp.block_size
+    per_block = inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size) * inp.engine.block_size
+    return engine_sizing.kv_budget_bytes(inp.engine, available) // per_block * inp.engine.block_size
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
@@ -584,13 +589,13 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
         parts.append(Part("actor weights", sz.actor_weights))
     if sz.actor_optim_device:
         parts.append(Part("actor optimizer state", sz.actor_optim_device))
-    if sz.critic_weights and critic and not inp.offload_critic:
+    if sz.critic_weights and critic and not inp.strategy.offload_critic:
         parts.append(Part("critic weights", sz.critic_weights))
     if sz.critic_optim_device:
         parts.append(Part("critic optimizer state", sz.critic_optim_device))
-    if sz.reference and not inp.offload_reference:
+    if sz.reference and not inp.strategy.offload_reference:
         parts.append(Part("reference weights", sz.reference))
-    if sz.teacher and not inp.offload_teacher:
+    if sz.teacher and not inp.strategy.offload_teacher:
         parts.append(Part("teacher weights", sz.teacher))
     return [p for p in parts if p.nbytes]
 
@@ -598,36 +603,36 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
 def _graphs_kept(inp: PlanInputs) -> bool:
     """The native engine's decode CUDA graphs (and their pool) outlive level-1 sleeps when its KV
     cache has a fixed address."""
-    return inp.engine_backend == "native" and inp.cuda_graphs and inp.kv_outside_allocator
+    return inp.engine.backend == "native" and inp.engine.cuda_graphs and inp.kv_outside_allocator
 
 
 def _graph_pool(inp: PlanInputs) -> Part:
     """Activations of the largest decode batch replayed from a CUDA graph (``engine.cuda_graph_max_batch``)."""
-    batch = min(inp.decode_batch, inp.cuda_graph_max_batch)
-    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.tp_size), allocated=False)
+    batch = min(inp.decode_batch, inp.engine.cuda_graph_max_batch)
+    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.engine.tp_size), allocated=False)
 
 
 def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
     """What the engine keeps on the device outside rollouts: level 0 everything; level 1 its
     weights (and its CUDA graphs' pool where the graphs survive); level 2 nothing."""
-    if inp.sleep_level >= 2:
+    if inp.engine.sleep_level >= 2:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
-    if inp.sleep_level == 0:
+    if inp.engine.sleep_level == 0:
         parts.append(_kv_part(inp, sz))
-    if _graphs_kept(inp) or (inp.sleep_level == 0 and inp.cuda_graphs):
+    if _graphs_kept(inp) or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
 
 def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
     kv_tokens = _kv_tokens(inp, sz)
-    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.tp_size),
+    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
                 allocated=not inp.kv_outside_allocator)
 
 
 def _response_tokens(inp: PlanInputs, tokens: int) -> int:
-    return tokens * inp.max_new_tokens // inp.max_len
+    return tokens * inp.rollout.max_new_tokens // inp.max_len
 
 
 def _lora_targets(inp: PlanInputs) -> int:
@@ -635,12 +640,12 @@ def _lora_targets(inp: PlanInputs) -> int:
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.max_num_batched_tokens, tp_size=inp.tp_size)
-    graphs = inp.cuda_graphs and inp.engine_backend == "native"
+    prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
+    graphs = inp.engine.cuda_graphs and inp.engine.backend == "native"
     # decode batches above the graphs' largest run eagerly, their activations in the allocator
-    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.cuda_graph_max_batch else 0
-    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.tp_size)
-    parts = _resident(inp, sz, actor=not inp.offload_actor_during_rollout) + [
+    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.engine.cuda_graph_max_batch else 0
+    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.engine.tp_size)
+    parts = _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) + [
         Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
         Part("engine activations", max(prefill, decode)),
     ]
@@ -656,15 +661,15 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     response = _response_tokens(inp, tokens)
     runs = [("actor", inp.shape, 0)]  # (who, shape, weights brought in for it)
     if sz.reference:
-        runs.append(("reference", inp.shape, sz.reference if inp.offload_reference else 0))
+        runs.append(("reference", inp.shape, sz.reference if inp.strategy.offload_reference else 0))
     if sz.critic_weights:
-        runs.append(("critic", inp.shape, sz.critic_weights if inp.offload_critic else 0))
+        runs.append(("critic", inp.shape, sz.critic_weights if inp.strategy.offload_critic else 0))
     if sz.teacher:
-        runs.append(("teacher", inp.teacher, sz.teacher if inp.offload_teacher else 0))
+        runs.append(("teacher", inp.teacher, sz.teacher if inp.strategy.offload_teacher else 0))
 
     def cost(run):
         _, shape, weights = run
-        fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.logprob_chunk_tokens, response),
+        fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.model.logprob_chunk_tokens, response),
                                        compiled=inp.compiled)
         return [Part(f"{run[0]} weights (reloaded)", weights), Part(f"{run[0]} forward ({tokens} tokens)", fwd),
                 Part("unsharded layers", fsdp_working_bytes(shape, backward=False))]
@@ -683,7 +688,7 @@ def _layers_compiled(inp: PlanInputs, c: Choice) -> bool:
 
 def _micro_batches(inp: PlanInputs, tokens: int) -> int:
     """Training micro-batches per optimizer step (at least; rows do not pack perfectly)."""
-    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
+    per_mini = max(1, inp.sequences_per_rank // inp.train.mini_batches) * inp.max_len
     return -(-per_mini // max(1, tokens))
 
 
@@ -697,7 +702,7 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank,
               lora_targets=_lora_targets(inp))
     act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
-    head = lm_head_train_bytes(inp.shape, min(inp.logprob_chunk_tokens, response), compiled=inp.compiled)
+    head = lm_head_train_bytes(inp.shape, min(inp.model.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
     parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
@@ -720,7 +725,7 @@ def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
     block that is too small for the next request stays reserved: bounded here by one of the largest
     blocks a micro-batch allocates (the MLP's ``[T, I]`` bf16 intermediate, or a chunk of fp32
     logits). Not allocated: it counts against the budget, not in ``max_memory_allocated``."""
-    chunk = min(inp.logprob_chunk_tokens, _response_tokens(inp, tokens))
+    chunk = min(inp.model.logprob_chunk_tokens, _response_tokens(inp, tokens))
     return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.intermediate, 4 * chunk * inp.shape.vocab),
                 allocated=False)
 
@@ -737,7 +742,7 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing)
     act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
-    if inp.offload_critic:
+    if inp.strategy.offload_critic:
         parts.append(Part("critic weights (reloaded)", sz.critic_weights))
     parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
               Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True))]
@@ -747,7 +752,7 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
     merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
-    engine = _engine_between_rollouts(inp, sz) if inp.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
+    engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))
 
@@ -766,19 +771,19 @@ def _host_parts(inp: PlanInputs, c: Choice) -> tuple[list[Part], int]:
     sz = _sizes(inp, c.offload_optimizer)
     parts = [Part("process (Python, torch, CUDA libraries)", HOST_PROCESS_BYTES)]
     if sz.actor_optim_host:
-        pinned = "pinned" if inp.backend == "fsdp2" else "ZeRO-Offload: fp32 masters, moments, gradients"
+        pinned = "pinned" if inp.strategy.backend == "fsdp2" else "ZeRO-Offload: fp32 masters, moments, gradients"
         parts.append(Part(f"actor optimizer state ({pinned})", sz.actor_optim_host))
     if sz.critic_optim_host:
         parts.append(Part("critic optimizer state (pinned)", sz.critic_optim_host))
-    if inp.sleep_level == 2 and inp.engine_backend == "native":
+    if inp.engine.sleep_level == 2 and inp.engine.backend == "native":
         parts.append(Part("engine weights while asleep (pinned)", sz.engine_weights))
-    if sz.reference and inp.offload_reference:
+    if sz.reference and inp.strategy.offload_reference:
         parts.append(Part("parked reference weights (pinned)", sz.reference))
-    if sz.teacher and inp.offload_teacher:
+    if sz.teacher and inp.strategy.offload_teacher:
         parts.append(Part("parked teacher weights (pinned)", sz.teacher))
-    if inp.offload_actor_during_rollout:
+    if inp.strategy.offload_actor_during_rollout:
         parts.append(Part("actor weights during rollout", sz.actor_weights))
-    if inp.offload_critic:
+    if inp.strategy.offload_critic:
         parts.append(Part("critic weights between uses", sz.critic_weights))
     # from_pretrained materialises a whole model in fp32 on the host before it is sharded
     setup = HOST_PROCESS_BYTES + 4 * max(inp.shape.params(), inp.teacher.params() if inp.teacher is not None else 0)
@@ -807,12 +812,12 @@ def _round_tokens(t: int, floor: int) -> int:
 
 def _train_cap(inp: PlanInputs) -> int:
     """The most tokens a training micro-batch can hold: a rank's mini-batch, or max_seqs full rows."""
-    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
-    return max(inp.max_len, min(per_mini, inp.micro_batch_max_seqs * inp.max_len))
+    per_mini = max(1, inp.sequences_per_rank // inp.train.mini_batches) * inp.max_len
+    return max(inp.max_len, min(per_mini, inp.train.micro_batch_max_seqs * inp.max_len))
 
 
 def _forward_cap(inp: PlanInputs) -> int:
-    rows = min(inp.sequences_per_rank, inp.forward_micro_batch_max_seqs)
+    rows = min(inp.sequences_per_rank, inp.train.forward_micro_batch_max_seqs)
     return max(inp.max_len, min(MAX_FORWARD_MICRO_BATCH_TOKENS, rows * inp.max_len))
 
 
@@ -846,20 +851,20 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
         if ph.total > budget:
             out.append(_phase_problem(inp, c, ph))
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine_backend == "native" and kv_tokens < inp.max_len:
-        key = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
+    if inp.engine.backend == "native" and kv_tokens < inp.max_len:
+        key = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
         out.append((key, f"the engine's KV cache would hold {kv_tokens} tokens, less than one sequence of "
                     f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); raise {key}, free device memory "
                     "during rollouts (strategy.offload_optimizer=true, strategy.offload_actor_during_rollout=true) or "
                     "shorten the sequences"))
-    host_budget = int(inp.host.total * inp.host_fraction)
+    host_budget = int(inp.host.total * inp.memory.host_fraction)
     steady = inp.local_world_size * sum(p.nbytes for p in host_parts)
     setup = inp.local_world_size * host_setup
     for what, need in (("host memory in the steady state", steady), ("host memory while loading the model", setup)):
         if need > host_budget:
             out.append(("memory.host_memory_gib", (
                 f"{what}: {gib(need):.1f} GiB for {inp.local_world_size} rank(s) on this host, more than "
-                f"{inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source}). Keep less on the host "
+                f"{inp.memory.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source}). Keep less on the host "
                 "(strategy.offload_optimizer=false, engine.sleep_level=1, strategy.offload_reference=false) or, where "
                 "the machine has more memory than detected (memory that grows as it is used), set memory.host_memory_gib")))
     return out
@@ -868,7 +873,7 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
 def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]:
     """(the first setting to change, the problem and every change that would lower this phase)."""
     over = (f"the {ph.name} phase needs {gib(ph.total):.1f} GiB, over the budget of {gib(inp.budget):.1f} GiB "
-            f"({inp.device_fraction:.0%} of {gib(inp.device.total):.1f} GiB, memory.device_fraction)")
+            f"({inp.memory.device_fraction:.0%} of {gib(inp.device.total):.1f} GiB, memory.device_fraction)")
     training = ph.name in ("update", "critic update")
     hints: list[tuple[str, str]] = []
     if training and inp.micro_batch_tokens is not None and inp.micro_batch_tokens > inp.max_len:
@@ -880,7 +885,7 @@ def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]
         hints.append(("model.gradient_checkpointing", "set model.gradient_checkpointing=true (or auto)"))
     if not c.offload_optimizer and ph.name != "weight sync":
         hints.append(("strategy.offload_optimizer", "set strategy.offload_optimizer=true (or auto): the optimizer state waits in host memory"))
-    if inp.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
+    if inp.engine.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
         hints.append(("engine.sleep_level", "set engine.sleep_level=2: the engine's weights wait on the host outside rollouts"))
     if ph.name == "rollout":
         hints.append(("engine.kv_cache_memory_fraction", "lower engine.kv_cache_memory_fraction or set engine.kv_cache_max_tokens, "
@@ -925,14 +930,14 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
     phases = _phases(inp, c)
     host_parts, host_setup = _host_parts(inp, c)
     notes = []
-    if inp.engine_backend not in ("native", "hf"):
-        notes.append(f"engine.backend={inp.engine_backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
-    if inp.backend == "deepspeed":
+    if inp.engine.backend not in ("native", "hf"):
+        notes.append(f"engine.backend={inp.engine.backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
+    if inp.strategy.backend == "deepspeed":
         notes.append("DeepSpeed figures follow its documented layout (not calibrated on a GPU)")
     if inp.shape.vision:
         notes.append("vision-language model: the vision tower's weights and activations are not counted")
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine_backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
+    if inp.engine.backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
         notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
                      "sequences at full length: long rollouts run in more than one wave")
     return MemoryPlan(inputs=inp, choice=c, phases=phases, host_parts=tuple(host_parts), host_setup_bytes=host_setup,
@@ -1012,10 +1017,10 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     inp, c = plan.inputs, plan.choice
     shape = inp.shape
     lines = [
-        f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
+        f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.memory.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
         f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
         + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
-        + f"; {inp.world_size} rank(s), {inp.backend}",
+        + f"; {inp.world_size} rank(s), {inp.strategy.backend}",
     ]
     chosen = plan.chosen()
     settings = [
@@ -1023,7 +1028,7 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
         ("model.gradient_checkpointing", c.gradient_checkpointing), ("strategy.offload_optimizer", c.offload_optimizer),
     ]
     if plan.kv_cache_tokens:
-        source = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else f"{inp.kv_cache_memory_fraction:g} of the memory available"
+        source = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else f"{inp.engine.kv_cache_memory_fraction:g} of the memory available"
         settings.append(("engine KV cache", f"{plan.kv_cache_tokens} tokens ({source})"))
     lines.append("  settings: " + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}{' (auto)' if k in chosen else ''}"
                                              for k, v in settings))
@@ -1038,6 +1043,6 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     lines.append(f"  host: {gib(plan.host_bytes):.1f} GiB steady ({inp.local_world_size} rank(s) x {gib(host_total):.1f}: "
                  + ", ".join(f"{p.label} {gib(p.nbytes):.1f}" for p in plan.host_parts)
                  + f"), {gib(inp.local_world_size * plan.host_setup_bytes):.1f} GiB while loading; "
-                 f"budget {inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source})")
+                 f"budget {inp.memory.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source})")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
