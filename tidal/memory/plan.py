@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tidal.config_base import ConfigError
 from tidal.engine import sizing as engine_sizing
-from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
+from tidal.strategy import memory_layout
 
 if TYPE_CHECKING:
     from tidal.engine.config import EngineConfig
@@ -263,26 +263,6 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens:
         return body
     head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
     return max(body, head)
-
-
-def fsdp_working_bytes(shape: ModelShape, *, backward: bool) -> int:
-    """Unsharded bf16 parameters FSDP2 holds during a forward: the root's embedding/LM head for the
-    whole pass, the layer computing and the one prefetched; in the backward also one layer's bf16
-    gradients and their fp32 copy for the reduce-scatter."""
-    layer = shape.layer_params()
-    return 2 * shape.embedding_params() + 4 * layer + (6 * layer if backward else 0)
-
-
-def engine_prefill_bytes(shape: ModelShape, *, max_num_batched_tokens: int, tp_size: int) -> int:
-    """Activations of the engine's largest prefill step (eager): a chunk of ``max_num_batched_tokens``
-    through one layer at a time."""
-    return max_num_batched_tokens * (6 * shape.intermediate // tp_size + 8 * shape.hidden)
-
-
-def engine_decode_bytes(shape: ModelShape, *, max_num_seqs: int, tp_size: int) -> int:
-    """Activations of a decode step of ``max_num_seqs`` sequences with its fp32 logits and sampling
-    buffers; with CUDA graphs they live in the graphs' private pool (reserved, not allocated)."""
-    return max_num_seqs * (6 * shape.intermediate // tp_size + 8 * shape.hidden + 16 * shape.vocab // tp_size)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------
@@ -493,7 +473,7 @@ class MemoryPlan:
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache is predicted to hold in the steady state (0: not the native engine)."""
-        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine.backend == "native" else 0
+        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if _engine(self.inputs).own_kv_rule else 0
 
     def table(self) -> str:
         return format_plan(self)
@@ -510,6 +490,7 @@ class _Sizes:
     actor_optim_device: int
     actor_optim_host: int
     optimizer_staging: int
+    host_label: str
     critic_weights: int
     critic_grads: int
     critic_optim_device: int
@@ -525,49 +506,31 @@ def _trainable_params(inp: PlanInputs) -> int:
 
 
 def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
+    """The resident pieces, each as its owner describes it: the trained and frozen models' bytes
+    by the strategy backend's layout (:func:`tidal.strategy.memory_layout`), the engine's weights."""
+    layout = memory_layout(inp.strategy.backend)
     shape, world = inp.shape, inp.world_size
     n_all, n_train = shape.params(), _trainable_params(inp)
-    n_base = n_all if inp.lora else 0
-    if inp.strategy.backend == "fsdp2":
-        # fp32 masters of everything (a LoRA base too), sharded; fp32 grads and AdamW moments of what trains
-        weights = 4 * (n_base + n_train) // world
-        grads = 4 * n_train // world
-        # without gradient sync (every micro-batch but a step's last) FSDP2 keeps each parameter's
-        # unsharded gradient, upcast to the fp32 reduce dtype: the whole model's, on every rank
-        accumulating = 4 * n_train
-        optim = 8 * n_train // world
-        optim_device, optim_host = (0, optim) if offload else (optim, 0)
-        staging = 2 * STREAM_CHUNK_BYTES if offload else 0
-    else:
-        weights, grads, optim_device, optim_host = _deepspeed_sizes(inp, n_base, n_train, offload)
-        accumulating = grads
-        staging = 0
-    critic = shape.critic_params() if inp.needs_critic else 0
-    critic_optim = 8 * critic // world
+    actor = layout.trained(inp.strategy, stored=n_all + (n_train if inp.lora else 0), trainable=n_train, world=world, offload=offload)
+    n_critic = shape.critic_params() if inp.needs_critic else 0
+    critic = layout.trained(inp.strategy, stored=n_critic, trainable=n_critic, world=world, offload=offload)
     return _Sizes(
-        actor_weights=weights, actor_grads=grads, actor_grads_accumulating=accumulating, actor_optim_device=optim_device, actor_optim_host=optim_host,
-        optimizer_staging=staging,
-        critic_weights=4 * critic // world, critic_grads=4 * critic // world,
-        critic_optim_device=0 if offload else critic_optim, critic_optim_host=critic_optim if offload else 0,
-        reference=2 * n_all // world if inp.needs_reference and not inp.lora else 0,
-        teacher=2 * inp.teacher.params() // world if inp.teacher is not None else 0,
+        actor_weights=actor.weights, actor_grads=actor.grads, actor_grads_accumulating=actor.grads_accumulating,
+        actor_optim_device=actor.optimizer_device, actor_optim_host=actor.optimizer_host, optimizer_staging=actor.optimizer_staging,
+        host_label=actor.host_label,
+        critic_weights=critic.weights, critic_grads=critic.grads, critic_optim_device=critic.optimizer_device,
+        critic_optim_host=critic.optimizer_host,
+        reference=layout.frozen(inp.strategy, params=n_all, world=world) if inp.needs_reference and not inp.lora else 0,
+        teacher=layout.frozen(inp.strategy, params=inp.teacher.params(), world=world) if inp.teacher is not None else 0,
         engine_weights=2 * n_all // inp.engine.tp_size,
         overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if world > 1 else 0),
     )
 
 
-def _deepspeed_sizes(inp: PlanInputs, n_base: int, n_train: int, offload: bool) -> tuple[int, int, int, int]:
-    """(weights, grads, optimizer state on the device, on the host) of a ZeRO engine: bf16 compute
-    parameters (partitioned at stage 3, with a LoRA base), fp32 masters and moments partitioned at
-    every stage (on the host with ZeRO-Offload), fp32 gradient partitions at stages 2-3, full bf16
-    gradients at stage 1."""
-    world, stage = inp.world_size, inp.strategy.zero_stage
-    lp = 2 * (n_base + n_train) // (world if stage == 3 else 1)
-    masters, moments = 4 * n_train // world, 8 * n_train // world
-    grads = 4 * n_train // world if stage >= 2 else 2 * n_train
-    if offload:  # ZeRO-Offload: masters, moments and the fp32 gradient partitions live on the host
-        return lp, (2 * n_train // world if stage >= 2 else grads), 0, masters + moments + 4 * n_train // world
-    return lp + masters, grads, moments, 0
+def _working(inp: PlanInputs, shape: ModelShape, *, backward: bool) -> int:
+    """The backend's unsharded (gathered) parameters during a pass of a model of ``shape``."""
+    return memory_layout(inp.strategy.backend).working(inp.strategy, layer_params=shape.layer_params(),
+                                                       root_params=shape.embedding_params(), backward=backward)
 
 
 def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
@@ -600,16 +563,19 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
     return [p for p in parts if p.nbytes]
 
 
-def _graphs_kept(inp: PlanInputs) -> bool:
-    """The native engine's decode CUDA graphs (and their pool) outlive level-1 sleeps when its KV
-    cache has a fixed address."""
-    return inp.engine.backend == "native" and inp.engine.cuda_graphs and inp.kv_outside_allocator
+def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
+    return engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
 
+
+def _decode_bytes(inp: PlanInputs, batch: int) -> int:
+    sh = inp.shape
+    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.intermediate, vocab=sh.vocab, max_num_seqs=batch,
+                                      tp_size=inp.engine.tp_size)
 
 def _graph_pool(inp: PlanInputs) -> Part:
     """Activations of the largest decode batch replayed from a CUDA graph (``engine.cuda_graph_max_batch``)."""
     batch = min(inp.decode_batch, inp.engine.cuda_graph_max_batch)
-    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.engine.tp_size), allocated=False)
+    return Part("CUDA graph pool", _decode_bytes(inp, batch), allocated=False)
 
 
 def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
@@ -620,7 +586,7 @@ def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
     parts = [Part("engine weights", sz.engine_weights)]
     if inp.engine.sleep_level == 0:
         parts.append(_kv_part(inp, sz))
-    if _graphs_kept(inp) or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
+    if _engine(inp).graphs_survive_sleep or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
@@ -640,11 +606,12 @@ def _lora_targets(inp: PlanInputs) -> int:
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
-    graphs = inp.engine.cuda_graphs and inp.engine.backend == "native"
+    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.intermediate,
+                                          max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
+    graphs = _engine(inp).graphs
     # decode batches above the graphs' largest run eagerly, their activations in the allocator
     eager = inp.decode_batch if not graphs or inp.decode_batch > inp.engine.cuda_graph_max_batch else 0
-    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.engine.tp_size)
+    decode = _decode_bytes(inp, eager)
     parts = _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) + [
         Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
         Part("engine activations", max(prefill, decode)),
@@ -672,7 +639,7 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
         fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.model.logprob_chunk_tokens, response),
                                        compiled=inp.compiled)
         return [Part(f"{run[0]} weights (reloaded)", weights), Part(f"{run[0]} forward ({tokens} tokens)", fwd),
-                Part("unsharded layers", fsdp_working_bytes(shape, backward=False))]
+                Part("unsharded layers", _working(inp, shape, backward=False))]
 
     largest = max((cost(r) for r in runs), key=lambda parts: sum(p.nbytes for p in parts))
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [p for p in largest if p.nbytes]
@@ -705,7 +672,7 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     head = lm_head_train_bytes(inp.shape, min(inp.model.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
-    parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
+    parts.append(Part("unsharded layers and gradients", _working(inp, inp.shape, backward=True)))
     several = _micro_batches(inp, tokens) > 1
     grads = sz.actor_grads_accumulating if several else sz.actor_grads
     if several or grads >= act + max(head, layer):
@@ -745,7 +712,7 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     if inp.strategy.offload_critic:
         parts.append(Part("critic weights (reloaded)", sz.critic_weights))
     parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
-              Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True))]
+              Part("unsharded layers and gradients", _working(inp, inp.shape, backward=True))]
     return PhasePeak("critic update", tuple(parts))
 
 
@@ -771,11 +738,10 @@ def _host_parts(inp: PlanInputs, c: Choice) -> tuple[list[Part], int]:
     sz = _sizes(inp, c.offload_optimizer)
     parts = [Part("process (Python, torch, CUDA libraries)", HOST_PROCESS_BYTES)]
     if sz.actor_optim_host:
-        pinned = "pinned" if inp.strategy.backend == "fsdp2" else "ZeRO-Offload: fp32 masters, moments, gradients"
-        parts.append(Part(f"actor optimizer state ({pinned})", sz.actor_optim_host))
+        parts.append(Part(f"actor optimizer state ({sz.host_label})", sz.actor_optim_host))
     if sz.critic_optim_host:
         parts.append(Part("critic optimizer state (pinned)", sz.critic_optim_host))
-    if inp.engine.sleep_level == 2 and inp.engine.backend == "native":
+    if inp.engine.sleep_level == 2 and _engine(inp).parks_weights:
         parts.append(Part("engine weights while asleep (pinned)", sz.engine_weights))
     if sz.reference and inp.strategy.offload_reference:
         parts.append(Part("parked reference weights (pinned)", sz.reference))
@@ -851,7 +817,7 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
         if ph.total > budget:
             out.append(_phase_problem(inp, c, ph))
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine.backend == "native" and kv_tokens < inp.max_len:
+    if _engine(inp).own_kv_rule and kv_tokens < inp.max_len:
         key = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
         out.append((key, f"the engine's KV cache would hold {kv_tokens} tokens, less than one sequence of "
                     f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); raise {key}, free device memory "
@@ -930,14 +896,11 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
     phases = _phases(inp, c)
     host_parts, host_setup = _host_parts(inp, c)
     notes = []
-    if inp.engine.backend not in ("native", "hf"):
-        notes.append(f"engine.backend={inp.engine.backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
-    if inp.strategy.backend == "deepspeed":
-        notes.append("DeepSpeed figures follow its documented layout (not calibrated on a GPU)")
+    notes += [n for n in (_engine(inp).note, memory_layout(inp.strategy.backend).note) if n]
     if inp.shape.vision:
         notes.append("vision-language model: the vision tower's weights and activations are not counted")
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine.backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
+    if _engine(inp).own_kv_rule and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
         notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
                      "sequences at full length: long rollouts run in more than one wave")
     return MemoryPlan(inputs=inp, choice=c, phases=phases, host_parts=tuple(host_parts), host_setup_bytes=host_setup,
