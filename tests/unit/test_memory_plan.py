@@ -238,6 +238,19 @@ def test_explicit_micro_batch_that_cannot_fit_is_an_error_naming_it():
     assert "update phase needs" in e.value.message and "OVER BUDGET" in e.value.message
 
 
+def test_a_budget_one_byte_too_small_is_refused_with_the_key_to_change():
+    """Every setting given (nothing left to choose, the KV cache capped): the largest phase fits a
+    budget of exactly its bytes and is refused, naming the setting to change, one byte below."""
+    given = dict(micro_batch_tokens=32768, gradient_checkpointing=False, offload_optimizer=False, kv_cache_max_tokens=200_000)
+    at = lambda total: plan_memory(inputs("1.5b", device=DeviceMemory(name="d", total=total, context=600 * MiB),  # noqa: E731
+                                          device_fraction=1.0, **given))
+    peak = at(200 * GiB).peak_bytes
+    assert at(peak).fits and apply_plan(at(peak)).micro_batch_tokens == 32768
+    with pytest.raises(ConfigError) as e:
+        apply_plan(at(peak - 1))
+    assert e.value.key == "train.micro_batch_tokens" and "lower train.micro_batch_tokens (32768)" in e.value.message
+
+
 def test_nothing_fits_names_what_to_change():
     # a 7B full fine-tune on a 40 GiB device: even one sequence does not fit
     plan = plan_memory(inputs("7b", device=DeviceMemory(name="small", total=40 * GiB, context=0)))
