@@ -14,12 +14,14 @@ it with the same rule and checks that it holds a sequence.
 
 Every byte count is per rank. Where a figure comes from:
 
-- Weights, gradients, optimizer state: counted from the shape. FSDP2 keeps fp32 master weights
-  sharded over the ranks (a LoRA actor's frozen base too), fp32 gradients of what trains, and
-  AdamW's two fp32 moments on the device, or none there with ``strategy.offload_optimizer``
-  (:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`: pinned host memory, streamed through the
-  step in two staging chunks). The engine holds a bf16 copy (split over its TP group); a frozen
-  reference is bf16, sharded, and parked on the host between uses (``strategy.offload_reference``).
+- Weights, gradients, optimizer state: counted from the shape, as the strategy backend says it
+  keeps them (:func:`tidal.strategy.memory_layout`: ``FSDP2Layout`` next to the FSDP2 strategy,
+  ``DeepSpeedLayout`` next to DeepSpeed's; e.g. FSDP2's fp32 masters sharded, its unsharded fp32
+  gradients while micro-batches accumulate, AdamW's moments on the device or, with
+  ``strategy.offload_optimizer``, in pinned host memory streamed through two staging chunks). The
+  engine's memory is the engine's to describe (:mod:`tidal.engine.sizing`: its layout, its
+  activations, its KV rule). Every setting is read from the run's config sections themselves
+  (:class:`PlanInputs`): the plan keeps no copy of their defaults.
 - Activations (:func:`layer_saved_bytes`): what autograd keeps for the backward of one Hugging Face
   Qwen2/Llama decoder layer in bf16, per token. Micro-batches are packed (no padding: every token
   counted is a real one, and a budget holds whole sequences, so it is at least the longest,
@@ -34,7 +36,9 @@ Every byte count is per rank. Where a figure comes from:
     MLP keeps gate, SiLU(gate), up and their product (8I).
   * ``torch.compile`` (``strategy.compile``): ``8H + 4Q + 4K + 6I + 4n + 8``: the partitioner keeps
     the matmul inputs and outputs and recomputes the elementwise ops.
-  * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time.
+  * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time;
+    checkpointed layers run eager (:func:`tidal.strategy.fsdp2.compile_layers`: a compiled
+    layer's saved tensors escape the checkpoint), so their terms are the eager ones.
   * the backward adds the larger of the LM head's (first: its fp32 ``[V, H]`` weight-gradient
     accumulator and bf16 result, ``6VH``, and chunk buffers of ``logprob_chunk_tokens`` rows of
     logits, ``27cV`` eager, ``4cV`` compiled) and a layer's (later: ``3I`` per token, with
@@ -44,10 +48,10 @@ Every byte count is per rank. Where a figure comes from:
     keep no bf16 input (``-4H``).
 
   On one H200 this reproduces the measured peaks of three runs within 2% (0.5B at 24k and 49k
-  tokens, 1.5B at 49k, all compiled). What differs on the GPU and is not counted: the SDPA
-  kernels' own workspaces, the allocator's rounding and fragmentation (``memory.device_fraction``
-  leaves room for them), and anything of a model type other than Qwen2/Llama (Qwen3's q/k norms are
-  estimated). DeepSpeed figures follow its documented layout and were not measured. Token counts
+  tokens, 1.5B at 49k, all compiled). Bounded rather than predicted (labelled so in the table):
+  the flash backward's own buffers (:func:`attention_workspace_bytes`) and the allocator's slack
+  at a micro-batch's peak (one of its largest blocks, not allocated). Not counted: anything of a
+  model type other than Qwen2/Llama (Qwen3's q/k norms are estimated). Token counts
   are upper bounds: every response at ``rollout.max_new_tokens`` (natural lengths pack more
   sequences into a budget, never more tokens).
 - Fixed costs outside PyTorch's allocator: the CUDA context (measured when the plan is made) plus

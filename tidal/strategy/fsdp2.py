@@ -61,7 +61,7 @@ def compile_layers(model: torch.nn.Module) -> None:
     A layer under gradient checkpointing (``model.gradient_checkpointing``: HF's checkpoint around
     the module call) stays eager: the tensors a compiled region saves for its backward escape the
     checkpoint's saved-tensor hooks, so a compiled checkpointed layer keeps its whole saved set (the
-    same bytes as without checkpointing: measured in tests/unit/test_memory_activations.py) and the
+    same bytes as without checkpointing: measured in tests/unit/test_memory_layouts.py) and the
     recompute would cost time for nothing."""
     if checkpointed(model):
         return
