@@ -104,22 +104,16 @@ def write_prompts(path: str, *, rows: int, prompt_len: int) -> None:
 
 
 class PhasePeaks(PhaseObserver):
-    """The allocated peak of every trainer phase (peak stats reset at each phase's start), as an
-    observer of the trainer's PhaseTimer."""
+    """The allocated peak of every trainer phase, as an observer of the trainer's PhaseTimer that
+    reads each ended phase's peak from the run's peak owner (``trainer.colocation.peaks``,
+    :class:`tidal.memory.peaks.DevicePeaks`: the only resetter of the allocator's counter)."""
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.points = cuda, []
-
-    def phase_begin(self, name):
-        import torch
-
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+    def __init__(self, peaks):
+        self.peaks, self.points = peaks, []
 
     def phase_end(self, name, seconds):
-        import torch
-
-        self.points.append({"label": f"{name}:end", "peak": torch.cuda.max_memory_allocated() if self.cuda else None})
+        p = self.peaks.last.get(name) if self.peaks.cuda else None
+        self.points.append({"label": f"{name}:end", "peak": p.allocated if p else None})
 
     def pop(self) -> list[dict]:
         points, self.points = self.points, []
@@ -193,6 +187,8 @@ def run(args) -> dict:
     teacher = AutoConfig.from_pretrained(cfg.model.teacher.path) if cfg.model.teacher.path else None
     plan = make_plan(cfg, AutoConfig.from_pretrained(cfg.model.path), device=device, world_size=1,
                      needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic, teacher_hf_config=teacher)
+    if args.snapshot and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
     t0 = time.perf_counter()
     trainer = build_trainer(cfg)
     init_s = time.perf_counter() - t0
@@ -200,7 +196,7 @@ def run(args) -> dict:
     same_choice = (used.train.micro_batch_tokens, used.train.forward_micro_batch_tokens, used.model.gradient_checkpointing,
                    trainer.colocation.strategy.cfg.offload_optimizer) == (plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens,
                                                                       plan.choice.gradient_checkpointing, plan.choice.offload_optimizer)
-    rec = PhasePeaks(cuda)
+    rec = PhasePeaks(trainer.colocation.peaks)
     trainer.timer.add_observer(rec)
     base = {"figure": "memory_plan", "size": args.size, "lora": args.lora, "sequences": args.sequences, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "set": list(args.set), "chosen": plan.chosen(), "fits": plan.fits, "same_choice": same_choice,
@@ -214,10 +210,17 @@ def run(args) -> dict:
     steps = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        trainer.train_step(step)
+        try:
+            trainer.train_step(step)
+        except torch.OutOfMemoryError as e:  # what the plan missed: the phases' peaks so far and the largest live blocks
+            emit(args, {**base, "kind": "oom", "step": step, "error": str(e)[:1500], "phases": compare(plan, phase_peaks(rec.pop())),
+                        "largest_blocks": largest_blocks() if args.snapshot else None,
+                        "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+                        "host_planned_gib": round(plan.host_bytes / GIB, 2), "plan": plan.table()})
+            raise
         wall = time.perf_counter() - t0
         points = rec.pop()
-        # the recorder resets the peak at each phase's start: the iteration's peak is its phases' largest
+        # each phase's own peak (the owner folds and resets at every boundary): the iteration's peak is their largest
         measured = max(phase_peaks(points).values(), default=None) if cuda else None
         record = {**base, "kind": "step", "step": step, "wall_s": round(wall, 2),
                   "measured_peak_gib": round(measured, 3) if measured is not None else None,
@@ -234,6 +237,21 @@ def run(args) -> dict:
                "steady_iteration_s": steady[-1]["wall_s"], "plan": plan.table()}
     emit(args, summary)
     return summary
+
+
+def largest_blocks(n: int = 25) -> list[dict]:
+    """The ``n`` largest live allocations (GiB) with the innermost Python frames that made them,
+    from the allocator's snapshot (``--snapshot`` records the history that names the frames)."""
+    import torch
+
+    blocks = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in b.get("frames", [])
+                          if f["filename"].endswith(".py")][:6]
+                blocks.append({"gib": round(b["size"] / GIB, 3), "frames": frames})
+    return sorted(blocks, key=lambda b: -b["gib"])[:n]
 
 
 def emit(args, record: dict) -> None:
@@ -256,6 +274,8 @@ def parse_args(argv=None):
     p.add_argument("--set", action="append", default=[], help="a config override key=value (repeatable)")
     p.add_argument("--workdir", default="/tmp/tidal_memory_check")
     p.add_argument("--record", default=os.path.join(HERE, "results", "memory_check.jsonl"))
+    p.add_argument("--snapshot", action="store_true", help="record the allocator's history; an out-of-memory error then "
+                   "lists the largest live blocks and where they were allocated")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (checks the script; nothing is measured)")
     p.add_argument("--device-gib", type=float, default=80.0, help="with --tiny: the device the plan is made for")
     args = p.parse_args(argv)

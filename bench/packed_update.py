@@ -30,6 +30,7 @@ import torch
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.logging.compile import CompileMonitor
 from tidal.logging.update_split import UpdateSplit, train_perf
+from tidal.memory.peaks import DevicePeaks
 from tidal.models.flops import FlopModel, measure_matmul_peak, mfu
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 from tidal.models.packing import PackedBatch
@@ -109,10 +110,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _peak_gib(device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-
-
 def run_mode(mode, base, strategy, data, args, fm, peak) -> list[dict]:
     model = copy.deepcopy(base)
     if mode == "packed":
@@ -124,23 +121,23 @@ def run_mode(mode, base, strategy, data, args, fm, peak) -> list[dict]:
     head_tokens = int(data[2].sum())  # the forward pass's LM head runs on response tokens only
     flops = fm.train_flops(lens)
     rows = []
+    peaks = DevicePeaks(strategy.device)  # the allocator's peak counter has one owner (nothing else resets it)
     torch._dynamo.reset()
     with CompileMonitor(lambda m: print(m, flush=True)) as mon:
         for step in range(args.steps):
             _sync(strategy.device)
-            if strategy.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(strategy.device)
-            t0 = time.perf_counter()
-            forward_pass(mode, state, strategy, data, args)
-            _sync(strategy.device)
-            t1 = time.perf_counter()
-            info = one_step(mode, state, strategy, data, args, split)
-            _sync(strategy.device)
-            seconds = time.perf_counter() - t1
+            with peaks.scope("step") as step_peak:
+                t0 = time.perf_counter()
+                forward_pass(mode, state, strategy, data, args)
+                _sync(strategy.device)
+                t1 = time.perf_counter()
+                info = one_step(mode, state, strategy, data, args, split)
+                _sync(strategy.device)
+                seconds = time.perf_counter() - t1
             row = {"mode": mode, "step": step, "seconds": seconds, **info, "real_tokens": sum(lens),
                    **train_perf(flops, seconds, peak), "forward_s": t1 - t0,
                    "forward_mfu": mfu(fm.forward_flops(lens, head_tokens=head_tokens), t1 - t0, peak),
-                   "peak_gib": _peak_gib(strategy.device), **split.pop(), **mon.pop()}
+                   "peak_gib": step_peak.allocated / 2**30, **split.pop(), **mon.pop()}
             print(json.dumps(row), flush=True)
             rows.append(row)
     del state, model

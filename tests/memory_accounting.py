@@ -54,3 +54,20 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+def allocation_peak(fn) -> tuple[int, int]:
+    """(peak, net): the most CPU bytes allocated above the start while ``fn()`` runs, and what is
+    still allocated at its end, from the profiler's record of every allocation and free (all of
+    them: also those inside kernels, collectives and FSDP2's resized storages, which
+    :class:`LiveBytes` does not see)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak, current

@@ -12,13 +12,16 @@ from tidal.logging import PhaseObserver
 
 class TidalObserver(PhaseObserver):
     """Records (label, allocated, reserved, device used) at every phase boundary of Tidal's
-    PhaseTimer, with the phase's own peak (peak stats are reset at its start), and around every
+    PhaseTimer, with the phase's own peak (read from the run's
+    :class:`~tidal.memory.peaks.DevicePeaks`, ``trainer.colocation.peaks``, the one owner of the
+    allocator's peak counter: nothing here resets it), and around every
     placement move of the phase owner (``<action>/<role>:before`` / ``:after`` events, with the bytes
     the move returned; ``calls`` times each move); ``rollouts`` keeps each ``generate:done`` (prompts,
     completion lengths, finish reasons). Without CUDA the labels are recorded with None bytes."""
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, peaks):
+        self.peaks = peaks
+        self.cuda = peaks.cuda
         self.points: list[dict] = []
         self.calls: list[dict] = []
         self.rollouts: list[dict] = []
@@ -34,19 +37,19 @@ class TidalObserver(PhaseObserver):
         a, r, used = self._mem()
         self.points.append({"label": label, "allocated": a, "reserved": r, "device_used": used, **extra})
 
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated() if self.cuda else None
-
-    def peak_reserved(self) -> int | None:
-        return torch.cuda.max_memory_reserved() if self.cuda else None
+    def peaks_so_far(self) -> tuple[int | None, int | None]:
+        """(allocated, reserved) peaks since the process started or the last call (at setup: the
+        model loads), and a new step of the peak owner begins."""
+        _, step = self.peaks.pop()
+        return (step.allocated, step.reserved) if step is not None else (None, None)
 
     def phase_begin(self, name):
         self.mark(f"{name}:start")
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
 
     def phase_end(self, name, seconds):
-        self.mark(f"{name}:end", peak=self.peak(), peak_reserved=self.peak_reserved())
+        # the peak owner is the timer's first observer: the phase that just ended is folded already
+        p = self.peaks.last.get(name) if self.cuda else None
+        self.mark(f"{name}:end", peak=p.allocated if p else None, peak_reserved=p.reserved if p else None)
 
     def event(self, name, info=None):
         if name == "generate:done":

@@ -104,14 +104,15 @@ def worker_tidal(spec: dict, sink: Sink) -> None:
     t0 = time.perf_counter()
     trainer = build_trainer(cfg)
     init_s = time.perf_counter() - t0
-    obs = TidalObserver(cuda)
+    obs = TidalObserver(trainer.colocation.peaks)
     trainer.timer.add_observer(obs)
+    setup_peak, setup_reserved = obs.peaks_so_far()
     if w.lengths == "natural":
         trainer.maker.completion_budget = CompletionBudget(lengths=DrawnLengths(w, s.seed),
                                                            end_token_id=trainer.models.tokenizer.eos_token_id)
     data = trainer.data.train
     sink.write({"kind": "init", "init_s": init_s, "prompt_lens": sorted({len(data[i].prompt_ids) for i in range(len(data))}),
-                "peak_allocated": obs.peak(), "peak_reserved": obs.peak_reserved(), "config": cfg.to_dict(),
+                "peak_allocated": setup_peak, "peak_reserved": setup_reserved, "config": cfg.to_dict(),
                 "engine_memory": trainer.colocation.engine.memory_report(), "predicted_peak_gib": predicted_peak_gib(trainer)})
     total = s.tidal_warmup + s.tidal_steps
     last = _loop(trainer, obs, w, s, spec["deadline"], cuda, sink)

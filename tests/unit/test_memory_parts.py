@@ -11,6 +11,8 @@ from tidal.logging.console import memory_text
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
 from tidal.strategy.resident import device_bytes
 from tidal.memory.parts import MemoryParts
+from tidal.memory.peaks import DevicePeaks
+from tidal.logging.timer import PhaseTimer
 
 CPU = torch.device("cpu")
 
@@ -76,7 +78,7 @@ def test_deepspeed_resident_bytes_by_hand(stage, runtime):
 
 
 def test_memory_parts_record_an_update_and_are_cuda_metrics_only():
-    parts = MemoryParts(CPU, lambda state: {"weights": 3 * 2**30, "optimizer": 6 * 2**30})
+    parts = MemoryParts(DevicePeaks(CPU), lambda state: {"weights": 3 * 2**30, "optimizer": 6 * 2**30})
     with parts.update("actor", None):
         pass
     assert parts.bytes == {"actor_weights": 3 * 2**30, "actor_optimizer": 6 * 2**30}
@@ -100,7 +102,7 @@ def test_the_step_line_shows_every_part():
 def test_cuda_update_peak_and_metrics():
     device = torch.device("cuda", torch.cuda.current_device())
     weights = torch.zeros(2**20, device=device)  # 4 MiB resident before the update
-    parts = MemoryParts(device, lambda state: {"weights": device_bytes([weights], device), "optimizer": 0})
+    parts = MemoryParts(DevicePeaks(device), lambda state: {"weights": device_bytes([weights], device), "optimizer": 0})
     big = torch.zeros(2**28, dtype=torch.uint8, device=device)  # a 256 MiB peak before the update...
     del big
     with parts.update("actor", None):
@@ -112,3 +114,39 @@ def test_cuda_update_peak_and_metrics():
     assert metrics["memory/actor_activations_peak_gib"] == 0.25 and metrics["memory/engine_kv_cache_gib"] == 1.0
     assert metrics["memory/peak_allocated_gib"] >= 0.25 + 4 / 1024  # the peak before the update is kept
     assert metrics["memory/device_used_gib"] >= metrics["memory/reserved_gib"] > 0
+
+
+def test_peaks_off_cuda_read_none_and_scopes_still_close():
+    peaks = DevicePeaks(CPU)
+    timer = PhaseTimer(sync=lambda: None)
+    timer.add_observer(peaks)
+    with timer.phase("train"), peaks.scope("actor_update") as scope:
+        pass
+    assert scope.above_start == 0 and peaks._open == []
+    phases, step = peaks.pop()
+    assert set(phases) == {"train", "actor_update"} and step is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA allocator statistics")
+def test_one_owner_gives_each_phase_its_own_peak_and_nested_phases_the_whole_peak():
+    """The counter is reset only by DevicePeaks: a nested phase's boundary does not cut the outer
+    phase's peak short, and a phase after a larger one does not see that one's peak."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    peaks = DevicePeaks(device)
+    timer = PhaseTimer()
+    timer.add_observer(peaks)
+    seen = {}
+    with timer.phase("train"):
+        big = torch.zeros(2**28, dtype=torch.uint8, device=device)  # 256 MiB inside "train", before the scope
+        del big
+        with peaks.scope("actor_update") as scope:
+            small = torch.zeros(2**24, dtype=torch.uint8, device=device)  # 16 MiB inside the scope
+            del small
+        seen["scope"] = scope.above_start
+    with timer.phase("weight_sync"):
+        pass
+    phases, step = peaks.pop()
+    assert seen["scope"] == 2**24
+    assert phases["train"].above_start >= 2**28  # the scope inside did not reset the outer peak away
+    assert phases["weight_sync"].above_start < 2**24  # the earlier phases' peaks are not this one's
+    assert step.allocated >= phases["train"].allocated

@@ -9,7 +9,12 @@ import torch
 from transformers import Qwen2Config
 
 from tidal.config import load_config
-from tidal.config_base import ConfigError
+from tidal.config_base import ConfigError, build
+from tidal.engine.config import EngineConfig
+from tidal.memory.config import MemoryConfig
+from tidal.models.config import ModelConfig
+from tidal.strategy.config import StrategyConfig
+from tidal.trainer.config import RolloutConfig, TrainConfig
 from tidal.host_memory import cgroup_limit, host_memory, meminfo_total
 from tidal.memory.plan import (
     GiB,
@@ -47,10 +52,38 @@ def qwen(size: str) -> ModelShape:
     return ModelShape(**QWEN25[size], qkv_bias=True, model_type="qwen2")
 
 
+# a test's knob -> the config key it sets (every other value is its section's own default)
+KEYS = {
+    "lora_rank": "model.lora.rank", "lora_targets": "model.lora.target_modules", "gradient_checkpointing": "model.gradient_checkpointing",
+    "micro_batch_tokens": "train.micro_batch_tokens", "micro_batch_max_seqs": "train.micro_batch_max_seqs",
+    "offload_optimizer": "strategy.offload_optimizer", "offload_teacher": "strategy.offload_teacher",
+    "kv_cache_max_tokens": "engine.kv_cache_max_tokens", "kv_cache_memory_fraction": "engine.kv_cache_memory_fraction",
+    "sleep_level": "engine.sleep_level", "device_fraction": "memory.device_fraction", "max_new_tokens": "rollout.max_new_tokens",
+}
+SECTIONS = {"train": TrainConfig, "model": ModelConfig, "strategy": StrategyConfig, "engine": EngineConfig, "rollout": RolloutConfig,
+            "memory": MemoryConfig}
+
+
+def plan_inputs(shape: ModelShape, *, sequences_per_rank: int, max_prompt_len: int, world_size: int = 1, **kw) -> PlanInputs:
+    """PlanInputs of real config sections: ``sequences_per_rank`` rows per rank (one sample per
+    prompt), the knobs of :data:`KEYS` set, the rest of ``kw`` PlanInputs' own fields."""
+    sections: dict = {name: {} for name in SECTIONS}
+    sections["rollout"] = {"prompts_per_step": sequences_per_rank * world_size, "n_samples": 1}
+    for knob in [k for k in kw if k in KEYS]:
+        node = sections
+        *path, leaf = KEYS[knob].split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        value = kw.pop(knob)
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    built = {name: build(cls, sections[name], name) for name, cls in SECTIONS.items()}
+    return PlanInputs(shape=shape, max_prompt_len=max_prompt_len, world_size=world_size, **{**built, **kw})
+
+
 def inputs(size: str, **kw) -> PlanInputs:
     """The issue's workload: 256 sequences of 256 prompt + 1024 new tokens on one H200."""
-    base = dict(shape=qwen(size), sequences_per_rank=256, max_prompt_len=256, max_new_tokens=1024, device=H200, host=HOST)
-    return PlanInputs(**{**base, **kw})
+    base = dict(sequences_per_rank=256, max_prompt_len=256, max_new_tokens=1024, device=H200, host=HOST)
+    return plan_inputs(qwen(size), **{**base, **kw})
 
 
 # ---- hand-computed ------------------------------------------------------------------------------------
@@ -98,7 +131,7 @@ def test_shape_from_hf_configs():
         "num_key_value_heads": 4, "intermediate_size": 64, "vocab_size": 50}}
     s = ModelShape.from_hf_config({**vl, "vision_config": {"depth": 2}})
     assert (s.hidden, s.kv_heads, s.tied_embeddings, s.qkv_bias, s.vision) == (32, 4, True, True, True)
-    plan = plan_memory(PlanInputs(shape=s, sequences_per_rank=8, max_prompt_len=16, max_new_tokens=16, device=H200, host=HOST))
+    plan = plan_memory(plan_inputs(s, sequences_per_rank=8, max_prompt_len=16, max_new_tokens=16, device=H200, host=HOST))
     assert any("vision tower" in n for n in plan.notes)
 
 
@@ -111,7 +144,7 @@ def test_shape_from_hf_configs():
     ("1.5b", 256, 256, 1024, 48640, 122.7),
 ])
 def test_reproduces_measured_h200_peaks(size, rows, prompt, new, tokens, measured_gib):
-    inp = PlanInputs(shape=dataclasses.replace(qwen(size), tied_embeddings=True), sequences_per_rank=rows, max_prompt_len=prompt,
+    inp = plan_inputs(dataclasses.replace(qwen(size), tied_embeddings=True), sequences_per_rank=rows, max_prompt_len=prompt,
                      max_new_tokens=new, micro_batch_tokens=tokens, micro_batch_max_seqs=128,
                      gradient_checkpointing=False, offload_optimizer=False, device=H200, host=HOST)
     plan = plan_memory(inp)
@@ -203,6 +236,19 @@ def test_explicit_micro_batch_that_cannot_fit_is_an_error_naming_it():
         apply_plan(plan_memory(inputs("3b", micro_batch_tokens=81920, gradient_checkpointing=False)))
     assert e.value.key == "train.micro_batch_tokens"
     assert "update phase needs" in e.value.message and "OVER BUDGET" in e.value.message
+
+
+def test_a_budget_one_byte_too_small_is_refused_with_the_key_to_change():
+    """Every setting given (nothing left to choose, the KV cache capped): the largest phase fits a
+    budget of exactly its bytes and is refused, naming the setting to change, one byte below."""
+    given = dict(micro_batch_tokens=32768, gradient_checkpointing=False, offload_optimizer=False, kv_cache_max_tokens=200_000)
+    at = lambda total: plan_memory(inputs("1.5b", device=DeviceMemory(name="d", total=total, context=600 * MiB),  # noqa: E731
+                                          device_fraction=1.0, **given))
+    peak = at(200 * GiB).peak_bytes
+    assert at(peak).fits and apply_plan(at(peak)).micro_batch_tokens == 32768
+    with pytest.raises(ConfigError) as e:
+        apply_plan(at(peak - 1))
+    assert e.value.key == "train.micro_batch_tokens" and "lower train.micro_batch_tokens (32768)" in e.value.message
 
 
 def test_nothing_fits_names_what_to_change():
@@ -380,7 +426,9 @@ def test_make_plan_reads_the_memory_section():
     inp = plan.inputs
     assert inp.device.total == 80 * GiB and inp.budget == int(0.8 * 80 * GiB)
     assert (inp.host.total, inp.host.source) == (64 * GiB, "memory.host_memory_gib")
-    assert inp.micro_batch_tokens == 4096 and inp.gradient_checkpointing is None and inp.max_new_tokens == 512
+    assert inp.micro_batch_tokens == 4096 and inp.gradient_checkpointing is None and inp.rollout.max_new_tokens == 512
+    # the run's own sections: the plan reads their values (defaults included), it keeps no copy of them
+    assert inp.train is cfg.train and inp.engine is cfg.engine and inp.strategy is cfg.strategy and inp.memory is cfg.memory
     assert plan.fits and plan.choice.micro_batch_tokens == 4096
     assert any(p.label.startswith("parked reference") for p in plan.host_parts)  # KL on, reference parked on the host
     text = plan.table()
@@ -457,7 +505,7 @@ def test_make_plan_counts_a_local_teacher(tmp_path):
     overrides = ["memory.device_memory_gib=140", "memory.host_memory_gib=256", f"model.teacher.path={tmp_path}",
                  "algorithm.distill_coef=1.0"]
     plan = make_plan(load_config("quickstart", overrides), hf, teacher_hf_config=teacher, **kw)
-    assert plan.inputs.teacher == ModelShape.from_hf_config(teacher) and plan.inputs.offload_teacher
+    assert plan.inputs.teacher == ModelShape.from_hf_config(teacher) and plan.inputs.strategy.offload_teacher
     assert any(p.label == "parked teacher weights (pinned)" for p in plan.host_parts)
     resident = make_plan(load_config("quickstart", overrides + ["strategy.offload_teacher=false"]), hf, teacher_hf_config=teacher, **kw)
     assert "teacher weights" in {p.label for p in next(p for p in resident.phases if p.name == "update").parts}

@@ -5,6 +5,7 @@ memory, called by the native engine at each wake-up)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,3 +106,42 @@ def graph_max_batch(cfg: EngineConfig, device: torch.device, graph_safe: bool) -
         return 0
     cap = max_running(cfg)
     return cfg.cuda_graph_max_batch if cap is None else min(cap, cfg.cuda_graph_max_batch)
+
+
+# ---- what an engine keeps where, for the memory plan (issue 33 item 5) --------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineLayout:
+    """An engine backend's memory as the plan composes it. ``own_kv_rule``: its KV cache is sized
+    by :func:`kv_budget_bytes` at each wake-up (and must hold a sequence); ``graphs``: decode CUDA
+    graphs replay from their own pool, which outlives level-1 sleeps when the KV cache has a fixed
+    address (``kv_fixed``); ``parks_weights``: level-2 sleep keeps the weights in pinned host
+    memory; ``note``: what the plan cannot know of it."""
+
+    own_kv_rule: bool
+    graphs: bool
+    graphs_survive_sleep: bool
+    parks_weights: bool
+    note: str = ""
+
+
+def engine_layout(cfg: EngineConfig, *, kv_fixed: bool) -> EngineLayout:
+    """The layout of ``engine.backend``: the native engine's is this package's; vLLM and SGLang
+    size their memory themselves (counted like the native engine's); ``hf`` generation keeps no
+    cache between calls."""
+    native = cfg.backend == "native"
+    note = "" if cfg.backend in ("native", "hf") else (
+        f"engine.backend={cfg.backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
+    return EngineLayout(own_kv_rule=native, graphs=native and cfg.cuda_graphs, graphs_survive_sleep=native and cfg.cuda_graphs and kv_fixed,
+                        parks_weights=native, note=note)
+
+
+def prefill_bytes(*, hidden: int, intermediate: int, max_num_batched_tokens: int, tp_size: int) -> int:
+    """Activations of the engine's largest prefill step (eager): a chunk of ``max_num_batched_tokens``
+    through one layer at a time."""
+    return max_num_batched_tokens * (6 * intermediate // tp_size + 8 * hidden)
+
+
+def decode_bytes(*, hidden: int, intermediate: int, vocab: int, max_num_seqs: int, tp_size: int) -> int:
+    """Activations of a decode step of ``max_num_seqs`` sequences with its fp32 logits and sampling
+    buffers; with CUDA graphs they live in the graphs' private pool (reserved, not allocated)."""
+    return max_num_seqs * (6 * intermediate // tp_size + 8 * hidden + 16 * vocab // tp_size)

@@ -10,6 +10,9 @@
   :meth:`tidal.strategy.base.Strategy.resident_bytes`); ``{actor,critic}_activations_peak_gib``: the
   update's peak of allocated memory above what was allocated at its start (activations, gradients
   and the optimizer step's temporaries; the largest of the step's optimizer steps).
+
+Peaks are read from :class:`tidal.memory.peaks.DevicePeaks`, the one owner of the allocator's peak
+counter (this module never resets it).
 - ``engine_{weights,kv_cache,graphs}_gib``: the rollout engine's own memory while it generated
   (:meth:`tidal.engine.base.RolloutEngine.memory_report`).
 """
@@ -21,18 +24,21 @@ from typing import Callable, Iterator
 
 import torch
 
+from tidal.memory.peaks import DevicePeaks
+
 GIB = 2**30
 
 
 class MemoryParts:
-    """Collects one step's memory parts. ``resident_bytes(state)``: a trained model's bytes on the
-    device by kind (``weights``, ``optimizer``), the Strategy's :meth:`resident_bytes`."""
+    """Collects one step's memory parts. ``peaks``: the run's :class:`DevicePeaks` (the timer's
+    observer); ``resident_bytes(state)``: a trained model's bytes on the device by kind
+    (``weights``, ``optimizer``), the Strategy's :meth:`resident_bytes`."""
 
-    def __init__(self, device: torch.device, resident_bytes: Callable[..., dict[str, int]]):
-        self.device = device
+    def __init__(self, peaks: DevicePeaks, resident_bytes: Callable[..., dict[str, int]]):
+        self.peaks = peaks
+        self.device = peaks.device
         self._resident_bytes = resident_bytes
         self.bytes: dict[str, int] = {}  # "<role>_<kind>" -> bytes, this step
-        self._peak = 0  # the allocator's peak before the updates reset it, this step
 
     @property
     def _cuda(self) -> bool:
@@ -43,14 +49,11 @@ class MemoryParts:
         """Around one optimizer step of ``role``'s ``state`` (its model and optimizer state already
         on the device): its activation peak, then what it holds at the end (an optimizer's state
         exists after its first step). An update that raises records nothing."""
-        if self._cuda:
-            start = torch.cuda.memory_allocated(self.device)
-            self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
-        yield
+        with self.peaks.scope(f"{role}_update") as peak:
+            yield
         if self._cuda:
             key = f"{role}_activations_peak"
-            self.bytes[key] = max(self.bytes.get(key, 0), torch.cuda.max_memory_allocated(self.device) - start)
+            self.bytes[key] = max(self.bytes.get(key, 0), peak.above_start)
         for kind, n in self._resident_bytes(state).items():
             self.bytes[f"{role}_{kind}"] = n
 
@@ -58,10 +61,10 @@ class MemoryParts:
         """The step's ``memory/*`` metrics (empty off CUDA), and a new step begins. ``engine_memory``:
         the engine's bytes by kind at the end of its last rollout."""
         parts, self.bytes = self.bytes, {}
-        if not self._cuda:
+        _, step = self.peaks.pop()
+        if step is None:
             return {}
-        peak, self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device)), 0
-        torch.cuda.reset_peak_memory_stats(self.device)
+        peak = step.allocated
         free, total = torch.cuda.mem_get_info(self.device)
         metrics = {"memory/peak_allocated_gib": peak / GIB, "memory/reserved_gib": torch.cuda.memory_reserved(self.device) / GIB,
                    "memory/device_used_gib": (total - free) / GIB}

@@ -14,12 +14,14 @@ it with the same rule and checks that it holds a sequence.
 
 Every byte count is per rank. Where a figure comes from:
 
-- Weights, gradients, optimizer state: counted from the shape. FSDP2 keeps fp32 master weights
-  sharded over the ranks (a LoRA actor's frozen base too), fp32 gradients of what trains, and
-  AdamW's two fp32 moments on the device, or none there with ``strategy.offload_optimizer``
-  (:class:`~tidal.strategy.streamed_adamw.StreamedAdamW`: pinned host memory, streamed through the
-  step in two staging chunks). The engine holds a bf16 copy (split over its TP group); a frozen
-  reference is bf16, sharded, and parked on the host between uses (``strategy.offload_reference``).
+- Weights, gradients, optimizer state: counted from the shape, as the strategy backend says it
+  keeps them (:func:`tidal.strategy.memory_layout`: ``FSDP2Layout`` next to the FSDP2 strategy,
+  ``DeepSpeedLayout`` next to DeepSpeed's; e.g. FSDP2's fp32 masters sharded, its unsharded fp32
+  gradients while micro-batches accumulate, AdamW's moments on the device or, with
+  ``strategy.offload_optimizer``, in pinned host memory streamed through two staging chunks). The
+  engine's memory is the engine's to describe (:mod:`tidal.engine.sizing`: its layout, its
+  activations, its KV rule). Every setting is read from the run's config sections themselves
+  (:class:`PlanInputs`): the plan keeps no copy of their defaults.
 - Activations (:func:`layer_saved_bytes`): what autograd keeps for the backward of one Hugging Face
   Qwen2/Llama decoder layer in bf16, per token. Micro-batches are packed (no padding: every token
   counted is a real one, and a budget holds whole sequences, so it is at least the longest,
@@ -34,7 +36,9 @@ Every byte count is per rank. Where a figure comes from:
     MLP keeps gate, SiLU(gate), up and their product (8I).
   * ``torch.compile`` (``strategy.compile``): ``8H + 4Q + 4K + 6I + 4n + 8``: the partitioner keeps
     the matmul inputs and outputs and recomputes the elementwise ops.
-  * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time.
+  * gradient checkpointing keeps each layer's input (``2H``) and recomputes one layer at a time;
+    checkpointed layers run eager (:func:`tidal.strategy.fsdp2.compile_layers`: a compiled
+    layer's saved tensors escape the checkpoint), so their terms are the eager ones.
   * the backward adds the larger of the LM head's (first: its fp32 ``[V, H]`` weight-gradient
     accumulator and bf16 result, ``6VH``, and chunk buffers of ``logprob_chunk_tokens`` rows of
     logits, ``27cV`` eager, ``4cV`` compiled) and a layer's (later: ``3I`` per token, with
@@ -44,10 +48,10 @@ Every byte count is per rank. Where a figure comes from:
     keep no bf16 input (``-4H``).
 
   On one H200 this reproduces the measured peaks of three runs within 2% (0.5B at 24k and 49k
-  tokens, 1.5B at 49k, all compiled). What differs on the GPU and is not counted: the SDPA
-  kernels' own workspaces, the allocator's rounding and fragmentation (``memory.device_fraction``
-  leaves room for them), and anything of a model type other than Qwen2/Llama (Qwen3's q/k norms are
-  estimated). DeepSpeed figures follow its documented layout and were not measured. Token counts
+  tokens, 1.5B at 49k, all compiled). Bounded rather than predicted (labelled so in the table):
+  the flash backward's own buffers (:func:`attention_workspace_bytes`) and the allocator's slack
+  at a micro-batch's peak (one of its largest blocks, not allocated). Not counted: anything of a
+  model type other than Qwen2/Llama (Qwen3's q/k norms are estimated). Token counts
   are upper bounds: every response at ``rollout.max_new_tokens`` (natural lengths pack more
   sequences into a budget, never more tokens).
 - Fixed costs outside PyTorch's allocator: the CUDA context (measured when the plan is made) plus
@@ -63,11 +67,18 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tidal.config_base import ConfigError
 from tidal.engine import sizing as engine_sizing
-from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
+from tidal.strategy import memory_layout
+
+if TYPE_CHECKING:
+    from tidal.engine.config import EngineConfig
+    from tidal.memory.config import MemoryConfig
+    from tidal.models.config import ModelConfig
+    from tidal.strategy.config import StrategyConfig
+    from tidal.trainer.config import RolloutConfig, TrainConfig
 
 GiB = 2**30
 MiB = 2**20
@@ -232,6 +243,13 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, chec
     return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
 
 
+def attention_workspace_bytes(shape: ModelShape, tokens: int) -> int:
+    """What the CUDA flash attention backward allocates for itself beside its outputs: an fp32
+    accumulator of the query gradient (``4Q`` per token) and fp32 row statistics (``4n`` per
+    token, twice). Not seen on CPU (its math kernel has none); counted from the kernel's buffers."""
+    return tokens * (4 * shape.q_dim + 8 * shape.heads)
+
+
 def lm_head_train_bytes(shape: ModelShape, chunk_rows: int, *, compiled: bool) -> int:
     """The LM head's backward on top of the saved activations: the fp32 ``[V, H]`` weight-gradient
     accumulator and its bf16 result, and one chunk of logits and their gradients (fused when compiled)."""
@@ -249,26 +267,6 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens:
         return body
     head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
     return max(body, head)
-
-
-def fsdp_working_bytes(shape: ModelShape, *, backward: bool) -> int:
-    """Unsharded bf16 parameters FSDP2 holds during a forward: the root's embedding/LM head for the
-    whole pass, the layer computing and the one prefetched; in the backward also one layer's bf16
-    gradients and their fp32 copy for the reduce-scatter."""
-    layer = shape.layer_params()
-    return 2 * shape.embedding_params() + 4 * layer + (6 * layer if backward else 0)
-
-
-def engine_prefill_bytes(shape: ModelShape, *, max_num_batched_tokens: int, tp_size: int) -> int:
-    """Activations of the engine's largest prefill step (eager): a chunk of ``max_num_batched_tokens``
-    through one layer at a time."""
-    return max_num_batched_tokens * (6 * shape.intermediate // tp_size + 8 * shape.hidden)
-
-
-def engine_decode_bytes(shape: ModelShape, *, max_num_seqs: int, tp_size: int) -> int:
-    """Activations of a decode step of ``max_num_seqs`` sequences with its fp32 logits and sampling
-    buffers; with CUDA graphs they live in the graphs' private pool (reserved, not allocated)."""
-    return max_num_seqs * (6 * shape.intermediate // tp_size + 8 * shape.hidden + 16 * shape.vocab // tp_size)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------
@@ -290,71 +288,83 @@ class HostMemory:
     source: str
 
 
+def given(value):
+    """A setting the user gave, or None where it is ``auto`` (the plan decides it)."""
+    return None if value == "auto" else value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanInputs:
-    """Everything :func:`plan_memory` needs, as plain values (see :func:`inputs_from_config`).
-    ``None`` for a setting the plan decides (the user left it ``auto``)."""
+    """Everything :func:`plan_memory` needs: the model's shape, the run's config sections as written
+    (``auto`` where the plan decides; every other value, default or not, is the section's own: the
+    plan keeps no copy of a config default), and the machine (see :func:`inputs_from_config`).
+    ``needs_*``: the Algorithm's; ``compiled``: ``strategy.compile`` resolved for the device;
+    ``kv_outside_allocator``: the engine's KV cache lives outside PyTorch's allocator;
+    ``teacher``: a local distillation teacher's shape."""
 
     shape: ModelShape
-    lora_rank: int = 0
-    lora_targets: tuple[str, ...] = ()
+    train: TrainConfig
+    model: ModelConfig
+    strategy: StrategyConfig
+    engine: EngineConfig
+    rollout: RolloutConfig
+    memory: MemoryConfig
+    max_prompt_len: int  # data.max_prompt_len
     world_size: int = 1
     local_world_size: int = 1
-    # rollout
-    sequences_per_rank: int
-    mini_batches: int = 1
-    max_prompt_len: int
-    max_new_tokens: int
-    # training
-    micro_batch_tokens: int | None = None
-    micro_batch_max_seqs: int = 64
-    forward_micro_batch_tokens: int | None = None
-    forward_micro_batch_max_seqs: int = 256
-    gradient_checkpointing: bool | None = None
-    logprob_chunk_tokens: int = 2048
-    # strategy
-    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
-    zero_stage: int = 3
-    compiled: bool = True
-    offload_optimizer: bool | None = None
-    offload_reference: bool = True
-    offload_critic: bool = False
-    offload_actor_during_rollout: bool = False
     needs_reference: bool = False
     needs_critic: bool = False
-    teacher: ModelShape | None = None  # a local distillation teacher (frozen, bf16, sharded)
-    offload_teacher: bool = True
-    # engine
-    engine_backend: str = "native"
-    tp_size: int = 1
-    sleep_level: int = 1
-    kv_cache_memory_fraction: float = 0.5
-    kv_cache_max_tokens: int = 0
+    compiled: bool = True
     kv_outside_allocator: bool = True
-    block_size: int = 16
-    max_num_seqs: int | None = None  # None: ``auto``, as many as the KV cache holds
-    max_num_batched_tokens: int = 8192
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 512
-    # machine
+    teacher: ModelShape | None = None
     device: DeviceMemory
-    device_fraction: float = 0.9
     host: HostMemory
-    host_fraction: float = 0.9
+
+    # the settings the plan decides: None where they are ``auto``
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        return given(self.train.micro_batch_tokens)
 
     @property
+    def forward_micro_batch_tokens(self) -> int | None:
+        return given(self.train.forward_micro_batch_tokens)
+
+    @property
+    def gradient_checkpointing(self) -> bool | None:
+        return given(self.model.gradient_checkpointing)
+
+    @property
+    def offload_optimizer(self) -> bool | None:
+        return given(self.strategy.offload_optimizer)
+
+    # derived numbers
+    @property
     def max_len(self) -> int:
-        return self.max_prompt_len + self.max_new_tokens
+        return self.max_prompt_len + self.rollout.max_new_tokens
+
+    @property
+    def sequences_per_rank(self) -> int:
+        """Sequences one rank rolls out and trains on per step."""
+        return max(1, self.rollout.prompts_per_step * self.rollout.n_samples // self.world_size)
 
     @property
     def sequences_per_engine(self) -> int:
         """Sequences one engine generates per rollout (a TP group's ranks gather their prompts)."""
-        return self.sequences_per_rank * self.tp_size
+        return self.sequences_per_rank * self.engine.tp_size
 
     @property
     def decode_batch(self) -> int:
         """The largest decode batch: every sequence of the rollout (one wave) unless ``engine.max_num_seqs`` caps it."""
-        return min(self.sequences_per_engine, self.max_num_seqs or self.sequences_per_engine)
+        cap = given(self.engine.max_num_seqs)
+        return min(self.sequences_per_engine, cap or self.sequences_per_engine)
+
+    @property
+    def lora_rank(self) -> int:
+        return self.model.lora.rank
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(self.model.lora.target_modules)
 
     @property
     def lora(self) -> bool:
@@ -362,35 +372,21 @@ class PlanInputs:
 
     @property
     def budget(self) -> int:
-        return int(self.device.total * self.device_fraction)
+        return int(self.device.total * self.memory.device_fraction)
 
 
 def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int, device: DeviceMemory, host: HostMemory,
                        needs_reference: bool, needs_critic: bool, compiled: bool, kv_outside_allocator: bool,
                        teacher_hf_config: Any = None) -> PlanInputs:
-    """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (``auto`` settings become None).
+    """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (its sections as they are).
     ``hf_config``: the actor's Hugging Face config (or its ``config.json`` as a dict);
     ``teacher_hf_config``: the local distillation teacher's (``model.teacher.path``), None without one."""
-    t, m, s, e, r = cfg.train, cfg.model, cfg.strategy, cfg.engine, cfg.rollout
-    auto = lambda v: None if v == "auto" else v  # noqa: E731
     return PlanInputs(
-        shape=ModelShape.from_hf_config(hf_config), lora_rank=m.lora.rank, lora_targets=tuple(m.lora.target_modules),
-        world_size=world_size, local_world_size=local_world_size,
-        sequences_per_rank=max(1, r.prompts_per_step * r.n_samples // world_size), mini_batches=t.mini_batches,
-        max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
-        micro_batch_tokens=auto(t.micro_batch_tokens), micro_batch_max_seqs=t.micro_batch_max_seqs,
-        forward_micro_batch_tokens=auto(t.forward_micro_batch_tokens), forward_micro_batch_max_seqs=t.forward_micro_batch_max_seqs,
-        gradient_checkpointing=auto(m.gradient_checkpointing), logprob_chunk_tokens=m.logprob_chunk_tokens,
-        backend=s.backend, zero_stage=s.zero_stage, compiled=compiled, offload_optimizer=auto(s.offload_optimizer),
-        offload_reference=s.offload_reference, offload_critic=s.offload_critic,
-        offload_actor_during_rollout=s.offload_actor_during_rollout, needs_reference=needs_reference, needs_critic=needs_critic,
-        teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None,
-        offload_teacher=s.offload_teacher,
-        engine_backend=e.backend, tp_size=e.tp_size, sleep_level=e.sleep_level, kv_cache_memory_fraction=e.kv_cache_memory_fraction,
-        kv_cache_max_tokens=e.kv_cache_max_tokens, kv_outside_allocator=kv_outside_allocator, block_size=e.block_size,
-        max_num_seqs=auto(e.max_num_seqs), max_num_batched_tokens=e.max_num_batched_tokens, cuda_graphs=e.cuda_graphs,
-        cuda_graph_max_batch=e.cuda_graph_max_batch,
-        device=device, device_fraction=cfg.memory.device_fraction, host=host, host_fraction=cfg.memory.host_fraction,
+        shape=ModelShape.from_hf_config(hf_config), train=cfg.train, model=cfg.model, strategy=cfg.strategy, engine=cfg.engine,
+        rollout=cfg.rollout, memory=cfg.memory, max_prompt_len=cfg.data.max_prompt_len, world_size=world_size,
+        local_world_size=local_world_size, needs_reference=needs_reference, needs_critic=needs_critic, compiled=compiled,
+        kv_outside_allocator=kv_outside_allocator,
+        teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None, device=device, host=host,
     )
 
 
@@ -481,7 +477,7 @@ class MemoryPlan:
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens the engine's KV cache is predicted to hold in the steady state (0: not the native engine)."""
-        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if self.inputs.engine_backend == "native" else 0
+        return _kv_tokens(self.inputs, _sizes(self.inputs, self.choice.offload_optimizer)) if _engine(self.inputs).own_kv_rule else 0
 
     def table(self) -> str:
         return format_plan(self)
@@ -494,9 +490,11 @@ class _Sizes:
 
     actor_weights: int
     actor_grads: int
+    actor_grads_accumulating: int  # while several micro-batches accumulate (before the last one's reduction)
     actor_optim_device: int
     actor_optim_host: int
     optimizer_staging: int
+    host_label: str
     critic_weights: int
     critic_grads: int
     critic_optim_device: int
@@ -512,45 +510,31 @@ def _trainable_params(inp: PlanInputs) -> int:
 
 
 def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
+    """The resident pieces, each as its owner describes it: the trained and frozen models' bytes
+    by the strategy backend's layout (:func:`tidal.strategy.memory_layout`), the engine's weights."""
+    layout = memory_layout(inp.strategy.backend)
     shape, world = inp.shape, inp.world_size
     n_all, n_train = shape.params(), _trainable_params(inp)
-    n_base = n_all if inp.lora else 0
-    if inp.backend == "fsdp2":
-        # fp32 masters of everything (a LoRA base too), sharded; fp32 grads and AdamW moments of what trains
-        weights = 4 * (n_base + n_train) // world
-        grads = 4 * n_train // world
-        optim = 8 * n_train // world
-        optim_device, optim_host = (0, optim) if offload else (optim, 0)
-        staging = 2 * STREAM_CHUNK_BYTES if offload else 0
-    else:
-        weights, grads, optim_device, optim_host = _deepspeed_sizes(inp, n_base, n_train, offload)
-        staging = 0
-    critic = shape.critic_params() if inp.needs_critic else 0
-    critic_optim = 8 * critic // world
+    actor = layout.trained(inp.strategy, stored=n_all + (n_train if inp.lora else 0), trainable=n_train, world=world, offload=offload)
+    n_critic = shape.critic_params() if inp.needs_critic else 0
+    critic = layout.trained(inp.strategy, stored=n_critic, trainable=n_critic, world=world, offload=offload)
     return _Sizes(
-        actor_weights=weights, actor_grads=grads, actor_optim_device=optim_device, actor_optim_host=optim_host,
-        optimizer_staging=staging,
-        critic_weights=4 * critic // world, critic_grads=4 * critic // world,
-        critic_optim_device=0 if offload else critic_optim, critic_optim_host=critic_optim if offload else 0,
-        reference=2 * n_all // world if inp.needs_reference and not inp.lora else 0,
-        teacher=2 * inp.teacher.params() // world if inp.teacher is not None else 0,
-        engine_weights=2 * n_all // inp.tp_size,
+        actor_weights=actor.weights, actor_grads=actor.grads, actor_grads_accumulating=actor.grads_accumulating,
+        actor_optim_device=actor.optimizer_device, actor_optim_host=actor.optimizer_host, optimizer_staging=actor.optimizer_staging,
+        host_label=actor.host_label,
+        critic_weights=critic.weights, critic_grads=critic.grads, critic_optim_device=critic.optimizer_device,
+        critic_optim_host=critic.optimizer_host,
+        reference=layout.frozen(inp.strategy, params=n_all, world=world) if inp.needs_reference and not inp.lora else 0,
+        teacher=layout.frozen(inp.strategy, params=inp.teacher.params(), world=world) if inp.teacher is not None else 0,
+        engine_weights=2 * n_all // inp.engine.tp_size,
         overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if world > 1 else 0),
     )
 
 
-def _deepspeed_sizes(inp: PlanInputs, n_base: int, n_train: int, offload: bool) -> tuple[int, int, int, int]:
-    """(weights, grads, optimizer state on the device, on the host) of a ZeRO engine: bf16 compute
-    parameters (partitioned at stage 3, with a LoRA base), fp32 masters and moments partitioned at
-    every stage (on the host with ZeRO-Offload), fp32 gradient partitions at stages 2-3, full bf16
-    gradients at stage 1."""
-    world, stage = inp.world_size, inp.zero_stage
-    lp = 2 * (n_base + n_train) // (world if stage == 3 else 1)
-    masters, moments = 4 * n_train // world, 8 * n_train // world
-    grads = 4 * n_train // world if stage >= 2 else 2 * n_train
-    if offload:  # ZeRO-Offload: masters, moments and the fp32 gradient partitions live on the host
-        return lp, (2 * n_train // world if stage >= 2 else grads), 0, masters + moments + 4 * n_train // world
-    return lp + masters, grads, moments, 0
+def _working(inp: PlanInputs, shape: ModelShape, *, backward: bool) -> int:
+    """The backend's unsharded (gathered) parameters during a pass of a model of ``shape``."""
+    return memory_layout(inp.strategy.backend).working(inp.strategy, layer_params=shape.layer_params(),
+                                                       root_params=shape.embedding_params(), backward=backward)
 
 
 def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
@@ -558,12 +542,12 @@ def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
     when set, else the engine's own rule (:func:`tidal.engine.sizing.kv_budget_bytes`) applied to the
     memory available when it wakes up: the device less what is outside the allocator and what stays
     allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
-    if inp.kv_cache_max_tokens:
-        return inp.kv_cache_max_tokens // inp.block_size * inp.block_size
-    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.offload_actor_during_rollout) if p.allocated)
+    if inp.engine.kv_cache_max_tokens:
+        return inp.engine.kv_cache_max_tokens // inp.engine.block_size * inp.engine.block_size
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
     available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
-    per_block = inp.shape.kv_cache_bytes_per_token(inp.tp_size) * inp.block_size
-    return engine_sizing.kv_budget_bytes(inp, available) // per_block * inp.block_size
+    per_block = inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size) * inp.engine.block_size
+    return engine_sizing.kv_budget_bytes(inp.engine, available) // per_block * inp.engine.block_size
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
@@ -572,50 +556,53 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
         parts.append(Part("actor weights", sz.actor_weights))
     if sz.actor_optim_device:
         parts.append(Part("actor optimizer state", sz.actor_optim_device))
-    if sz.critic_weights and critic and not inp.offload_critic:
+    if sz.critic_weights and critic and not inp.strategy.offload_critic:
         parts.append(Part("critic weights", sz.critic_weights))
     if sz.critic_optim_device:
         parts.append(Part("critic optimizer state", sz.critic_optim_device))
-    if sz.reference and not inp.offload_reference:
+    if sz.reference and not inp.strategy.offload_reference:
         parts.append(Part("reference weights", sz.reference))
-    if sz.teacher and not inp.offload_teacher:
+    if sz.teacher and not inp.strategy.offload_teacher:
         parts.append(Part("teacher weights", sz.teacher))
     return [p for p in parts if p.nbytes]
 
 
-def _graphs_kept(inp: PlanInputs) -> bool:
-    """The native engine's decode CUDA graphs (and their pool) outlive level-1 sleeps when its KV
-    cache has a fixed address."""
-    return inp.engine_backend == "native" and inp.cuda_graphs and inp.kv_outside_allocator
+def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
+    return engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
 
+
+def _decode_bytes(inp: PlanInputs, batch: int) -> int:
+    sh = inp.shape
+    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.intermediate, vocab=sh.vocab, max_num_seqs=batch,
+                                      tp_size=inp.engine.tp_size)
 
 def _graph_pool(inp: PlanInputs) -> Part:
     """Activations of the largest decode batch replayed from a CUDA graph (``engine.cuda_graph_max_batch``)."""
-    batch = min(inp.decode_batch, inp.cuda_graph_max_batch)
-    return Part("CUDA graph pool", engine_decode_bytes(inp.shape, max_num_seqs=batch, tp_size=inp.tp_size), allocated=False)
+    batch = min(inp.decode_batch, inp.engine.cuda_graph_max_batch)
+    return Part("CUDA graph pool", _decode_bytes(inp, batch), allocated=False)
 
 
 def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
     """What the engine keeps on the device outside rollouts: level 0 everything; level 1 its
     weights (and its CUDA graphs' pool where the graphs survive); level 2 nothing."""
-    if inp.sleep_level >= 2:
+    if inp.engine.sleep_level >= 2:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
-    if inp.sleep_level == 0:
+    if inp.engine.sleep_level == 0:
         parts.append(_kv_part(inp, sz))
-    if _graphs_kept(inp) or (inp.sleep_level == 0 and inp.cuda_graphs):
+    if _engine(inp).graphs_survive_sleep or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
 
 def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
     kv_tokens = _kv_tokens(inp, sz)
-    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.tp_size),
+    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
                 allocated=not inp.kv_outside_allocator)
 
 
 def _response_tokens(inp: PlanInputs, tokens: int) -> int:
-    return tokens * inp.max_new_tokens // inp.max_len
+    return tokens * inp.rollout.max_new_tokens // inp.max_len
 
 
 def _lora_targets(inp: PlanInputs) -> int:
@@ -623,12 +610,13 @@ def _lora_targets(inp: PlanInputs) -> int:
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    prefill = engine_prefill_bytes(inp.shape, max_num_batched_tokens=inp.max_num_batched_tokens, tp_size=inp.tp_size)
-    graphs = inp.cuda_graphs and inp.engine_backend == "native"
+    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.intermediate,
+                                          max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
+    graphs = _engine(inp).graphs
     # decode batches above the graphs' largest run eagerly, their activations in the allocator
-    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.cuda_graph_max_batch else 0
-    decode = engine_decode_bytes(inp.shape, max_num_seqs=eager, tp_size=inp.tp_size)
-    parts = _resident(inp, sz, actor=not inp.offload_actor_during_rollout) + [
+    eager = inp.decode_batch if not graphs or inp.decode_batch > inp.engine.cuda_graph_max_batch else 0
+    decode = _decode_bytes(inp, eager)
+    parts = _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) + [
         Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
         Part("engine activations", max(prefill, decode)),
     ]
@@ -644,27 +632,34 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     response = _response_tokens(inp, tokens)
     runs = [("actor", inp.shape, 0)]  # (who, shape, weights brought in for it)
     if sz.reference:
-        runs.append(("reference", inp.shape, sz.reference if inp.offload_reference else 0))
+        runs.append(("reference", inp.shape, sz.reference if inp.strategy.offload_reference else 0))
     if sz.critic_weights:
-        runs.append(("critic", inp.shape, sz.critic_weights if inp.offload_critic else 0))
+        runs.append(("critic", inp.shape, sz.critic_weights if inp.strategy.offload_critic else 0))
     if sz.teacher:
-        runs.append(("teacher", inp.teacher, sz.teacher if inp.offload_teacher else 0))
+        runs.append(("teacher", inp.teacher, sz.teacher if inp.strategy.offload_teacher else 0))
 
     def cost(run):
         _, shape, weights = run
-        fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.logprob_chunk_tokens, response),
+        fwd = forward_activation_bytes(shape, tokens, response_tokens=response, chunk_rows=min(inp.model.logprob_chunk_tokens, response),
                                        compiled=inp.compiled)
         return [Part(f"{run[0]} weights (reloaded)", weights), Part(f"{run[0]} forward ({tokens} tokens)", fwd),
-                Part("unsharded layers", fsdp_working_bytes(shape, backward=False))]
+                Part("unsharded layers", _working(inp, shape, backward=False))]
 
     largest = max((cost(r) for r in runs), key=lambda parts: sum(p.nbytes for p in parts))
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [p for p in largest if p.nbytes]
     return PhasePeak("experience", tuple(parts))
 
 
+def _layers_compiled(inp: PlanInputs, c: Choice) -> bool:
+    """Whether the trained models' decoder layers run compiled: not under gradient checkpointing
+    (:func:`tidal.strategy.fsdp2.compile_layers` leaves checkpointed layers eager); the LM head's
+    logprob passes compile either way (``inp.compiled``)."""
+    return inp.compiled and not c.gradient_checkpointing
+
+
 def _micro_batches(inp: PlanInputs, tokens: int) -> int:
     """Training micro-batches per optimizer step (at least; rows do not pack perfectly)."""
-    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
+    per_mini = max(1, inp.sequences_per_rank // inp.train.mini_batches) * inp.max_len
     return -(-per_mini // max(1, tokens))
 
 
@@ -675,19 +670,35 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     layer by layer, so the peak is the larger of the two."""
     tokens = c.micro_batch_tokens if tokens is None else tokens
     response = _response_tokens(inp, tokens)
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank, lora_targets=_lora_targets(inp))
+    kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing, lora_rank=inp.lora_rank,
+              lora_targets=_lora_targets(inp))
     act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
-    head = lm_head_train_bytes(inp.shape, min(inp.logprob_chunk_tokens, response), compiled=inp.compiled)
+    head = lm_head_train_bytes(inp.shape, min(inp.model.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
-    parts.append(Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True)))
+    parts.append(Part("unsharded layers and gradients", _working(inp, inp.shape, backward=True)))
     several = _micro_batches(inp, tokens) > 1
-    if several or sz.actor_grads >= act + max(head, layer):
-        parts.append(Part("actor gradients", sz.actor_grads))
-    if several or sz.actor_grads < act + max(head, layer):
+    grads = sz.actor_grads_accumulating if several else sz.actor_grads
+    if several or grads >= act + max(head, layer):
+        parts.append(Part("actor gradients" + (" (accumulating)" if grads != sz.actor_grads else ""), grads))
+    if several or grads < act + max(head, layer):
         parts.append(Part(f"activations ({tokens} tokens{', checkpointed' if c.gradient_checkpointing else ''})", act))
         parts.append(Part("LM head backward", head) if head >= layer else Part("a layer's backward", layer))
+    if layer >= head:
+        parts.append(Part("attention backward workspace", attention_workspace_bytes(inp.shape, tokens)))
+    parts.append(_allocator_slack(inp, tokens))
     return PhasePeak("update", tuple(p for p in parts if p.nbytes))
+
+
+def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
+    """Reserved beyond allocated at a training micro-batch's peak (not predicted: bounded). The
+    caching allocator serves each large request from a cached block at least as large, so a freed
+    block that is too small for the next request stays reserved: bounded here by one of the largest
+    blocks a micro-batch allocates (the MLP's ``[T, I]`` bf16 intermediate, or a chunk of fp32
+    logits). Not allocated: it counts against the budget, not in ``max_memory_allocated``."""
+    chunk = min(inp.model.logprob_chunk_tokens, _response_tokens(inp, tokens))
+    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.intermediate, 4 * chunk * inp.shape.vocab),
+                allocated=False)
 
 
 def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
@@ -699,20 +710,20 @@ def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     tokens = c.micro_batch_tokens
-    kw = dict(compiled=inp.compiled, checkpointing=c.gradient_checkpointing)
+    kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing)
     act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
     parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
-    if inp.offload_critic:
+    if inp.strategy.offload_critic:
         parts.append(Part("critic weights (reloaded)", sz.critic_weights))
     parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
-              Part("unsharded layers and gradients", fsdp_working_bytes(inp.shape, backward=True))]
+              Part("unsharded layers and gradients", _working(inp, inp.shape, backward=True))]
     return PhasePeak("critic update", tuple(parts))
 
 
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
     merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
-    engine = _engine_between_rollouts(inp, sz) if inp.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
+    engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))
 
@@ -731,19 +742,18 @@ def _host_parts(inp: PlanInputs, c: Choice) -> tuple[list[Part], int]:
     sz = _sizes(inp, c.offload_optimizer)
     parts = [Part("process (Python, torch, CUDA libraries)", HOST_PROCESS_BYTES)]
     if sz.actor_optim_host:
-        pinned = "pinned" if inp.backend == "fsdp2" else "ZeRO-Offload: fp32 masters, moments, gradients"
-        parts.append(Part(f"actor optimizer state ({pinned})", sz.actor_optim_host))
+        parts.append(Part(f"actor optimizer state ({sz.host_label})", sz.actor_optim_host))
     if sz.critic_optim_host:
         parts.append(Part("critic optimizer state (pinned)", sz.critic_optim_host))
-    if inp.sleep_level == 2 and inp.engine_backend == "native":
+    if inp.engine.sleep_level == 2 and _engine(inp).parks_weights:
         parts.append(Part("engine weights while asleep (pinned)", sz.engine_weights))
-    if sz.reference and inp.offload_reference:
+    if sz.reference and inp.strategy.offload_reference:
         parts.append(Part("parked reference weights (pinned)", sz.reference))
-    if sz.teacher and inp.offload_teacher:
+    if sz.teacher and inp.strategy.offload_teacher:
         parts.append(Part("parked teacher weights (pinned)", sz.teacher))
-    if inp.offload_actor_during_rollout:
+    if inp.strategy.offload_actor_during_rollout:
         parts.append(Part("actor weights during rollout", sz.actor_weights))
-    if inp.offload_critic:
+    if inp.strategy.offload_critic:
         parts.append(Part("critic weights between uses", sz.critic_weights))
     # from_pretrained materialises a whole model in fp32 on the host before it is sharded
     setup = HOST_PROCESS_BYTES + 4 * max(inp.shape.params(), inp.teacher.params() if inp.teacher is not None else 0)
@@ -772,12 +782,12 @@ def _round_tokens(t: int, floor: int) -> int:
 
 def _train_cap(inp: PlanInputs) -> int:
     """The most tokens a training micro-batch can hold: a rank's mini-batch, or max_seqs full rows."""
-    per_mini = max(1, inp.sequences_per_rank // inp.mini_batches) * inp.max_len
-    return max(inp.max_len, min(per_mini, inp.micro_batch_max_seqs * inp.max_len))
+    per_mini = max(1, inp.sequences_per_rank // inp.train.mini_batches) * inp.max_len
+    return max(inp.max_len, min(per_mini, inp.train.micro_batch_max_seqs * inp.max_len))
 
 
 def _forward_cap(inp: PlanInputs) -> int:
-    rows = min(inp.sequences_per_rank, inp.forward_micro_batch_max_seqs)
+    rows = min(inp.sequences_per_rank, inp.train.forward_micro_batch_max_seqs)
     return max(inp.max_len, min(MAX_FORWARD_MICRO_BATCH_TOKENS, rows * inp.max_len))
 
 
@@ -811,20 +821,20 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
         if ph.total > budget:
             out.append(_phase_problem(inp, c, ph))
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine_backend == "native" and kv_tokens < inp.max_len:
-        key = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
+    if _engine(inp).own_kv_rule and kv_tokens < inp.max_len:
+        key = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else "engine.kv_cache_memory_fraction"
         out.append((key, f"the engine's KV cache would hold {kv_tokens} tokens, less than one sequence of "
                     f"{inp.max_len} (data.max_prompt_len + rollout.max_new_tokens); raise {key}, free device memory "
                     "during rollouts (strategy.offload_optimizer=true, strategy.offload_actor_during_rollout=true) or "
                     "shorten the sequences"))
-    host_budget = int(inp.host.total * inp.host_fraction)
+    host_budget = int(inp.host.total * inp.memory.host_fraction)
     steady = inp.local_world_size * sum(p.nbytes for p in host_parts)
     setup = inp.local_world_size * host_setup
     for what, need in (("host memory in the steady state", steady), ("host memory while loading the model", setup)):
         if need > host_budget:
             out.append(("memory.host_memory_gib", (
                 f"{what}: {gib(need):.1f} GiB for {inp.local_world_size} rank(s) on this host, more than "
-                f"{inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source}). Keep less on the host "
+                f"{inp.memory.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source}). Keep less on the host "
                 "(strategy.offload_optimizer=false, engine.sleep_level=1, strategy.offload_reference=false) or, where "
                 "the machine has more memory than detected (memory that grows as it is used), set memory.host_memory_gib")))
     return out
@@ -833,7 +843,7 @@ def _problems(inp: PlanInputs, c: Choice, phases: tuple[PhasePeak, ...], host_pa
 def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]:
     """(the first setting to change, the problem and every change that would lower this phase)."""
     over = (f"the {ph.name} phase needs {gib(ph.total):.1f} GiB, over the budget of {gib(inp.budget):.1f} GiB "
-            f"({inp.device_fraction:.0%} of {gib(inp.device.total):.1f} GiB, memory.device_fraction)")
+            f"({inp.memory.device_fraction:.0%} of {gib(inp.device.total):.1f} GiB, memory.device_fraction)")
     training = ph.name in ("update", "critic update")
     hints: list[tuple[str, str]] = []
     if training and inp.micro_batch_tokens is not None and inp.micro_batch_tokens > inp.max_len:
@@ -845,7 +855,7 @@ def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]
         hints.append(("model.gradient_checkpointing", "set model.gradient_checkpointing=true (or auto)"))
     if not c.offload_optimizer and ph.name != "weight sync":
         hints.append(("strategy.offload_optimizer", "set strategy.offload_optimizer=true (or auto): the optimizer state waits in host memory"))
-    if inp.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
+    if inp.engine.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
         hints.append(("engine.sleep_level", "set engine.sleep_level=2: the engine's weights wait on the host outside rollouts"))
     if ph.name == "rollout":
         hints.append(("engine.kv_cache_memory_fraction", "lower engine.kv_cache_memory_fraction or set engine.kv_cache_max_tokens, "
@@ -890,14 +900,11 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
     phases = _phases(inp, c)
     host_parts, host_setup = _host_parts(inp, c)
     notes = []
-    if inp.engine_backend not in ("native", "hf"):
-        notes.append(f"engine.backend={inp.engine_backend}: its memory is sized by the engine itself; the plan counts it like the native engine's")
-    if inp.backend == "deepspeed":
-        notes.append("DeepSpeed figures follow its documented layout (not calibrated on a GPU)")
+    notes += [n for n in (_engine(inp).note, memory_layout(inp.strategy.backend).note) if n]
     if inp.shape.vision:
         notes.append("vision-language model: the vision tower's weights and activations are not counted")
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
-    if inp.engine_backend == "native" and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
+    if _engine(inp).own_kv_rule and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
         notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
                      "sequences at full length: long rollouts run in more than one wave")
     return MemoryPlan(inputs=inp, choice=c, phases=phases, host_parts=tuple(host_parts), host_setup_bytes=host_setup,
@@ -977,10 +984,10 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     inp, c = plan.inputs, plan.choice
     shape = inp.shape
     lines = [
-        f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
+        f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.memory.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
         f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
         + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
-        + f"; {inp.world_size} rank(s), {inp.backend}",
+        + f"; {inp.world_size} rank(s), {inp.strategy.backend}",
     ]
     chosen = plan.chosen()
     settings = [
@@ -988,7 +995,7 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
         ("model.gradient_checkpointing", c.gradient_checkpointing), ("strategy.offload_optimizer", c.offload_optimizer),
     ]
     if plan.kv_cache_tokens:
-        source = "engine.kv_cache_max_tokens" if inp.kv_cache_max_tokens else f"{inp.kv_cache_memory_fraction:g} of the memory available"
+        source = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else f"{inp.engine.kv_cache_memory_fraction:g} of the memory available"
         settings.append(("engine KV cache", f"{plan.kv_cache_tokens} tokens ({source})"))
     lines.append("  settings: " + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}{' (auto)' if k in chosen else ''}"
                                              for k, v in settings))
@@ -1003,6 +1010,6 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     lines.append(f"  host: {gib(plan.host_bytes):.1f} GiB steady ({inp.local_world_size} rank(s) x {gib(host_total):.1f}: "
                  + ", ".join(f"{p.label} {gib(p.nbytes):.1f}" for p in plan.host_parts)
                  + f"), {gib(inp.local_world_size * plan.host_setup_bytes):.1f} GiB while loading; "
-                 f"budget {inp.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source})")
+                 f"budget {inp.memory.host_fraction:.0%} of {gib(inp.host.total):.1f} GiB ({inp.host.source})")
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

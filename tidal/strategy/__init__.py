@@ -22,4 +22,22 @@ def get_strategy(cfg: StrategyConfig, runtime: Runtime) -> Strategy:
     raise ValueError(f"strategy.backend: unknown backend {cfg.backend!r}")
 
 
+def memory_layout(backend: str):
+    """The backend's own description of its bytes per rank (``trained``, ``frozen``, ``working``:
+    :class:`~tidal.strategy.fsdp2.FSDP2Layout`, :class:`~tidal.strategy.deepspeed.DeepSpeedLayout`),
+    composed by the memory plan before any model loads."""
+    if backend == "fsdp2":
+        from tidal.strategy.fsdp2 import FSDP2Layout
+
+        return FSDP2Layout
+    if backend == "deepspeed":
+        from tidal.optional_deps import require
+
+        require("deepspeed", "strategy.backend", "strategy.backend=deepspeed")
+        from tidal.strategy.deepspeed import DeepSpeedLayout
+
+        return DeepSpeedLayout
+    raise ValueError(f"strategy.backend: unknown backend {backend!r}")
+
+
 __all__ = ["get_strategy", "Strategy", "TrainState", "StrategyConfig", "OptimConfig"]

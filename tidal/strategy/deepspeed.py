@@ -62,7 +62,8 @@ from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import merged, weight_plan
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, _move_optimizer_state, lr_lambda
 from tidal.strategy.config import OptimConfig, StrategyConfig
-from tidal.strategy.resident import device_bytes, optimizer_state_tensors
+from tidal.strategy.fsdp2 import FSDP2Layout
+from tidal.strategy.resident import TrainedBytes, device_bytes, optimizer_state_tensors
 
 # ZeRO-3 parameters are all-gathered for full_weights / export in groups of about this many bytes.
 GATHER_BUCKET_BYTES = 256 << 20
@@ -102,6 +103,45 @@ def deepspeed_config(
             if stage >= 2 or offload_optimizer:
                 cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
+
+
+class DeepSpeedLayout:
+    """The ZeRO engines' bytes per rank, for the memory plan, as DeepSpeed documents its layout
+    (not calibrated on a GPU). Parameter counts as in :class:`tidal.strategy.fsdp2.FSDP2Layout`."""
+
+    note = "DeepSpeed figures follow its documented layout (not calibrated on a GPU)"
+
+    @staticmethod
+    def trained(cfg: StrategyConfig, *, stored: int, trainable: int, world: int, offload: bool) -> TrainedBytes:
+        """bf16 compute parameters (partitioned at stage 3, a LoRA base with them); fp32 masters and
+        AdamW moments partitioned at every stage; fp32 gradient partitions at stages 2-3 (reduced at
+        every micro-batch), full bf16 gradients at stage 1. ZeRO-Offload (``offload``) keeps the
+        masters, moments and fp32 gradient partitions on the host (bf16 gradient partitions stay)."""
+        stage = cfg.zero_stage
+        lp = 2 * stored // (world if stage == 3 else 1)
+        masters, moments = 4 * trainable // world, 8 * trainable // world
+        grads = 4 * trainable // world if stage >= 2 else 2 * trainable
+        if offload:
+            grads = 2 * trainable // world if stage >= 2 else grads
+            return TrainedBytes(weights=lp, grads=grads, grads_accumulating=grads, optimizer_device=0,
+                                optimizer_host=masters + moments + 4 * trainable // world,
+                                host_label="ZeRO-Offload: fp32 masters, moments, gradients")
+        return TrainedBytes(weights=lp + masters, grads=grads, grads_accumulating=grads, optimizer_device=moments, optimizer_host=0)
+
+    @staticmethod
+    def frozen(cfg: StrategyConfig, *, params: int, world: int) -> int:
+        """A frozen model: compute-dtype parameters, partitioned by a ZeRO-3 engine, else replicated."""
+        return 2 * params // (world if cfg.zero_stage == 3 else 1)
+
+    @staticmethod
+    def working(cfg: StrategyConfig, *, layer_params: int, root_params: int, backward: bool) -> int:
+        """During a pass: at stage 3 the gathered parameters, as FSDP2 gathers them (a module
+        around its use, the next prefetched); at stages 1-2 the parameters are whole already (in
+        ``weights``). In the backward also a layer's bf16 gradients and their fp32 copy before
+        they are partitioned."""
+        if cfg.zero_stage == 3:
+            return FSDP2Layout.working(cfg, layer_params=layer_params, root_params=root_params, backward=backward)
+        return 6 * layer_params if backward else 0
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

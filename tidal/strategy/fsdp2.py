@@ -34,9 +34,11 @@ from tidal.models.logprobs import LOGPROB_METHOD
 from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
 from tidal.strategy.compile_cache import use_compile_cache
-from tidal.strategy.config import OptimConfig
+from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.strategy.gather import BucketedFullTensors
 from tidal.strategy.parking import ModelParking
+from tidal.strategy.resident import TrainedBytes
+from tidal.strategy.streamed_adamw import DEFAULT_CHUNK_BYTES as STREAM_CHUNK_BYTES
 from tidal.strategy.streamed_adamw import StreamedAdamW
 
 
@@ -52,11 +54,60 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def compile_layers(model: torch.nn.Module) -> None:
     """Compile each decoder layer's ``forward`` in place (``torch.compile``, dynamic shapes).
 
-    Only ``forward`` is compiled, not the module call: FSDP2's unshard/reshard hooks and HF
-    gradient checkpointing stay eager around it, and parameter names do not change. The layers
-    share one code object, so one compilation serves them all (parameters are graph inputs)."""
+    Only ``forward`` is compiled, not the module call: FSDP2's unshard/reshard hooks stay eager
+    around it, and parameter names do not change. The layers share one code object, so one
+    compilation serves them all (parameters are graph inputs).
+
+    A layer under gradient checkpointing (``model.gradient_checkpointing``: HF's checkpoint around
+    the module call) stays eager: the tensors a compiled region saves for its backward escape the
+    checkpoint's saved-tensor hooks, so a compiled checkpointed layer keeps its whole saved set (the
+    same bytes as without checkpointing: measured in tests/unit/test_memory_layouts.py) and the
+    recompute would cost time for nothing."""
+    if checkpointed(model):
+        return
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether HF gradient checkpointing is on anywhere in ``model`` (on the layers, or on the
+    decoder stack in transformers versions that checkpoint from there)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+class FSDP2Layout:
+    """FSDP2's bytes per rank, for the memory plan (what this module keeps where, from the numbers
+    of parameters alone). Parameter counts: ``stored`` (every parameter held: a LoRA actor's frozen
+    base and its adapters), ``trainable`` (those with gradients and optimizer state)."""
+
+    note = ""  # calibrated against H200 runs (tests/unit/test_memory_plan.py)
+
+    @staticmethod
+    def trained(cfg: StrategyConfig, *, stored: int, trainable: int, world: int, offload: bool) -> TrainedBytes:
+        """fp32 master weights of everything, sharded (``prepare_trainable``); fp32 gradient shards
+        of what trains, and without gradient sync (every micro-batch but a step's last:
+        :meth:`FSDP2Strategy.backward`) each parameter's unsharded gradient upcast to the fp32
+        reduce dtype, the whole model's on every rank; AdamW's two fp32 moments on the device, or
+        with ``offload`` in pinned host memory streamed through two staging chunks
+        (:class:`StreamedAdamW`)."""
+        optim = 8 * trainable // world
+        return TrainedBytes(
+            weights=4 * stored // world, grads=4 * trainable // world, grads_accumulating=4 * trainable,
+            optimizer_device=0 if offload else optim, optimizer_host=optim if offload else 0,
+            optimizer_staging=2 * STREAM_CHUNK_BYTES if offload else 0, host_label="pinned",
+        )
+
+    @staticmethod
+    def frozen(cfg: StrategyConfig, *, params: int, world: int) -> int:
+        """A frozen model (reference, teacher): bf16 parameters, sharded (``prepare_frozen``)."""
+        return 2 * params // world
+
+    @staticmethod
+    def working(cfg: StrategyConfig, *, layer_params: int, root_params: int, backward: bool) -> int:
+        """Unsharded bf16 parameters held during a pass: the root's (embedding, LM head) for the
+        whole pass, the layer computing and the one prefetched; in the backward also one layer's
+        bf16 gradients and their fp32 copy for the reduce-scatter."""
+        return 2 * root_params + 4 * layer_params + (6 * layer_params if backward else 0)
 
 
 class FSDP2Strategy(Strategy):

@@ -105,12 +105,15 @@ class StreamedAdamW(torch.optim.Optimizer):
 
     def _state_tensors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The moments as ``state`` holds them: shaped like the parameter (a DTensor with its
-        placements for a DTensor parameter)."""
+        placements for a DTensor parameter) over the host buffer itself. Not
+        ``DTensor.from_local``: it moves a local tensor to its mesh's device type, which would put
+        a stale copy of both moments on the GPU (the whole state the streaming exists to keep off
+        it) and hand checkpoints that copy instead of the moments the steps update."""
         out = []
         for flat in self._host_moments(p):
             local = flat.view(_local(p).shape)
-            if isinstance(p, DTensor):
-                local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor):  # the parameter's spec: same mesh, placements, shape, stride, fp32
+                local = DTensor(local, p._spec, requires_grad=False)
             out.append(local)
         return out[0], out[1]
 

@@ -45,6 +45,7 @@ from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
 from tidal.trainer.config import require_resolved
 from tidal.memory.parts import MemoryParts
+from tidal.memory.peaks import DevicePeaks
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,7 +99,10 @@ class Colocation:
         self.sleep_level = 0
         self.verify_sync = False
         self.engine_memory: dict[str, int] = {}  # the engine's device bytes by kind, at the end of the last rollout
-        self.memory = MemoryParts(strategy.device, strategy.resident_bytes)  # the step's memory by component
+        # the allocator's peaks per phase (the one owner of its peak counter; the timer's first observer)
+        self.peaks = DevicePeaks(strategy.device)
+        timer.add_observer(self.peaks)
+        self.memory = MemoryParts(self.peaks, strategy.resident_bytes)  # the step's memory by component
 
     def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int, verify: bool) -> None:
         """Take charge of the rollout engine: sync the actor's weights into it and put it to rest.
