@@ -90,9 +90,28 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def check_out(cfg, args) -> None:
+    """``--out`` may be written (:func:`tidal.trainer.export.check_export_target`): never the run
+    directory, the checkpoint or ``model.path``; checked on every rank before anything loads."""
+    from pathlib import Path
+
+    from tidal.trainer.export import check_export_target
+
+    checkpoint = Path(args.checkpoint)
+    protected = {"the checkpoint": checkpoint}
+    if checkpoint.parent.name == "checkpoints":  # a run's: its own checkpoints rotate there
+        protected["the checkpoints folder"] = checkpoint.parent
+    if cfg.model.path:
+        protected["model.path"] = cfg.model.path
+    check_export_target(args.out, run_dir=checkpoint.parent.parent, protected=protected)
+    if Path(cfg.run.output_dir).resolve() != checkpoint.parent.parent.resolve():
+        check_export_target(args.out, run_dir=cfg.run.output_dir)
+
+
 def cmd_export(args) -> int:
     args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}"]
     cfg = _load(args)
+    check_out(cfg, args)
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
@@ -110,7 +129,7 @@ def cmd_export(args) -> int:
         from tidal.logging.progress import stage
 
         with stage(f"gathering and writing the weights to {args.out}", enabled=trainer.rt.is_main):
-            out = export_hf(trainer, args.out, dtype)
+            out = export_hf(trainer, args.out, dtype, source=f"checkpoint {trainer.loaded_from} (step {step})")
         if trainer.rt.is_main:
             print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
                   f"(a Hugging Face folder: weights in {str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
