@@ -21,7 +21,6 @@ def _run_dir(tmp_path: Path) -> Path:
     ckpt.mkdir(parents=True)
     (ckpt / "trainer.json").write_text('{"step": 2}')
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    (run / "config.yaml").write_text("run: {}\n")
     return run
 
 

@@ -18,7 +18,7 @@ def run(cfg, command: str, *, checkpoint: str | None = None, out: str | None = N
     from tidal.rm.export import export_reward_model, export_summary
     from tidal.rm.setup import build_reward_model_trainer
 
-    trainer = build_reward_model_trainer(cfg)
+    trainer = build_reward_model_trainer(cfg, read_only=command != "train")
     try:
         if command == "train":
             trainer.fit()

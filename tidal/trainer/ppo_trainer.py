@@ -42,6 +42,9 @@ from tidal.trainer.update import Updater
 from tidal.run.watchdog import StageTimer
 
 
+EVAL_SEED_SALT = 99  # step_seed's salt of an evaluation's sampling (tidal eval draws what the run's eval at that step drew)
+
+
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     """A sampling seed that depends only on (seed, step, rank, salt): a resumed run draws the same."""
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
@@ -243,7 +246,7 @@ class PPOTrainer:
                 self.timer.phase("eval"):
             out = evaluate(
                 self.maker, items, self.cfg.eval, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=99),
+                seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=EVAL_SEED_SALT),
             )
             shown.done(", ".join(f"{k[5:]} {v:.3f}" for k, v in out.items() if k.endswith("accuracy") or "pass@" in k))
         out["time/eval"] = self.timer.pop()["time/eval"]
