@@ -15,7 +15,7 @@ from tidal.distributed.runtime import Runtime
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
 from tidal.run.resume import ResumePoint, resolve_resume_point
-from tidal.run.run_lock import RunLock, acquire_run_lock
+from tidal.run.run_lock import RunLock, acquire_run_lock, held_by_another_run
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -44,16 +44,21 @@ def claim_run_dir(output_dir: str, checkpoint: CheckpointConfig, runtime: Runtim
 
 def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> RunLock:
     """Claim the run directory for this run, before anything is written into it (a collective):
-    rank 0 takes its exclusive lock (a second run in the same directory gets a ConfigError naming
-    the first; every rank raises it), then partial saves are settled and the directory (and the
-    checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
+    rank 0 takes its exclusive lock (partial saves settled first when no live run holds it: a save
+    that filled the disk leaves no room for the lock's file; a second run in the same directory
+    gets a ConfigError naming the first; every rank raises it), then partial saves are settled and
+    the directory (and the checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
     when the run ends."""
     lock, error = None, None
     if runtime.is_main:
         try:
+            if not held_by_another_run(output_dir):  # a save that filled the disk leaves no room for the lock file
+                ckpt.clean_partial(ckpt.checkpoint_root(output_dir))
             lock = acquire_run_lock(output_dir, runtime.rank)
         except ConfigError as e:
             error = e
+        except OSError as e:  # settling the partial saves failed: every rank says so
+            error = ConfigError("run.output_dir", f"cannot settle the partial saves in {output_dir}: {e}")
     box = [None if error is None else (error.key, error.message)]
     if runtime.world_size > 1:
         import torch.distributed as dist

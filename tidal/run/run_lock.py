@@ -148,6 +148,13 @@ def _take_over(path: Path, seen: dict[str, Any]) -> None:
     aside.unlink(missing_ok=True)
 
 
+def held_by_another_run(run_dir: str | os.PathLike) -> bool:
+    """Whether the lock of ``run_dir`` may belong to a live run (an unreadable lock, or another
+    host's, counts as one): while it may, nothing in the directory is another run's to clean up."""
+    owner = _read(Path(run_dir) / LOCK_NAME)
+    return owner is not None and (isinstance(owner, str) or not _stale(owner))
+
+
 def acquire_run_lock(run_dir: str | os.PathLike, rank: int, *, key: str = "run.output_dir") -> RunLock:
     """Take the run directory's lock on rank 0 (see the module docstring); on other ranks return a
     non-owning lock. Raises ConfigError at ``key`` naming the run that holds it."""
