@@ -284,7 +284,8 @@ class PPOTrainer:
         strategy, m = self.colocation.strategy, self.models
         which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
         loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
-                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS)
+                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS,
+                                  warn_skipped=False)  # setup's resolve_resume_point named them
         self.run_dir.resume = None  # loaded: a second call is a no-op
         if loaded is None:  # every candidate failed to load under auto: a fresh run
             self.logger.rewind(0)
