@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -183,10 +184,20 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
     return RunData(train=train, sampler=sampler, eval_items=eval_items)
 
 
+def with_absolute_output_dir(cfg: TidalConfig) -> TidalConfig:
+    """``cfg`` with ``run.output_dir`` made absolute against the current directory, once, at start:
+    a reward function that calls ``os.chdir`` cannot send checkpoints and metrics elsewhere."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=os.path.abspath(cfg.run.output_dir)))
+
+
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
+    written, cfg = cfg, with_absolute_output_dir(cfg)  # config.yaml records the config as written
     check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
+    if runtime.is_main:
+        for warning in cfg.learning_warnings():
+            print(f"[tidal] warning: {warning}", file=sys.stderr, flush=True)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
@@ -237,7 +248,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     for observer in logger.observers():  # the console's step bar shows the phase a step is in
         colocation.timer.add_observer(observer)
     if runtime.is_main:
-        announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
+        announce_run_dir(written)  # the config as written (`auto` kept: a rerun plans again)
     trainer = PPOTrainer(cfg=run_cfg, colocation=colocation, models=models, rewards=rewards, algorithm=algorithm, data=data,
                          logger=logger, run_dir=run_dir)
     trainer.memory = memory  # the settings the run was built with, and the plan behind them (None without one)

@@ -23,6 +23,7 @@ import sys
 from tidal.config_base import ConfigError
 from tidal.run.stop import EXIT_CODE as STOP_EXIT_CODE
 from tidal.run.stop import StopRun
+from tidal.run.run_lock import RunDirLost
 
 
 def _load(args):
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tidal: {e}", file=sys.stderr)
         record_error_file(f"tidal: {e}")  # torchrun's failure report then names it
         return CONFIG_EXIT_CODE
+    except RunDirLost as e:  # said in one line: the traceback would only show the check
+        print(f"tidal: {e}", file=sys.stderr)
+        return 1
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE

@@ -32,6 +32,11 @@ from tidal.config_base import ConfigError
 LOCK_NAME = ".tidal.lock"
 
 
+class RunDirLost(RuntimeError):
+    """The run directory (with its lock) was removed or replaced while the run wrote into it
+    (:meth:`tidal.run.run_dir.RunDir.check_intact`)."""
+
+
 def _start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), or None where /proc cannot tell."""
     try:

@@ -336,6 +336,7 @@ class PPOTrainer:
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
             metrics = self.train_step(step)
+            self.run_dir.check_intact(self.rt)  # before anything of this step is written there
             final = step == cfg.run.steps
             signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
             if self.data.eval_items and not signum and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
