@@ -181,7 +181,9 @@ def test_every_malformed_body_gets_400_with_the_reason(server):
 @pytest.mark.parametrize("fn, response, error", [
     ("exits", "exit", "raised SystemExit: 3"),
     ("interrupts", "exit", "raised KeyboardInterrupt"),
-    ("dies", "die", "worker process died"),
+    ("kills_itself", "die", "worker process died"),
+    ("dies", "die", "raised SystemExit: os._exit(7) called by a reward function"),
+    ("exits_cleanly", "bye", "raised SystemExit: os._exit(0) called by a reward function"),
     ("hangs_forever", "hang", "timed out after 1 s"),
     ("huge", "huge", "beyond float32's range"),
 ])

@@ -38,7 +38,8 @@ class FunctionRewardConfig:
         ``async def``; worker processes with ``isolation: process``).
     isolation: where calls run. ``thread``: in the trainer's process (``async def`` on the reward
         event loop, ``def`` on a thread per call; a ``def`` call past its limit is given up on but
-        keeps running in the background). ``process``: in a pool of ``concurrency`` worker processes;
+        keeps running in the background, and while ``concurrency`` such calls run no new one starts:
+        its samples are errors). ``process``: in a pool of ``concurrency`` worker processes;
         a call past its limit is killed and its worker replaced (costs a pickling round trip per call).
     """
 
