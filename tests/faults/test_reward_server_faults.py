@@ -121,7 +121,7 @@ def test_more_requests_than_it_takes_get_503_with_retry_after(server):
     slow.start()
     time.sleep(1.0)  # the first request is being scored
     status, body, headers = post(srv.url, samples("a"))
-    assert status == 503 and headers.get("Retry-After") == "1" and "--max-in-flight" in body["error"]
+    assert status == 503 and 1 <= int(headers["Retry-After"]) <= 60 and "--max-in-flight" in body["error"]
     slow.join(20)
     assert post(srv.url, samples("a"))[0] == 200  # free again
 
