@@ -64,3 +64,22 @@ def test_a_reward_that_changes_directory_does_not_move_the_run(tmp_path, tiny_ta
     assert f"resumed from {start / 'runs' / 'rel' / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (start / "runs" / "rel" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_both_ranks_stop_when_the_run_directory_is_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(repo / "tests" / "faults" / "scripts" / "run_dir_lost.py"), str(run)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"INTACT rank {r}" in proc.stdout
+        assert f"LOST rank {r}: the run directory {run} was removed or replaced during the run" in proc.stdout, proc.stdout
