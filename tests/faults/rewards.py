@@ -173,3 +173,13 @@ def hangs_a_while(sample) -> float:
     if sample.response == "hang":
         time.sleep(3)
     return 1.0
+
+
+def forks_a_child(sample) -> float:
+    """Runs a child through multiprocessing's fork: the child ends with os._exit(0) as it must."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join(30)
+    return float(child.exitcode == 0)

@@ -86,6 +86,11 @@ def test_os_exit_0_in_a_thread_reward_does_not_end_the_trainer():
     assert proc.returncode == 0 and "valid [True, False]" in proc.stdout and "ALIVE" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+def test_a_child_forked_by_a_reward_still_exits_normally():
+    with engine("forks_a_child", on_error="raise") as eng:  # thread isolation: the child's os._exit is the real one
+        assert eng.score([S("a")]).total_B.tolist() == [1.0]
+
+
 def test_os_exit_0_in_a_worker_is_that_samples_error_at_once():
     from tidal.rewards import RewardError
 

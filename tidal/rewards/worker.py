@@ -77,11 +77,12 @@ def describe(exc: BaseException) -> str:
 
 _LOADED: dict[str, Callable[..., Any]] = {}
 _REAL_EXIT = os._exit
-_USER_CALLS = threading.local()  # depth: how many user calls this thread is inside
+_USER_CALLS = threading.local()  # depth: how many user calls this thread is inside; pid: of the process that made them
 
 
 def _exit_unless_in_a_user_call(code: int) -> None:
-    if getattr(_USER_CALLS, "depth", 0):
+    # a child forked inside a user call (multiprocessing's fork) ends with os._exit as it must
+    if getattr(_USER_CALLS, "depth", 0) and getattr(_USER_CALLS, "pid", None) == os.getpid():
         raise SystemExit(f"os._exit({code}) called by a reward function")
     _REAL_EXIT(code)
 
@@ -94,6 +95,7 @@ def user_call() -> Iterator[None]:
     clean exit, its sample waiting out its whole limit (process isolation). Other threads (the
     watchdog's) exit as before. Installed on first use; nothing else in Tidal replaces ``os._exit``."""
     os._exit = _exit_unless_in_a_user_call
+    _USER_CALLS.pid = os.getpid()
     _USER_CALLS.depth = getattr(_USER_CALLS, "depth", 0) + 1
     try:
         yield
