@@ -269,7 +269,7 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
-    check_inputs(cfg, paths, algorithm)
+    check_inputs(cfg, dataclasses.replace(paths, train=[]), algorithm)  # the training prompts are not read
     tokenizer = load_tokenizer(paths.tokenizer)
     run_cfg = settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
