@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from transformers import AutoConfig
 from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig
 from tidal.config_base import check
-from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
+from tidal.data import DataSource, PromptDataset, PromptItem, StatefulDistributedSampler
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.dtypes import resolve_dtype
@@ -47,7 +48,11 @@ from tidal.run import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import require_resolved
 from tidal.memory.probe import plan_run
-from tidal.trainer.ppo_trainer import PPOTrainer, RunData
+from tidal.trainer.ppo_trainer import EVAL_SEED_SALT, PPOTrainer, RunData, step_seed
+from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.evaluate import CheckpointPolicy
+from tidal.memory.plan import settings_without_plan
+from tidal.run.resume import resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -115,19 +120,25 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
             check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
 
 
-def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, algorithm: Algorithm, tokenizer):
-    """(models, the actor's HF config): the actor (and critic) sharded for training, the reference
-    sharded for inference; where each waits between phases is the phase owner's decision, not made
-    here. ``cfg``: the run's config as resolved by the memory plan (``model.gradient_checkpointing``
-    a bool, for the actor and the critic alike)."""
+def build_actor(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy):
+    """(the actor sharded for training, its HF config); ``cfg`` as resolved by the memory plan."""
     require_resolved(cfg.model, "model", "gradient_checkpointing")
     actor_model = enable_packed_attention(load_causal_lm(paths.model))
     hf_config = actor_model.config  # read before wrapping: a DeepSpeed engine's .config is its own
     if cfg.model.gradient_checkpointing:
         actor_model.gradient_checkpointing_enable()
     actor_model = apply_lora(actor_model, cfg.model.lora, seed=cfg.run.seed)  # unchanged when model.lora.rank == 0
+    actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=total_optimizer_steps(cfg))
+    return actor, hf_config
+
+
+def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, algorithm: Algorithm, tokenizer):
+    """(models, the actor's HF config): the actor (and critic) sharded for training, the reference
+    sharded for inference; where each waits between phases is the phase owner's decision, not made
+    here. ``cfg``: the run's config as resolved by the memory plan (``model.gradient_checkpointing``
+    a bool, for the actor and the critic alike)."""
+    actor, hf_config = build_actor(cfg, paths, strategy)
     steps = total_optimizer_steps(cfg)
-    actor = strategy.prepare_trainable(actor_model, cfg.optim, lr=cfg.optim.lr, total_steps=steps)
     critic = None
     if algorithm.needs_critic:
         critic_model = enable_packed_attention(load_critic(paths.critic))
@@ -154,13 +165,18 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
     return models, hf_config
 
 
+def build_eval_items(cfg: TidalConfig, paths: ResolvedPaths, tokenizer) -> list[PromptItem]:
+    """The first ``eval.max_prompts`` eval prompts (all when 0; none without ``data.eval``)."""
+    if not paths.eval:
+        return []
+    eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
+    n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
+    return [eval_data[i] for i in range(n)]
+
+
 def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runtime) -> RunData:
     train = PromptDataset(paths.train, tokenizer, cfg.data, seed=cfg.run.seed)
-    eval_items = []
-    if paths.eval:
-        eval_data = PromptDataset(paths.eval, tokenizer, cfg.data, seed=cfg.run.seed)
-        n = len(eval_data) if cfg.eval.max_prompts == 0 else min(cfg.eval.max_prompts, len(eval_data))
-        eval_items = [eval_data[i] for i in range(n)]
+    eval_items = build_eval_items(cfg, paths, tokenizer)
     sampler = StatefulDistributedSampler(
         len(train), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
@@ -168,10 +184,20 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
     return RunData(train=train, sampler=sampler, eval_items=eval_items)
 
 
+def with_absolute_output_dir(cfg: TidalConfig) -> TidalConfig:
+    """``cfg`` with ``run.output_dir`` made absolute against the current directory, once, at start:
+    a reward function that calls ``os.chdir`` cannot send checkpoints and metrics elsewhere."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=os.path.abspath(cfg.run.output_dir)))
+
+
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
+    written, cfg = cfg, with_absolute_output_dir(cfg)  # config.yaml records the config as written
     check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
+    if runtime.is_main:
+        for warning in cfg.learning_warnings():
+            print(f"[tidal] warning: {warning}", file=sys.stderr, flush=True)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
@@ -222,8 +248,49 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     for observer in logger.observers():  # the console's step bar shows the phase a step is in
         colocation.timer.add_observer(observer)
     if runtime.is_main:
-        announce_run_dir(cfg)  # the config as written (`auto` kept: a rerun plans again)
+        announce_run_dir(written)  # the config as written (`auto` kept: a rerun plans again)
     trainer = PPOTrainer(cfg=run_cfg, colocation=colocation, models=models, rewards=rewards, algorithm=algorithm, data=data,
                          logger=logger, run_dir=run_dir)
     trainer.memory = memory  # the settings the run was built with, and the plan behind them (None without one)
     return trainer
+
+
+def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPolicy:
+    """``tidal eval`` / ``tidal export``: the actor of the checkpoint ``checkpoint.resume`` (a path),
+    loaded read-only. Nothing is written into the run directory (no lock, no settling of partial
+    saves, no metrics, config or heartbeat files), and only what the command uses is loaded: the
+    actor's weights (not the sampler or trainer state, so the training overrides need not be
+    repeated), and with ``evaluate`` the rollout engine, the rewards and the eval prompts; no
+    critic, reference, teacher or training prompts. No memory plan is made (nothing trains)."""
+    check_dependencies(cfg)
+    runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
+    cfg.check_world(runtime.world_size)
+    point = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime)  # read-only checks of the path
+    seed_everything(cfg.run.seed)
+    paths = resolve_paths(cfg, runtime)
+    algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
+    check_inputs(cfg, dataclasses.replace(paths, train=[]), algorithm)  # the training prompts are not read
+    tokenizer = load_tokenizer(paths.tokenizer)
+    run_cfg = settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens).run_config(cfg)
+    strategy = get_strategy(run_cfg.strategy, runtime)
+    actor, hf_config = build_actor(run_cfg, paths, strategy)
+    models = Models(tokenizer=tokenizer, actor=actor)
+    # a watchdog never started: it writes no heartbeat into the run directory
+    timer = StageTimer(Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir,
+                                timeout_s=cfg.run.collective_timeout_s))
+    colocation = Colocation(strategy=strategy, models=models, timer=timer)
+    loaded = ckpt.load_resume(str(point.path), ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank,
+                              model_states=lambda: {"actor": strategy.state_dict(actor)}, group=runtime.cpu_group,
+                              required_keys=ckpt.TRAINER_STATE_KEYS)
+    strategy.load_state_dict(actor, loaded[1]["actor"])
+    policy = CheckpointPolicy(cfg=run_cfg, rt=runtime, colocation=colocation, models=models, path=point.path, step=point.step,
+                              eval_seed=step_seed(cfg.run.seed, point.step, runtime.rank, salt=EVAL_SEED_SALT))
+    if evaluate:
+        engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
+        engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype, tp_group=runtime.tp_group)
+        colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
+        rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
+        policy.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
+                                       rollout=run_cfg.rollout, train=run_cfg.train, model=run_cfg.model, env=run_cfg.env)
+        policy.eval_items = build_eval_items(run_cfg, paths, tokenizer)
+    return policy

@@ -90,4 +90,4 @@ def check(cfg: TidalConfig) -> list[str]:
 
             check_context_fits(AutoConfig.from_pretrained(m.path), max_prompt_len=cfg.data.max_prompt_len,
                                max_new_tokens=cfg.rollout.max_new_tokens)
-    return plan_lines(cfg, world, device) + memory_lines(cfg, device)
+    return plan_lines(cfg, world, device) + memory_lines(cfg, device) + [f"warning: {w}" for w in cfg.learning_warnings()]

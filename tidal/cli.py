@@ -3,8 +3,8 @@
     tidal train CONFIG [key.sub=value ...]        # CONFIG: a shipped name (quickstart) or a YAML path
                                                    # its root key `job` picks what runs (rl, reward_model)
     tidal check CONFIG [overrides]                 # every check a run makes before loading, then its plan
-    tidal eval CONFIG --checkpoint DIR [overrides]
-    tidal export CONFIG --checkpoint DIR --out OUT [overrides]
+    tidal eval [CONFIG] --checkpoint DIR [overrides]      # DIR's run config (RUN/config.yaml) by default
+    tidal export [CONFIG] --checkpoint DIR --out OUT [overrides]
     tidal serve-reward ...                         # see `tidal serve-reward --help`
     tidal serve-teacher --model DIR ...            # a distillation teacher's token logprobs over HTTP
     tidal report RUN_DIR
@@ -23,6 +23,7 @@ import sys
 from tidal.config_base import ConfigError
 from tidal.run.stop import EXIT_CODE as STOP_EXIT_CODE
 from tidal.run.stop import StopRun
+from tidal.run.run_lock import RunDirLost
 
 
 def _load(args):
@@ -64,56 +65,96 @@ def cmd_check(args) -> int:
     return 0
 
 
+def run_config_path(checkpoint: str):
+    """``R/config.yaml`` for a checkpoint ``R/checkpoints/step_N`` of run ``R`` (None elsewhere)."""
+    from pathlib import Path
+
+    path = Path(checkpoint)
+    return path.parent.parent / "config.yaml" if path.parent.name == "checkpoints" else None
+
+
+def _load_checkpoint_config(args):
+    """eval/export's config: the run's own ``config.yaml`` beside the checkpoint, as the run resolved
+    it (so its overrides need not be repeated), with this command's overrides; ``CONFIG`` only for a
+    checkpoint without one. ``checkpoint.resume`` is the checkpoint. Returns (config, what it is)."""
+    run_config = run_config_path(args.checkpoint)
+    overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}"]
+    if run_config is not None and run_config.is_file():
+        args.config, source = str(run_config), f"the run's config {run_config}"
+        overrides.append(f"run.output_dir={run_config.parent}")  # as the run wrote it, maybe relative to another cwd
+    elif args.config:
+        source = f"config {args.config}"
+    else:
+        raise ConfigError("--checkpoint", f"{args.checkpoint} has no run config beside it "
+                          f"({run_config or 'not under a run directory'}); name the training config: "
+                          f"tidal {args.command} CONFIG --checkpoint {args.checkpoint} [overrides]")
+    args.overrides = overrides
+    return _load(args), source
+
+
 def cmd_eval(args) -> int:
-    args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}", "run.steps=1"]
-    cfg = _load(args)
+    cfg, source = _load_checkpoint_config(args)
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
         return run_job(cfg, "eval", checkpoint=args.checkpoint)
     from tidal.distributed import shutdown
-    from tidal.build import build_trainer
+    from tidal.build import build_checkpoint_policy
 
-    trainer = build_trainer(cfg)
+    policy = build_checkpoint_policy(cfg, evaluate=True)
     try:
-        step = trainer.resume()
-        if trainer.rt.is_main:
-            print(f"[tidal] evaluating the actor of checkpoint {trainer.loaded_from} (step {step}) on "
-                  f"{len(trainer.data.eval_items)} eval prompts", flush=True)
-        metrics = trainer.evaluate(step)
-        if trainer.rt.is_main:
+        if policy.rt.is_main:
+            print(f"[tidal] evaluating the actor of checkpoint {policy.path} (step {policy.step}; {source}) on "
+                  f"{len(policy.eval_items)} eval prompts", flush=True)
+        metrics = policy.evaluate()
+        if policy.rt.is_main:
             import json
 
-            print(json.dumps({"checkpoint": args.checkpoint, "step": step, **metrics}))
+            print(json.dumps({"checkpoint": args.checkpoint, "step": policy.step, **metrics}))
     finally:
         shutdown()
     return 0
 
 
+def check_out(cfg, args) -> None:
+    """``--out`` may be written (:func:`tidal.trainer.export.check_export_target`): never the run
+    directory, the checkpoint or ``model.path``; checked on every rank before anything loads."""
+    from pathlib import Path
+
+    from tidal.trainer.export import check_export_target
+
+    checkpoint = Path(args.checkpoint)
+    protected = {"the checkpoint": checkpoint}
+    if checkpoint.parent.name == "checkpoints":  # a run's: its own checkpoints rotate there
+        protected["the checkpoints folder"] = checkpoint.parent
+    if cfg.model.path:
+        protected["model.path"] = cfg.model.path
+    check_export_target(args.out, run_dir=checkpoint.parent.parent, protected=protected)
+    if Path(cfg.run.output_dir).resolve() != checkpoint.parent.parent.resolve():
+        check_export_target(args.out, run_dir=cfg.run.output_dir)
+
+
 def cmd_export(args) -> int:
-    args.overrides = list(args.overrides) + [f"checkpoint.resume={args.checkpoint}"]
-    cfg = _load(args)
+    cfg, source = _load_checkpoint_config(args)
+    check_out(cfg, args)
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
         return run_job(cfg, "export", checkpoint=args.checkpoint, out=args.out, dtype=args.dtype)
     from tidal.distributed import shutdown
     from tidal.trainer.export import export_hf
-    from tidal.build import build_trainer
+    from tidal.build import build_checkpoint_policy
 
-    trainer = build_trainer(cfg)
+    policy = build_checkpoint_policy(cfg, evaluate=False)
     try:
-        step = trainer.resume()
         import torch
 
-        dtype = getattr(torch, args.dtype) if args.dtype else trainer.colocation.strategy.param_dtype
-        from tidal.logging.progress import stage
-
-        with stage(f"gathering and writing the weights to {args.out}", enabled=trainer.rt.is_main):
-            out = export_hf(trainer, args.out, dtype)
-        if trainer.rt.is_main:
-            print(f"[tidal] exported the actor of checkpoint {trainer.loaded_from} (step {step}) to {out.resolve()} "
-                  f"(a Hugging Face folder: weights in {str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
+        dtype = getattr(torch, args.dtype) if args.dtype else policy.colocation.strategy.param_dtype
+        what = f"checkpoint {policy.path} (step {policy.step})"
+        out = export_hf(policy, args.out, dtype, source=what)
+        if policy.rt.is_main:
+            print(f"[tidal] exported the actor of {what} to {out} ({source}; a Hugging Face folder: weights in "
+                  f"{str(dtype).removeprefix('torch.')}, config, tokenizer)", flush=True)
     finally:
         shutdown()
     return 0
@@ -166,6 +207,10 @@ exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by 
 saved step."""
 
 
+CHECKPOINT_CONFIG_HELP = ("read only for a checkpoint without its run's config.yaml beside it: a checkpoint "
+                          "RUN/checkpoints/step_N is loaded with RUN/config.yaml and the overrides given here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Colocated RL fine-tuning of language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -181,13 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", help="shipped config name (e.g. quickstart) or YAML path")
     c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eval set")
-    e.add_argument("config")
+    e.add_argument("config", nargs="?", help=CHECKPOINT_CONFIG_HELP)
     e.add_argument("--checkpoint", required=True)
     e.add_argument("overrides", nargs="*")
     x = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint")
-    x.add_argument("config")
+    x.add_argument("config", nargs="?", help=CHECKPOINT_CONFIG_HELP)
     x.add_argument("--checkpoint", required=True)
-    x.add_argument("--out", required=True)
+    x.add_argument("--out", required=True, help="a new or empty folder, or one an earlier export wrote (replaced)")
     x.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="the weights' dtype (default: the dtype the model trained in, strategy.param_dtype)")
     x.add_argument("overrides", nargs="*")
@@ -208,6 +253,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(args.overrides) + extra
+    if getattr(args, "config", "") and "=" in args.config and args.command in ("eval", "export"):
+        args.overrides.insert(0, args.config)  # `tidal eval --checkpoint DIR key=value`: no CONFIG
+        args.config = None
     return args
 
 
@@ -231,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tidal: {e}", file=sys.stderr)
         record_error_file(f"tidal: {e}")  # torchrun's failure report then names it
         return CONFIG_EXIT_CODE
+    except RunDirLost as e:  # said in one line: the traceback would only show the check
+        print(f"tidal: {e}", file=sys.stderr)
+        return 1
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE

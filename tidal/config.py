@@ -103,6 +103,20 @@ class TidalConfig:
             f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must divide into {self.train.mini_batches} mini-batches",
         )
 
+    def learning_warnings(self) -> list[str]:
+        """What makes this valid config a run that cannot learn (said at start by ``tidal train``
+        and ``tidal check``; not an error: the run is well-formed, only pointless)."""
+        from tidal.algorithms import registry
+
+        if self.job != "rl":
+            return []
+        estimator = registry.ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage, "algorithm.advantage")
+        if estimator.group_baseline and self.rollout.n_samples == 1:
+            return [f"rollout.n_samples is 1 but algorithm.advantage={self.algorithm.advantage} takes each prompt's group of "
+                    "samples as its baseline: a group of one gets advantage 0, so this run cannot learn from its rewards; "
+                    "set rollout.n_samples >= 2, or an estimator without a group baseline (reinforce, reinforce_pp, gae)"]
+        return []
+
     def _check_unused(self) -> None:
         """A setting that this run would never read, set away from its default, is an error naming
         it (no silent ignores)."""

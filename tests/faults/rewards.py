@@ -123,3 +123,63 @@ fuzz_batched.batched = True
 
 def near_float32_max(sample) -> float:
     return 3e38
+
+
+# ---- rewards that move or remove the run under it (tests/faults/test_silent_wrong_runs.py) ----
+def chdir_away(sample) -> float:
+    """os.chdir into $TIDAL_TEST_CHDIR (a reward that changes the process's directory)."""
+    import os
+
+    os.chdir(os.environ["TIDAL_TEST_CHDIR"])
+    return text_hash_reward(sample)
+
+
+def remove_run_dir_at_step_2(sample) -> float:
+    """Remove $TIDAL_TEST_RUN_DIR while scoring the second step (a world of one: the second call
+    with sample index 0)."""
+    import os
+    import shutil
+
+    if sample.index == 0:
+        CALLS["n"] += 1
+        if CALLS["n"] == 2:
+            shutil.rmtree(os.environ["TIDAL_TEST_RUN_DIR"])
+    return text_hash_reward(sample)
+
+
+def exits_cleanly(sample) -> float:
+    """os._exit(0) on 'bye': ends its process as if it had finished (no exception, exit code 0)."""
+    import os
+
+    if sample.response == "bye":
+        os._exit(0)
+    return 1.0
+
+
+def kills_itself(sample) -> float:
+    """SIGKILL to its own process on 'die' (nothing in the process can stop it)."""
+    import os
+    import signal
+
+    if sample.response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def hangs_a_while(sample) -> float:
+    """Sleeps 3 s on 'hang' (past a short timeout_s; its thread ends by itself later)."""
+    import time
+
+    if sample.response == "hang":
+        time.sleep(3)
+    return 1.0
+
+
+def forks_a_child(sample) -> float:
+    """Runs a child through multiprocessing's fork: the child ends with os._exit(0) as it must."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join(30)
+    return float(child.exitcode == 0)

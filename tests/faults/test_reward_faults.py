@@ -87,11 +87,11 @@ def _running(pid: int) -> bool:
 
 
 def test_process_isolation_survives_a_function_that_ends_its_worker():
-    with engine("dies", on_error="drop", isolation="process", concurrency=1) as eng:
+    with engine("kills_itself", on_error="drop", isolation="process", concurrency=1) as eng:
         out = eng.score([S("a"), S("die"), S("b")])
         assert out.valid_B.tolist() == [True, False, True]
-    with engine("dies", isolation="process", concurrency=1) as eng:
-        with pytest.raises(RewardError, match=r"failed on sample 0: function .*:dies' worker process died .*exit code 7"):
+    with engine("kills_itself", isolation="process", concurrency=1) as eng:
+        with pytest.raises(RewardError, match=r"failed on sample 0: function .*:kills_itself' worker process died .*exit code -9"):
             eng.score([S("die")])
 
 

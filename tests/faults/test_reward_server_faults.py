@@ -121,7 +121,7 @@ def test_more_requests_than_it_takes_get_503_with_retry_after(server):
     slow.start()
     time.sleep(1.0)  # the first request is being scored
     status, body, headers = post(srv.url, samples("a"))
-    assert status == 503 and headers.get("Retry-After") == "1" and "--max-in-flight" in body["error"]
+    assert status == 503 and 1 <= int(headers["Retry-After"]) <= 60 and "--max-in-flight" in body["error"]
     slow.join(20)
     assert post(srv.url, samples("a"))[0] == 200  # free again
 
@@ -181,7 +181,9 @@ def test_every_malformed_body_gets_400_with_the_reason(server):
 @pytest.mark.parametrize("fn, response, error", [
     ("exits", "exit", "raised SystemExit: 3"),
     ("interrupts", "exit", "raised KeyboardInterrupt"),
-    ("dies", "die", "worker process died"),
+    ("kills_itself", "die", "worker process died"),
+    ("dies", "die", "raised SystemExit: os._exit(7) called by a reward function"),
+    ("exits_cleanly", "bye", "raised SystemExit: os._exit(0) called by a reward function"),
     ("hangs_forever", "hang", "timed out after 1 s"),
     ("huge", "huge", "beyond float32's range"),
 ])

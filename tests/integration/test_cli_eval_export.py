@@ -29,7 +29,7 @@ def test_eval_and_export_from_checkpoint(tmp_path, tiny_task_overrides):
     assert (run / "report.png").stat().st_size > 1000
     assert "data:image/png;base64," in (run / "report.html").read_text()
     out = _cli("eval", *common, "--checkpoint", str(ckpt), "eval.greedy=true")  # an override after --checkpoint
-    assert f"evaluating the actor of checkpoint {ckpt} (step 1) on 16 eval prompts" in out and "resumed" not in out
+    assert f"evaluating the actor of checkpoint {ckpt} (step 1; the run's config {run / 'config.yaml'}) on 16 eval prompts" in out and "resumed" not in out
     res = json.loads(out.strip().splitlines()[-1])
     assert res["step"] == 1 and res["eval/prompts_count"] == 16 and 0.0 <= res["eval/greedy_accuracy"] <= 1.0
     out = _cli("export", *common, "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "run.seed=1")

@@ -54,11 +54,14 @@ class AdvantageEstimator(abc.ABC):
     needs_critic: it reads ``values_BT`` (the run trains a critic).
     discounts: it discounts with ``gamma`` (group baselines do not: gamma must stay 1 for them).
     whitens_batch: it whitens its advantages over the batch itself (``adv_norm: batch`` would repeat it).
+    group_baseline: its baseline is the mean of the prompt's group of samples, so a group of one
+    sample gets no outcome advantage (``rollout.n_samples: 1`` cannot learn from rewards).
     """
 
     needs_critic: bool = False
     discounts: bool = False
     whitens_batch: bool = False
+    group_baseline: bool = False
 
     @abc.abstractmethod
     def compute(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,14 +51,35 @@ class JsonlBackend:
         self._f.close()
 
 
+def _record_step(path: Path, number: int, line: str, *, last: bool) -> int | None:
+    """The step of one metrics record; None for a torn last line (a crash or a full disk cut the
+    write short), which is dropped with a warning naming the file; ValueError naming the file and
+    line for any other line that is not a record."""
+    try:
+        record = json.loads(line)
+        return int(record["step"])
+    except (ValueError, KeyError, TypeError):
+        if last:
+            print(f"[tidal] warning: {path}:{number}: the last line is not a whole record (a write cut short by a "
+                  "crash or a full disk); dropping it", file=sys.stderr, flush=True)
+            return None
+        raise ValueError(f"{path}:{number} is not a metrics record ({line[:80]!r}); repair or move that file") from None
+
+
 def _truncate_after(path: Path, start_step: int) -> None:
-    """Drop records with step > start_step (a crashed run's tail), rewriting the file atomically."""
+    """Drop records with step > start_step (a crashed run's tail) and a torn last line, rewriting
+    the file atomically."""
     if not path.exists():
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
     # a fresh run (start_step 0) keeps nothing: its step 0 (the start-of-run evaluation) is written anew
-    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step] if start_step > 0 else []
-    if len(kept) != len(lines):
+    kept = []
+    if start_step > 0:
+        for i, ln in enumerate(lines):
+            step = _record_step(path, i + 1, ln, last=i == len(lines) - 1) if ln.strip() else None
+            if step is not None and step <= start_step:
+                kept.append(ln if ln.endswith("\n") else ln + "\n")
+    if kept != lines:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)

@@ -38,7 +38,8 @@ class FunctionRewardConfig:
         ``async def``; worker processes with ``isolation: process``).
     isolation: where calls run. ``thread``: in the trainer's process (``async def`` on the reward
         event loop, ``def`` on a thread per call; a ``def`` call past its limit is given up on but
-        keeps running in the background). ``process``: in a pool of ``concurrency`` worker processes;
+        keeps running in the background, and while ``concurrency`` such calls run no new one starts:
+        its samples are errors). ``process``: in a pool of ``concurrency`` worker processes;
         a call past its limit is killed and its worker replaced (costs a pickling round trip per call).
     """
 
@@ -90,9 +91,13 @@ class RemoteRewardConfig:
     url: base URL of the service, e.g. ``http://127.0.0.1:8000`` (requests go to ``<url>/v1/score``).
     batch_size: samples per request. concurrency: requests in flight at once.
     timeout_s: limit of one request attempt.
-    max_retries: further attempts after a timeout, a connection error, or HTTP 408/429/5xx.
+    max_retries: further attempts after a timeout, a connection error, or HTTP 408/500/502/504.
     backoff_s / max_backoff_s: the wait before retry k is ``min(max_backoff_s, backoff_s * 2**k)``
-        (jittered to 50-100%); a numeric ``Retry-After`` header is honoured up to ``max_backoff_s``.
+        (jittered to 50-100%); a numeric ``Retry-After`` header is honoured up to ``max_backoff_s``
+        (jittered to 100-150% of it).
+    retry_deadline_s: how long a batch keeps coming back to a busy server (HTTP 503 or 429, after
+        its ``Retry-After``), from its first attempt; those waits are not retries. ``batch_size`` and
+        ``concurrency`` are lowered to the server's advertised ``max_batch_size`` and ``max_in_flight``.
     token_env: name of the environment variable that holds the bearer token (the token itself is
         never written into configs); unset means no ``Authorization`` header.
     """
@@ -104,6 +109,7 @@ class RemoteRewardConfig:
     max_retries: int = 3
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
+    retry_deadline_s: float = 300.0
     token_env: str | None = None
 
     def __post_init__(self):
@@ -114,6 +120,7 @@ class RemoteRewardConfig:
         check(self.max_retries >= 0, "max_retries", "must be >= 0")
         check(self.backoff_s >= 0, "backoff_s", "must be >= 0")
         check(self.max_backoff_s >= self.backoff_s, "max_backoff_s", "must be >= backoff_s")
+        check(0 <= self.retry_deadline_s < math.inf, "retry_deadline_s", "must be >= 0 seconds and finite")
         check(self.token_env is None or bool(self.token_env), "token_env", "must be a variable name or null")
 
     @property

@@ -11,7 +11,10 @@ or the end of the caller. Every call has a time limit (``timeout_s``), counted i
 - ``thread`` (default): an ``async def`` function runs on the reward engine's event loop and is
   cancelled at its limit (at its next ``await``); a ``def`` function runs on a daemon thread of its
   own, and at its limit its sample is given up on, but Python cannot stop a thread, so the call
-  keeps running in the background until it returns.
+  keeps running in the background until it returns. Such overdue threads are bounded: while
+  ``concurrency`` of them still run, no new call is started (each sample is an error saying why),
+  so a function that hangs on every call cannot pile up threads until memory runs out.
+  ``os._exit`` called by the function raises ``SystemExit`` in it (:func:`~tidal.rewards.worker.user_call`).
 - ``process``: calls run in a pool of ``concurrency`` worker processes (``pebble``, started with
   ``spawn``); a call past its limit is killed with its worker, which is replaced. Arguments and
   results cross a process boundary (each call pays a pickling round trip; the function's module is
@@ -30,7 +33,8 @@ from typing import Any, Callable
 from tidal.rewards.base import AsyncComponent, ComponentResult
 from tidal.rewards.config import FunctionRewardConfig
 from tidal.rewards.types import RewardSample
-from tidal.rewards.worker import UserBaseException, call_in_worker, checked_value, describe, guarded, is_async, load_function
+from tidal.rewards.worker import (UserBaseException, call_in_worker, checked_value, describe, guarded, is_async, load_function,
+                                  user_call)
 
 __all__ = ["FunctionReward", "load_function"]
 
@@ -49,7 +53,9 @@ def _start_daemon_call(fn: Callable[[Any], Any], arg: Any) -> concurrent.futures
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(fn(arg))
+            with user_call():
+                value = fn(arg)
+            fut.set_result(value)
         except Exception as e:  # delivered to the waiting coroutine
             fut.set_exception(e)
         except BaseException as e:  # noqa: BLE001 -- SystemExit / KeyboardInterrupt of the function
@@ -76,6 +82,7 @@ class FunctionReward(AsyncComponent):
         self.label = cfg.path
         self._pool = None
         self._pool_lock = threading.Lock()
+        self._overdue: set[concurrent.futures.Future] = set()  # def calls past their limit, still running on their threads
 
     # -- where a call runs ---------------------------------------------------------------------------
 
@@ -102,15 +109,31 @@ class FunctionReward(AsyncComponent):
         try:
             if self.is_async:
                 return await asyncio.wait_for(guarded(self.fn(arg)), self.cfg.timeout_s)
-            return await asyncio.wait_for(asyncio.wrap_future(_start_daemon_call(self.fn, arg)), self.cfg.timeout_s)
+            fut = _start_daemon_call(self.fn, arg)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(fut), self.cfg.timeout_s)
+            except asyncio.TimeoutError:
+                self._overdue.add(fut)  # its thread runs on: counted until it returns
+                raise
         except asyncio.TimeoutError:
             raise _TimedOut() from None
+
+    def _thread_refused(self) -> str | None:
+        """Why no new thread may start (``concurrency`` overdue calls still running), or None."""
+        self._overdue = {f for f in self._overdue if not f.done()}
+        if len(self._overdue) < self.cfg.concurrency:
+            return None
+        return (f"not started: {len(self._overdue)} earlier calls are still running past timeout_s={self.cfg.timeout_s:g} "
+                f"on threads that cannot be stopped (at most concurrency={self.cfg.concurrency} of them); set isolation: "
+                "process to have hung calls killed")
 
     async def _call(self, arg: Any) -> tuple[str, Any]:
         """``("ok", value)`` or ``("error", message)``; raises _TimedOut past the limit. ``value`` is
         checked (a float; per sample for a batched function) in the process that ran the call."""
         if self.cfg.isolation == "process":
             return await self._call_in_process(arg)
+        if not self.is_async and (why := self._thread_refused()):
+            return "error", why
         try:
             value = await self._call_in_thread(arg)
         except _TimedOut:

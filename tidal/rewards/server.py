@@ -8,7 +8,8 @@ A per-sample failure (a raising or timed-out function, a non-finite model score)
 What the server takes is bounded (:class:`ServerLimits`): a body is at most
 ``max_batch_size x max_sample_kb`` (413 as soon as it is known to be larger, while reading, before
 any parsing); at most ``max_in_flight`` requests are read, parsed and scored at once (503 with
-``Retry-After`` beyond); a connection that sends no complete request head within ``idle_timeout_s``
+``Retry-After`` beyond, in seconds the queue of turned-away clients is likely to take:
+:class:`BusyEstimate`); a connection that sends no complete request head within ``idle_timeout_s``
 of opening or of its last reply is closed, and a body must arrive within ``body_timeout_s`` (408).
 A function runs in a pool of worker processes: a call past its limit is killed with its worker,
 which is replaced; whatever a function does (raise ``SystemExit``, exit, hang) is that sample's
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import hmac
+import math
 import os
 import signal
 import sys
+import time
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -36,7 +40,6 @@ from tidal.rewards.types import RewardSample
 Scorer = Callable[[list[RewardSample]], Awaitable[ComponentResult]]
 _ENVELOPE_BYTES = 64 * 1024  # '{"samples": [...]}' and separators, beyond the samples themselves
 _READ_CHUNK = 64 * 1024
-RETRY_AFTER_S = 1
 STATS = web.AppKey("stats", dict)  # replies by status, requests in flight
 LIMITS = web.AppKey("limits", object)
 
@@ -74,6 +77,33 @@ class ServerLimits:
         return self.max_batch_size * self.max_sample_kb * 1024 + _ENVELOPE_BYTES
 
 
+class BusyEstimate:
+    """What a 503's ``Retry-After`` says: about when a slot is free for a client turned away now.
+
+    ``wait_s = request_s x (1 + turned_away / max_in_flight)``: ``request_s`` is the moving average
+    of how long a request took (scored, or rejected after reading), ``turned_away`` the 503s of the
+    last ``max(1, 2 x request_s)`` seconds -- the clients that will come back before this one --
+    served ``max_in_flight`` at a time. In whole seconds (the header's unit), 1 to 60."""
+
+    def __init__(self, max_in_flight: int):
+        self.max_in_flight = max_in_flight
+        self.request_s = 1.0
+        self._turned_away: collections.deque[float] = collections.deque()
+
+    def finished(self, seconds: float) -> None:
+        self.request_s = 0.8 * self.request_s + 0.2 * seconds
+
+    def turn_away(self) -> int:
+        """Record a 503 now; the ``Retry-After`` to send with it."""
+        now = time.monotonic()
+        window = max(1.0, 2 * self.request_s)
+        while self._turned_away and self._turned_away[0] < now - window:
+            self._turned_away.popleft()
+        self._turned_away.append(now)
+        wait = self.request_s * (1 + len(self._turned_away) / self.max_in_flight)
+        return int(min(60, max(1, math.ceil(wait))))
+
+
 class _Reject(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
@@ -106,6 +136,7 @@ def build_app(scorer: Scorer, *, info: dict, token: str | None = None, limits: S
     """The aiohttp application: POST /v1/score, GET /v1/info. ``app[STATS]`` counts replies by status."""
     limits = limits or ServerLimits()
     stats = {"in_flight": 0, "replies": {}}
+    busy = BusyEstimate(limits.max_in_flight)
 
     def authorised(request: web.Request) -> bool:
         if token is None:
@@ -127,14 +158,17 @@ def build_app(scorer: Scorer, *, info: dict, token: str | None = None, limits: S
         if not authorised(request):
             return error(401, "missing or wrong bearer token")
         if stats["in_flight"] >= limits.max_in_flight:
-            return error(503, f"busy: {limits.max_in_flight} requests in flight (--max-in-flight); retry", {"Retry-After": str(RETRY_AFTER_S)})
+            return error(503, f"busy: {limits.max_in_flight} requests in flight (--max-in-flight); retry",
+                         {"Retry-After": str(busy.turn_away())})
         stats["in_flight"] += 1
+        started = time.monotonic()
         try:
             return await _score(request)
         except _Reject as e:
             return error(e.status, str(e), e.headers)
         finally:
             stats["in_flight"] -= 1
+            busy.finished(time.monotonic() - started)
 
     async def _score(request: web.Request) -> web.Response:
         body = await _read_body(request, limits)
@@ -154,7 +188,7 @@ def build_app(scorer: Scorer, *, info: dict, token: str | None = None, limits: S
         if not authorised(request):
             return error(401, "missing or wrong bearer token")
         body = {"api_version": protocol.API_VERSION, "max_batch_size": limits.max_batch_size,
-                "max_body_bytes": limits.max_body_bytes, **info,
+                "max_body_bytes": limits.max_body_bytes, "max_in_flight": limits.max_in_flight, **info,
                 "replies": {str(k): v for k, v in sorted(stats["replies"].items())}}
         return web.json_response(body)
 

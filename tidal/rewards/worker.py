@@ -5,7 +5,8 @@ reward functions stays small: it imports this module, :mod:`tidal.rewards.types`
 :class:`RewardSample`) and the user's module.
 
 Contract of :func:`call_in_worker` (what a pool runs): it never raises and never lets an exception
-escape, BaseExceptions included (``SystemExit``, ``KeyboardInterrupt``): it returns
+escape, BaseExceptions included (``SystemExit``, ``KeyboardInterrupt``), and ``os._exit`` called by
+the function raises ``SystemExit`` instead (:func:`user_call`): it returns
 ``("ok", float)``, ``("ok", [(float | None, error | None), ...])`` for a batched function, or
 ``("error", message)``. Results cross the process boundary as plain floats and strings.
 """
@@ -13,9 +14,12 @@ escape, BaseExceptions included (``SystemExit``, ``KeyboardInterrupt``): it retu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
-from typing import Any, Callable
+import os
+import threading
+from typing import Any, Callable, Iterator
 
 from tidal.config_base import ConfigError, check
 from tidal.rewards.base import as_score
@@ -56,7 +60,8 @@ async def guarded(awaitable: Any) -> Any:
     """Await a user's coroutine; a BaseException it raises (other than our own cancellation) comes
     out as :class:`UserBaseException` (asyncio re-raises SystemExit/KeyboardInterrupt out of the loop)."""
     try:
-        return await awaitable
+        with user_call():
+            return await awaitable
     except (asyncio.CancelledError, Exception):
         raise
     except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt, GeneratorExit
@@ -71,6 +76,31 @@ def describe(exc: BaseException) -> str:
 
 
 _LOADED: dict[str, Callable[..., Any]] = {}
+_REAL_EXIT = os._exit
+_USER_CALLS = threading.local()  # depth: how many user calls this thread is inside; pid: of the process that made them
+
+
+def _exit_unless_in_a_user_call(code: int) -> None:
+    # a child forked inside a user call (multiprocessing's fork) ends with os._exit as it must
+    if getattr(_USER_CALLS, "depth", 0) and getattr(_USER_CALLS, "pid", None) == os.getpid():
+        raise SystemExit(f"os._exit({code}) called by a reward function")
+    _REAL_EXIT(code)
+
+
+@contextlib.contextmanager
+def user_call() -> Iterator[None]:
+    """Run a user's function inside: ``os._exit`` called on this thread meanwhile raises
+    ``SystemExit`` (that sample's error) instead of ending the process -- with exit code 0 it ended
+    the trainer as if it had finished (thread isolation), or a worker in a way the pool takes for a
+    clean exit, its sample waiting out its whole limit (process isolation). Other threads (the
+    watchdog's) exit as before. Installed on first use; nothing else in Tidal replaces ``os._exit``."""
+    os._exit = _exit_unless_in_a_user_call
+    _USER_CALLS.pid = os.getpid()
+    _USER_CALLS.depth = getattr(_USER_CALLS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _USER_CALLS.depth -= 1
 
 
 def _run(fn: Callable[..., Any], arg: Any) -> Any:
@@ -86,7 +116,8 @@ def call_in_worker(path: str, arg: Any, batched: bool) -> tuple[str, Any]:
         fn = _LOADED.get(path)
         if fn is None:
             fn = _LOADED[path] = load_function(path, "function")
-        value = _run(fn, arg)
+        with user_call():
+            value = _run(fn, arg)
     except BaseException as e:  # noqa: BLE001 -- the worker survives whatever the function does
         return "error", describe(e)
     return checked_value(value, arg, batched)

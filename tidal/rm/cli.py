@@ -18,7 +18,7 @@ def run(cfg, command: str, *, checkpoint: str | None = None, out: str | None = N
     from tidal.rm.export import export_reward_model, export_summary
     from tidal.rm.setup import build_reward_model_trainer
 
-    trainer = build_reward_model_trainer(cfg)
+    trainer = build_reward_model_trainer(cfg, read_only=command != "train")
     try:
         if command == "train":
             trainer.fit()
@@ -36,7 +36,7 @@ def run(cfg, command: str, *, checkpoint: str | None = None, out: str | None = N
             step = trainer.resume()
             weights_dtype = getattr(torch, dtype) if dtype else trainer.strategy.param_dtype
             with stage(f"gathering and writing the weights to {out}", enabled=trainer.rt.is_main):
-                folder = export_reward_model(trainer, out, weights_dtype)
+                folder = export_reward_model(trainer, out, weights_dtype, source=f"checkpoint {trainer.loaded_from} (step {step})")
             if trainer.rt.is_main:
                 source = f"checkpoint {trainer.loaded_from} (step {step})"
                 print(f"[tidal] {export_summary(folder, weights_dtype, source)}", flush=True)

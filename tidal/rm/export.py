@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from tidal.models.lora import save_hf
-from tidal.trainer.export import set_config_dtype
+from tidal.trainer.export import set_config_dtype, write_export
 from tidal.rewards.model import FORMAT_FILE
 
 FORMAT_VERSION = 1
@@ -35,25 +34,26 @@ def reward_format(cfg) -> dict:
     }
 
 
-def export_reward_model(trainer, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Gather the full weights (a collective on every rank) and write ``out_dir`` on rank 0,
-    atomically (``out_dir.tmp`` renamed into place). Returns the folder. Floating weights are
-    written in ``dtype``, by default the dtype the model trained in (``strategy.param_dtype``),
-    and ``config.json`` says so."""
-    out = Path(out_dir)
+def export_reward_model(trainer, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *, source: str = "",
+                        key: str = "--out") -> Path:
+    """Gather the full weights (a collective on every rank) and write ``out_dir`` on rank 0 through
+    :func:`tidal.trainer.export.write_export` (``out_dir`` must pass
+    :func:`~tidal.trainer.export.check_export_target`: new, empty or an earlier export). Returns the
+    folder. Floating weights are written in ``dtype``, by default the dtype the model trained in
+    (``strategy.param_dtype``), and ``config.json`` says so."""
+    out = Path(out_dir).resolve()
     dtype = dtype or trainer.strategy.param_dtype
     full_sd = trainer.strategy.full_model_state_dict(trainer.model)
     full_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_sd.items()}
     if trainer.rt.is_main:
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_hf(trainer.model, full_sd, tmp)
-        set_config_dtype(tmp / "config.json", dtype)
-        trainer.tokenizer.save_pretrained(tmp)
-        (tmp / FORMAT_FILE).write_text(json.dumps(reward_format(trainer.cfg), indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+
+        def write(folder: Path) -> None:
+            save_hf(trainer.model, full_sd, folder)
+            set_config_dtype(folder / "config.json", dtype)
+            trainer.tokenizer.save_pretrained(folder)
+            (folder / FORMAT_FILE).write_text(json.dumps(reward_format(trainer.cfg), indent=2))
+
+        write_export(out, write, source=source, key=key)
     trainer.rt.barrier()
     return out
 

@@ -28,6 +28,7 @@ from tidal.rm.trainer import RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
+from tidal.run.resume import resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -87,16 +88,22 @@ def load_data(cfg, paths: RMPaths, tokenizer, runtime: Runtime) -> tuple[Prefere
     return train, eval_pairs
 
 
-def build_reward_model_trainer(cfg) -> RewardModelTrainer:
-    """Everything a ``job: reward_model`` run needs, from its config (the root ``TidalConfig``)."""
+def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTrainer:
+    """Everything a ``job: reward_model`` run needs, from its config (the root ``TidalConfig``).
+    ``read_only`` (``tidal eval``/``export`` of ``checkpoint.resume``): nothing is written into the
+    run directory -- no lock, no settling of partial saves, no heartbeat, metrics or config file."""
     check_dependencies(cfg)  # optional packages (deepspeed, logging backends) before anything starts
     runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
-    saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
-    run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=("step", "sampler", "trainer"))
-    resume = run_dir.resume
+    saves = (cfg.checkpoint.every > 0 or cfg.checkpoint.at_end) and not read_only
+    keys = ("step", "sampler", "trainer")
+    if read_only:
+        resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime, required_keys=keys)
+    else:
+        resume = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=keys).resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
-    watchdog.start(runtime.cpu_group).mark("setup")
+    if not read_only:  # a watchdog never started writes no heartbeat
+        watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     check_inputs(paths)
@@ -120,9 +127,10 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
         len(train_data), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
     )
-    logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main, total_steps=cfg.run.steps,
+    # read-only: a logger that writes nothing (as on ranks other than the main one)
+    logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main and not read_only, total_steps=cfg.run.steps,
                            start_step=resume.step if resume is not None else 0, hparams=run_cfg.to_dict())
-    if runtime.is_main:
+    if runtime.is_main and not read_only:
         announce_run_dir(cfg)  # the config as written
     return RewardModelTrainer(
         cfg=run_cfg, strategy=strategy, tokenizer=tokenizer, state=state, pad_id=pad_id, train_data=train_data,

@@ -205,7 +205,11 @@ class RewardModelTrainer:
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
         from tidal.rm.export import export_reward_model, export_summary
+        from tidal.trainer.export import check_export_target
 
+        export_dir = Path(self.cfg.run.output_dir) / EXPORT_DIR
+        if self.cfg.reward_model.export_at_end:  # an export it may not write fails now, not after training
+            check_export_target(export_dir, key="reward_model.export_at_end")
         with self.watchdog.stage("resume"):
             start = self.resume()
         if start and self.rt.is_main:
@@ -235,7 +239,8 @@ class RewardModelTrainer:
             self._announce("end", last)
         if cfg.reward_model.export_at_end:
             with self.timer.phase("export"):
-                out = export_reward_model(self, Path(cfg.run.output_dir) / EXPORT_DIR)
+                out = export_reward_model(self, export_dir, source=f"step {cfg.run.steps} of {cfg.run.output_dir}",
+                                          key="reward_model.export_at_end")
             if self.rt.is_main:
                 print(f"[tidal] {export_summary(out, self.strategy.param_dtype, f'step {cfg.run.steps} (the end of training)')}", flush=True)
         return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}

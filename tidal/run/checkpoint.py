@@ -397,12 +397,13 @@ def _from_rank0(compute: Callable[[], Any], group) -> Any:
 
 
 def resume_candidates(
-    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
+    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS, warn: bool = True
 ) -> list[Path]:
     """The checkpoints a resume may load, in the order to try them (every rank gets the same list):
     ``never`` -> []; ``auto`` -> the complete checkpoints under ``root`` that look loadable
-    (:func:`checkpoint_problems`), newest first, each skipped one named in a warning; a path -> [it],
-    or a ConfigError at ``checkpoint.resume`` naming what is wrong with it."""
+    (:func:`checkpoint_problems`), newest first, each skipped one named in a warning (unless not
+    ``warn``: said already); a path -> [it], or a ConfigError at ``checkpoint.resume`` naming what
+    is wrong with it."""
     if resume == "never":
         return []
     if resume == "auto":
@@ -415,7 +416,7 @@ def resume_candidates(
             return good, skipped
 
         good, skipped = _from_rank0(scan, group)
-        for s in skipped:
+        for s in skipped if warn else ():
             _warn(f"checkpoint.resume=auto skips {s}", group)
         return [Path(p) for p in good]
     path = Path(resume)
@@ -448,14 +449,16 @@ def _all_ok(ok: bool, group) -> bool:
 
 def load_resume(
     resume: str, root: Path, *, model_states: Callable[[], dict[str, Any]], rank: int, group=None,
-    required_keys: tuple[str, ...] = REQUIRED_KEYS,
+    required_keys: tuple[str, ...] = REQUIRED_KEYS, warn_skipped: bool = True,
 ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     """Resolve and load a resume (collective): ``(path, model_states, trainer_state)``, or None when
     there is nothing to resume. ``model_states()`` builds fresh state dicts to load into (called
     again for each attempt). Under ``auto`` a checkpoint that fails to load on any rank is skipped
     with a warning naming the error, and the next older one is tried; an explicit path that fails
-    is a ConfigError at ``checkpoint.resume``. With ``group`` every rank takes the same decision."""
-    for path in resume_candidates(resume, root, group=group, required_keys=required_keys):
+    is a ConfigError at ``checkpoint.resume``. With ``group`` every rank takes the same decision.
+    ``warn_skipped=False``: the checkpoints that fail the cheap checks were named already (by
+    :func:`resolve_resume` at setup), so they are skipped without a second warning."""
+    for path in resume_candidates(resume, root, group=group, required_keys=required_keys, warn=warn_skipped):
         states = model_states()
         error = None
         try:

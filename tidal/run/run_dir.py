@@ -15,16 +15,38 @@ from tidal.distributed.runtime import Runtime
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
 from tidal.run.resume import ResumePoint, resolve_resume_point
-from tidal.run.run_lock import RunLock, acquire_run_lock
+from tidal.run.run_lock import RunDirLost, RunLock, acquire_run_lock, held_by_another_run
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunDir:
-    """What a run holds of its directory: its lock (released when the run ends, or at exit) and the
-    checkpoint it resumes from (None for a fresh run)."""
+    """What a run holds of its directory: its lock (released when the run ends, or at exit), the
+    checkpoint it resumes from (None for a fresh run), and the directory as claimed (its absolute
+    ``path`` and ``identity``, device and inode, on this rank)."""
 
     lock: RunLock
     resume: ResumePoint | None
+    path: Path
+    identity: tuple[int, int]
+
+    def check_intact(self, runtime: Runtime) -> None:
+        """Collective: :class:`RunDirLost` on every rank when, on any rank, the directory is gone,
+        is another one now (removed and made again: a save would quietly recreate it), or lost the
+        run's lock file. Metrics and checkpoints written into it since would be lost."""
+        lost = 0.0 if self._intact() else 1.0
+        if runtime.world_size > 1:
+            lost = runtime.all_reduce_max([lost])[0]
+        if lost:
+            raise RunDirLost(f"the run directory {self.path} was removed or replaced during the run (its lock file "
+                             f"{self.lock.path.name} is gone); what the run wrote there since is lost. Stopping: "
+                             "restore it, or start again")
+
+    def _intact(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity and self.lock.path.exists()
 
 
 def claim_run_dir(output_dir: str, checkpoint: CheckpointConfig, runtime: Runtime, *,
@@ -39,21 +61,27 @@ def claim_run_dir(output_dir: str, checkpoint: CheckpointConfig, runtime: Runtim
         lock.release()
         raise
     atexit.register(lock.release)
-    return RunDir(lock=lock, resume=resume)
+    st = os.stat(output_dir)
+    return RunDir(lock=lock, resume=resume, path=Path(output_dir).resolve(), identity=(st.st_dev, st.st_ino))
 
 
 def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> RunLock:
     """Claim the run directory for this run, before anything is written into it (a collective):
-    rank 0 takes its exclusive lock (a second run in the same directory gets a ConfigError naming
-    the first; every rank raises it), then partial saves are settled and the directory (and the
-    checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
+    rank 0 takes its exclusive lock (partial saves settled first when no live run holds it: a save
+    that filled the disk leaves no room for the lock's file; a second run in the same directory
+    gets a ConfigError naming the first; every rank raises it), then partial saves are settled and
+    the directory (and the checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
     when the run ends."""
     lock, error = None, None
     if runtime.is_main:
         try:
+            if not held_by_another_run(output_dir):  # a save that filled the disk leaves no room for the lock file
+                ckpt.clean_partial(ckpt.checkpoint_root(output_dir))
             lock = acquire_run_lock(output_dir, runtime.rank)
         except ConfigError as e:
             error = e
+        except OSError as e:  # settling the partial saves failed: every rank says so
+            error = ConfigError("run.output_dir", f"cannot settle the partial saves in {output_dir}: {e}")
     box = [None if error is None else (error.key, error.message)]
     if runtime.world_size > 1:
         import torch.distributed as dist

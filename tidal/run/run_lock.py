@@ -32,6 +32,11 @@ from tidal.config_base import ConfigError
 LOCK_NAME = ".tidal.lock"
 
 
+class RunDirLost(RuntimeError):
+    """The run directory (with its lock) was removed or replaced while the run wrote into it
+    (:meth:`tidal.run.run_dir.RunDir.check_intact`)."""
+
+
 def _start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), or None where /proc cannot tell."""
     try:
@@ -146,6 +151,13 @@ def _take_over(path: Path, seen: dict[str, Any]) -> None:
         except FileExistsError:
             pass
     aside.unlink(missing_ok=True)
+
+
+def held_by_another_run(run_dir: str | os.PathLike) -> bool:
+    """Whether the lock of ``run_dir`` may belong to a live run (an unreadable lock, or another
+    host's, counts as one): while it may, nothing in the directory is another run's to clean up."""
+    owner = _read(Path(run_dir) / LOCK_NAME)
+    return owner is not None and (isinstance(owner, str) or not _stale(owner))
 
 
 def acquire_run_lock(run_dir: str | os.PathLike, rank: int, *, key: str = "run.output_dir") -> RunLock:

@@ -11,11 +11,14 @@ trajectories).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from tidal.data import PromptItem
 from tidal.engine.base import SamplingParams
 from tidal.envs import RolloutResult
-from tidal.trainer.config import EvalConfig
+from tidal.distributed.runtime import Runtime
+from tidal.trainer.colocation import Colocation, Models
+from tidal.trainer.config import EvalConfig, TrainerSections
 from tidal.trainer.experience_maker import ExperienceMaker
 
 # Rollout metrics that are not averages over trajectories (they are not reported for evaluation).
@@ -94,3 +97,26 @@ def env_metrics(maker: ExperienceMaker, result: RolloutResult) -> dict[str, floa
 def shard_items(items: list[PromptItem], rank: int, world_size: int) -> list[PromptItem]:
     """Rank ``r`` evaluates items r, r+W, r+2W, ... (every item exactly once over all ranks)."""
     return items[rank::world_size]
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointPolicy:
+    """The actor of one checkpoint, loaded read-only for ``tidal eval`` / ``tidal export``
+    (:func:`tidal.build.build_checkpoint_policy`): ``path`` and ``step`` say which; ``maker`` and
+    ``eval_items`` are there for evaluation only (None and [] for an export); ``eval_seed`` is
+    this rank's sampling seed, the one the training run's evaluation at ``step`` used."""
+
+    cfg: TrainerSections
+    rt: Runtime
+    colocation: Colocation
+    models: Models
+    path: Path
+    step: int
+    eval_seed: int
+    maker: ExperienceMaker | None = None
+    eval_items: list[PromptItem] = dataclasses.field(default_factory=list)
+
+    def evaluate(self) -> dict[str, float]:
+        """The eval metrics of the checkpoint's actor over all ranks (a collective)."""
+        items = shard_items(self.eval_items, self.rt.rank, self.rt.world_size)
+        return evaluate(self.maker, items, self.cfg.eval, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.eval_seed)

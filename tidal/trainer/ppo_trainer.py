@@ -42,6 +42,9 @@ from tidal.trainer.update import Updater
 from tidal.run.watchdog import StageTimer
 
 
+EVAL_SEED_SALT = 99  # step_seed's salt of an evaluation's sampling (tidal eval draws what the run's eval at that step drew)
+
+
 def step_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     """A sampling seed that depends only on (seed, step, rank, salt): a resumed run draws the same."""
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + salt) % (2**31 - 1)
@@ -243,7 +246,7 @@ class PPOTrainer:
                 self.timer.phase("eval"):
             out = evaluate(
                 self.maker, items, self.cfg.eval, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=99),
+                seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=EVAL_SEED_SALT),
             )
             shown.done(", ".join(f"{k[5:]} {v:.3f}" for k, v in out.items() if k.endswith("accuracy") or "pass@" in k))
         out["time/eval"] = self.timer.pop()["time/eval"]
@@ -281,7 +284,8 @@ class PPOTrainer:
         strategy, m = self.colocation.strategy, self.models
         which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
         loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
-                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS)
+                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS,
+                                  warn_skipped=False)  # setup's resolve_resume_point named them
         self.run_dir.resume = None  # loaded: a second call is a no-op
         if loaded is None:  # every candidate failed to load under auto: a fresh run
             self.logger.rewind(0)
@@ -332,6 +336,7 @@ class PPOTrainer:
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
             metrics = self.train_step(step)
+            self.run_dir.check_intact(self.rt)  # before anything of this step is written there
             final = step == cfg.run.steps
             signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
             if self.data.eval_items and not signum and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):

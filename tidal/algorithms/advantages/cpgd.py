@@ -24,6 +24,7 @@ CLIP_FILTER_MAX_WEIGHT = 3.0
 
 @ADVANTAGE_ESTIMATORS.register("cpgd")
 class CPGD(AdvantageEstimator):
+    group_baseline = True
     def __init__(self, cfg, group=None):
         self.weight = cfg.cpgd.weight
 

@@ -20,6 +20,7 @@ GRPO_EPS = 1e-6
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 class GRPO(AdvantageEstimator):
+    group_baseline = True
     scale_by_std = True
 
     def __init__(self, cfg, group=None):

@@ -40,4 +40,5 @@ class ReinforcePP(AdvantageEstimator):
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
 class ReinforcePPBaseline(ReinforcePP):
+    group_baseline = True
     subtract_group_mean = True

@@ -16,6 +16,7 @@ from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 class RLOO(AdvantageEstimator):
+    group_baseline = True
     def __init__(self, cfg, group=None):
         pass
 

@@ -1,0 +1,105 @@
+"""`tidal export --out PATH` never deletes what it did not write (issue 35 item 1): it writes a new
+folder, an empty one, or one an export wrote before (recognised by its marker); it refuses the run
+directory, a checkpoint and `model.path` with a one-line error (exit 2) before anything loads; a
+folder holding anything else is left as it was. The written files are readable like the rest (no
+0600 `model.safetensors`)."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tidal.cli import main
+from tidal.config_base import ConfigError
+from tidal.trainer.export import EXPORT_MARKER, check_export_target, write_export
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text('{"step": 2}')
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    return run
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["run", "checkpoint", "checkpoints", "model", "unrelated", "a file", "holds the run"])
+def test_export_refuses_what_it_did_not_write_and_deletes_nothing(tmp_path, capsys, where):
+    run = _run_dir(tmp_path)
+    ckpt = run / "checkpoints" / "step_000002"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    unrelated = tmp_path / "photos"
+    unrelated.mkdir()
+    (unrelated / "holiday.jpg").write_bytes(b"\xff\xd8")
+    (tmp_path / "notes.txt").write_text("mine")
+    out = {"run": run, "checkpoint": ckpt, "checkpoints": run / "checkpoints", "model": model, "unrelated": unrelated,
+           "a file": tmp_path / "notes.txt", "holds the run": tmp_path}[where]
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    before = _tree(tmp_path)
+    code = main(["export", "quickstart", "--checkpoint", str(ckpt), "--out", str(out), f"run.output_dir={run}",
+                 f"model.path={model}", "task.name=", f"data.train=[{{path: {tmp_path / 'data.jsonl'}}}]"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("tidal: config error at '--out'") and len(err.strip().splitlines()) == 1
+    assert _tree(tmp_path) == before  # nothing deleted, nothing written
+
+
+def test_check_export_target_accepts_new_empty_and_marked_folders(tmp_path):
+    assert check_export_target(tmp_path / "new") == (tmp_path / "new").resolve()
+    (tmp_path / "empty").mkdir()
+    check_export_target(tmp_path / "empty")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / EXPORT_MARKER).write_text("{}")
+    (tmp_path / "old" / "model.safetensors").write_bytes(b"x")
+    check_export_target(tmp_path / "old")
+    run = _run_dir(tmp_path)
+    check_export_target(run / "export", run_dir=run)  # a new folder inside the run directory is fine
+    with pytest.raises(ConfigError, match="inside or around"):
+        check_export_target(run / "checkpoints" / "step_000002" / "hf", protected={"the checkpoint": run / "checkpoints" / "step_000002"})
+
+
+def _write(folder: Path) -> None:
+    (folder / "config.json").write_text("{}")
+    fd = os.open(folder / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)  # as safetensors' temporary file is
+    os.write(fd, b"weights")
+    os.close(fd)
+
+
+def test_write_export_replaces_only_an_earlier_export_and_files_are_readable(tmp_path):
+    out = tmp_path / "hf"
+    write_export(out, _write, source="checkpoint A")
+    assert (out / EXPORT_MARKER).is_file() and "checkpoint A" in (out / EXPORT_MARKER).read_text()
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask
+    (out / "stale.bin").write_bytes(b"old")  # an earlier export's file: replaced with the folder
+    write_export(out, _write, source="checkpoint B")
+    assert "checkpoint B" in (out / EXPORT_MARKER).read_text() and not (out / "stale.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or replaced folder left
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep")
+    with pytest.raises(ConfigError):
+        write_export(mine, _write, source="checkpoint C")
+    assert (mine / "keep.txt").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+
+
+def test_a_failed_export_leaves_the_earlier_one(tmp_path):
+    out = tmp_path / "hf"
+    write_export(out, _write, source="checkpoint A")
+
+    def fail(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_export(out, fail, source="checkpoint B")
+    assert "checkpoint A" in (out / EXPORT_MARKER).read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -1,0 +1,85 @@
+"""Runs that used to go wrong without a word (issue 35 item 7):
+
+- a group-baseline estimator (GRPO, RLOO, CPGD, REINFORCE++ with baseline) with rollout.n_samples: 1
+  gives every sample advantage 0: `tidal train` and `tidal check` warn that the run cannot learn;
+- the run directory removed mid-run: the run stops with an error naming it (it ended with exit 0,
+  its later checkpoints quietly written into a new directory);
+- a reward function calling os.chdir with a relative run.output_dir: checkpoints and metrics still
+  go to the directory the run started in (resolved once, at start), and the rerun resumes from them.
+"""
+
+import json
+
+import pytest
+
+from tidal import cli
+from tidal.config import load_config
+from tests.faults import rewards
+
+F = "tests.faults.rewards"
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "cpgd", "reinforce_pp_baseline"])
+def test_a_group_baseline_with_one_sample_warns_that_the_run_cannot_learn(advantage, capsys):
+    cfg = load_config("quickstart", ["rollout.n_samples=1", f"algorithm.advantage={advantage}"])
+    (warning,) = cfg.learning_warnings()
+    assert warning.startswith(f"rollout.n_samples is 1 but algorithm.advantage={advantage}") and "cannot learn" in warning
+    assert cli.main(["check", "quickstart", "rollout.n_samples=1", f"algorithm.advantage={advantage}"]) == 0
+    assert f"[tidal] warning: rollout.n_samples is 1 but algorithm.advantage={advantage}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides", [["rollout.n_samples=1", "algorithm.advantage=reinforce", "algorithm.gamma=1.0"],
+                                       ["rollout.n_samples=2"]])
+def test_runs_that_can_learn_get_no_warning(overrides):
+    assert load_config("quickstart", overrides).learning_warnings() == []
+
+
+@pytest.mark.slow  # a tiny run of 3 steps
+def test_the_run_directory_removed_mid_run_is_an_error(tmp_path, tiny_task_overrides, monkeypatch, capsys):
+    run = tmp_path / "run"
+    monkeypatch.setenv("TIDAL_TEST_RUN_DIR", str(run))
+    monkeypatch.setitem(rewards.CALLS, "n", 0)
+    code = cli.main(["train", "quickstart", *tiny_task_overrides, f"run.output_dir={run}", "run.steps=3", "checkpoint.every=1",
+                     f"reward.components.correct.path={F}:remove_run_dir_at_step_2"])
+    err = capsys.readouterr().err
+    assert code == 1, err  # was 0, with step 2 and 3's checkpoints in a directory made anew
+    assert f"tidal: the run directory {run} was removed or replaced during the run" in err
+    assert not (run / "checkpoints" / "step_000002").exists()
+
+
+@pytest.mark.slow  # two tiny runs of 2 and 3 steps
+def test_a_reward_that_changes_directory_does_not_move_the_run(tmp_path, tiny_task_overrides, monkeypatch, capsys):
+    start, away = tmp_path / "start", tmp_path / "away"
+    start.mkdir()
+    away.mkdir()
+    monkeypatch.chdir(start)
+    monkeypatch.setenv("TIDAL_TEST_CHDIR", str(away))
+    common = ["quickstart", *tiny_task_overrides, "run.output_dir=runs/rel", "checkpoint.every=1",
+              f"reward.components.correct.path={F}:chdir_away"]
+    assert cli.main(["train", *common, "run.steps=2"]) == 0
+    assert (start / "runs" / "rel" / "checkpoints" / "step_000002" / "trainer.json").is_file()
+    assert not (away / "runs").exists()
+    monkeypatch.chdir(start)  # the rerun, from where the first one started
+    assert cli.main(["train", *common, "run.steps=3"]) == 0
+    assert f"resumed from {start / 'runs' / 'rel' / 'checkpoints' / 'step_000002'} (step 2)" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (start / "runs" / "rel" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_both_ranks_stop_when_the_run_directory_is_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(repo / "tests" / "faults" / "scripts" / "run_dir_lost.py"), str(run)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"INTACT rank {r}" in proc.stdout
+        assert f"LOST rank {r}: the run directory {run} was removed or replaced during the run" in proc.stdout, proc.stdout
