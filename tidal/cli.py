@@ -53,9 +53,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_check(args) -> int:
+    cfg = _load(args)  # before importing the checks (torch): a config error comes in a fraction of a second
     from tidal.check import check
 
-    cfg = _load(args)
     lines = check(cfg)  # on every rank: each checks its own device and paths
     if os.environ.get("RANK", "0") == "0":  # under torchrun / tidal launch, rank 0 says it once
         for line in lines:

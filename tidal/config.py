@@ -23,7 +23,6 @@ from tidal.engine.config import EngineConfig
 from tidal.envs.base import check_engine_backend
 from tidal.envs.config import EnvConfig
 from tidal.jobs import check_job, check_job_world
-from tidal.trainer.partial import check_partial_rollout
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
@@ -33,7 +32,7 @@ from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
 from tidal.memory.config import MemoryConfig
 from tidal.run.config import CheckpointConfig
-from tidal.trainer.config import EvalConfig, RolloutConfig, RunConfig, TrainConfig
+from tidal.trainer.config import EvalConfig, RolloutConfig, RunConfig, TrainConfig, check_partial_rollout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 

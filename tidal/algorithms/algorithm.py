@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Protocol
 
-import torch
-
 from tidal.algorithms import registry
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import AdvantageInput, LossNormalizer
@@ -30,6 +28,9 @@ from tidal.algorithms.mismatch import mismatch_weights
 from tidal.algorithms.normalization import RunningMoments, masked_whiten
 from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty_B
 from tidal.algorithms.trajectory_rows import merge_rows, split_rows
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 class UpdateSchedule(Protocol):
