@@ -62,7 +62,8 @@ class EnvConfig:
         leave no room for one more sampled token ends the trajectory (``max_total_tokens``).
     tool_timeout_s: wall-clock limit of one tool call; a call past it is a tool failure.
     step_timeout_s: wall-clock limit of one ``reset`` or ``step`` call of the environment (its tool
-        calls included); past it the call is an environment error (see ``on_error``). Must exceed
+        calls included), counted from when it starts running; past it the call is an environment
+        error (see ``on_error``). For an environment that calls tools it must exceed
         ``max_tool_calls_per_turn * tool_timeout_s``.
     tool_failure: what a failing tool (it raised, timed out or hit a sandbox limit) does:
         ``observation``: the model sees an error message as the tool's output and goes on;
@@ -114,14 +115,23 @@ class EnvConfig:
         check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         check(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         check(self.workers >= 1, "workers", "must be >= 1")
-        check(
-            self.step_timeout_s > self.max_tool_calls_per_turn * self.tool_timeout_s,
-            "step_timeout_s",
-            f"must exceed max_tool_calls_per_turn x tool_timeout_s ({self.max_tool_calls_per_turn} x {self.tool_timeout_s:g} s), "
-            "or a step whose tools all run to their limit would count as an environment error",
-        )
+        if ":" not in self.name:  # an environment named by import path is checked when it is imported (envs.base.env_class)
+            check_step_timeout(self, ENVIRONMENTS.get(self.name, "name").uses_tools)
         check_choice(self.tool_failure, ("observation", "drop"), "tool_failure")
         check_choice(self.on_error, ("raise", "drop"), "on_error")
         check_choice(self.history, ("append", "template"), "history")
         check(all(isinstance(k, str) for k in self.kwargs), "kwargs", "keys must be strings")
         check(all(isinstance(k, str) for k in self.chat_template_kwargs), "chat_template_kwargs", "keys must be strings")
+
+
+def check_step_timeout(cfg: EnvConfig, uses_tools: bool, key: str = "step_timeout_s") -> None:
+    """An environment that calls tools needs ``step_timeout_s > max_tool_calls_per_turn x
+    tool_timeout_s``, or a step whose tools all run to their limit would count as an environment
+    error; one without tools has no such bound. ``key``: the name the error gives the setting."""
+    check(
+        not uses_tools or cfg.step_timeout_s > cfg.max_tool_calls_per_turn * cfg.tool_timeout_s,
+        key,
+        f"must exceed max_tool_calls_per_turn x tool_timeout_s ({cfg.max_tool_calls_per_turn} x {cfg.tool_timeout_s:g} s) "
+        f"for environment {cfg.name!r}, which calls tools, or a step whose tools all run to their limit would count as an "
+        "environment error",
+    )
