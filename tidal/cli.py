@@ -40,16 +40,22 @@ def cmd_train(args) -> int:
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
-        return run_job(cfg, "train")
-    from tidal.distributed import shutdown
-    from tidal.build import build_trainer
+        code = run_job(cfg, "train")
+    else:
+        from tidal.build import build_trainer
+        from tidal.distributed import shutdown
 
-    trainer = build_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        shutdown()
-    return 0
+        trainer = build_trainer(cfg)
+        try:
+            trainer.fit()
+        finally:
+            shutdown()
+        code = 0
+    if code == 0 and os.environ.get("RANK", "0") == "0":
+        from tidal.run.run_dir import next_steps
+
+        print("\n".join(next_steps(cfg, args.config, args.overrides)), flush=True)
+    return code
 
 
 def cmd_check(args) -> int:
