@@ -231,3 +231,11 @@ def test_step_line_shows_device_memory_by_part():
          "memory/engine_weights_gib": 0.93, "memory/engine_kv_cache_gib": 70.3}
     assert step_line(3, 10, m).endswith("mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)")
     assert "mem" not in step_line(3, 10, {"time/step": 2.0})  # off CUDA: no memory figures
+
+
+def test_step_line_headline_reward_is_the_trained_one():
+    """reward/mean (what is trained on, an environment's reward included) leads over reward/total (the
+    reward components' over valid samples): 0.47 is shown, not 0."""
+    from tidal.logging.console import step_line
+
+    assert step_line(1, 2, {"reward/total": 0.0, "reward/mean": 0.47}).startswith("step 1/2  reward 0.47")
