@@ -26,12 +26,15 @@ from tidal.run.stop import StopRun
 
 
 def _load(args):
-    """The config, validated, with its optional packages checked (before any process group or model)."""
+    """The config, validated, with its optional packages checked (before any process group or model),
+    and third-party noise silenced for the run (:mod:`tidal.logging.quiet`)."""
     from tidal.config import load_config
+    from tidal.logging.quiet import quiet_third_party
     from tidal.optional_deps import check_dependencies
 
     cfg = load_config(args.config, args.overrides)
     check_dependencies(cfg)
+    quiet_third_party(int(os.environ.get("RANK", "0")))
     return cfg
 
 
@@ -149,6 +152,15 @@ def cmd_launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def _end_process_group() -> None:
+    """Destroy the process group a failed command started, if any (else NCCL warns at exit that
+    ``destroy_process_group()`` was not called). A config error before torch loads has none."""
+    if "torch" in sys.modules:
+        from tidal.distributed.runtime import shutdown
+
+        shutdown()
+
+
 def shipped_configs() -> list[str]:
     """The names of the configs shipped in ``tidal/configs`` (``tidal train NAME``)."""
     from tidal.config import CONFIG_DIR
@@ -236,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"tidal: {e}", file=sys.stderr)
         record_error_file(f"tidal: {e}")  # torchrun's failure report then names it
+        _end_process_group()
         return CONFIG_EXIT_CODE
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
