@@ -87,6 +87,9 @@ class TidalConfig:
         check(bool(self.reward.components) or not has_eval, "eval",
               "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
               "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")
+        check(self.reward.judges_correctness or self.eval.correct_threshold == EvalConfig().correct_threshold,
+              "eval.correct_threshold", "is only used when every reward component is a rule or a function (eval accuracy); "
+              "with a reward model or a remote service evaluation reports the mean reward: leave it at its default")
         self._check_unused()
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence

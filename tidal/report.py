@@ -270,9 +270,10 @@ def render_png(series: Series, title: str) -> bytes:
 
 def headline(series: Series) -> list[tuple[str, float, float]]:
     """``[(key, start, end)]`` of what the run is for: the trained reward (``reward/mean``, else
-    ``reward/total``) and each eval accuracy (``eval/*`` fractions)."""
+    ``reward/total``) and each eval accuracy (``eval/*`` fractions; without one, the eval reward)."""
     keys = [k for k in ("reward/mean", "reward/total") if k in series][:1]
-    keys += sorted(k for k in series if k.startswith("eval/") and unit_of(k) == "fraction")
+    accuracies = sorted(k for k in series if k.startswith("eval/") and unit_of(k) == "fraction")
+    keys += accuracies or [k for k in ("eval/greedy_reward",) if k in series]  # a reward model: no accuracy
     return [(k, series[k][1][0], series[k][1][-1]) for k in keys]
 
 

@@ -239,3 +239,11 @@ def test_step_line_headline_reward_is_the_trained_one():
     from tidal.logging.console import step_line
 
     assert step_line(1, 2, {"reward/total": 0.0, "reward/mean": 0.47}).startswith("step 1/2  reward 0.47")
+
+
+def test_step_line_shows_the_eval_reward_without_an_accuracy():
+    from tidal.logging.console import step_line
+
+    assert "eval reward 0.7" in step_line(1, 2, {"eval/greedy_reward": 0.7})
+    line = step_line(1, 2, {"eval/greedy_accuracy": 0.5, "eval/greedy_reward": 0.7})
+    assert "eval acc 0.5" in line and "eval reward" not in line

@@ -6,8 +6,9 @@ The line reads, for example::
     step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)  about 2 min 49 s left
 
 ``reward`` is ``reward/mean``, the reward trained on (an environment's included; else ``reward/total``,
-the reward components' over valid samples); ``eval acc`` is ``eval/greedy_accuracy`` on
-the steps that evaluate; ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
+the reward components' over valid samples); ``eval acc`` is ``eval/greedy_accuracy`` on the steps
+that evaluate (``eval reward``, ``eval/greedy_reward``, when the rewards include a reward model and
+evaluation reports no accuracy); ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
 the device memory by part (:func:`memory_text`); the time left is the wall time per step since the
 first logged step (evaluations and saves included; at the first, its ``time/step``) times the steps
 left; tokens per second are the
@@ -88,8 +89,10 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float], remaining_
     """The compact line of one logged step (see the module docstring); ``remaining_s``: the run's
     estimated time left."""
     parts = [f"step {step}/{total_steps}"]
-    for label, keys in (("reward", ("reward/mean", "reward/total")), ("eval acc", ("eval/greedy_accuracy",)),
-                        ("kl", ("actor/kl", "kl/rollout"))):
+    shown = (("reward", ("reward/mean", "reward/total")), ("eval acc", ("eval/greedy_accuracy",)),
+             ("eval reward", () if "eval/greedy_accuracy" in metrics else ("eval/greedy_reward",)),  # a reward model: no accuracy
+             ("kl", ("actor/kl", "kl/rollout")))
+    for label, keys in shown:
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             parts.append(f"{label} {format_number(metrics[key])}")

@@ -157,7 +157,11 @@ class EvalConfig:
     """every: evaluate every N steps (0: never during training) and at the end when > 0 or at_end.
     greedy: one greedy response per prompt (accuracy); n_samples > 0 adds sampled pass@k / mean@k.
     max_prompts: evaluate on at most this many eval prompts (0: all).
-    correct_threshold: a response counts as correct when its total reward is >= this.
+    correct_threshold: a response counts as correct when its total reward is >= this. Accuracy
+        (``eval/greedy_accuracy``, ``eval/pass@k``) is reported only when every reward component is
+        a rule or a function; with a reward model or a remote service among them the total reward
+        is a score, not a judgement, and evaluation reports the mean reward (``eval/greedy_reward``,
+        ``eval/mean@k``) only.
     """
 
     every: int = 0
