@@ -217,7 +217,8 @@ class PPOTrainer:
 
     def _trajectory_records(self, samples, exp: Experience) -> list[dict]:
         """One record per row with a scored sample (``samples`` is aligned with the rows); with a
-        multi-turn environment also the whole conversation (``messages``)."""
+        multi-turn environment also the whole conversation (``messages``); ``trained``: the row as
+        the update saw it (:meth:`Experience.row`)."""
         n = min(len(samples), len(exp))
         records = []
         for i, s in enumerate(samples[:n]):
@@ -230,6 +231,7 @@ class PPOTrainer:
             }
             if self.maker.multi_turn:
                 record["messages"] = s.messages
+            record["trained"] = exp.row(i)  # the token ids, masks, logprobs and advantages the update used
             records.append(record)
         return records
 
