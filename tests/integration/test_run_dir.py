@@ -23,14 +23,15 @@ def test_run_announces_its_directory_and_saves_the_resolved_config(tmp_path, tin
 @pytest.mark.slow
 def test_a_finished_run_prints_its_next_steps_and_they_work(tmp_path, tiny_task_overrides, capsys):
     """The end of `tidal train` names the report, eval and export commands with the run's real paths
-    (the last checkpoint; an export folder beside the run directory), and the eval command runs."""
+    (the last checkpoint; an export folder beside the run directory), and the eval command runs; the
+    step's trajectory file carries what the update trained on."""
     import json
     import shlex
 
     from tidal import cli
 
     run_dir = tmp_path / "run"
-    overrides = tiny_task_overrides + [f"run.output_dir={run_dir}", "run.steps=1"]
+    overrides = tiny_task_overrides + [f"run.output_dir={run_dir}", "run.steps=1", "logging.trajectories_every=1"]
     assert cli.main(["train", "quickstart", *overrides]) == 0
     out = capsys.readouterr().out
     steps = out.split("[tidal] next steps:\n", 1)[1].splitlines()
@@ -41,6 +42,13 @@ def test_a_finished_run_prints_its_next_steps_and_they_work(tmp_path, tiny_task_
     assert commands[2].endswith(f"--checkpoint {last} --out {tmp_path / 'run_hf'}")
     assert cli.main(shlex.split(commands[1])[1:]) == 0
     assert "eval/greedy_accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the step's trajectory file holds each row as trained: its sampled tokens' logprobs are the record's
+    records = [json.loads(line) for line in (run_dir / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    for rec in records:
+        row = rec["trained"]
+        assert len(row["input_ids"]) == len(row["action_mask"]) == len(row["advantages"]) == len(row["rollout_logprobs"])
+        assert "old_logprobs" not in row  # one optimizer step per rollout: the update's forward supplies them
+        assert [lp for lp, m in zip(row["rollout_logprobs"], row["action_mask"]) if m] == rec["rollout_logprobs"]
 
 
 def test_next_steps_without_a_checkpoint(tmp_path):

@@ -85,7 +85,8 @@ class Experience:
         per token, the value for the token at that position (0 off the action mask):
         ``rollout_logprobs`` (the engine's), ``old_logprobs`` (the trainer's before the update),
         ``ref_logprobs``, ``values``, ``advantages``, ``returns``; and the row's ``reward``,
-        ``loss_mask`` and ``group_id``. A tensor the run does not compute is left out."""
+        ``loss_mask`` and ``group_id``. A tensor the run does not compute is left out (``old_logprobs``
+        when the update's forward supplies them, see ``old_logp_BT``)."""
         keep = self.attention_mask_BT[i].bool()
         out: dict[str, Any] = {}
         for name, field in ROW_TOKEN_FIELDS.items():
