@@ -27,12 +27,15 @@ from tidal.run.run_lock import RunDirLost
 
 
 def _load(args):
-    """The config, validated, with its optional packages checked (before any process group or model)."""
+    """The config, validated, with its optional packages checked (before any process group or model),
+    and third-party noise silenced for the run (:mod:`tidal.logging.quiet`)."""
     from tidal.config import load_config
+    from tidal.logging.quiet import quiet_third_party
     from tidal.optional_deps import check_dependencies
 
     cfg = load_config(args.config, args.overrides)
     check_dependencies(cfg)
+    quiet_third_party(int(os.environ.get("RANK", "0")))
     return cfg
 
 
@@ -41,22 +44,28 @@ def cmd_train(args) -> int:
     if cfg.job != "rl":
         from tidal.jobs import run_job
 
-        return run_job(cfg, "train")
-    from tidal.distributed import shutdown
-    from tidal.build import build_trainer
+        code = run_job(cfg, "train")
+    else:
+        from tidal.build import build_trainer
+        from tidal.distributed import shutdown
 
-    trainer = build_trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        shutdown()
-    return 0
+        trainer = build_trainer(cfg)
+        try:
+            trainer.fit()
+        finally:
+            shutdown()
+        code = 0
+    if code == 0 and os.environ.get("RANK", "0") == "0":
+        from tidal.run.run_dir import next_steps
+
+        print("\n".join(next_steps(cfg, args.config, args.overrides)), flush=True)
+    return code
 
 
 def cmd_check(args) -> int:
+    cfg = _load(args)  # before importing the checks (torch): a config error comes in a fraction of a second
     from tidal.check import check
 
-    cfg = _load(args)
     lines = check(cfg)  # on every rank: each checks its own device and paths
     if os.environ.get("RANK", "0") == "0":  # under torchrun / tidal launch, rank 0 says it once
         for line in lines:
@@ -184,6 +193,15 @@ def cmd_launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def _end_process_group() -> None:
+    """Destroy the process group a failed command started, if any (else NCCL warns at exit that
+    ``destroy_process_group()`` was not called). A config error before torch loads has none."""
+    if "torch" in sys.modules:
+        from tidal.distributed.runtime import shutdown
+
+        shutdown()
+
+
 def shipped_configs() -> list[str]:
     """The names of the configs shipped in ``tidal/configs`` (``tidal train NAME``)."""
     from tidal.config import CONFIG_DIR
@@ -278,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"tidal: {e}", file=sys.stderr)
         record_error_file(f"tidal: {e}")  # torchrun's failure report then names it
+        _end_process_group()
         return CONFIG_EXIT_CODE
     except RunDirLost as e:  # said in one line: the traceback would only show the check
         print(f"tidal: {e}", file=sys.stderr)

@@ -23,7 +23,6 @@ from tidal.engine.config import EngineConfig
 from tidal.envs.base import check_engine_backend
 from tidal.envs.config import EnvConfig
 from tidal.jobs import check_job, check_job_world
-from tidal.trainer.partial import check_partial_rollout
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
@@ -33,7 +32,7 @@ from tidal.sync.config import SyncConfig
 from tidal.tasks.config import TaskConfig
 from tidal.memory.config import MemoryConfig
 from tidal.run.config import CheckpointConfig
-from tidal.trainer.config import EvalConfig, RolloutConfig, RunConfig, TrainConfig
+from tidal.trainer.config import EvalConfig, RolloutConfig, RunConfig, TrainConfig, check_partial_rollout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -88,6 +87,9 @@ class TidalConfig:
         check(bool(self.reward.components) or not has_eval, "eval",
               "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
               "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")
+        check(self.reward.judges_correctness or self.eval.correct_threshold == EvalConfig().correct_threshold,
+              "eval.correct_threshold", "is only used when every reward component is a rule or a function (eval accuracy); "
+              "with a reward model or a remote service evaluation reports the mean reward: leave it at its default")
         self._check_unused()
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence

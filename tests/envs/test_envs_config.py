@@ -11,6 +11,7 @@ import pytest
 from tidal.config_base import ConfigError, build
 from tidal.engine.base import SamplingParams
 from tidal.envs import EnvConfig, EnvRollout, SandboxConfig, TemplateError, Environment, Observation, StepResult, make_env_factory
+from tidal.envs.base import env_class
 from tidal.envs.calculator import CalculatorEnv
 from tidal.envs.python_tool import PythonToolEnv
 from tidal.envs.single_turn import SingleTurnEnv
@@ -28,7 +29,7 @@ from tests.envs.helpers import ScriptedEngine, chat_row
     ({"max_tokens_per_turn": -1}, "env.max_tokens_per_turn"),
     ({"max_total_tokens": -1}, "env.max_total_tokens"),
     ({"tool_timeout_s": 0}, "env.tool_timeout_s"),
-    ({"step_timeout_s": 30}, "env.step_timeout_s"),  # 4 calls x 10 s do not fit
+    ({"name": "calculator", "step_timeout_s": 30}, "env.step_timeout_s"),  # 4 calls x 10 s do not fit
     ({"tool_failure": "ignore"}, "env.tool_failure"),
     ({"max_tool_calls_per_turn": 0}, "env.max_tool_calls_per_turn"),
     ({"workers": 0}, "env.workers"),
@@ -57,6 +58,19 @@ class MyEnv(Environment):
 
     def step(self, turn):
         return StepResult(done=True, reward=len(self.greeting))
+
+
+def test_a_step_limit_below_the_tools_budget_is_fine_without_tools():
+    """Only an environment that calls tools needs step_timeout_s > max_tool_calls_per_turn x tool_timeout_s."""
+    assert build(EnvConfig, {"name": "single_turn", "step_timeout_s": 5, "tool_timeout_s": 10}).step_timeout_s == 5
+    cfg = build(EnvConfig, {"name": "tests.envs.test_envs_config:_ToolUser", "step_timeout_s": 5, "tool_timeout_s": 10})
+    with pytest.raises(ConfigError, match="env.step_timeout_s.*which calls tools"):
+        env_class(cfg)
+
+
+class _ToolUser(ToolEnv):
+    def make_tools(self):
+        return []
 
 
 def test_environments_by_name_and_import_path():

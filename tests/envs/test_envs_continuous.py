@@ -108,7 +108,7 @@ def test_continuous_equals_rounds_under_greedy(model, limits):
     engine = engine_for(model, kv_cache_max_tokens=4096)  # a fresh one: its prefix cache holds this rollout only
     spy = Spy(engine)
     cont = rollout.run(engine.generate, rows, params)
-    assert spy.adds >= 3 and not engine.has_unfinished()
+    assert spy.adds >= 2 and not engine.has_unfinished()  # turns added as they come (how many calls: thread timing)
     assert _key(cont) == _key(rounds)
     for a, b in zip(cont.trajectories, rounds.trajectories):
         assert torch.allclose(torch.tensor(a.rows[0].logprobs), torch.tensor(b.rows[0].logprobs), atol=1e-5)

@@ -87,3 +87,43 @@ def test_step_pool_returns_finished_calls_and_times_out_hung_ones():
     pool.shutdown()
     assert got["fast"].value == 42 and got["fast"].error is None
     assert isinstance(got["slow"].error, TimeoutError) and "step_timeout_s=0.3" in str(got["slow"].error)
+
+
+def test_a_calls_time_limit_starts_when_it_runs_not_when_it_is_queued():
+    """Three hung calls take every slot of a 3-worker pool; the healthy calls queued behind them
+    (each 0.1 s) run once the hung ones are given up at their limit and finish with their values
+    (their limit counted from submission would have expired in the queue)."""
+    pool = StepPool(workers=3, timeout_s=0.4)
+    release = threading.Event()
+    for k in range(3):
+        pool.submit(("hung", k), release.wait, 30)
+    for k in range(3):
+        pool.submit(("ok", k), lambda k=k: time.sleep(0.1) or k)
+    got = {}
+    while len(pool):
+        for out in pool.collect(block=True):
+            got[out.key] = out
+    release.set()
+    pool.shutdown()
+    assert all(isinstance(got[("hung", k)].error, TimeoutError) for k in range(3))
+    assert [(got[("ok", k)].value, got[("ok", k)].error) for k in range(3)] == [(0, None), (1, None), (2, None)]
+
+
+def test_step_pool_runs_at_most_workers_calls_at_once():
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def call():
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+
+    pool = StepPool(workers=2, timeout_s=5)
+    for k in range(6):
+        pool.submit(k, call)
+    done = []
+    while len(pool):
+        done += [out.key for out in pool.collect(block=True)]
+    assert sorted(done) == list(range(6)) and peak[0] == 2

@@ -107,26 +107,26 @@ def test_high_entropy_mode_requires_entropy():
 def test_process_rewards_is_identity_by_default():
     algo = Algorithm(AlgorithmConfig())
     r = torch.tensor([1.0, -2.0, 0.5])
-    out, m = algo.process_rewards(r, torch.tensor([0, 0, 1]), torch.tensor([3, 12, 7]), torch.tensor([False, True, False]))
+    out, m = algo.process_rewards(r, torch.tensor([0, 0, 1]), torch.tensor([3, 12, 7]))
     assert torch.equal(out, r)
-    assert m["truncated_frac"] == pytest.approx(1 / 3)
+    assert m == {}  # the raw reward and the truncated fraction are the rollout's metrics (reward/mean, response/truncated_frac)
 
 
 def test_overlong_soft_penalty_by_hand():
     # L_max 10, buffer 4: lengths 5 (free), 8 -> (6 - 8) / 4 = -.5, 10 -> -1, 12 -> -1 ; factor .5
     algo = Algorithm(AlgorithmConfig(overlong=OverlongConfig(buffer_len=4, max_len=10, penalty_factor=0.5)))
-    out, m = algo.process_rewards(torch.ones(4), torch.arange(4), torch.tensor([5, 8, 10, 12]), torch.zeros(4, dtype=torch.bool))
+    out, m = algo.process_rewards(torch.ones(4), torch.arange(4), torch.tensor([5, 8, 10, 12]))
     assert out.tolist() == pytest.approx([1.0, 0.75, 0.5, 0.5])
     assert m["overlong_penalty"] == pytest.approx((0 - 0.25 - 0.5 - 0.5) / 4)
 
 
 def test_running_reward_normalisation_and_clip():
     algo = Algorithm(AlgorithmConfig(reward_norm="running", reward_clip=1.0))
-    g, n, t = torch.zeros(3, dtype=torch.long), torch.ones(3), torch.zeros(3, dtype=torch.bool)
-    out, m = algo.process_rewards(torch.tensor([1.0, 2.0, 3.0]), g, n, t)  # mean 2, var 2/3
+    g, n = torch.zeros(3, dtype=torch.long), torch.ones(3)
+    out, m = algo.process_rewards(torch.tensor([1.0, 2.0, 3.0]), g, n)  # mean 2, var 2/3
     assert out.tolist() == pytest.approx([-1.0, 0.0, 1.0])  # +-1/sqrt(2/3) = +-1.22 clipped to +-1
     assert m["reward_clip_frac"] == pytest.approx(2 / 3)
-    out, _ = algo.process_rewards(torch.tensor([4.0, 5.0]), g[:2], n[:2], t[:2])  # moments of 1..5: mean 3, var 2
+    out, _ = algo.process_rewards(torch.tensor([4.0, 5.0]), g[:2], n[:2])  # moments of 1..5: mean 3, var 2
     assert out.tolist() == pytest.approx([1 / math.sqrt(2), 1.0])
 
 

@@ -1,5 +1,6 @@
 """Experience selection/concatenation and token-budget micro-batching."""
 
+import pytest
 import torch
 
 from tidal.strategy.base import lr_lambda
@@ -49,3 +50,23 @@ def test_lr_schedules():
     assert [round(f(s), 6) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     g = lr_lambda(OptimConfig(lr=1.0, scheduler="cosine", min_lr_ratio=0.1), total_steps=2)
     assert [round(g(s), 6) for s in range(3)] == [1.0, 0.55, 0.1]
+
+
+def test_row_is_what_the_update_trains_on():
+    """Experience.row: a row's real tokens only, each per-token field aligned with input_ids, the
+    absent ones (no reference, no critic) left out."""
+    attn = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    act = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]).float()
+    rollout = torch.tensor([[0.0, 0.0, -0.5, -0.25, 0.0], [0.0, -1.0, -2.0, -3.0, -4.0]])
+    exp = Experience(
+        sequences_BT=torch.tensor([[5, 6, 7, 8, 0], [1, 2, 3, 4, 9]]), attention_mask_BT=attn, action_mask_BT=act,
+        old_logp_BT=rollout - 0.01 * act, rollout_logp_BT=rollout, advantages_BT=0.5 * act, returns_BT=0.5 * act,
+        rewards_B=torch.tensor([1.0, 0.0]), group_ids_B=torch.tensor([3, 3]), loss_mask_B=torch.tensor([1.0, 0.0]),
+    )
+    row = exp.row(0)
+    assert row["input_ids"] == [5, 6, 7, 8] and row["action_mask"] == [0.0, 0.0, 1.0, 1.0]
+    assert row["rollout_logprobs"] == [0.0, 0.0, -0.5, -0.25]
+    assert row["old_logprobs"] == pytest.approx([0.0, 0.0, -0.51, -0.26]) and row["advantages"] == [0.0, 0.0, 0.5, 0.5]
+    assert (row["reward"], row["loss_mask"], row["group_id"]) == (1.0, 1.0, 3)
+    assert "ref_logprobs" not in row and "values" not in row
+    assert exp.row(1)["input_ids"] == [1, 2, 3, 4, 9] and exp.row(1)["loss_mask"] == 0.0

@@ -89,7 +89,7 @@ def test_console_one_compact_line_per_step_and_a_table_every_n(tmp_path):
     backend.close()
     lines = out.getvalue().splitlines()
     assert lines[0] == ("step 1/5  reward 0.512  eval acc 0.625  kl 0.00123  8192 tok/s  "
-                        "0.80 s/step (generate 0.50, train 0.25, weight_sync 0.05)")
+                        "0.80 s/step (generate 0.50, train 0.25, weight_sync 0.05)  about 3.20 s left")
     assert [ln.split("  ")[0] for ln in lines if ln.startswith("step ")] == ["step 1/5", "step 2/5", "step 2/5: all metrics", "step 3/5"]
     table = out.getvalue().split("step 2/5: all metrics\n", 1)[1].split("\nstep 3/5")[0].splitlines()
     assert table[0] == "  reward    total 0.512  total/count 128  dropped_count 0"
@@ -105,6 +105,24 @@ def test_console_table_at_the_last_step_and_never_with_0(tmp_path):
         backend.write(3, STEP)
         backend.close()
         assert out.getvalue().count("all metrics") == tables
+
+
+def test_console_step_line_says_the_time_left(tmp_path, monkeypatch):
+    """At the first logged step: its time/step times the steps left; then the wall time per step
+    since the first logged step (evaluations included); nothing at the last step."""
+    clock = [100.0]
+    monkeypatch.setattr("tidal.logging.console.time.monotonic", lambda: clock[0])
+    out = io.StringIO()
+    backend = ConsoleBackend(LoggingConfig(table_every=0), tmp_path, total_steps=10, start_step=0, hparams=None,
+                             console=Console(file=out, width=200, force_terminal=False))
+    for step, now in ((1, 100.0), (3, 110.0), (10, 150.0)):
+        clock[0] = now
+        backend.write(step, STEP)
+    backend.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("s/step (generate 0.50, train 0.25, weight_sync 0.05)  about 7.20 s left")  # 0.8 s x 9
+    assert lines[1].endswith("about 35.0 s left")  # (110 - 100) / 2 steps x 7 left
+    assert lines[2].endswith("weight_sync 0.05)")
 
 
 @pytest.mark.parametrize("key, value, text", [
@@ -213,3 +231,19 @@ def test_step_line_shows_device_memory_by_part():
          "memory/engine_weights_gib": 0.93, "memory/engine_kv_cache_gib": 70.3}
     assert step_line(3, 10, m).endswith("mem 115.2 GiB on the device (peak alloc 40.1, engine weights 0.9, KV cache 70.3)")
     assert "mem" not in step_line(3, 10, {"time/step": 2.0})  # off CUDA: no memory figures
+
+
+def test_step_line_headline_reward_is_the_trained_one():
+    """reward/mean (what is trained on, an environment's reward included) leads over reward/total (the
+    reward components' over valid samples): 0.47 is shown, not 0."""
+    from tidal.logging.console import step_line
+
+    assert step_line(1, 2, {"reward/total": 0.0, "reward/mean": 0.47}).startswith("step 1/2  reward 0.47")
+
+
+def test_step_line_shows_the_eval_reward_without_an_accuracy():
+    from tidal.logging.console import step_line
+
+    assert "eval reward 0.7" in step_line(1, 2, {"eval/greedy_reward": 0.7})
+    line = step_line(1, 2, {"eval/greedy_accuracy": 0.5, "eval/greedy_reward": 0.7})
+    assert "eval acc 0.5" in line and "eval reward" not in line

@@ -20,8 +20,32 @@ def test_plain_lines_when_not_a_terminal(monkeypatch):
                 time.sleep(0.5)  # the first line comes while the step runs
             step.advance(info=f"loss {1 / (i + 1):.3f}")
     lines = out.getvalue().splitlines()
-    assert re.fullmatch(r"\[tidal\] warm start \(SFT\): 600/1,500 steps \(40%\) after 0\.\d\d s \(loss 0\.002\) \.\.\.", lines[0]), lines
+    assert re.fullmatch(r"\[tidal\] warm start \(SFT\): 600/1,500 steps \(40%\) after 0\.\d\d s, about 0\.\d\d s left \(loss 0\.002\) \.\.\.", lines[0]), lines
     assert len(lines) == 2 and re.fullmatch(r"\[tidal\] warm start \(SFT\): done in 0\.\d\d s \(loss 0\.001\)", lines[1]), lines
+
+
+def test_plain_lines_say_the_time_left(monkeypatch):
+    """With a count: time per unit so far times the units left; without one: the last run's time
+    less the time spent (``expected_s``)."""
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    step = progress.Step("warm start", total=100, unit="steps", enabled=False).__enter__()
+    step.completed, clock[0] = 25, 10.0
+    assert step._remaining() == ", about 30.0 s left"
+    ev = progress.stage("evaluating", enabled=False, expected_s=12.0).__enter__()
+    clock[0] = 14.0  # 4 s in
+    assert ev._remaining() == ", about 8.00 s left (the last took 12.0 s)"
+    clock[0] = 30.0
+    assert ev._remaining() == ", longer than the last (the last took 12.0 s)"
+    assert progress.stage("loading", enabled=False).__enter__()._remaining() == ""
+
+
+def test_a_live_bar_shows_the_time_remaining():
+    out = io.StringIO()
+    con = Console(file=out, width=120, force_terminal=True)
+    with progress.Step("warm start", total=10, con=con):
+        columns = progress.display(con)._progress.columns
+    assert any(isinstance(c, progress.TimeRemainingColumn) for c in columns)
 
 
 def test_stage_and_failure_and_disabled():

@@ -76,8 +76,55 @@ def test_main_writes_png_and_self_contained_html(tmp_path, capsys):
     embedded = re.search(r"src='data:image/png;base64,([^']+)'", page).group(1)
     assert base64.b64decode(embedded) == png
     assert not re.search(r"(src|href)=['\"](?!data:)", page)  # nothing external
-    assert "<td>eval/accuracy</td><td>0.3</td><td>30</td>" in page
-    assert "<td>reward/mean</td><td>1</td><td>30</td>" in page
+    assert "<td>eval/accuracy</td><td>0.1</td><td>10</td><td>0.3</td><td>30</td>" in page  # start and end
+    assert "<td>reward/mean</td><td>0.0333333</td><td>1</td><td>1</td><td>30</td>" in page
+
+
+def test_one_unit_and_one_scale_per_axis():
+    """MFU is not drawn with TFLOP/s, a length not with a reward, a gradient norm not with losses near 0."""
+    assert [unit_of(k) for k in ("perf/mfu", "perf/train_tflops", "eval/greedy_length", "eval/greedy_reward",
+                                 "actor/grad_norm", "actor/lr")] == ["fraction", "TFLOP/s", "tokens", "", "norm", "lr"]
+    keys = ["perf/mfu", "perf/train_tflops", "eval/greedy_length", "eval/greedy_reward", "actor/grad_norm", "actor/lr",
+            "actor/pg_loss", "actor/entropy", "actor/kl"]
+    scales = {"actor/pg_loss": 0.02, "actor/entropy": 0.5, "actor/kl": 0.0004, "eval/greedy_reward": 0.6}
+    got = dict(panels(keys, scales))
+    assert got["perf [fraction]"] == ["perf/mfu"] and got["perf [TFLOP/s]"] == ["perf/train_tflops"]
+    assert got["eval [tokens]"] == ["eval/greedy_length"] and got["eval [value]"] == ["eval/greedy_reward"]
+    assert got["actor [norm]"] == ["actor/grad_norm"] and got["actor [lr]"] == ["actor/lr"]
+    # without a unit: by magnitude, at most SCALE_RATIO apart (0.0004 | 0.02, 0.5)
+    assert got["actor [value] (~1e-03)"] == ["actor/kl"] and got["actor [value] (~1e+00)"] == ["actor/entropy", "actor/pg_loss"]
+
+
+def test_identical_series_both_show(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from tidal.report import build_figure, identical_keys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 4, "reward/total": s / 4,
+                                                           "reward/math/mean": 1 - s / 4}) + "\n" for s in range(1, 5)))
+    series = load_series(run / "metrics.jsonl")
+    assert identical_keys(series) == {"reward/total": "reward/mean"}
+    fig = build_figure(series, "t")
+    lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    drawn, over = lines["reward/mean"], lines["reward/total (= reward/mean)"]
+    assert over.get_linestyle() == "--" and over.get_linewidth() > drawn.get_linewidth()
+    plt.close(fig)
+    assert main([str(run)]) == 0
+    assert "<td>reward/total (= reward/mean)</td>" in (run / "report.html").read_text()
+
+
+def test_html_leads_with_reward_and_eval_and_shows_the_config(tmp_path):
+    run = fake_run(tmp_path)
+    (run / "config.yaml").write_text("run:\n  steps: 30\nmodel:\n  path: <m>\n")
+    assert main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    head = page.split("<ul>", 1)[1].split("</ul>", 1)[0]
+    assert head == ("<li><b>reward/mean</b>: 0.03333 at the start, 1 at the end</li>"
+                    "<li><b>eval/accuracy</b>: 0.1 at the start, 0.3 at the end</li>")
+    assert page.index("<ul>") < page.index("<img")
+    assert "<h2>Resolved config</h2><pre>run:\n  steps: 30\nmodel:\n  path: &lt;m&gt;\n</pre>" in page
 
 
 def test_main_errors(tmp_path, capsys):
@@ -118,8 +165,9 @@ def test_phase_and_memory_keys(tmp_path):
     assert phase_keys(series) == ["time/generate", "time/eval", "time/train", "time/reward"]
     assert memory_keys(series) == ["memory/device_used_gib", "memory/engine_kv_cache_gib", "memory/peak_allocated_gib"]
     kinds = [(kind, title) for kind, title, _ in layout(series)]
-    assert kinds[:2] == [("phases", "phase time per step [s]"), ("memory", "memory timeline [GiB]")]
-    flat = [k for _, _, keys in layout(series)[2:] for k in keys]
+    assert kinds[:4] == [("lines", "reward"), ("lines", "eval"), ("phases", "phase time per step [s]"),
+                         ("memory", "memory timeline [GiB]")]  # what the run is for first
+    flat = [k for _, _, keys in layout(series)[4:] for k in keys]
     assert "time/step" not in flat and "time/generate" not in flat and "memory/peak_allocated_gib" not in flat
     assert "time/compile" in flat and "memory/engines_count" in flat  # not GiB: a count panel of its own
 
@@ -194,7 +242,7 @@ def test_html_names_the_panels(tmp_path):
     run = phase_run(tmp_path)
     assert main([str(run)]) == 0
     alt = re.search(r"<img alt='([^']+)'", (run / "report.html").read_text()).group(1)
-    assert alt.startswith("metric curves: phase time per step [s]; memory timeline [GiB]; reward")
+    assert alt.startswith("metric curves: reward; eval; phase time per step [s]; memory timeline [GiB]")
 
 
 @pytest.mark.slow

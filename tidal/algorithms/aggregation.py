@@ -13,10 +13,11 @@ Rows without response tokens contribute 0 in every mode.
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.base import LossAggregator, LossNormalizer
 from tidal.algorithms.registry import LOSS_AGGREGATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def _masked_sum_B(loss_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Protocol
 
-import torch
-
 from tidal.algorithms import registry
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import AdvantageInput, LossNormalizer
@@ -30,6 +28,9 @@ from tidal.algorithms.mismatch import mismatch_weights
 from tidal.algorithms.normalization import RunningMoments, masked_whiten
 from tidal.algorithms.shaping import nonzero_variance_groups_B, overlong_penalty_B
 from tidal.algorithms.trajectory_rows import merge_rows, split_rows
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 class UpdateSchedule(Protocol):
@@ -122,17 +123,18 @@ class Algorithm:
 
     # ---- rollout side --------------------------------------------------------------------
     def process_rewards(
-        self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor, response_len_B: torch.Tensor, truncated_B: torch.Tensor
+        self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor, response_len_B: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Overlong shaping, then running normalisation, then clipping, each only when configured.
 
-        Metrics (Python floats) are means over this batch: reward_raw, truncated_frac,
-        overlong_penalty (shaping on), reward_clip_frac (clipping on). group_ids_B is accepted for
+        Metrics (Python floats) are means over this batch: overlong_penalty (shaping on),
+        reward_clip_frac (clipping on); the rewards and the truncated fraction before processing are
+        the rollout's (``reward/mean``, ``response/truncated_frac``). group_ids_B is accepted for
         symmetry with keep_groups.
         """
         del group_ids_B
         rewards_B = rewards_B.to(torch.float32)
-        metrics = {"reward_raw": float(rewards_B.mean()), "truncated_frac": float(truncated_B.float().mean())}
+        metrics: dict[str, float] = {}
         cfg = self.cfg
         if cfg.overlong.shaping:
             penalty_B = overlong_penalty_B(response_len_B, cfg.overlong)
@@ -210,11 +212,10 @@ class Algorithm:
         if response_len_B is None:
             response_len_B = action_mask_BT.sum(-1)
         if trajectory_ids_B is None:
-            rewards_B, metrics = self.process_rewards(total_B, group_ids_B, response_len_B, truncated_B)
+            rewards_B, metrics = self.process_rewards(total_B, group_ids_B, response_len_B)
         else:
             first_N, row_to_N = _first_rows(trajectory_ids_B)
-            rewards_N, metrics = self.process_rewards(total_B[first_N], group_ids_B[first_N], response_len_B[first_N],
-                                                      truncated_B[first_N])
+            rewards_N, metrics = self.process_rewards(total_B[first_N], group_ids_B[first_N], response_len_B[first_N])
             rewards_B = rewards_N[row_to_N]
         kl_BT = None
         if self.cfg.kl_in_reward and old_logp_BT is None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @dataclasses.dataclass(kw_only=True)

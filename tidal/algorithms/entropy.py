@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def top_entropy_mask_BT(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, q: float) -> torch.Tensor:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import abc
 
-import torch
-
 from tidal.algorithms.registry import KL_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 # exp() of larger log-ratios overflows float32 in k3; such tokens are already far off-policy.
 _LOG_RATIO_BOUND = 20.0

@@ -14,9 +14,10 @@ sequence modes: tokens of sequences whose ratio was truncated or masked).
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.aggregation import token_mean_metric
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 # rho beyond exp(20) is truncated or masked anyway; the bound keeps exp() finite.
 _LOG_RHO_BOUND = 20.0

@@ -7,7 +7,9 @@ every rank normalises with the statistics of the global batch.
 
 from __future__ import annotations
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 _EPS = 1e-8
 

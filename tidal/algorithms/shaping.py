@@ -9,7 +9,9 @@ nonzero_variance_groups_B: dynamic sampling keeps only prompt groups whose rewar
 
 from __future__ import annotations
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 # Rewards closer than this are "equal" for dynamic sampling (float rewards from sums of parts).
 _EQUAL_TOL = 1e-6

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from tidal.algorithms.base import AdvantageInput
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @dataclasses.dataclass(frozen=True)

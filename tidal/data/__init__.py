@@ -1,7 +1,14 @@
 """Prompt datasets, chat templating and the stateful distributed sampler."""
 
-from tidal.data.config import DataConfig, DataSource
-from tidal.data.dataset import PromptDataset, PromptItem
-from tidal.data.sampler import StatefulDistributedSampler
+from tidal.lazy import lazy_exports
 
-__all__ = ["DataConfig", "DataSource", "PromptDataset", "PromptItem", "StatefulDistributedSampler"]
+_WHERE = {
+    "DataConfig": "tidal.data.config",
+    "DataSource": "tidal.data.config",
+    "PromptDataset": "tidal.data.dataset",
+    "PromptItem": "tidal.data.dataset",
+    "StatefulDistributedSampler": "tidal.data.sampler",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -8,16 +8,28 @@ sandboxed Python tool (:mod:`tidal.envs.sandbox`); :class:`TrajectoryBuilder` an
 :func:`pack_trajectories`; :class:`EnvRollout`, the rollout loop over an engine's ``generate``.
 """
 
-from tidal.envs.base import EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
-from tidal.envs.chat import ChatRenderer, TemplateError
-from tidal.envs.config import EnvConfig, SandboxConfig
-from tidal.envs.packing import PackedRows, pack_trajectories
-from tidal.envs.registry import ENVIRONMENTS
-from tidal.envs.rollout import EnvError, EnvRollout, RolloutResult
-from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
+from tidal.lazy import lazy_exports
 
-__all__ = [
-    "ENVIRONMENTS", "ChatRenderer", "EnvConfig", "EnvError", "EnvRollout", "EnvRow", "Environment", "ModelTurn",
-    "Observation", "PackedRows", "RolloutResult", "SandboxConfig", "StepResult", "TemplateError", "Trajectory",
-    "TrajectoryBuilder", "make_env_factory", "pack_trajectories",
-]
+_WHERE = {
+    "ENVIRONMENTS": "tidal.envs.registry",
+    "ChatRenderer": "tidal.envs.chat",
+    "EnvConfig": "tidal.envs.config",
+    "EnvError": "tidal.envs.rollout",
+    "EnvRollout": "tidal.envs.rollout",
+    "EnvRow": "tidal.envs.base",
+    "Environment": "tidal.envs.base",
+    "ModelTurn": "tidal.envs.base",
+    "Observation": "tidal.envs.base",
+    "PackedRows": "tidal.envs.packing",
+    "RolloutResult": "tidal.envs.rollout",
+    "SandboxConfig": "tidal.envs.config",
+    "StepResult": "tidal.envs.base",
+    "TemplateError": "tidal.envs.chat",
+    "Trajectory": "tidal.envs.trajectory",
+    "TrajectoryBuilder": "tidal.envs.trajectory",
+    "make_env_factory": "tidal.envs.base",
+    "pack_trajectories": "tidal.envs.packing",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any, Callable, Literal
 
 from tidal.config_base import ConfigError
-from tidal.envs.config import EnvConfig
+from tidal.envs.config import EnvConfig, check_step_timeout
 
 Message = dict[str, Any]
 
@@ -127,6 +127,9 @@ class Environment(abc.ABC):
     # The counters its steps report (``StepResult.counters``): each one is in the rollout's metrics
     # (``env/<name>``, ``env/<name>_frac``) on every rank, also when no trajectory reported it.
     counter_names: tuple[str, ...] = ()
+    # Its steps call tools (bounded by ``env.tool_timeout_s`` each): ``env.step_timeout_s`` must then
+    # outlast ``env.max_tool_calls_per_turn`` of them (:func:`~tidal.envs.config.check_step_timeout`).
+    uses_tools: bool = False
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:
@@ -162,6 +165,7 @@ def env_class(cfg: EnvConfig) -> type[Environment]:
         raise ConfigError("env.name", f"'{cfg.name}' is not a subclass of tidal.envs.Environment")
     if cls.name == Environment.name:
         cls.name = cfg.name
+    check_step_timeout(cfg, cls.uses_tools, "env.step_timeout_s")
     return cls
 
 

@@ -62,7 +62,8 @@ class EnvConfig:
         leave no room for one more sampled token ends the trajectory (``max_total_tokens``).
     tool_timeout_s: wall-clock limit of one tool call; a call past it is a tool failure.
     step_timeout_s: wall-clock limit of one ``reset`` or ``step`` call of the environment (its tool
-        calls included); past it the call is an environment error (see ``on_error``). Must exceed
+        calls included), counted from when it starts running; past it the call is an environment
+        error (see ``on_error``). For an environment that calls tools it must exceed
         ``max_tool_calls_per_turn * tool_timeout_s``.
     tool_failure: what a failing tool (it raised, timed out or hit a sandbox limit) does:
         ``observation``: the model sees an error message as the tool's output and goes on;
@@ -71,6 +72,12 @@ class EnvConfig:
     max_tool_calls_per_turn: tool calls executed per turn; further calls in the same turn get an
         error observation instead of running.
     workers: threads that run environment steps (and so tool calls) while the engine decodes.
+    lockstep: multi-turn rollouts reproducible for a fixed ``run.seed``: each round of turns waits
+        for every environment step before decoding (batch ``generate`` calls, never the continuous
+        loop), so which trajectories share an engine call, and so the random numbers each one
+        draws, no longer depend on how fast tools answer. Costs the overlap of tools with decoding
+        (the engine idles while the slowest step of a round runs). Off: turns are decoded as their
+        observations arrive, and two runs with the same seed may sample different trajectories.
     on_error: an environment whose ``reset``/``step`` raises or times out: ``raise`` stops the run
         with an error naming the environment, the row and the turn; ``drop`` ends that trajectory,
         counts it (``env/errors``) and leaves it out of the loss.
@@ -95,6 +102,7 @@ class EnvConfig:
     tool_failure: Literal["observation", "drop"] = "observation"
     max_tool_calls_per_turn: int = 4
     workers: int = 8
+    lockstep: bool = False
     on_error: Literal["raise", "drop"] = "raise"
     history: Literal["append", "template"] = "append"
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -113,14 +121,23 @@ class EnvConfig:
         check(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         check(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         check(self.workers >= 1, "workers", "must be >= 1")
-        check(
-            self.step_timeout_s > self.max_tool_calls_per_turn * self.tool_timeout_s,
-            "step_timeout_s",
-            f"must exceed max_tool_calls_per_turn x tool_timeout_s ({self.max_tool_calls_per_turn} x {self.tool_timeout_s:g} s), "
-            "or a step whose tools all run to their limit would count as an environment error",
-        )
+        if ":" not in self.name:  # an environment named by import path is checked when it is imported (envs.base.env_class)
+            check_step_timeout(self, ENVIRONMENTS.get(self.name, "name").uses_tools)
         check_choice(self.tool_failure, ("observation", "drop"), "tool_failure")
         check_choice(self.on_error, ("raise", "drop"), "on_error")
         check_choice(self.history, ("append", "template"), "history")
         check(all(isinstance(k, str) for k in self.kwargs), "kwargs", "keys must be strings")
         check(all(isinstance(k, str) for k in self.chat_template_kwargs), "chat_template_kwargs", "keys must be strings")
+
+
+def check_step_timeout(cfg: EnvConfig, uses_tools: bool, key: str = "step_timeout_s") -> None:
+    """An environment that calls tools needs ``step_timeout_s > max_tool_calls_per_turn x
+    tool_timeout_s``, or a step whose tools all run to their limit would count as an environment
+    error; one without tools has no such bound. ``key``: the name the error gives the setting."""
+    check(
+        not uses_tools or cfg.step_timeout_s > cfg.max_tool_calls_per_turn * cfg.tool_timeout_s,
+        key,
+        f"must exceed max_tool_calls_per_turn x tool_timeout_s ({cfg.max_tool_calls_per_turn} x {cfg.tool_timeout_s:g} s) "
+        f"for environment {cfg.name!r}, which calls tools, or a step whose tools all run to their limit would count as an "
+        "environment error",
+    )

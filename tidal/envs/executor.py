@@ -2,14 +2,21 @@
 
 The rollout loop submits a call and goes back to decoding; :meth:`StepPool.collect` hands back
 the calls that finished and those that ran past ``env.step_timeout_s`` (a TimeoutError outcome).
-A call past its limit is given up on, but Python cannot stop its thread: it keeps a worker until
-it returns (tools bound their own calls, so this needs a broken environment).
+At most ``env.workers`` calls run at once; the others wait in order, and a call's time limit starts
+when it starts running, so calls queued behind slow or hung ones keep their whole limit. A call past
+its limit is given up on and its slot goes to the next call, but Python cannot stop its thread: the
+thread runs on until the call returns (tools bound their own calls, so this needs a broken
+environment).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import functools
+import math
+import threading
 import time
 from typing import Any, Callable, Hashable
 
@@ -24,17 +31,26 @@ class Outcome:
     error: BaseException | None = None
 
 
+@dataclasses.dataclass
+class _Call:
+    key: Hashable
+    run: Callable[[], Any]
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    deadline: float = math.inf  # monotonic time its limit ends; inf while it waits for a slot
+
+
 class StepPool:
     def __init__(self, workers: int, timeout_s: float):
-        self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-env")
-        self._pending: dict[concurrent.futures.Future, tuple[Hashable, float]] = {}
+        self.timeout_s, self.workers = timeout_s, workers
+        self._queued: collections.deque[_Call] = collections.deque()
+        self._running: list[_Call] = []
 
     def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> None:
-        self._pending[self._pool.submit(fn, *args)] = (key, time.monotonic() + self.timeout_s)
+        self._queued.append(_Call(key, functools.partial(fn, *args)))
+        self._start_queued()
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._queued) + len(self._running)
 
     def collect(self, *, block: bool, timeout: float | None = None) -> list[Outcome]:
         """Outcomes of the finished calls and of those past their deadline. ``block``: wait until
@@ -42,31 +58,46 @@ class StepPool:
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             out = self._harvest()
-            if out or not block or not self._pending:
+            if out or not block or not len(self):
                 return out
-            wake = min(d for _, d in self._pending.values())
+            wake = min(c.deadline for c in self._running)  # calls wait only while every slot is taken
             if give_up is not None:
                 if time.monotonic() >= give_up:
                     return out
                 wake = min(wake, give_up)
-            concurrent.futures.wait(list(self._pending), timeout=max(0.0, wake - time.monotonic()),
+            concurrent.futures.wait([c.future for c in self._running], timeout=max(0.0, wake - time.monotonic()),
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _start_queued(self) -> None:
+        while self._queued and len(self._running) < self.workers:
+            call = self._queued.popleft()
+            call.deadline = time.monotonic() + self.timeout_s
+            self._running.append(call)
+            threading.Thread(target=_run, args=(call,), name="tidal-env", daemon=True).start()
 
     def _harvest(self) -> list[Outcome]:
         now = time.monotonic()
-        out = []
-        for fut, (key, deadline) in list(self._pending.items()):
-            if fut.done():
-                del self._pending[fut]
-                exc = fut.exception()
-                out.append(Outcome(key, None if exc else fut.result(), exc))
-            elif now >= deadline:
-                del self._pending[fut]
-                fut.cancel()
-                out.append(Outcome(key, error=TimeoutError(f"no answer within env.step_timeout_s={self.timeout_s:g} s")))
+        out, running = [], []
+        for call in self._running:
+            if call.future.done():
+                exc = call.future.exception()
+                out.append(Outcome(call.key, None if exc else call.future.result(), exc))
+            elif now >= call.deadline:  # given up: its thread runs on, its slot is freed
+                out.append(Outcome(call.key, error=TimeoutError(f"no answer within env.step_timeout_s={self.timeout_s:g} s")))
+            else:
+                running.append(call)
+        self._running = running
+        self._start_queued()
         return out
 
     def shutdown(self) -> None:
-        """Stop taking calls; running ones finish in the background."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pending.clear()
+        """Stop taking calls and drop the queued ones; running ones finish in the background."""
+        self._queued.clear()
+        self._running = []
+
+
+def _run(call: _Call) -> None:
+    try:
+        call.future.set_result(call.run())
+    except BaseException as e:  # noqa: BLE001 -- the call's error (SystemExit too) is its outcome
+        call.future.set_exception(e)

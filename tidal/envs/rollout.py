@@ -31,6 +31,12 @@ in it do not overlap: a trajectory whose tool answered waits for the next round.
 Both loops share the builders, the renderer, the pool, the limits and the error handling, and give
 the same trajectories under greedy decoding.
 
+Reproducibility (``env.lockstep``): which trajectories share an engine call depends on when their
+tools answer, and an engine call draws its random numbers for its batch as a whole, so with
+sampling two runs with the same seed may differ. With ``env.lockstep`` the rollout runs in rounds
+and each round first waits for every environment step: its batches, and so its samples, depend only
+on the seed, the weights and what the environments return.
+
 Single turn: with ``env.name: single_turn`` this makes exactly one ``generate(prompts, params)``
 call on every engine (rounds), with the same prompts (each row's ids) and the same sampling
 parameters (``n`` included) as a plain rollout, so the completions are those of a plain rollout.
@@ -171,7 +177,7 @@ class EnvRollout:
             for ep, b in zip(episodes, budgets):
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
-        engine = None if self.single_turn or budgets is not None else incremental_engine(generate)
+        engine = None if self.single_turn or budgets is not None or self.cfg.lockstep else incremental_engine(generate)
         run = _Run(self, episodes, gen, params, end_token_id)
         try:
             run.loop() if engine is None else run.loop_continuous(engine)
@@ -222,7 +228,10 @@ class _Run:
                 self._collect(block=True)
         while True:  # one round per iteration (see the module docstring)
             with self._failing_together():
-                if not self.ready and len(self.pool):
+                if self.cfg.lockstep:  # the whole round's answers first: its batches do not depend on timing
+                    while len(self.pool):
+                        self._collect(block=True)
+                elif not self.ready and len(self.pool):
                     self._collect(block=True, timeout=self.gen.poll_s)
                     if self.ready:
                         self._collect_burst()

@@ -1,8 +1,14 @@
 """Metrics logging (console, JSONL, TensorBoard, W&B), phase timers and trajectory files."""
 
-from tidal.logging.config import LoggingConfig
-from tidal.logging.metrics import MetricsLogger
-from tidal.logging.timer import PhaseObserver, PhaseTimer
-from tidal.logging.trajectories import TrajectoryWriter
+from tidal.lazy import lazy_exports
 
-__all__ = ["LoggingConfig", "MetricsLogger", "PhaseObserver", "PhaseTimer", "TrajectoryWriter"]
+_WHERE = {
+    "LoggingConfig": "tidal.logging.config",
+    "MetricsLogger": "tidal.logging.metrics",
+    "PhaseObserver": "tidal.logging.timer",
+    "PhaseTimer": "tidal.logging.timer",
+    "TrajectoryWriter": "tidal.logging.trajectories",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -3,11 +3,15 @@ steps, and the run's step bar (on a terminal).
 
 The line reads, for example::
 
-    step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)
+    step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)  about 2 min 49 s left
 
-``reward`` is ``reward/total`` (else ``reward/mean``); ``eval acc`` is ``eval/greedy_accuracy`` on
-the steps that evaluate; ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
-the device memory by part (:func:`memory_text`); tokens per second are the
+``reward`` is ``reward/mean``, the reward trained on (an environment's included; else ``reward/total``,
+the reward components' over valid samples); ``eval acc`` is ``eval/greedy_accuracy`` on the steps
+that evaluate (``eval reward``, ``eval/greedy_reward``, when the rewards include a reward model and
+evaluation reports no accuracy); ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
+the device memory by part (:func:`memory_text`); the time left is the wall time per step since the
+first logged step (evaluations and saves included; at the first, its ``time/step``) times the steps
+left; tokens per second are the
 tokens generated on all ranks (``response/tokens_count``) over the generate phase
 (``time/generate``); the phases are the largest ``time/*`` entries. The table lists every metric by
 group under its full name, which says how ranks were combined (:mod:`tidal.logging.reduce`).
@@ -22,13 +26,14 @@ step is in and, after each generation, the sequences and tokens per second gener
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from rich.console import Console
 
 from tidal.logging.backends import BACKENDS
 from tidal.logging.config import LoggingConfig
-from tidal.logging.progress import display
+from tidal.logging.progress import display, format_seconds
 from tidal.logging.reduce import is_count
 from tidal.logging.timer import PhaseObserver
 
@@ -80,11 +85,14 @@ def tokens_per_s(metrics: dict[str, float]) -> float | None:
     return tokens / seconds
 
 
-def step_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
-    """The compact line of one logged step (see the module docstring)."""
+def step_line(step: int, total_steps: int, metrics: dict[str, float], remaining_s: float | None = None) -> str:
+    """The compact line of one logged step (see the module docstring); ``remaining_s``: the run's
+    estimated time left."""
     parts = [f"step {step}/{total_steps}"]
-    for label, keys in (("reward", ("reward/total", "reward/mean")), ("eval acc", ("eval/greedy_accuracy",)),
-                        ("kl", ("actor/kl", "kl/rollout"))):
+    shown = (("reward", ("reward/mean", "reward/total")), ("eval acc", ("eval/greedy_accuracy",)),
+             ("eval reward", () if "eval/greedy_accuracy" in metrics else ("eval/greedy_reward",)),  # a reward model: no accuracy
+             ("kl", ("actor/kl", "kl/rollout")))
+    for label, keys in shown:
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             parts.append(f"{label} {format_number(metrics[key])}")
@@ -96,6 +104,8 @@ def step_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     if "time/step" in metrics:
         shown = ", ".join(f"{name} {v:.2f}" for name, v in phases[:PHASES_SHOWN])
         parts.append(f"{metrics['time/step']:.2f} s/step" + (f" ({shown})" if shown else ""))
+    if remaining_s is not None and step < total_steps:
+        parts.append(f"about {format_seconds(remaining_s)} left")
     memory = memory_text(metrics)
     if memory:
         parts.append(memory)
@@ -150,13 +160,24 @@ class ConsoleBackend(PhaseObserver):
         self._display = display(console)
         self._task = self._display.add("train", total=total_steps, completed=start_step)
         self._generate_s = 0.0
+        self._first: tuple[int, float] | None = None  # (step, monotonic time) of the first logged step
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._display.print(step_line(step, self.total_steps, metrics))
+        self._display.print(step_line(step, self.total_steps, metrics, self.remaining_s(step, metrics)))
         every = self.cfg.table_every
         if step > 0 and every and (step % every == 0 or step >= self.total_steps):
             self._display.print(step_table(step, self.total_steps, metrics))
         self._display.update(self._task, completed=step, info="")
+
+    def remaining_s(self, step: int, metrics: dict[str, float]) -> float | None:
+        """The run's time left after ``step``: the wall time per step since the first logged step
+        times the steps left (at the first, its ``time/step``); None when unknown."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+        first_step, t0 = self._first
+        per_step = (now - t0) / (step - first_step) if step > first_step else metrics.get("time/step")
+        return None if per_step is None else per_step * max(self.total_steps - step, 0)
 
     def close(self) -> None:
         self._display.remove(self._task)

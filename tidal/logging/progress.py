@@ -2,12 +2,17 @@
 evaluation, checkpoint saves, export) on the console, with rich.
 
 On a terminal each step is a live line of one shared rich display (spinner, description, bar and
-count when the total is known, elapsed time, a short info text), beside the run's step bar
+count when the total is known, elapsed and remaining time, a short info text), beside the run's step bar
 (:class:`tidal.logging.console.ConsoleBackend`); rich allows one live display per console, so every
 bar of the process is a task of the same :class:`Display`. When the output is not a terminal (a log
 file, a pipe, a scheduler's capture) nothing is redrawn: a step still running after
 ``PLAIN_FIRST_S`` seconds prints a plain line saying so (with its count), another every
 ``PLAIN_EVERY_S`` seconds, and every step prints one line when it ends (with its time).
+
+Remaining time: for a step with a count, its elapsed time over the units done times the units left
+(``480/1,500 steps (32%) after 1 min 02 s, about 2 min 12 s left``); for a step without one, when
+the caller knows how long the same step took before (``expected_s``: the previous evaluation), that
+duration less the time spent (``about 8.0 s left (the last took 12.3 s)``).
 
 Use :func:`stage` for a step without a count, or a :class:`Step` with ``total=`` advanced by hand; pass ``enabled=False`` on ranks other than the main one.
 """
@@ -17,11 +22,21 @@ from __future__ import annotations
 import threading
 import time
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 PLAIN_FIRST_S = 2.0
 PLAIN_EVERY_S = 30.0
 PLAIN_WIDTH = 160  # lines written to a file are not wrapped at rich's default 80 columns
+SPEED_WINDOW_S = 3600.0  # rich's remaining time: the rate over this window (an RL step may take minutes)
 _console: Console | None = None
 _displays: dict[int, "Display"] = {}
 
@@ -59,7 +74,8 @@ class Display:
         if self._progress is None:
             self._progress = Progress(
                 SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=self.console,
+                TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=self.console,
+                speed_estimate_period=SPEED_WINDOW_S,
             )
             self._progress.start()
         self._tasks += 1
@@ -92,12 +108,14 @@ class Step:
     ``advance(n, info=...)`` counts done units; ``info`` (e.g. ``loss 0.41``) is shown beside the
     bar and in the plain lines; ``done(info)`` sets what the final line says. Off a terminal a
     daemon thread prints the plain lines while the step runs: the first after ``PLAIN_FIRST_S``
-    (a quick step prints only its final line), then one every ``PLAIN_EVERY_S``."""
+    (a quick step prints only its final line), then one every ``PLAIN_EVERY_S``. ``expected_s``
+    (a step without a count): how long the same step took last time, for its remaining time."""
 
     def __init__(self, description: str, *, total: int | None = None, unit: str = "", enabled: bool = True,
-                 con: Console | None = None):
+                 con: Console | None = None, expected_s: float | None = None):
         self.description = description
         self.total = total
+        self.expected_s = expected_s
         self.unit = unit
         self.completed = 0
         self.info = ""
@@ -112,7 +130,7 @@ class Step:
         if self._display is None:
             return self
         if self._display.live:
-            self._task = self._display.add(self.description, total=self.total)
+            self._task = self._display.add(self.description, total=self.total, info=self._expected())
         else:
             self._thread = threading.Thread(target=self._plain_lines, daemon=True, name="tidal-progress")
             self._thread.start()
@@ -121,7 +139,7 @@ class Step:
     def _plain_lines(self) -> None:
         wait = PLAIN_FIRST_S
         while not self._stop.wait(wait):
-            self._display.print(f"[tidal] {self.description}: {self._count()}{self._elapsed()}{self._info()} ...")
+            self._display.print(f"[tidal] {self.description}: {self._count()}{self._elapsed()}{self._remaining()}{self._info()} ...")
             wait = PLAIN_EVERY_S
 
     def advance(self, n: int = 1, *, info: str | None = None) -> None:
@@ -155,13 +173,29 @@ class Step:
             return f"{self.completed:,}/{self.total:,}{unit} ({100 * self.completed / max(self.total, 1):.0f}%) after "
         return f"{self.completed:,}{unit} after " if self.completed else "after "
 
+    def _remaining(self) -> str:
+        """``, about 2 min 12 s left`` (see the module docstring), or nothing when unknown."""
+        spent = time.perf_counter() - self._start
+        if self.total is not None and 0 < self.completed <= self.total:
+            left = spent / self.completed * (self.total - self.completed)
+            return f", about {format_seconds(left)} left"
+        if self.total is None and self.expected_s is not None:
+            left = self.expected_s - spent
+            return f", about {format_seconds(left)} left{self._expected(' (', ')')}" if left > 0 else \
+                f", longer than the last{self._expected(' (', ')')}"
+        return ""
+
+    def _expected(self, before: str = "", after: str = "") -> str:
+        return f"{before}the last took {format_seconds(self.expected_s)}{after}" if self.expected_s is not None else ""
+
     def _info(self) -> str:
         return f" ({self.info})" if self.info else ""
 
 
-def stage(description: str, *, enabled: bool = True, con: Console | None = None) -> Step:
-    """A step without a count: ``with stage("loading model /m"): ...``."""
-    return Step(description, enabled=enabled, con=con)
+def stage(description: str, *, enabled: bool = True, con: Console | None = None, expected_s: float | None = None) -> Step:
+    """A step without a count: ``with stage("loading model /m"): ...``; ``expected_s``: how long it
+    took last time (its remaining time is shown)."""
+    return Step(description, enabled=enabled, con=con, expected_s=expected_s)
 
 
 def format_seconds(seconds: float) -> str:

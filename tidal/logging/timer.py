@@ -7,7 +7,9 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def _sync_cuda() -> None:

@@ -1,4 +1,14 @@
-from tidal.models.loading import critic_values, load_causal_lm, load_critic, load_tokenizer
-from tidal.models.logprobs import attach_logprob_method, lm_head_logprobs, token_logprobs
+from tidal.lazy import lazy_exports
 
-__all__ = ["load_causal_lm", "load_critic", "load_tokenizer", "critic_values", "attach_logprob_method", "lm_head_logprobs", "token_logprobs"]
+_WHERE = {
+    "load_causal_lm": "tidal.models.loading",
+    "load_critic": "tidal.models.loading",
+    "load_tokenizer": "tidal.models.loading",
+    "critic_values": "tidal.models.loading",
+    "attach_logprob_method": "tidal.models.logprobs",
+    "lm_head_logprobs": "tidal.models.logprobs",
+    "token_logprobs": "tidal.models.logprobs",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

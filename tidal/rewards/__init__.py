@@ -4,10 +4,7 @@ combined per data-row label by recipes (see docs/rewards.md).
 The names below are imported on first use, so that ``from tidal.rewards import RewardSample`` (what
 a reward function's module does, also inside a reward worker process) does not import torch."""
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from tidal.lazy import lazy_exports
 
 _WHERE = {
     "RewardError": "tidal.rewards.base",
@@ -23,15 +20,4 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tidal.rewards' has no attribute '{name}'")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

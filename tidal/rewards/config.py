@@ -240,6 +240,13 @@ class RewardConfig:
         self.recipe_weights = recipes
         self.unlabelled_recipe = self._resolve_default(recipes)
 
+    @property
+    def judges_correctness(self) -> bool:
+        """True when every component is a rule or a function (a right/wrong judgement that a
+        threshold on the total reward turns into accuracy); False when a reward model or a remote
+        service scores (a preference score: evaluation reports the mean reward only)."""
+        return all(spec.type in ("rule", "function") for spec in self.specs.values())
+
     def _resolve_default(self, recipes: dict) -> str | None:
         if self.default_recipe is not None:
             return self.default_recipe

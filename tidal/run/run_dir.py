@@ -1,11 +1,13 @@
-"""What a run tells about its directory at start: the resolved config written there, and where its
-metrics and checkpoints go and how to watch it. Shared by every job (RL, reward model)."""
+"""What a run tells about its directory: at start, the resolved config written there, and where its
+metrics and checkpoints go and how to watch it; at the end, the next steps (report, eval, export
+with the run's real paths). Shared by every job (RL, reward model)."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -116,3 +118,22 @@ def announce_run_dir(cfg) -> None:
         watch.insert(0, f"tensorboard --logdir {run_dir / 'tb'}")
     lines.append(f"[tidal]   watch: {'  |  '.join(watch)}")
     print("\n".join(lines), flush=True)
+
+
+def next_steps(cfg, config: str, overrides: list[str]) -> list[str]:
+    """What to do with a finished run, as commands with its real paths (``cfg``: the root
+    ``TidalConfig``; ``config`` and ``overrides``: the command line's, repeated so that eval and
+    export rebuild the same run): its report, and with a saved checkpoint the last one's eval and
+    export (to a folder beside the run directory, never into it)."""
+    run_dir = Path(cfg.run.output_dir)
+    same = shlex.join([config, *overrides])
+    lines = ["[tidal] next steps:", f"[tidal]   tidal report {shlex.quote(str(run_dir))}    # curves and summary: report.png, report.html"]
+    saved = ckpt.complete_checkpoints(ckpt.checkpoint_root(cfg.run.output_dir))
+    if not saved:
+        lines.append("[tidal]   (no checkpoint was saved: set checkpoint.at_end=true or checkpoint.every=N to evaluate or export one)")
+        return lines
+    last = shlex.quote(str(saved[-1]))
+    out = shlex.quote(str(run_dir.parent / f"{run_dir.name}_hf"))
+    lines += [f"[tidal]   tidal eval {same} --checkpoint {last}    # held-out metrics of the last checkpoint",
+              f"[tidal]   tidal export {same} --checkpoint {last} --out {out}    # a Hugging Face folder"]
+    return lines

@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import torch.distributed as dist
-
+from tidal.lazy import lazy_module
 from tidal.logging.timer import PhaseTimer
 from tidal.run import faults
+
+dist = lazy_module("torch.distributed")
 
 EXIT_CODE = 3
 

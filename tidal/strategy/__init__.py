@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from tidal.distributed.runtime import Runtime
-from tidal.strategy.base import Strategy, TrainState
-from tidal.strategy.config import OptimConfig, StrategyConfig
+from typing import TYPE_CHECKING
+
+from tidal.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from tidal.distributed.runtime import Runtime
+    from tidal.strategy.base import Strategy
+    from tidal.strategy.config import StrategyConfig
+
+_WHERE = {
+    "Strategy": "tidal.strategy.base",
+    "TrainState": "tidal.strategy.base",
+    "StrategyConfig": "tidal.strategy.config",
+    "OptimConfig": "tidal.strategy.config",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
 
 def get_strategy(cfg: StrategyConfig, runtime: Runtime) -> Strategy:

@@ -1,6 +1,13 @@
 """Weight sync from the trained actor into the rollout engine (:mod:`tidal.sync.weights`)."""
 
-from tidal.sync.config import SyncConfig
-from tidal.sync.weights import WeightSyncError, mismatch_alarm, update_engine_weights
+from tidal.lazy import lazy_exports
 
-__all__ = ["SyncConfig", "WeightSyncError", "mismatch_alarm", "update_engine_weights"]
+_WHERE = {
+    "SyncConfig": "tidal.sync.config",
+    "WeightSyncError": "tidal.sync.weights",
+    "mismatch_alarm": "tidal.sync.weights",
+    "update_engine_weights": "tidal.sync.weights",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

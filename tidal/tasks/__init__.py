@@ -8,8 +8,13 @@ tool; reward ``tidal.tasks.calculator:calculator_reward``, environment ``env.nam
 run config ``tidal/configs/calculator.yaml``).
 """
 
-from tidal.tasks.assets import prepare
-from tidal.tasks.config import TaskConfig
-from tidal.tasks.store import TaskAssets
+from tidal.lazy import lazy_exports
 
-__all__ = ["TaskAssets", "TaskConfig", "prepare"]
+_WHERE = {
+    "TaskAssets": "tidal.tasks.store",
+    "TaskConfig": "tidal.tasks.config",
+    "prepare": "tidal.tasks.assets",
+}
+
+__all__ = sorted(_WHERE)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -13,6 +13,9 @@ from tidal.run.config import CheckpointConfig
 from tidal.strategy.config import StrategyConfig
 from tidal.sync.config import SyncConfig
 
+# request id = group id * SAMPLE_SLOTS + sample index (unique among the partial rollout's requests in flight)
+SAMPLE_SLOTS = 1024
+
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
@@ -154,7 +157,11 @@ class EvalConfig:
     """every: evaluate every N steps (0: never during training) and at the end when > 0 or at_end.
     greedy: one greedy response per prompt (accuracy); n_samples > 0 adds sampled pass@k / mean@k.
     max_prompts: evaluate on at most this many eval prompts (0: all).
-    correct_threshold: a response counts as correct when its total reward is >= this.
+    correct_threshold: a response counts as correct when its total reward is >= this. Accuracy
+        (``eval/greedy_accuracy``, ``eval/pass@k``) is reported only when every reward component is
+        a rule or a function; with a reward model or a remote service among them the total reward
+        is a score, not a judgement, and evaluation reports the mean reward (``eval/greedy_reward``,
+        ``eval/mean@k``) only.
     """
 
     every: int = 0
@@ -200,3 +207,22 @@ def require_resolved(section: Any, key: str, *names: str) -> None:
         if getattr(section, name) == "auto":
             raise ValueError(f"{key}.{name} is 'auto': build this component from the config resolved by the memory plan "
                              "(MemorySettings.run_config), not from the config as written")
+
+
+def check_partial_rollout(cfg: Any) -> None:
+    """Cross-section checks of ``rollout.partial`` (``cfg``: the root ``TidalConfig``)."""
+    p = cfg.rollout.partial
+    if not p.enabled:
+        return
+    key = "rollout.partial.mode"
+    check(cfg.engine.backend == "native", key, f"{p.mode} needs an engine with incremental requests (add/step/abort): "
+          f"set engine.backend=native (got {cfg.engine.backend!r}) or rollout.partial.mode=off")
+    check(cfg.env.name == "single_turn", key, f"{p.mode} applies to single-turn rollouts; env.name is {cfg.env.name!r}: "
+          f"set rollout.partial.mode=off")
+    check(not cfg.algorithm.dynamic_sampling.enabled, key,
+          f"{p.mode} does not combine with algorithm.dynamic_sampling (both decide which groups a batch takes); turn one off")
+    check(cfg.rollout.n_samples <= SAMPLE_SLOTS, key, f"supports rollout.n_samples <= {SAMPLE_SLOTS}")
+    if p.mode == "carry":
+        check(cfg.algorithm.mismatch.enabled, key,
+              "carry trains tokens sampled by older weights: set algorithm.mismatch.mode (token_truncate, token_mask, "
+              "seq_truncate or seq_mask) so that they are weighted by pi_old / pi_rollout")

@@ -1,4 +1,9 @@
-"""Evaluation on held-out prompts: greedy accuracy and sampled pass@k / mean@k over ALL ranks.
+"""Evaluation on held-out prompts: greedy reward and accuracy, sampled mean@k and pass@k, over ALL ranks.
+
+Accuracy (``greedy_accuracy``, ``pass@k``: total reward >= ``eval.correct_threshold``) is reported
+only when every reward component judges right or wrong (a rule or a function,
+:attr:`~tidal.rewards.config.RewardConfig.judges_correctness`); with a reward model or a remote
+service the total reward is a score, and only the mean rewards (``greedy_reward``, ``mean@k``) are.
 
 Uses the same rollout path (the configured environment, ``env.*``) and reward chain as training
 but builds no Experience for training, updates no parameters, and leaves training statistics
@@ -66,19 +71,26 @@ def evaluate(
         s.sampled_reward = float(total_PK.mean(-1).sum())
         s.pass_at_k = float(scores.correct_N(cfg.correct_threshold).view(len(items), cfg.n_samples).any(-1).float().sum())
     fields = [f.name for f in dataclasses.fields(EvalSums)]
-    tot = dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields])))
-    n = max(tot["prompts"], 1.0)
-    out = {"eval/prompts_count": tot["prompts"]}
-    if cfg.greedy:
-        out.update({
-            "eval/greedy_accuracy": tot["greedy_correct"] / n,
-            "eval/greedy_reward": tot["greedy_reward"] / n,
-            "eval/greedy_length": tot["greedy_length"] / n,
-        })
-    if cfg.n_samples > 0:
-        out.update({f"eval/mean@{cfg.n_samples}": tot["sampled_reward"] / n, f"eval/pass@{cfg.n_samples}": tot["pass_at_k"] / n})
+    tot = EvalSums(**dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields]))))
+    out = eval_metrics(tot, cfg, accuracy=maker.rewards.cfg.judges_correctness)
     if maker.multi_turn:
         out.update(env_metrics(maker, greedy if greedy is not None else sampled))
+    return out
+
+
+def eval_metrics(tot: EvalSums, cfg: EvalConfig, *, accuracy: bool) -> dict[str, float]:
+    """``eval/*`` from the sums over all ranks, per prompt; ``accuracy``: whether the rewards judge
+    correctness (module docstring), else no ``greedy_accuracy`` and ``pass@k``."""
+    n = max(tot.prompts, 1.0)
+    out = {"eval/prompts_count": tot.prompts}
+    if cfg.greedy:
+        out.update({"eval/greedy_reward": tot.greedy_reward / n, "eval/greedy_length": tot.greedy_length / n})
+        if accuracy:
+            out["eval/greedy_accuracy"] = tot.greedy_correct / n
+    if cfg.n_samples > 0:
+        out[f"eval/mean@{cfg.n_samples}"] = tot.sampled_reward / n
+        if accuracy:
+            out[f"eval/pass@{cfg.n_samples}"] = tot.pass_at_k / n
     return out
 
 

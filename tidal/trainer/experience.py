@@ -16,6 +16,14 @@ from typing import Any
 import torch
 
 
+# Experience.row's per-token lists: name in the record -> field.
+ROW_TOKEN_FIELDS = {
+    "input_ids": "sequences_BT", "action_mask": "action_mask_BT", "rollout_logprobs": "rollout_logp_BT",
+    "old_logprobs": "old_logp_BT", "ref_logprobs": "ref_logp_BT", "values": "values_BT", "advantages": "advantages_BT",
+    "returns": "returns_BT",
+}
+
+
 @dataclasses.dataclass(kw_only=True)
 class Experience:
     """A batch of B sequences.
@@ -69,6 +77,23 @@ class Experience:
         for name in self._tensor_fields():
             t = getattr(self, name)[idx_t]
             setattr(out, name, t[:, :T] if t.dim() == 2 else t)
+        return out
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Row ``i`` as the update trains on it, as lists over its real tokens (``attention_mask_BT``):
+        ``input_ids``; ``action_mask`` (1: a sampled token, in the loss when ``loss_mask`` is 1);
+        per token, the value for the token at that position (0 off the action mask):
+        ``rollout_logprobs`` (the engine's), ``old_logprobs`` (the trainer's before the update),
+        ``ref_logprobs``, ``values``, ``advantages``, ``returns``; and the row's ``reward``,
+        ``loss_mask`` and ``group_id``. A tensor the run does not compute is left out (``old_logprobs``
+        when the update's forward supplies them, see ``old_logp_BT``)."""
+        keep = self.attention_mask_BT[i].bool()
+        out: dict[str, Any] = {}
+        for name, field in ROW_TOKEN_FIELDS.items():
+            t = getattr(self, field)
+            if t is not None:
+                out[name] = t[i][keep].tolist()
+        out.update(reward=float(self.rewards_B[i]), loss_mask=float(self.loss_mask_B[i]), group_id=int(self.group_ids_B[i]))
         return out
 
     @property

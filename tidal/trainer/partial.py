@@ -46,36 +46,14 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from tidal.config_base import check
 from tidal.distributed.generate import force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental
 from tidal.envs.base import EnvRow
 from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
-from tidal.trainer.config import PartialRolloutConfig
+from tidal.trainer.config import SAMPLE_SLOTS, PartialRolloutConfig
 
-# request id = group id * SAMPLE_SLOTS + sample index (unique among the requests in flight)
-SAMPLE_SLOTS = 1024
 # group id = step * STEP_GROUPS + rank * in_flight + k: unique over ranks and steps
 STEP_GROUPS = 1_000_000
-
-
-def check_partial_rollout(cfg: Any) -> None:
-    """Cross-section checks of ``rollout.partial`` (``cfg``: the root ``TidalConfig``)."""
-    p = cfg.rollout.partial
-    if not p.enabled:
-        return
-    key = "rollout.partial.mode"
-    check(cfg.engine.backend == "native", key, f"{p.mode} needs an engine with incremental requests (add/step/abort): "
-          f"set engine.backend=native (got {cfg.engine.backend!r}) or rollout.partial.mode=off")
-    check(cfg.env.name == "single_turn", key, f"{p.mode} applies to single-turn rollouts; env.name is {cfg.env.name!r}: "
-          f"set rollout.partial.mode=off")
-    check(not cfg.algorithm.dynamic_sampling.enabled, key,
-          f"{p.mode} does not combine with algorithm.dynamic_sampling (both decide which groups a batch takes); turn one off")
-    check(cfg.rollout.n_samples <= SAMPLE_SLOTS, key, f"supports rollout.n_samples <= {SAMPLE_SLOTS}")
-    if p.mode == "carry":
-        check(cfg.algorithm.mismatch.enabled, key,
-              "carry trains tokens sampled by older weights: set algorithm.mismatch.mode (token_truncate, token_mask, "
-              "seq_truncate or seq_mask) so that they are weighted by pi_old / pi_rollout")
 
 
 def in_flight_groups(groups_per_step: int, oversample: float) -> int:

@@ -97,6 +97,7 @@ class PPOTrainer:
         self.logger = logger
         self.run_dir = run_dir
         self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
+        self.eval_s: float | None = None  # how long the last evaluation took (the next one's remaining time)
         self.timer: StageTimer = colocation.timer
         self.watchdog = self.timer.watchdog
         self.rt = colocation.runtime
@@ -219,7 +220,8 @@ class PPOTrainer:
 
     def _trajectory_records(self, samples, exp: Experience) -> list[dict]:
         """One record per row with a scored sample (``samples`` is aligned with the rows); with a
-        multi-turn environment also the whole conversation (``messages``)."""
+        multi-turn environment also the whole conversation (``messages``); ``trained``: the row as
+        the update saw it (:meth:`Experience.row`)."""
         n = min(len(samples), len(exp))
         records = []
         for i, s in enumerate(samples[:n]):
@@ -232,6 +234,7 @@ class PPOTrainer:
             }
             if self.maker.multi_turn:
                 record["messages"] = s.messages
+            record["trained"] = exp.row(i)  # the token ids, masks, logprobs and advantages the update used
             records.append(record)
         return records
 
@@ -242,14 +245,14 @@ class PPOTrainer:
         items = shard_items(self.data.eval_items, self.rt.rank, self.rt.world_size)
         pending = self.timer.pop()  # the step's own phases, given back below
         what = "at the start" if step == 0 else f"at step {step}"
-        with stage(f"evaluating {len(self.data.eval_items)} prompts {what}", enabled=self.rt.is_main) as shown, \
-                self.timer.phase("eval"):
+        with stage(f"evaluating {len(self.data.eval_items)} prompts {what}", enabled=self.rt.is_main,
+                   expected_s=self.eval_s) as shown, self.timer.phase("eval"):
             out = evaluate(
                 self.maker, items, self.cfg.eval, max_new_tokens=self.cfg.rollout.max_new_tokens,
                 seed=step_seed(self.cfg.run.seed, step, self.rt.rank, salt=EVAL_SEED_SALT),
             )
             shown.done(", ".join(f"{k[5:]} {v:.3f}" for k, v in out.items() if k.endswith("accuracy") or "pass@" in k))
-        out["time/eval"] = self.timer.pop()["time/eval"]
+        out["time/eval"] = self.eval_s = self.timer.pop()["time/eval"]
         return {**pending, **out}
 
     def _model_states(self) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def group_stats(rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,12 +12,13 @@ every advantage 0).
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import group_stats, num_groups, outcome_advantage_BT
 from tidal.algorithms.advantages.grpo import GRPO_EPS
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 CLIP_FILTER_MAX_WEIGHT = 3.0
 

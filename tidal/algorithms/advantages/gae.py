@@ -11,11 +11,12 @@ first token of the next turn, and the result equals GAE on the row with the gaps
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import token_reward_BT
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")

@@ -9,11 +9,12 @@ Groups of one sample get A = 0.
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import group_stats, outcome_advantage_BT
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 GRPO_EPS = 1e-6
 

@@ -4,11 +4,12 @@ token. No baseline and no normalisation (use ``adv_norm`` for that)."""
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import returns_to_go, token_reward_BT
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")

@@ -11,12 +11,13 @@ Returns are the un-whitened G.
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import group_stats, returns_to_go, token_reward_BT
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.normalization import masked_whiten
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")

@@ -7,11 +7,12 @@ per-token rewards, if any).
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.advantages.common import group_stats, outcome_advantage_BT
 from tidal.algorithms.base import AdvantageEstimator, AdvantageInput
 from tidal.algorithms.registry import ADVANTAGE_ESTIMATORS
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 # exp() of larger log-ratios overflows; such tokens are clipped (or weighted to 0) anyway.
 LOG_RATIO_BOUND = 20.0

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @POLICY_LOSSES.register("cpgd")

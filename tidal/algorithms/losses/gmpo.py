@@ -9,12 +9,13 @@ mean over sequences. The clip range is in log space (the paper uses 0.4 both way
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @POLICY_LOSSES.register("gmpo")

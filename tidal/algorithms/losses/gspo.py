@@ -9,12 +9,13 @@ clip range is ~3e-4 / 4e-4, far smaller than PPO's.
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import LOG_RATIO_BOUND, approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @POLICY_LOSSES.register("gspo")

@@ -7,12 +7,13 @@ dual-clip (c > 1): l_t = min(l_t, -c A_t) where A_t < 0.
 
 from __future__ import annotations
 
-import torch
-
 from tidal.algorithms.aggregation import local_loss_metric, token_mean_metric
 from tidal.algorithms.base import PolicyLoss
 from tidal.algorithms.losses.common import approx_kl_BT, log_ratio_BT, weighted
 from tidal.algorithms.registry import POLICY_LOSSES
+from tidal.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @POLICY_LOSSES.register("ppo_clip")
