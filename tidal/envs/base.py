@@ -153,14 +153,13 @@ EnvFactory = Callable[[], Environment]
 
 def env_class(cfg: EnvConfig) -> type[Environment]:
     """The class named by ``env.name``: a built-in or registered name, or ``module:Class``."""
-    from tidal.envs.registry import BUILT_IN, ENVIRONMENTS
+    from tidal.envs.registry import named_class
 
-    path = BUILT_IN.get(cfg.name, cfg.name)
-    if ":" not in path:
-        return ENVIRONMENTS.get(cfg.name, "env.name")
+    if ":" not in cfg.name:
+        return named_class(cfg.name)  # its step timeout was checked with the config
     from tidal.rewards.function import load_function
 
-    cls = load_function(path, "env.name")
+    cls = load_function(cfg.name, "env.name")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError("env.name", f"'{cfg.name}' is not a subclass of tidal.envs.Environment")
     if cls.name == Environment.name:

@@ -109,7 +109,7 @@ class EnvConfig:
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
     def __post_init__(self):
-        from tidal.envs.registry import known_names
+        from tidal.envs.registry import known_names, named_class
 
         check(bool(self.name), "name", "must name an environment")
         if ":" not in self.name:
@@ -122,7 +122,7 @@ class EnvConfig:
         check(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         check(self.workers >= 1, "workers", "must be >= 1")
         if ":" not in self.name:  # an environment named by import path is checked when it is imported (envs.base.env_class)
-            check_step_timeout(self, ENVIRONMENTS.get(self.name, "name").uses_tools)
+            check_step_timeout(self, named_class(self.name, "name").uses_tools)
         check_choice(self.tool_failure, ("observation", "drop"), "tool_failure")
         check_choice(self.on_error, ("raise", "drop"), "on_error")
         check_choice(self.history, ("append", "template"), "history")

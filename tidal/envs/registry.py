@@ -7,6 +7,8 @@ module must then be imported before the config is built)."""
 
 from __future__ import annotations
 
+import importlib
+
 from tidal.registry import Registry
 
 BUILT_IN: dict[str, str] = {
@@ -20,3 +22,12 @@ ENVIRONMENTS: Registry = Registry("environment")
 def known_names() -> list[str]:
     """Every short name ``env.name`` may take: the built-in ones and the registered ones."""
     return sorted(set(BUILT_IN) | set(ENVIRONMENTS.names()))
+
+
+def named_class(name: str, key: str = "env.name") -> type:
+    """The environment class of a short name: a built-in one (its module imported now: the built-in
+    modules import no torch) or a registered one; ConfigError at ``key`` for an unknown name."""
+    if name in BUILT_IN:
+        module, _, attr = BUILT_IN[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ENVIRONMENTS.get(name, key)
