@@ -19,8 +19,8 @@ completions that finished in it), and ``abort`` what is left to get partial comp
 request may carry tokens generated earlier (a partial completion, possibly under older weights):
 they are prefilled again under the current weights and generation goes on after them. This is what
 partial rollout (stop once enough groups are complete, resume the rest in the next iteration) and
-multi-turn rollouts (the next turn joins while other sequences decode) are built on; see
-:mod:`tidal.engine.partial`. Callers check :func:`supports_incremental` first; an engine without it
+multi-turn rollouts (the next turn joins while other sequences decode) are built on; the loop that
+steps an engine until enough is done is :func:`tidal.engine.stepping.run_steps`. Callers check :func:`supports_incremental` first; an engine without it
 gets a :class:`NotImplementedError` from :func:`require_incremental` that names the way out.
 """
 

@@ -31,7 +31,7 @@ from tidal.trainer import faults
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
-from tidal.trainer.experience import Experience, concat_experiences
+from tidal.trainer.experience import Experience, concat_experiences, first_group_id
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.trainer.memory_plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
@@ -141,7 +141,7 @@ class PPOTrainer:
         tries = 0
         while True:
             items, _ = self._next_items()
-            first_gid = step * 1_000_000 + tries * 10_000 + self.rt.rank * per_rank
+            first_gid = first_group_id(step, self.rt.rank, per_rank, attempt=tries)
             rollout = self.maker.generate(items, self.sampling_params(step, tries), first_gid)
             exp, m, samples = self.maker.make(rollout)
             tries += 1

@@ -42,6 +42,7 @@ from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
+from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
 
 
@@ -405,23 +406,18 @@ class NativeEngine:
             return []
         if mm_inputs is not None and len(mm_inputs) != len(prompts):
             raise ValueError(f"generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
-        mm = [None] * len(prompts)
+        mm: list[dict | None] = [None] * len(prompts)
         for i, m in enumerate(mm_inputs or []):
             if m is not None:
-                mm[i] = self._multimodal(prompts[i], m, f"prompt {i}")
+                self._multimodal(prompts[i], m, f"prompt {i}")  # errors name the prompt, before anything is added
+                mm[i] = dict(m)  # one dict per prompt: add() shares its image features among its n samples only
         one = dataclasses.replace(params, n=1)
         n = params.n
-        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i)
+        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i])
                     for i, p in enumerate(prompts) for j in range(n)]
-        self._add(requests, [m for m in mm for _ in range(n)])
         out: list[Completion | None] = [None] * len(requests)
-        try:
-            while self._requests:
-                for c in self.step():
-                    out[c.request_id] = c
-        except BaseException:
-            self.abort()  # leave the engine idle: the next call starts clean
-            raise
+        for c in run_steps(self, requests).finished:
+            out[c.request_id] = c
         return out
 
     def _count(self, batch) -> None:
