@@ -276,7 +276,7 @@ class Bench:
         self.train(strategy, state, 2)
         root = Path(self.tmp) / case
         path = ckpt.save_checkpoint(root, 2, model_states={"actor": strategy.state_dict(state)}, trainer_state={"step": 2},
-                                    rank=self.rt.rank, keep=1)
+                                    runtime=self.rt, keep=1)
         ref = self.train(strategy, state, 1, first=2)
         ref_w = dict(strategy.full_weights(state.model, torch.float32))
         strategy2, state2 = self.trainable(dict(backend="deepspeed", **CASES[case]))

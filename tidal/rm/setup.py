@@ -96,7 +96,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=("step", "sampler", "trainer"))
     resume = run_dir.resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
-    watchdog.start(runtime.cpu_group).mark("setup")
+    watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     check_inputs(paths)

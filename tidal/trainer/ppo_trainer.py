@@ -263,10 +263,10 @@ class PPOTrainer:
         }
         if self.long_tail is not None:  # every rank's groups in flight (a collective)
             state = self.long_tail.state_dict()
-            trainer_state["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
+            trainer_state["partial"] = self.rt.all_gather_objects(state)
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
             path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
-                                        rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
+                                        runtime=self.rt, keep=self.cfg.checkpoint.keep)
             shown.done(f"in {path}")
 
     def resume(self) -> int:
@@ -281,7 +281,7 @@ class PPOTrainer:
         strategy, m = self.phases.strategy, self.models
         which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
         loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
-                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS)
+                                  runtime=self.rt, required_keys=ckpt.TRAINER_STATE_KEYS)
         self.run_dir.resume = None  # loaded: a second call is a no-op
         if loaded is None:  # every candidate failed to load under auto: a fresh run
             self.logger.rewind(0)

@@ -54,13 +54,9 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
             lock = acquire_run_lock(output_dir, runtime.rank)
         except ConfigError as e:
             error = e
-    box = [None if error is None else (error.key, error.message)]
-    if runtime.world_size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(box, src=0, group=runtime.cpu_group)
-    if box[0] is not None:
-        raise ConfigError(*box[0])
+    refused = runtime.broadcast_object(None if error is None else (error.key, error.message))
+    if refused is not None:
+        raise ConfigError(*refused)
     lock = lock or acquire_run_lock(output_dir, runtime.rank)  # a non-owning lock on the other ranks
     try:
         ckpt.settle_and_probe(output_dir, rank=runtime.rank, checkpoints=checkpoints, barrier=runtime.barrier)

@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import torch.distributed as dist
-
+from tidal.distributed.runtime import Runtime
 from tidal.logging.timer import PhaseTimer
 from tidal.trainer import faults
 
@@ -94,13 +93,11 @@ class Watchdog:
         self._event(name, "done")
 
     # ---- heartbeat thread -------------------------------------------------------------------------
-    def start(self, group: dist.ProcessGroup | None = None) -> "Watchdog":
+    def start(self, runtime: Runtime) -> "Watchdog":
         """Collective (all ranks, once): agree on a session id, write the first heartbeat, start the thread."""
         if self.world_size == 1:
             return self
-        box = [f"{time.time():.6f}-{os.getpid()}"]
-        dist.broadcast_object_list(box, src=0, group=group)
-        self.session = box[0]
+        self.session = runtime.broadcast_object(f"{time.time():.6f}-{os.getpid()}")
         self._state = {**self._state, "session": self.session}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write(self._state)
