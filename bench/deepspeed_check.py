@@ -338,9 +338,7 @@ class Bench:
 
     def rt_shared_dir(self, tmp: str) -> str:
         """Rank 0's temporary directory, for every rank (one host)."""
-        obj = [tmp]
-        torch.distributed.broadcast_object_list(obj, src=0, group=self.rt.cpu_group)
-        return obj[0]
+        return self.rt.broadcast_object(tmp)
 
 
 def main():

@@ -127,6 +127,12 @@ class Environment(abc.ABC):
     # The counters its steps report (``StepResult.counters``): each one is in the rollout's metrics
     # (``env/<name>``, ``env/<name>_frac``) on every rank, also when no trajectory reported it.
     counter_names: tuple[str, ...] = ()
+    # One turn decoded from the row's prompt, then done: the rollout makes exactly a plain rollout's
+    # one batch ``generate`` call (same prompts, same parameters). A subclass that adds turns sets it False.
+    single_turn: bool = False
+    # Its observations carry tool schemas and tool results, rendered with the chat template's tool
+    # format: the rollout checks once that the tokenizer's template renders them.
+    tool_messages: bool = False
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:

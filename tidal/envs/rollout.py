@@ -55,8 +55,6 @@ from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observat
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
-from tidal.envs.single_turn import SingleTurnEnv
-from tidal.envs.tool_env import ToolEnv
 from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
 
 # engine.generate(prompts, params[, mm_inputs=...]): mm_inputs is passed only when a row has images
@@ -145,9 +143,9 @@ class EnvRollout:
         self.renderer = ChatRenderer(tokenizer, cfg.chat_template_kwargs)
         self.env_factory = env_factory or make_env_factory(cfg)
         probe = self.env_factory()
-        if isinstance(probe, ToolEnv):  # the tool helpers follow the Qwen2.5/Qwen3 templates
+        if probe.tool_messages:  # the tool helpers follow the Qwen2.5/Qwen3 templates
             self.renderer.check_tool_messages()
-        self.single_turn = type(probe) is SingleTurnEnv  # always one batch generate: the plain rollout's call
+        self.single_turn = probe.single_turn  # always one batch generate: the plain rollout's call
         _close(probe)
 
     def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,

@@ -13,6 +13,8 @@ from tidal.envs.registry import ENVIRONMENTS
 
 @ENVIRONMENTS.register("single_turn")
 class SingleTurnEnv(Environment):
+    single_turn = True
+
     def reset(self, row: EnvRow) -> Observation:
         return Observation(token_ids=list(row.prompt_ids))
 

@@ -31,6 +31,7 @@ class ToolEnv(Environment):
 
     default_system_prompt: str | None = None
     counter_names = ("tool_calls", "tool_errors", "tool_failures")
+    tool_messages = True
 
     def __init__(self, cfg: EnvConfig, *, system_prompt: str | None = None, tools_in_prompt: bool = True, **kwargs: Any):
         super().__init__(cfg, **kwargs)

@@ -100,8 +100,8 @@ class PPOTrainer:
         self.state = TrainerState()
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
-        self.maker = ExperienceMaker(models=models, phases=phases, rewards=rewards, algorithm=algorithm,
-                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
+        self.maker = ExperienceMaker(phases=phases, rewards=rewards, algorithm=algorithm, rollout=cfg.rollout,
+                                     train=cfg.train, model=cfg.model, env=cfg.env, reward=cfg.reward)
         self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=phases.strategy.compiles,
                               compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
         self.long_tail = None  # rollout.partial: the groups in flight across steps
