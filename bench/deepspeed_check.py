@@ -276,7 +276,7 @@ class Bench:
         self.train(strategy, state, 2)
         root = Path(self.tmp) / case
         path = ckpt.save_checkpoint(root, 2, model_states={"actor": strategy.state_dict(state)}, trainer_state={"step": 2},
-                                    rank=self.rt.rank, keep=1)
+                                    runtime=self.rt, keep=1)
         ref = self.train(strategy, state, 1, first=2)
         ref_w = dict(strategy.full_weights(state.model, torch.float32))
         strategy2, state2 = self.trainable(dict(backend="deepspeed", **CASES[case]))
@@ -338,9 +338,7 @@ class Bench:
 
     def rt_shared_dir(self, tmp: str) -> str:
         """Rank 0's temporary directory, for every rank (one host)."""
-        obj = [tmp]
-        torch.distributed.broadcast_object_list(obj, src=0, group=self.rt.cpu_group)
-        return obj[0]
+        return self.rt.broadcast_object(tmp)
 
 
 def main():

@@ -10,7 +10,7 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
   each step stops with probability ~stop_ids/vocab, a geometric length capped at 1024).
 - ``512``, ``2048``: 64 / 256 prompts x 8 samples, otherwise like ``main``.
 - ``partial``: the ``mixed`` workload through the incremental requests, stopped once 24 of its 32
-  groups are complete (``tidal.engine.partial.run_until_groups``); the long tail is left unfinished.
+  groups are complete (``tidal.engine.stepping.run_steps`` with ``GroupsComplete``); the long tail is left unfinished.
 
 Every native case records the host time per engine step (``host_ms_per_step``: the engine's timers,
 ``host_busy_ms_per_step``: all of them but ``wait``) next to the wall time per step
@@ -156,7 +156,7 @@ def bench_partial(engine, prompts, params, groups_needed: int, sink, settings) -
     """The ``mixed`` workload through the incremental requests, stopped once ``groups_needed``
     groups are complete (partial rollout): the unfinished sequences are returned, not waited for."""
     from tidal.engine.base import Request, require_incremental
-    from tidal.engine.partial import run_until_groups
+    from tidal.engine.stepping import GroupsComplete, run_steps
 
     incremental = require_incremental(engine, "the partial case")
     one = dataclasses.replace(params, n=1)
@@ -165,11 +165,12 @@ def bench_partial(engine, prompts, params, groups_needed: int, sink, settings) -
     for _ in range(2):  # the first compiles kernels and captures graphs
         engine.block_manager.reset_prefix_cache()
         t0 = sync_time()
-        got = run_until_groups(incremental, requests, groups_needed)
+        rule = GroupsComplete(requests, groups_needed)
+        got = run_steps(incremental, requests, stop=rule)
         wall = sync_time() - t0
     done, left = sum(len(c.token_ids) for c in got.finished), sum(len(c.token_ids) for c in got.unfinished)
     emit({"case": "partial", "engine": "native", "groups_needed": groups_needed,
-          "complete_groups": len(got.complete_groups), "finished": len(got.finished), "unfinished": len(got.unfinished),
+          "complete_groups": len(rule.completed), "finished": len(got.finished), "unfinished": len(got.unfinished),
           "steps": got.steps, "wall_s": round(wall, 4), "generated_tokens": done + left,
           "gen_tokens_per_s": round((done + left) / wall, 1), "finished_tokens": done, **settings}, sink)
 

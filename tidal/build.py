@@ -201,7 +201,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
-    watchdog.start(runtime.cpu_group).mark("setup")
+    watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)

@@ -2,6 +2,8 @@
 plain completions, score them, reward processing and advantages. The single_turn environment
 path must give exactly these tensors and metrics."""
 
+import types
+
 import torch
 
 from tidal.rewards.types import RewardSample
@@ -43,12 +45,13 @@ def score(maker, items, comps):
 def make(maker, items, comps, group_ids):
     """(Experience, metrics) of plain completions, as ExperienceMaker.make computed them."""
     t = pack(comps, items, maker.models.tokenizer.pad_token_id or 0)
+    rows = types.SimpleNamespace(**t)  # the packed rows' fields the maker's forwards read
     lengths = t["attention_mask_BT"].sum(-1).tolist()
     batches = token_budget_batches(lengths, maker.train_cfg.forward_micro_batch_tokens, maker.train_cfg.forward_micro_batch_max_seqs)
     m = maker.models
-    old = maker._logprobs(m.actor.model, t, batches) if maker.old_logprobs_pass else None
-    ref = maker._logprobs(m.reference, t, batches) if m.reference is not None else None
-    values = maker._values(m.critic.model, t, batches) if m.critic is not None else None
+    old = maker._logprobs(m.actor.model, rows, batches) if maker.old_logprobs_pass else None
+    ref = maker._logprobs(m.reference, rows, batches) if m.reference is not None else None
+    values = maker._values(m.critic.model, rows, batches) if m.critic is not None else None
     _, rew = score(maker, items, comps)
     act = t["action_mask_BT"]
     truncated_B = torch.tensor([c.finish_reason == "length" for c in comps])

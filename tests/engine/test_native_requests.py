@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tidal.engine.base import Completion, Request, SamplingParams, require_incremental, supports_incremental
-from tidal.engine.partial import run_until_groups
 from tidal.engine.sampler import process_logits
+from tidal.engine.stepping import GroupsComplete, run_steps
 
 from .helpers import PROMPTS, engine_for, hf_greedy, tiny_hf
 
@@ -150,22 +150,30 @@ def test_aborting_some_requests_leaves_the_others_exact():
 def test_group_completion_stop_keeps_the_long_tail_for_later():
     """Four groups of two; group 1's samples stop early (max_new_tokens 3), group 2's late (20), the
     others at 8: with two groups needed the run stops once groups 1 and 0/3 complete, long before
-    group 2 would finish, and returns group 2's sequences unfinished."""
+    group 2 would finish, and returns group 2's sequences unfinished. Each completion reaches
+    ``on_finished`` in the step it finishes, before the next step runs."""
     hf = tiny_hf("qwen2")
     engine = engine_for(hf)
     lengths = [8, 3, 20, 8]
     requests = [Request(request_id=f"{g}/{j}", prompt_ids=PROMPTS[g], group_id=g,
                         params=dataclasses.replace(GREEDY, max_new_tokens=lengths[g])) for g in range(4) for j in range(2)]
-    got = run_until_groups(engine, requests, groups_needed=2)
-    assert got.complete_groups[0] == 1 and set(got.complete_groups) == {1, 0, 3}  # 0 and 3 complete in the same step
-    assert [c.request_id for c in got.finished] == ["0/0", "0/1", "1/0", "1/1", "3/0", "3/1"]
+    seen = []  # (request id, decode steps the engine had run when it was reported)
+    rule = GroupsComplete(requests, 2)
+    got = run_steps(engine, requests, stop=rule,
+                    on_finished=lambda c: seen.append((c.request_id, engine.stats["decode_steps"])))
+    assert rule.completed == [1, 0, 3]  # 0 and 3 complete in the same step
+    assert [c.request_id for c in got.finished] == ["1/0", "1/1", "0/0", "0/1", "3/0", "3/1"]  # step order
+    assert [rid for rid, _ in seen] == [c.request_id for c in got.finished]
+    # group 1 (3 tokens) is reported before group 0/3 (8 tokens) are decoded: 5 decode steps apart at least
+    assert seen[2][1] - seen[0][1] >= 5
     assert [c.request_id for c in got.unfinished] == ["2/0", "2/1"]
     assert all(len(c.token_ids) == 8 for c in got.unfinished) and not engine.has_unfinished()
     assert got.steps < 20
     # resumed in the next call, they finish with the tokens an uninterrupted run gives
-    rest = run_until_groups(engine, [Request.resume(c, dataclasses.replace(GREEDY, max_new_tokens=20))
-                                     for c in got.unfinished])
-    assert [c.token_ids for c in rest.finished] == [hf_greedy(hf, PROMPTS[2], 20)] * 2 and rest.complete_groups == [2]
+    resumed = [Request.resume(c, dataclasses.replace(GREEDY, max_new_tokens=20)) for c in got.unfinished]
+    rule = GroupsComplete(resumed, 2)
+    rest = run_steps(engine, resumed, stop=rule)
+    assert [c.token_ids for c in rest.finished] == [hf_greedy(hf, PROMPTS[2], 20)] * 2 and rule.completed == [2]
 
 
 def test_generate_numbers_its_requests_and_stamps_versions():

@@ -33,16 +33,16 @@ def _incremental(engine, family, overrides):
     import dataclasses
 
     from tidal.engine.base import Request
-    from tidal.engine.partial import run_until_groups
+    from tidal.engine.stepping import GroupsComplete, run_steps
 
     params = SamplingParams(temperature=0.9, max_new_tokens=10, seed=11, ignore_eos=True)
     requests = [Request(request_id=f"{g}/{j}", prompt_ids=p, group_id=g,
                         params=dataclasses.replace(params, max_new_tokens=4 if g % 2 else 10))
                 for g, p in enumerate(PROMPTS) for j in range(2)]
-    first = run_until_groups(engine, requests, groups_needed=2)
+    first = run_steps(engine, requests, stop=GroupsComplete(requests, 2))
     engine.load_weights(tiny_hf(family, seed=1, **overrides).state_dict().items())
     engine.policy_version = 1
-    rest = run_until_groups(engine, [Request.resume(c, params) for c in first.unfinished])
+    rest = run_steps(engine, [Request.resume(c, params) for c in first.unfinished])
     return [(c.request_id, c.token_ids, c.logprobs, c.versions) for c in first.finished + rest.finished]
 
 

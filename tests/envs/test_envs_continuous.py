@@ -18,6 +18,7 @@ from tidal.envs import EnvConfig, EnvError, EnvRollout, EnvRow, Environment, Obs
 from tidal.envs.rollout import LocalGenerator, incremental_engine
 
 from tests.engine.helpers import engine_for, tiny_hf
+from tests.runtimes import lone_runtime
 
 OBSERVATION = [7, 8, 9]
 
@@ -41,20 +42,34 @@ class CountdownEnv(Environment):
 
 
 class Spy:
-    """Wraps a native engine's incremental API: how many requests were added while others were
-    still decoding (``joins``), and how many steps ran while an environment step was in flight."""
+    """Wraps a native engine's incremental API: how many ``add`` calls the rollout made (``adds``;
+    those of the engine's own ``generate``, which is built on ``add``, counted apart in
+    ``generate_calls``), how many requests were added while others were still decoding
+    (``joins``), and how many steps ran while an environment step was in flight."""
 
     def __init__(self, engine):
         self.engine, self.adds, self.joins, self.steps, self.steps_while_tools = engine, 0, 0, 0, 0
-        self.tools_in_flight = 0
+        self.tools_in_flight = self.generate_calls = 0
+        self.in_generate = False
         self.lock = threading.Lock()
         self.on_step = None
-        add, step = engine.add, engine.step
+        add, step, generate = engine.add, engine.step, engine.generate
 
         def spy_add(requests):
-            self.adds += 1
+            self.adds += not self.in_generate
             self.joins += len(requests) if engine.has_unfinished() else 0
             return add(requests)
+
+        def spy_generate(_engine, *args, **kwargs):  # a bound method named generate, as the rollout looks for
+            self.generate_calls += 1
+            self.in_generate = True
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.in_generate = False
+
+        spy_generate.__name__ = "generate"
+        engine.generate = types.MethodType(spy_generate, engine)
 
         def spy_step():
             self.steps += 1
@@ -104,7 +119,7 @@ def test_continuous_equals_rounds_under_greedy(model, limits):
     engine = engine_for(model, kv_cache_max_tokens=4096)
     spy = Spy(engine)
     rounds = rollout.run(LocalGenerator(engine.generate), rows, params)
-    assert spy.adds == 0  # a plain generate callable: rounds
+    assert spy.adds == 0 and spy.generate_calls > 0  # a plain generate callable: rounds
     engine = engine_for(model, kv_cache_max_tokens=4096)  # a fresh one: its prefix cache holds this rollout only
     spy = Spy(engine)
     cont = rollout.run(engine.generate, rows, params)
@@ -285,12 +300,12 @@ def test_which_engines_run_continuously(model):
     native = engine_for(model, kv_cache_max_tokens=1024)
     hf = HFEngine(model.config, EngineConfig(backend="hf"), device=torch.device("cpu"), dtype=torch.float32)
     assert incremental_engine(native.generate) is native
-    assert incremental_engine(GroupGenerator(native, types.SimpleNamespace(tp_size=1))) is native
-    assert incremental_engine(GroupGenerator(native, types.SimpleNamespace(tp_size=2, tp_rank=1))) is native  # TP groups too
+    assert incremental_engine(GroupGenerator(native, lone_runtime())) is native
+    assert incremental_engine(GroupGenerator(native, lone_runtime(tp_size=2, tp_rank=1))) is native  # TP groups too
     assert incremental_engine(hf.generate) is None and incremental_engine(LocalGenerator(native.generate)) is None
     # single_turn (the real one) keeps the plain rollout's one generate call
     spy = Spy(native)
     rows = _rows([1, 1])
     out = EnvRollout(EnvConfig(), _rollout(EnvConfig()).renderer.tokenizer).run(
         native.generate, rows, SamplingParams(temperature=0.0, max_new_tokens=4, n=2))
-    assert spy.adds == 0 and len(out.trajectories) == 4
+    assert spy.adds == 0 and spy.generate_calls == 1 and len(out.trajectories) == 4

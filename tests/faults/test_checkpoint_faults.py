@@ -59,10 +59,10 @@ def test_sigkill_during_checkpoint_write(tmp_path, point):
     leftovers = sorted(p.name for p in root.iterdir() if not ckpt._STEP_RE.match(p.name))
     assert leftovers == [], leftovers
     # the run goes on: the next save works and leaves only complete checkpoints
-    init_runtime(1, "cpu")
+    rt = init_runtime(1, "cpu")
     try:
         ckpt.save_checkpoint(root, 3, model_states={"m": {"w": torch.full((4,), 7.0)}},
-                             trainer_state={"step": 3, "value": 7}, rank=0, keep=2)
+                             trainer_state={"step": 3, "value": 7}, runtime=rt, keep=2)
     finally:
         shutdown()
     assert _resume(root) == (3, 7.0)

@@ -38,10 +38,10 @@ def _trainer_state(step: int) -> dict:
 
 
 def _save_steps(root: Path, steps, keep: int = 10) -> None:
-    init_runtime(1, "cpu")
+    rt = init_runtime(1, "cpu")
     try:
         for s in steps:
-            ckpt.save_checkpoint(root, s, model_states=_state(float(s)), trainer_state=_trainer_state(s), rank=0, keep=keep)
+            ckpt.save_checkpoint(root, s, model_states=_state(float(s)), trainer_state=_trainer_state(s), runtime=rt, keep=keep)
     finally:
         shutdown()
 
@@ -248,11 +248,11 @@ def test_real_enospc_mid_save_names_the_full_disk_and_frees_it(tmp_path):
     with _tmpfs(tmp_path / "disk", "2m") as disk:
         root = ckpt.checkpoint_root(str(disk / "run"))
         _save_steps(root, [1])
-        init_runtime(1, "cpu")
+        rt = init_runtime(1, "cpu")
         try:  # 4 MiB of shards on a 2 MiB disk: the kernel's ENOSPC surfaces as a torch zip-writer error
             with pytest.raises(ckpt.CheckpointSaveError, match=r"saving checkpoint step 2 into .*step_000002.tmp failed: rank 0: .*"
                                r"\(0.00 GiB were free on its filesystem -- the disk is full\); the previous checkpoint is intact"):
-                ckpt.save_checkpoint(root, 2, model_states={"m": {"w": torch.zeros(1 << 20)}}, trainer_state=_trainer_state(2), rank=0, keep=2)
+                ckpt.save_checkpoint(root, 2, model_states={"m": {"w": torch.zeros(1 << 20)}}, trainer_state=_trainer_state(2), runtime=rt, keep=2)
         finally:
             shutdown()
         assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # the partial save is gone, its space free

@@ -17,7 +17,9 @@ from tidal.logging import PhaseObserver, PhaseTimer
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.experience_maker import ExperienceMaker
 
-ONE_RANK = types.SimpleNamespace(tp_size=1)
+from tests.runtimes import lone_runtime
+
+ONE_RANK = lone_runtime()
 
 
 class RecordingEngine:
@@ -132,19 +134,13 @@ def test_native_engine_on_cpu_ends_each_sequence_at_its_budget():
     assert [c.prompt_ids for c in forced] == [[3, 17, 99, 5]] * 3 + [[11, 12]] * 3
 
 
-def test_tp_group_gathers_budgets_with_their_prompts(monkeypatch):
-    """Rank 1 of a TP group of 2 (all_gather_object stubbed with what rank 0 brings): one call for the
-    group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
-    import tidal.distributed.generate as gen
-
+def test_tp_group_gathers_budgets_with_their_prompts():
+    """Rank 1 of a TP group of 2 (the runtime's TP gather answers with what rank 0 brings): one call
+    for the group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
     params = SamplingParams(max_new_tokens=6, n=2)
     rank0 = ([([[1]], params, None, [2, 3])], False, None)  # (batches, busy, failure)
-
-    def all_gather_object(out, obj, group=None):
-        out[0], out[1] = rank0, obj
-
-    monkeypatch.setattr(gen.dist, "all_gather_object", all_gather_object)
-    tp2 = types.SimpleNamespace(tp_size=2, tp_rank=1, tp_group=None, tp_cpu_group=None, tp_ranks=[0, 1])
+    tp2 = lone_runtime(tp_size=2, tp_rank=1)
+    tp2.tp_gather_objects = lambda obj: [rank0, obj]
     engine = RecordingEngine()
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 4)]

@@ -189,14 +189,24 @@ def test_token_logprobs_threads_positions_through_the_attached_method():
     assert (logp_BT[~sel_BT] == 0).all()
 
 
-def test_cpu_runs_eagerly_and_set_compile_toggles(monkeypatch):
+def test_cpu_runs_eagerly_and_head_compile_is_set_per_model(monkeypatch):
     monkeypatch.setattr(lp_mod, "_COMPILED", {})
     head, hidden_BTH, ids_BT = _head(torch.float32, bias=False)
     lm_head_logprobs(hidden_BTH, head, ids_BT, with_entropy=True)[0].sum().backward()
     assert lp_mod._COMPILED == {}  # CPU tensors never compile
-    try:
-        lp_mod.set_compile(False)
-        assert lp_mod._COMPILE is False
-    finally:
-        lp_mod.set_compile(True)
-    assert lp_mod._COMPILE is True
+    cfg = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    on, off = Qwen2ForCausalLM(cfg), Qwen2ForCausalLM(cfg)
+    attach_logprob_method(on)
+    attach_logprob_method(off)
+    lp_mod.set_head_compile(off, False)  # what a strategy that does not compile does to the models it prepares
+    seen = []
+    run = lp_mod._run
+    monkeypatch.setattr(lp_mod, "_run", lambda fn, compile_head, *a: seen.append(compile_head) or run(fn, compile_head, *a))
+    ids_BT = torch.randint(0, 50, (2, 5))
+    for m in (on, off):
+        token_logprobs(m, ids_BT, torch.ones_like(ids_BT), chunk_tokens=4)[0].sum().backward()
+    assert seen == [True] * 4 + [False] * 4  # 2 forward + 2 backward chunks each: the other model keeps its own
+    setattr(off, lp_mod.LOGPROB_METHOD, lambda *a: None)  # wrapped (e.g. by FSDP) before it was set
+    with pytest.raises(TypeError, match="already wrapped"):
+        lp_mod.set_head_compile(off, True)

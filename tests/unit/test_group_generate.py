@@ -2,10 +2,10 @@
 same gathered list) and its lone-rank round; the 2-rank lockstep run is
 tests/integration/test_env_tp_lockstep.py."""
 
-import types
-
 from tidal.distributed.generate import GenerateBatch, GroupGenerator, merge_batches
 from tidal.engine.base import Completion, SamplingParams
+
+from tests.runtimes import lone_runtime
 
 
 def test_batches_that_differ_only_in_their_seed_share_one_call_in_rank_order():
@@ -30,7 +30,7 @@ def test_a_lone_rank_calls_the_engine_once_per_batch():
             seen.append((prompts, params.n, "mm_inputs" in kw))
             return [Completion(prompt_ids=p, token_ids=[1], logprobs=[0.0], finish_reason="stop") for p in prompts for _ in range(params.n)]
 
-    gen = GroupGenerator(Engine(), types.SimpleNamespace(tp_size=1))
+    gen = GroupGenerator(Engine(), lone_runtime())
     assert gen.poll_s is None
     out = gen.round([GenerateBatch(prompts=[[1], [2]], params=SamplingParams(n=2)),
                      GenerateBatch(prompts=[[3]], params=SamplingParams(), mm_inputs=[{"pix": 1}])], busy=True)

@@ -14,7 +14,10 @@ from tidal.config import load_config
 from tidal.config_base import ConfigError
 from tidal.engine.base import Completion, SamplingParams, supports_incremental
 from tidal.trainer.config import PartialRolloutConfig
-from tidal.trainer.partial import SAMPLE_SLOTS, STEP_GROUPS, LongTailRollout, in_flight_groups, per_rank_states
+from tidal.trainer.experience import STEP_GROUPS
+from tidal.trainer.partial import SAMPLE_SLOTS, LongTailRollout, in_flight_groups, per_rank_states
+
+from tests.runtimes import lone_runtime
 
 
 @dataclasses.dataclass
@@ -79,7 +82,7 @@ def rollout(n=2, G=2, rows=100, start=0, **kw):
         state["next"] += G
         return list(range(start, start + G))
 
-    lt = LongTailRollout(cfg, groups_per_step=G, n_samples=n, rank=0, runtime=None, dataset=dataset, draw=draw)
+    lt = LongTailRollout(cfg, groups_per_step=G, n_samples=n, rank=0, runtime=lone_runtime(), dataset=dataset, draw=draw)
     lt.sampler = state  # the test's view of the sampler position
     return lt
 

@@ -1,7 +1,6 @@
 """rollout.partial in a rollout TP group: two gloo ranks on CPU share one (scripted) engine, each
 with its own groups; both make the same engine calls and stop when both have their complete groups."""
 
-import dataclasses
 import os
 import pickle
 
@@ -12,7 +11,10 @@ import torch.multiprocessing as mp
 
 from tidal.engine.base import SamplingParams
 from tidal.trainer.config import PartialRolloutConfig
-from tidal.trainer.partial import STEP_GROUPS, LongTailRollout
+from tidal.trainer.experience import STEP_GROUPS
+from tidal.trainer.partial import LongTailRollout
+
+from tests.runtimes import spawned_runtime
 
 from .test_partial_rollout import Item, ScriptedEngine
 
@@ -20,18 +22,9 @@ from .test_partial_rollout import Item, ScriptedEngine
 LENGTHS = {(100, 0): 4, (100, 1): 4, (101, 0): 2, (101, 1): 2, (102, 0): 3, (102, 1): 1}
 
 
-@dataclasses.dataclass
-class Runtime:
-    tp_size: int
-    tp_rank: int
-    tp_cpu_group: object
-    tp_group: object = None
-
-
 def _worker(rank: int, store: str, out_dir: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1])
     rows = [Item(prompt_ids=[i, 1]) for i in range(200)]
     nxt = {"i": 100 * rank}
 
@@ -40,7 +33,7 @@ def _worker(rank: int, store: str, out_dir: str):
         return [nxt["i"] - 2, nxt["i"] - 1]
 
     lt = LongTailRollout(PartialRolloutConfig(mode="carry", oversample=0.5), groups_per_step=2, n_samples=2, rank=rank,
-                         runtime=Runtime(tp_size=2, tp_rank=rank, tp_cpu_group=group), dataset=rows, draw=draw)
+                         runtime=spawned_runtime(rank, 2, tp_size=2), dataset=rows, draw=draw)
     eng = ScriptedEngine(LENGTHS)
     out = []
     for step in (1, 2):

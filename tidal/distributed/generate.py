@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.distributed as dist
-
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, supports_incremental
+from tidal.engine.stepping import run_steps
 
 # How long a rank of a TP group (size > 1) with nothing to decode waits for its environments before
 # it joins the next round: rounds are a gloo all-gather, so this bounds how long a peer that has
@@ -111,9 +110,7 @@ class GroupGenerator:
     def _gather(self, work: list, busy: bool, failure: str | None) -> tuple[list[tuple], list[str]]:
         """Every rank's ``(work, busy, failure)`` over the group's gloo twin, in rank order, and the
         failures announced (named by global rank)."""
-        parts: list = [None] * self.group_size
-        group = self.runtime.tp_cpu_group if self.runtime.tp_cpu_group is not None else self.runtime.tp_group
-        dist.all_gather_object(parts, (work, busy, failure), group=group)
+        parts = self.runtime.tp_gather_objects((work, busy, failure))
         return parts, [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
 
     def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
@@ -217,14 +214,8 @@ def _generate_with_budgets(engine, prompts: list[list[int]], params: SamplingPar
         for i, b in enumerate(budgets)
     ]
     out: list[Completion | None] = [None] * len(requests)
-    engine.add(requests)
-    try:
-        while engine.has_unfinished():
-            for c in engine.step():
-                out[c.request_id] = c
-    except BaseException:
-        engine.abort()
-        raise
+    for c in run_steps(engine, requests).finished:
+        out[c.request_id] = c
     return out
 
 

@@ -26,8 +26,13 @@ class Runtime:
     """This rank's place in the world. ``tp_group``/``dp_group`` are the rollout groups it belongs to;
     ``cpu_group`` spans the world over gloo, for collectives on CPU tensors and Python objects
     (statistics, control flow) whatever the device backend; ``tp_cpu_group`` is the TP group over
-    gloo (the rollout's control flow inside a TP group: which requests its engine runs next; None:
-    ``tp_group`` itself, which is gloo when the backend is)."""
+    gloo (the rollout's control flow inside a TP group: which requests its engine runs next;
+    ``tp_group`` itself when the backend is gloo).
+
+    The host collectives below are the only ones the run's control flow uses (checkpoint agreement,
+    the run directory's lock, the watchdog's session, the rollout's request exchange): all over the
+    gloo groups, so none waits on the device. A world (or TP group) of one needs no group: each
+    returns its own value without a call."""
 
     rank: int
     world_size: int
@@ -41,7 +46,7 @@ class Runtime:
     dp_size: int
     dp_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
-    tp_cpu_group: dist.ProcessGroup | None = None
+    tp_cpu_group: dist.ProcessGroup
 
     @property
     def is_main(self) -> bool:
@@ -66,12 +71,41 @@ class Runtime:
         return t.tolist()
 
     def barrier(self) -> None:
-        dist.barrier(group=self.cpu_group)
+        """Every rank waits for all the others (over the world's gloo group)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
 
     def all_gather_objects(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order (over the world's gloo group)."""
+        if self.world_size == 1:
+            return [obj]
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's picklable ``obj`` on every rank (the others' ``obj`` is ignored)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def all_agree(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank."""
+        if self.world_size == 1:
+            return bool(ok)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return bool(flag.item())
+
+    def tp_gather_objects(self, obj) -> list:
+        """Every rank of this rank's TP group's picklable ``obj``, in TP rank order (over
+        ``tp_cpu_group``; a group of one makes no call)."""
+        if self.tp_size == 1:
+            return [obj]
+        out: list = [None] * self.tp_size
+        dist.all_gather_object(out, obj, group=self.tp_cpu_group)
         return out
 
 
@@ -149,11 +183,11 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
     # new_group must be called by every rank for every group, in the same order.
     tp_group = dp_group = None
-    tp_cpu_group = None
     for ranks in tp_groups:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             tp_group = group
+    tp_cpu_group = tp_group
     if backend != "gloo":  # the TP groups again over gloo, for the rollout's control messages
         for ranks in tp_groups:
             group = dist.new_group(ranks, timeout=timeout, backend="gloo")

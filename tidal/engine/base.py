@@ -19,14 +19,16 @@ completions that finished in it), and ``abort`` what is left to get partial comp
 request may carry tokens generated earlier (a partial completion, possibly under older weights):
 they are prefilled again under the current weights and generation goes on after them. This is what
 partial rollout (stop once enough groups are complete, resume the rest in the next iteration) and
-multi-turn rollouts (the next turn joins while other sequences decode) are built on; see
-:mod:`tidal.engine.partial`. Callers check :func:`supports_incremental` first; an engine without it
+multi-turn rollouts (the next turn joins while other sequences decode) are built on; the loop that
+steps an engine until enough is done is :func:`tidal.engine.stepping.run_steps`. Callers check :func:`supports_incremental` first; an engine without it
 gets a :class:`NotImplementedError` from :func:`require_incremental` that names the way out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -62,6 +64,20 @@ class SamplingParams:
         check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(self.n >= 1, "n", "must be >= 1")
+
+
+def eos_ids(hf_config, model_dir: str | None = None) -> set[int]:
+    """The model's end-of-sequence token ids, which a sequence stops at unless ``ignore_eos``: those
+    of ``hf_config`` and of its text config (a vision-language config may keep them there only) and,
+    given the model's folder ``model_dir``, those of its ``generation_config.json``."""
+    values = [getattr(hf_config, "eos_token_id", None)]
+    if hasattr(hf_config, "get_text_config"):
+        values.append(getattr(hf_config.get_text_config(), "eos_token_id", None))
+    gen_path = os.path.join(model_dir, "generation_config.json") if model_dir is not None else None
+    if gen_path is not None and os.path.exists(gen_path):
+        with open(gen_path) as f:
+            values.append(json.load(f).get("eos_token_id"))
+    return {int(v) for value in values if value is not None for v in (value if isinstance(value, (list, tuple)) else [value])}
 
 
 FinishReason = Literal["stop", "length", "abort"]

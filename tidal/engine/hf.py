@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from transformers import PretrainedConfig
 
-from tidal.engine.base import Completion, SamplingParams
+from tidal.engine.base import Completion, SamplingParams, eos_ids
 from tidal.engine.config import EngineConfig
 from tidal.engine.sampler import sample
 from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_body_inputs
@@ -93,10 +93,7 @@ class HFEngine:
         for b, p in enumerate(prompts):  # left padding keeps the last prompt token at the end
             ids_BL[b, L - len(p):] = torch.tensor(p, device=self.device)
             mask_BL[b, L - len(p):] = 1
-        eos = set(params.stop_token_ids)
-        e = self.model.config.get_text_config().eos_token_id  # a VL config keeps it in its text config
-        if not params.ignore_eos and e is not None:
-            eos |= set(e if isinstance(e, list) else [e])
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model.config))
         tokens = [[] for _ in range(B)]
         logps = [[] for _ in range(B)]
         done = [False] * B

@@ -43,13 +43,6 @@ def device_free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def eos_ids(hf_config) -> set[int]:
-    value = getattr(hf_config, "eos_token_id", None)
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
-
-
 # ---- the engine's KV cache and decode batch (issue 20) ----------------------------------------
 # A rollout is never split into waves when memory allows one wave:
 # - ``engine.max_num_seqs: auto`` puts no cap on the sequences decoded together: as many run as the

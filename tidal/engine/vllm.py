@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 
 from tidal.config_base import ConfigError
-from tidal.engine.base import Completion, SamplingParams
+from tidal.engine.base import Completion, SamplingParams, eos_ids
 from tidal.engine.config import EngineConfig
 from tidal.engine.backends import check_backend_installed
-from tidal.engine.sizing import device_free_bytes, eos_ids, kv_bytes_per_token, max_running, weight_bytes_per_rank
+from tidal.engine.sizing import device_free_bytes, kv_bytes_per_token, max_running, weight_bytes_per_rank
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes blocks of a multiple of 32 tokens

@@ -127,9 +127,14 @@ class Environment(abc.ABC):
     # The counters its steps report (``StepResult.counters``): each one is in the rollout's metrics
     # (``env/<name>``, ``env/<name>_frac``) on every rank, also when no trajectory reported it.
     counter_names: tuple[str, ...] = ()
-    # Its steps call tools (bounded by ``env.tool_timeout_s`` each): ``env.step_timeout_s`` must then
-    # outlast ``env.max_tool_calls_per_turn`` of them (:func:`~tidal.envs.config.check_step_timeout`).
+    # Its steps call tools (bounded by ``env.tool_timeout_s`` each) and its observations carry tool
+    # schemas and results, rendered with the chat template's tool format: ``env.step_timeout_s`` must
+    # outlast ``env.max_tool_calls_per_turn`` calls (:func:`~tidal.envs.config.check_step_timeout`),
+    # and the rollout checks once that the tokenizer's template renders tool messages.
     uses_tools: bool = False
+    # One turn decoded from the row's prompt, then done: the rollout makes exactly a plain rollout's
+    # one batch ``generate`` call (same prompts, same parameters). A subclass that adds turns sets it False.
+    single_turn: bool = False
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:

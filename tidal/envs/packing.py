@@ -30,6 +30,8 @@ class PackedRows:
     group_ids_B: the prompt group of each row.
     valid_B: False on the rows of trajectories that must leave the loss (``Trajectory.valid``).
     trajectories: the packed trajectories, in order (all of them).
+    mm_inputs: each row's prompt images (its trajectory's ``row.mm_inputs``, None for a text row),
+        or None when no row has images.
     """
 
     sequences_BT: torch.Tensor
@@ -41,6 +43,7 @@ class PackedRows:
     group_ids_B: torch.Tensor
     valid_B: torch.Tensor
     trajectories: list[Trajectory]
+    mm_inputs: list[dict | None] | None = None
 
     @property
     def multi_row(self) -> bool:
@@ -83,10 +86,12 @@ def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows
             if turn.reward:
                 b = first_row[i] + turn.row
                 turn_r[b, len(t.rows[turn.row].prompt_ids) + turn.start + turn.num_sampled - 1] += turn.reward
+    mm = [trajectories[i].row.mm_inputs for i, _ in rows]
     return PackedRows(
         sequences_BT=seq, attention_mask_BT=attn, action_mask_BT=act, rollout_logp_BT=logp, token_rewards_BT=turn_r,
         trajectory_ids_B=torch.tensor([i for i, _ in rows], dtype=torch.long),
         group_ids_B=torch.tensor([trajectories[i].group_id for i, _ in rows], dtype=torch.long),
         valid_B=torch.tensor([trajectories[i].valid and bool(trajectories[i].turns) for i, _ in rows], dtype=torch.bool),
         trajectories=list(trajectories),
+        mm_inputs=mm if any(m is not None for m in mm) else None,
     )

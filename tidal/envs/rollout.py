@@ -56,12 +56,11 @@ from typing import Any, Callable, Protocol
 
 from tidal.distributed.generate import Exchange, GenerateBatch, Round, check_budgets, force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, supports_incremental
+from tidal.engine.stepping import run_steps
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
-from tidal.envs.single_turn import SingleTurnEnv
-from tidal.envs.tool_env import ToolEnv
 from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
 
 # engine.generate(prompts, params[, mm_inputs=...]): mm_inputs is passed only when a row has images
@@ -150,9 +149,9 @@ class EnvRollout:
         self.renderer = ChatRenderer(tokenizer, cfg.chat_template_kwargs)
         self.env_factory = env_factory or make_env_factory(cfg)
         probe = self.env_factory()
-        if isinstance(probe, ToolEnv):  # the tool helpers follow the Qwen2.5/Qwen3 templates
+        if probe.uses_tools:  # the tool helpers follow the Qwen2.5/Qwen3 templates
             self.renderer.check_tool_messages()
-        self.single_turn = type(probe) is SingleTurnEnv  # always one batch generate: the plain rollout's call
+        self.single_turn = probe.single_turn  # always one batch generate: the plain rollout's call
         _close(probe)
 
     def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,
@@ -218,6 +217,10 @@ class _Run:
         self.ready: list[int] = []
         self.calls = 0  # engine calls that start turns: batch generate calls, or add calls (continuous)
         self.timing = Counter()
+        # continuous loop: an error to announce to the group, the turns of the last engine step, when it started
+        self.failure: Exception | None = None
+        self.turns_done: list[Completion] = []
+        self.stepped_at: float | None = None
 
     # ---- the loop ------------------------------------------------------------------------------------
     def loop(self) -> None:
@@ -404,51 +407,51 @@ class _Run:
 
     # ---- continuous decoding (an engine with incremental requests) -----------------------------------------
     def loop_continuous(self, engine: IncrementalEngine) -> None:
-        """The loop over the engine's requests (module docstring): each iteration takes the
-        environments' answers (blocking only when the group's engine has nothing unfinished and
-        nothing is ready: ``env/wait_s``), exchanges the new requests over the TP group
-        (:meth:`~tidal.distributed.generate.GroupGenerator.exchange`), adds them, steps the engine
-        once and hands this rank's finished turns to the pool. An error on a rank is announced in
-        the exchange, so every rank raises at the same step; the requests in flight are aborted
-        (the engine is left idle)."""
-        if engine.has_unfinished():
-            raise RuntimeError("a continuous multi-turn rollout needs an idle engine (it has unfinished requests)")
-        size, rank = self.gen.group_size, self.gen.rank
-        failure: Exception | None = None
+        """The loop over the engine's requests (module docstring), one
+        :func:`~tidal.engine.stepping.run_steps` run: before each engine step :meth:`_feed` hands the
+        turns that finished in the previous one to the pool, takes the environments' answers
+        (blocking only when the group's engine has nothing unfinished and nothing is ready:
+        ``env/wait_s``) and exchanges the new requests over the TP group
+        (:meth:`~tidal.distributed.generate.GroupGenerator.exchange`), which the run adds. An error
+        on a rank is announced in the exchange, so every rank raises at the same step; the requests
+        in flight are aborted (the engine is left idle)."""
         for i, ep in enumerate(self.episodes):
             self.pool.submit(i, ep.env.reset, ep.row)
         try:
+            while len(self.pool):  # every reset first, so the n samples of a prompt are added together
+                self._collect(block=True)
+        except Exception as e:
+            self.failure = e
+        size, rank = self.gen.group_size, self.gen.rank
+
+        def finished(c: Completion) -> None:  # this rank's turns (request id: episode * size + rank)
+            if int(c.request_id) % size == rank:
+                self.turns_done.append(c)
+
+        run_steps(engine, feed=lambda: self._feed(engine, size, rank), on_finished=finished)
+
+    def _feed(self, engine: IncrementalEngine, size: int, rank: int) -> list[Request] | None:
+        """Before an engine step: the requests the TP group adds now (every rank gets the same), or
+        None when it adds none and no rank has environment calls pending (the run may end)."""
+        if self.stepped_at is not None:
+            self.timing["generate_s"] += time.perf_counter() - self.stepped_at
+        mine, self.turns_done = self.turns_done, []
+        self._take_turns([int(c.request_id) // size for c in mine], mine)
+        if self.failure is None:
             try:
-                while len(self.pool):  # every reset first, so the n samples of a prompt are added together
-                    self._collect(block=True)
+                idle = not engine.has_unfinished() and not self.ready
+                self._collect(block=idle, timeout=self.gen.poll_s)
             except Exception as e:
-                failure = e
-            while True:
-                if failure is None:
-                    try:
-                        idle = not engine.has_unfinished() and not self.ready
-                        self._collect(block=idle, timeout=self.gen.poll_s)
-                    except Exception as e:
-                        failure = e
-                requests = self._requests(size, rank) if failure is None else []
-                ex = self.gen.exchange(requests, busy=len(self.pool) > 0,
-                                       failure=None if failure is None else f"{type(failure).__name__}: {failure}")
-                if failure is not None:
-                    raise failure
-                if ex.failures:
-                    raise EnvError(f"another rank of the rollout TP group failed: {ex.failures[0]}")
-                t0 = time.perf_counter()
-                if ex.requests:
-                    engine.add(ex.requests)
-                if engine.has_unfinished():
-                    mine = [c for c in engine.step() if int(c.request_id) % size == rank]
-                    self.timing["generate_s"] += time.perf_counter() - t0
-                    self._take_turns([int(c.request_id) // size for c in mine], mine)
-                elif not ex.group_busy:
-                    return
-        except BaseException:
-            engine.abort()  # every rank of the group gets here at the same step (see above)
-            raise
+                self.failure = e
+        failure = self.failure
+        ex = self.gen.exchange(self._requests(size, rank) if failure is None else [], busy=len(self.pool) > 0,
+                               failure=None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if ex.failures:
+            raise EnvError(f"another rank of the rollout TP group failed: {ex.failures[0]}")
+        self.stepped_at = time.perf_counter()
+        return ex.requests if ex.requests or ex.group_busy else None
 
     def _requests(self, size: int, rank: int) -> list[Request]:
         """The next turn of every ready trajectory, one request each (episode order, so the n

@@ -12,6 +12,8 @@ from tidal.envs.base import EnvRow, Environment, ModelTurn, Observation, StepRes
 
 class SingleTurnEnv(Environment):
     name = "single_turn"
+    single_turn = True
+
     def reset(self, row: EnvRow) -> Observation:
         return Observation(token_ids=list(row.prompt_ids))
 

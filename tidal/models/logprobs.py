@@ -7,7 +7,8 @@ position 0 has no prediction and is 0. The LM head is one autograd function
 chunk's logits and applies the closed-form softmax gradient, so peak extra memory is one chunk of
 logits (in the model's dtype) plus one fp32 ``[V, H]`` weight-gradient accumulator. On CUDA the
 two full-vocabulary passes (:func:`_stats`, :func:`_dlogits`) run through ``torch.compile``, which
-fuses them into a few reads of the chunk's logits; see :func:`set_compile`.
+fuses them into a few reads of the chunk's logits, unless the model's method says otherwise
+(``compile_head``, set per model by the strategy that prepares it: :func:`set_head_compile`).
 """
 
 from __future__ import annotations
@@ -23,25 +24,16 @@ from tidal.models.varlen import uses_packed_attention
 LOGPROB_METHOD = "tidal_token_logprobs"
 
 # ---- the full-vocabulary passes (compiled on CUDA) ----------------------------------------------
-_COMPILE = True  # see set_compile
-_COMPILED: dict[Callable, Callable] = {}
+_COMPILED: dict[Callable, Callable] = {}  # the compiled passes, created on first use (a cache, no setting)
 
 
-def set_compile(enabled: bool) -> None:
-    """Run :func:`_stats` / :func:`_dlogits` through ``torch.compile(dynamic=True)`` when their
-    logits are CUDA tensors (``enabled``, the default), or always eagerly. CPU tensors always run
-    eagerly. Both paths run the same Python functions; the compiled one may round differently in the
-    last fp32 bits (fused reductions). The compiled functions are created on first use and cached.
-    The training Strategy sets this from ``strategy.compile`` when it is built (process-wide)."""
-    global _COMPILE
-    _COMPILE = bool(enabled)
-
-
-def _run(fn: Callable, logits_NV: torch.Tensor, *args):
-    """``fn(logits_NV, *args)``, compiled when :func:`set_compile` allows it for these logits. A
+def _run(fn: Callable, compile_head: bool, logits_NV: torch.Tensor, *args):
+    """``fn(logits_NV, *args)``, through ``torch.compile(dynamic=True)`` when ``compile_head`` and
+    the logits are CUDA tensors (CPU tensors always run eagerly). Both paths run the same Python
+    functions; the compiled one may round differently in the last fp32 bits (fused reductions). A
     single row runs eagerly: ``torch.compile`` specialises sizes 0 and 1, so a one-row chunk (a
     micro-batch whose last chunk holds one token) would otherwise recompile in steady state."""
-    if _COMPILE and logits_NV.is_cuda and logits_NV.shape[0] > 1:
+    if compile_head and logits_NV.is_cuda and logits_NV.shape[0] > 1:
         compiled = _COMPILED.get(fn)
         if compiled is None:
             compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
@@ -119,16 +111,16 @@ class _LMHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, temperature: float, with_entropy: bool,
-                entropy_grad: bool, chunk_tokens: int):
+                entropy_grad: bool, chunk_tokens: int, compile_head: bool):
         N = hidden_NH.shape[0]
         stat_dtype = _math_dtype(hidden_NH.dtype)
         logp_N, logz_N, entropy_N = (hidden_NH.new_empty(N, dtype=stat_dtype) for _ in range(3))
         for s in range(0, N, chunk_tokens):
             e = min(s + chunk_tokens, N)
             logits_cV = F.linear(hidden_NH[s:e], weight_VH, bias_V)
-            logp_N[s:e], logz_N[s:e], entropy_N[s:e] = _run(_stats, logits_cV, labels_N[s:e], temperature, with_entropy)
+            logp_N[s:e], logz_N[s:e], entropy_N[s:e] = _run(_stats, compile_head, logits_cV, labels_N[s:e], temperature, with_entropy)
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, labels_N, logz_N, entropy_N)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.temperature, ctx.chunk_tokens, ctx.compile_head = temperature, chunk_tokens, compile_head
         if not (with_entropy and entropy_grad):
             ctx.mark_non_differentiable(entropy_N)
         # the gradient of an unused or non-differentiable output arrives as None: its term is skipped
@@ -149,7 +141,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
             h_cH = hidden_NH[s:e]
             logits_cV = F.linear(h_cH, weight_VH, bias_V)
             g_ent_c = None if g_ent_N is None else g_ent_N[s:e]
-            dlogits_cV = _run(_dlogits, logits_cV, labels_N[s:e], logz_N[s:e], entropy_N[s:e], g_logp_N[s:e], g_ent_c, T)
+            dlogits_cV = _run(_dlogits, ctx.compile_head, logits_cV, labels_N[s:e], logz_N[s:e], entropy_N[s:e], g_logp_N[s:e], g_ent_c, T)
             del logits_cV
             if need_h:
                 torch.mm(dlogits_cV, weight_VH, out=dh_NH[s:e])
@@ -162,7 +154,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
             dw_VH = torch.zeros_like(weight_VH) if dw_VH is None else dw_VH.to(weight_VH.dtype)
         if need_b:
             db_V = torch.zeros_like(bias_V) if db_V is None else db_V.to(bias_V.dtype)
-        return dh_NH, dw_VH, db_V, None, None, None, None, None
+        return dh_NH, dw_VH, db_V, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -174,13 +166,15 @@ def head_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
     entropy_grad: bool = True,
+    compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row n: ``log p(labels_N[n])`` and the entropy under ``softmax(lm_head(hidden_NH[n]) / T)``
     (fp32, float64 for a float64 model; entropies None without ``with_entropy``). The rows are
     already the predicting hidden states (row n predicts ``labels_N[n]``); the other arguments are
     those of :func:`lm_head_logprobs`."""
     logp_N, entropy_N = _LMHeadLogprobs.apply(
-        hidden_NH, lm_head.weight, lm_head.bias, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens
+        hidden_NH, lm_head.weight, lm_head.bias, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens,
+        compile_head,
     )
     return logp_N, entropy_N if with_entropy else None
 
@@ -195,6 +189,7 @@ def lm_head_logprobs(
     chunk_tokens: int = 2048,
     entropy_grad: bool = True,
     positions_BT: torch.Tensor | None = None,
+    compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the next tokens from decoder hidden states.
 
@@ -206,11 +201,11 @@ def lm_head_logprobs(
     [B, T]): compute only the positions where it is true (its column 0 is ignored); every other
     position is exactly 0 in both outputs and gets no gradient (selecting costs one host sync).
     ``chunk_tokens``: rows of logits held at once. ``lm_head.weight``/``bias`` and ``hidden_BTH``
-    must share a dtype.
+    must share a dtype. ``compile_head``: run the full-vocabulary passes compiled on CUDA (see :func:`_run`).
     """
     B, T, H = hidden_BTH.shape
     weight_VH, bias_V = lm_head.weight, lm_head.bias
-    args = (temperature, with_entropy, entropy_grad, chunk_tokens)
+    args = (temperature, with_entropy, entropy_grad, chunk_tokens, compile_head)
     if positions_BT is None:
         hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
         labels_N = input_ids_BT[:, 1:].reshape(-1)
@@ -271,9 +266,12 @@ def _token_logprobs(
     entropy_grad: bool = True,
     positions_BT: torch.Tensor | None = None,
     packed=None,
+    *,
+    compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attached method (see :func:`attach_logprob_method`). Its parameters are positional in
-    this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``)."""
+    this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``);
+    ``compile_head`` is bound with the method (:func:`set_head_compile`)."""
     if packed is None and uses_packed_attention(hf_model):
         from tidal.models.packing import pack_on_the_fly
 
@@ -285,27 +283,40 @@ def _token_logprobs(
             raise ValueError("with packed=, the positions are the packed batch's targets (PackedBatch.build(targets_BT=...)); pass positions_BT=None")
         return packed_token_logprobs(
             hf_model, packed, input_ids_BT, attention_mask_BT, temperature=temperature, with_entropy=with_entropy,
-            chunk_tokens=chunk_tokens, mm_inputs=mm_inputs, entropy_grad=entropy_grad,
+            chunk_tokens=chunk_tokens, mm_inputs=mm_inputs, entropy_grad=entropy_grad, compile_head=compile_head,
         )
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
         temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
-        positions_BT=positions_BT,
+        positions_BT=positions_BT, compile_head=compile_head,
     )
 
 
-def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | None = None) -> None:
+def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | None = None, *, compile_head: bool = True) -> None:
     """Give ``model`` a ``tidal_token_logprobs(input_ids, attention_mask, ...)`` method computed
     with the HF causal LM ``hf_model`` (default: ``model`` itself; a wrapper such as a PEFT model
     passes the HF model it wraps).
 
     It is a method of the model itself (not a wrapper module) so parameter names stay the HF names;
     FSDP2 strategies register it with ``register_fsdp_forward_method`` on ``model`` (the sharded
-    root) so it unshards like forward.
+    root) so it unshards like forward. ``compile_head``: see :func:`set_head_compile`.
     """
     target = model if hf_model is None else hf_model
-    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, target))
+    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, target, compile_head=compile_head))
+
+
+def set_head_compile(model: torch.nn.Module, enabled: bool) -> None:
+    """Whether ``model``'s attached logprob method runs its LM-head passes compiled on CUDA (default
+    on): the strategy that prepares the model sets it from ``strategy.compile``, before it wraps the
+    method; it holds for this model only. A model without the method is left as it is."""
+    method = getattr(model, LOGPROB_METHOD, None)
+    if method is None:
+        return
+    if not isinstance(method, functools.partial) or method.func is not _token_logprobs:
+        raise TypeError(f"set_head_compile: {type(model).__name__}.{LOGPROB_METHOD} is already wrapped; set it before "
+                        f"the strategy wraps the method")
+    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, *method.args, **{**method.keywords, "compile_head": bool(enabled)}))
 
 
 def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,

@@ -211,7 +211,7 @@ def _multimodal_hidden_states(hf_model, packed: PackedBatch, input_ids_BT, atten
 def packed_token_logprobs(
     hf_model: torch.nn.Module, packed: PackedBatch, input_ids_BT: torch.Tensor | None = None,
     attention_mask_BT: torch.Tensor | None = None, *, temperature: float = 1.0, with_entropy: bool = False,
-    chunk_tokens: int = 2048, mm_inputs: dict | None = None, entropy_grad: bool = True,
+    chunk_tokens: int = 2048, mm_inputs: dict | None = None, entropy_grad: bool = True, compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the packed batch's targets, as [B, T] fp32 tensors aligned with
     the padded rows (the layout of :func:`tidal.models.logprobs.lm_head_logprobs`; zero off the
@@ -223,7 +223,7 @@ def packed_token_logprobs(
     labels_K = packed.input_ids_1N[0].index_select(0, packed.targets_K)
     logp_K, entropy_K = head_logprobs(
         hidden_KH, hf_model.get_output_embeddings(), labels_K, temperature=temperature, with_entropy=with_entropy,
-        chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, compile_head=compile_head,
     )
     return packed.scatter_targets(logp_K), packed.scatter_targets(entropy_K) if with_entropy else None
 

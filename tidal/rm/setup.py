@@ -103,7 +103,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
         resume = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=keys).resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     if not read_only:  # a watchdog never started writes no heartbeat
-        watchdog.start(runtime.cpu_group).mark("setup")
+        watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
     check_inputs(paths)

@@ -168,7 +168,7 @@ class RewardModelTrainer:
         trainer_state = {"step": step, "job": "reward_model", "sampler": self.sampler.state_dict(), "trainer": dataclasses.asdict(self.state)}
         with self.timer.phase("checkpoint"):
             ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
-                                 rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
+                                 runtime=self.rt, keep=self.cfg.checkpoint.keep)
 
     def resume(self) -> int:
         """Load the resume point's checkpoint (model, optimizer, schedule, sampler position, RNG);

@@ -16,8 +16,8 @@ after checking that it looks loadable (:func:`checkpoint_problems`: trainer.json
 shard file present and long enough, RNG files). ``auto`` skips (with a warning) complete checkpoints
 that do not, newest first; an explicit path that does not is a ConfigError at ``checkpoint.resume``
 naming the problem. :func:`load_resume` also falls back to the next older one when loading itself
-fails under ``auto``. With a ``group`` (a gloo group over every rank) rank 0 decides and the ranks
-agree on the outcome of each load attempt; without one every rank validates the same files.
+fails under ``auto``. With a ``runtime`` (its host collectives, over gloo) rank 0 decides and the
+ranks agree on the outcome of each load attempt; without one this process decides alone.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from tidal.config_base import ConfigError
+from tidal.distributed.runtime import Runtime
 from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
@@ -378,26 +378,21 @@ def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED
     return _shard_problems(path / "models") + _rng_problems(path)
 
 
-def _is_main(group) -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _warn(message: str, group=None) -> None:
-    if _is_main(group):
+def _warn(message: str, runtime: Runtime | None = None) -> None:
+    if runtime is None or runtime.is_main:
         print(f"[tidal] warning: {message}", file=sys.stderr, flush=True)
 
 
-def _from_rank0(compute: Callable[[], Any], group) -> Any:
-    """``compute()`` on rank 0, broadcast over ``group``; without a group every rank computes it."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+def _from_rank0(compute: Callable[[], Any], runtime: Runtime | None) -> Any:
+    """``compute()`` on rank 0, broadcast to every rank; without a runtime this process computes it."""
+    if runtime is None:
         return compute()
-    box = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return runtime.broadcast_object(compute() if runtime.is_main else None)
 
 
 def resume_candidates(
-    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS, warn: bool = True
+    resume: str, root: Path, *, runtime: Runtime | None = None, required_keys: tuple[str, ...] = REQUIRED_KEYS,
+    warn: bool = True,
 ) -> list[Path]:
     """The checkpoints a resume may load, in the order to try them (every rank gets the same list):
     ``never`` -> []; ``auto`` -> the complete checkpoints under ``root`` that look loadable
@@ -415,12 +410,12 @@ def resume_candidates(
                 (skipped.append(f"{path}: {'; '.join(problems)}") if problems else good.append(str(path)))
             return good, skipped
 
-        good, skipped = _from_rank0(scan, group)
+        good, skipped = _from_rank0(scan, runtime)
         for s in skipped if warn else ():
-            _warn(f"checkpoint.resume=auto skips {s}", group)
+            _warn(f"checkpoint.resume=auto skips {s}", runtime)
         return [Path(p) for p in good]
     path = Path(resume)
-    problems = _from_rank0(lambda: checkpoint_problems(path, required_keys=required_keys), group)
+    problems = _from_rank0(lambda: checkpoint_problems(path, required_keys=required_keys), runtime)
     if problems == [f"no {COMPLETE_MARKER}"] or problems == ["not a directory"]:
         raise ConfigError("checkpoint.resume", f"{resume!r} is not a complete Tidal checkpoint (no {COMPLETE_MARKER})")
     if problems:
@@ -429,48 +424,39 @@ def resume_candidates(
 
 
 def resolve_resume(
-    resume: str, root: Path, *, group=None, required_keys: tuple[str, ...] = REQUIRED_KEYS
+    resume: str, root: Path, *, runtime: Runtime | None = None, required_keys: tuple[str, ...] = REQUIRED_KEYS
 ) -> Path | None:
     """The checkpoint to resume from: ``auto`` -> the newest complete one that looks loadable (or
     None), ``never`` -> None, else the given directory (a ConfigError naming what is wrong when it
     does not look loadable). See :func:`resume_candidates`."""
-    found = resume_candidates(resume, root, group=group, required_keys=required_keys)
+    found = resume_candidates(resume, root, runtime=runtime, required_keys=required_keys)
     return found[0] if found else None
 
 
-def _all_ok(ok: bool, group) -> bool:
-    """True when ``ok`` holds on every rank of ``group`` (no group: this rank's own answer)."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def load_resume(
-    resume: str, root: Path, *, model_states: Callable[[], dict[str, Any]], rank: int, group=None,
+    resume: str, root: Path, *, model_states: Callable[[], dict[str, Any]], rank: int, runtime: Runtime | None = None,
     required_keys: tuple[str, ...] = REQUIRED_KEYS, warn_skipped: bool = True,
 ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     """Resolve and load a resume (collective): ``(path, model_states, trainer_state)``, or None when
     there is nothing to resume. ``model_states()`` builds fresh state dicts to load into (called
     again for each attempt). Under ``auto`` a checkpoint that fails to load on any rank is skipped
     with a warning naming the error, and the next older one is tried; an explicit path that fails
-    is a ConfigError at ``checkpoint.resume``. With ``group`` every rank takes the same decision.
+    is a ConfigError at ``checkpoint.resume``. With ``runtime`` every rank takes the same decision.
     ``warn_skipped=False``: the checkpoints that fail the cheap checks were named already (by
     :func:`resolve_resume` at setup), so they are skipped without a second warning."""
-    for path in resume_candidates(resume, root, group=group, required_keys=required_keys, warn=warn_skipped):
+    for path in resume_candidates(resume, root, runtime=runtime, required_keys=required_keys, warn=warn_skipped):
         states = model_states()
         error = None
         try:
             trainer_state = load_checkpoint(path, model_states=states, rank=rank)
         except Exception as e:  # noqa: BLE001 -- reported and decided on below, the same on every rank
             error = _summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)
-        if _all_ok(error is None, group):
+        if error is None if runtime is None else runtime.all_agree(error is None):
             return path, states, trainer_state
         why = error or "it failed to load on another rank"
         if resume != "auto":
             raise ConfigError("checkpoint.resume", f"{resume!r} cannot be loaded: {why}")
-        _warn(f"checkpoint.resume=auto skips {path}: loading failed: {why}", group)
+        _warn(f"checkpoint.resume=auto skips {path}: loading failed: {why}", runtime)
     return None
 
 
@@ -497,9 +483,11 @@ def _save_failed(exc: BaseException, tmp: Path, *, step: int, rank: int) -> Chec
 
 
 def save_checkpoint(
-    root: Path, step: int, *, model_states: dict[str, Any], trainer_state: dict[str, Any], rank: int, keep: int
+    root: Path, step: int, *, model_states: dict[str, Any], trainer_state: dict[str, Any], runtime: Runtime, keep: int
 ) -> Path:
-    """Collective: every rank calls it with its shards. Returns the final directory."""
+    """Collective: every rank calls it with its shards (ranks meet at ``runtime.barrier``). Returns
+    the final directory."""
+    rank = runtime.rank
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
     if rank == 0:
@@ -508,7 +496,7 @@ def save_checkpoint(
         if final.exists():  # re-saving the same step (e.g. after a resume): replace atomically below
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    runtime.barrier()
     faults.hit("checkpoint/begin", step=step, rank=rank)
     try:
         dcp.save(model_states, checkpoint_id=str(tmp / "models"))
@@ -516,7 +504,7 @@ def save_checkpoint(
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     except (Exception, CheckpointException) as e:
         raise _save_failed(e, tmp, step=step, rank=rank) from e
-    dist.barrier()
+    runtime.barrier()
     if rank == 0:
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(trainer_state, f)
@@ -534,7 +522,7 @@ def save_checkpoint(
             trash = old.rename(old.with_name(old.name + ".del.tmp"))  # a half-deleted one never looks complete
             faults.hit("checkpoint/rotating", step=step, rank=rank)
             shutil.rmtree(trash, ignore_errors=True)
-    dist.barrier()
+    runtime.barrier()
     return final
 
 

@@ -30,7 +30,7 @@ def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtim
     cheap checks (:func:`tidal.run.checkpoint.checkpoint_problems`) is taken, every rank agreeing;
     a bad explicit ``checkpoint.resume`` is a ConfigError naming what is wrong."""
     root = ckpt.checkpoint_root(output_dir)
-    path = ckpt.resolve_resume(cfg.resume, root, group=runtime.cpu_group, required_keys=required_keys)
+    path = ckpt.resolve_resume(cfg.resume, root, runtime=runtime, required_keys=required_keys)
     if path is None:
         return None
     with open(path / ckpt.COMPLETE_MARKER) as f:

@@ -35,10 +35,7 @@ class RunDir:
         """Collective: :class:`RunDirLost` on every rank when, on any rank, the directory is gone,
         is another one now (removed and made again: a save would quietly recreate it), or lost the
         run's lock file. Metrics and checkpoints written into it since would be lost."""
-        lost = 0.0 if self._intact() else 1.0
-        if runtime.world_size > 1:
-            lost = runtime.all_reduce_max([lost])[0]
-        if lost:
+        if not runtime.all_agree(self._intact()):
             raise RunDirLost(f"the run directory {self.path} was removed or replaced during the run (its lock file "
                              f"{self.lock.path.name} is gone); what the run wrote there since is lost. Stopping: "
                              "restore it, or start again")
@@ -84,13 +81,9 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
             error = e
         except OSError as e:  # settling the partial saves failed: every rank says so
             error = ConfigError("run.output_dir", f"cannot settle the partial saves in {output_dir}: {e}")
-    box = [None if error is None else (error.key, error.message)]
-    if runtime.world_size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(box, src=0, group=runtime.cpu_group)
-    if box[0] is not None:
-        raise ConfigError(*box[0])
+    refused = runtime.broadcast_object(None if error is None else (error.key, error.message))
+    if refused is not None:
+        raise ConfigError(*refused)
     lock = lock or acquire_run_lock(output_dir, runtime.rank)  # a non-owning lock on the other ranks
     try:
         ckpt.settle_and_probe(output_dir, rank=runtime.rank, checkpoints=checkpoints, barrier=runtime.barrier)

@@ -31,13 +31,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from tidal.lazy import lazy_module
 from tidal.logging.timer import PhaseTimer
 from tidal.run import faults
 
 dist = lazy_module("torch.distributed")
+if TYPE_CHECKING:
+    from tidal.distributed.runtime import Runtime
 
 EXIT_CODE = 3
 
@@ -95,13 +97,11 @@ class Watchdog:
         self._event(name, "done")
 
     # ---- heartbeat thread -------------------------------------------------------------------------
-    def start(self, group: dist.ProcessGroup | None = None) -> "Watchdog":
+    def start(self, runtime: Runtime) -> "Watchdog":
         """Collective (all ranks, once): agree on a session id, write the first heartbeat, start the thread."""
         if self.world_size == 1:
             return self
-        box = [f"{time.time():.6f}-{os.getpid()}"]
-        dist.broadcast_object_list(box, src=0, group=group)
-        self.session = box[0]
+        self.session = runtime.broadcast_object(f"{time.time():.6f}-{os.getpid()}")
         self._state = {**self._state, "session": self.session}
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write(self._state)

@@ -26,7 +26,6 @@ import torch
 
 from tidal.distributed.runtime import Runtime
 from tidal.dtypes import resolve_dtype
-from tidal.models.logprobs import set_compile as set_lm_head_compile
 from tidal.strategy.resident import device_bytes, optimizer_state_tensors
 from tidal.strategy.config import OptimConfig, StrategyConfig
 
@@ -70,12 +69,12 @@ class Strategy(abc.ABC):
         self.runtime = runtime
         self.param_dtype = resolve_dtype(cfg.param_dtype, runtime.device)
         """Compute dtype of sharded models (``strategy.param_dtype``, resolved once)."""
-        set_lm_head_compile(self.compiles)
 
     @property
     def compiles(self) -> bool:
-        """Whether decoder layers and the LM-head logprob passes are compiled (``strategy.compile``);
-        a backend that does not compile returns False."""
+        """Whether decoder layers and the LM-head logprob passes of the models it prepares are
+        compiled (``strategy.compile``; :func:`tidal.models.logprobs.set_head_compile` per model); a
+        backend that does not compile returns False."""
         return False
 
     @property

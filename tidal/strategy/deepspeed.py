@@ -58,7 +58,7 @@ from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
 from tidal.distributed.runtime import Runtime
-from tidal.models.logprobs import LOGPROB_METHOD
+from tidal.models.logprobs import LOGPROB_METHOD, set_head_compile
 from tidal.models.lora import merged, weight_plan
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, _move_optimizer_state, lr_lambda
 from tidal.strategy.config import OptimConfig, StrategyConfig
@@ -195,10 +195,11 @@ def _route_method_through_engine(engine, name: str) -> None:
     setattr(engine, name, call)
 
 
-def _prepare_logprob_method(engine, zero3: bool) -> None:
+def _prepare_logprob_method(engine, zero3: bool, compile_head: bool) -> None:
     module = engine.module
     if not hasattr(module, LOGPROB_METHOD):
         return
+    set_head_compile(module, compile_head)
     if zero3:  # the method applies lm_head.weight directly (chunked), outside lm_head.forward
         head = module.get_output_embeddings()
         for p in head.parameters(recurse=False):
@@ -347,7 +348,7 @@ class DeepSpeedStrategy(Strategy):
                 if name in masters:
                     safe_set_full_fp32_param(p, masters[name].to(self.device))
             del masters
-        _prepare_logprob_method(engine, self.zero_stage == 3)
+        _prepare_logprob_method(engine, self.zero_stage == 3, self.compiles)
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.basic_optimizer, lr_lambda(optim, total_steps))
         self._placed[id(engine)] = _Placed(engine=engine, module=engine.module, trainable=True)
         return TrainState(
@@ -364,7 +365,7 @@ class DeepSpeedStrategy(Strategy):
                 stage=3, bf16=self.param_dtype == torch.bfloat16, max_grad_norm=0.0, offload_optimizer=False, trainable=False
             )
             engine = self._initialize(model, None, config)
-            _prepare_logprob_method(engine, zero3=True)
+            _prepare_logprob_method(engine, zero3=True, compile_head=self.compiles)
             out, rec = engine, _Placed(engine=engine, module=engine.module, trainable=False)
         else:
             out, rec = model.to(self.device), _Placed(engine=None, module=model, trainable=False)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from tidal.models.logprobs import LOGPROB_METHOD
+from tidal.models.logprobs import LOGPROB_METHOD, set_head_compile
 from tidal.models.lora import hf_weights
 from tidal.strategy.base import Strategy, TrainState, _frozen_names, lr_lambda
 from tidal.strategy.compile_cache import use_compile_cache
@@ -130,6 +130,7 @@ class FSDP2Strategy(Strategy):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         if hasattr(model, LOGPROB_METHOD):
+            set_head_compile(model, self.compiles)
             register_fsdp_forward_method(model, LOGPROB_METHOD)
         return model
 

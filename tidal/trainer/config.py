@@ -9,6 +9,7 @@ from tidal.config_base import check
 from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
+from tidal.rewards.config import RewardConfig
 from tidal.run.config import CheckpointConfig
 from tidal.strategy.config import StrategyConfig
 from tidal.sync.config import SyncConfig
@@ -196,6 +197,7 @@ class TrainerSections(Protocol):
     logging: LoggingConfig
     strategy: StrategyConfig
     env: EnvConfig
+    reward: RewardConfig
 
 
 def require_resolved(section: Any, key: str, *names: str) -> None:

@@ -15,6 +15,18 @@ from typing import Any
 
 import torch
 
+# group id = step * STEP_GROUPS + attempt * ATTEMPT_GROUPS + rank * groups_per_rank + k (see first_group_id)
+STEP_GROUPS = 1_000_000
+ATTEMPT_GROUPS = 10_000
+
+
+def first_group_id(step: int, rank: int, groups_per_rank: int, attempt: int = 0) -> int:
+    """The group id of a rank's first group (prompt) in one rollout; its k-th group is this + k.
+    Unique over steps, ranks and sampling attempts (``algorithm.sampling_rounds``) while every
+    attempt's groups over all ranks number fewer than ``ATTEMPT_GROUPS`` (with ``attempt`` 0 only,
+    e.g. partial rollout's groups in flight: fewer than ``STEP_GROUPS``)."""
+    return step * STEP_GROUPS + attempt * ATTEMPT_GROUPS + rank * groups_per_rank
+
 
 # Experience.row's per-token lists: name in the record -> field.
 ROW_TOKEN_FIELDS = {
@@ -36,7 +48,8 @@ class Experience:
     ref_logp_BT: reference-model logprobs (KL on), else None.
     values_BT: critic values (estimators with a critic), else None.
     advantages_BT / returns_BT: from the advantage estimator.
-    rewards_B: scalar rewards (after shaping). group_ids_B: prompt index, shared by a group's samples.
+    rewards_B: scalar rewards (after shaping). group_ids_B: the prompt's group id (:func:`first_group_id`),
+        shared by a group's samples.
     loss_mask_B: 1 for sequences that enter the loss (0: e.g. dropped reward, masked truncation).
     mm_inputs: per-sequence pixel inputs of the prompt's images (a dict, see :mod:`tidal.models.vision`;
         None for a text row), kept on CPU and collated per micro-batch; None when no row has images.

@@ -42,6 +42,7 @@ from tidal.models.packing import PackedBatch
 from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.base import RewardError
+from tidal.rewards.config import RewardConfig
 from tidal.rewards.types import RewardSample
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
@@ -104,10 +105,11 @@ def run_forward_passes(runtime: Runtime, batches: list[list[int]], fn: Callable[
 class ExperienceMaker:
     """Builds one rank's Experience from its prompts (see the module docstring).
 
-    ``rollout``, ``train``, ``model`` and ``env`` are the run's config sections it reads
+    ``rollout``, ``train``, ``model``, ``env`` and ``reward`` are the run's config sections it reads
     (``rollout.temperature``, ``train.forward_micro_batch_tokens`` / ``_max_seqs``,
-    ``model.logprob_chunk_tokens``, the environment and its limits); ``train`` as resolved by the
-    memory plan (no ``auto`` budget). Whether the actor's
+    ``model.logprob_chunk_tokens``, the environment and its limits, ``reward.on_error`` for a remote
+    teacher's failed rows); ``train`` as resolved by the memory plan (no ``auto`` budget). The
+    models are those of ``colocation`` (the placement owner), which places them for each pass. Whether the actor's
     old-logprob pass runs is the algorithm's decision (:meth:`Algorithm.reuses_policy_logprobs`).
     Its stages are timed on the phase owner's timer.
 
@@ -116,9 +118,9 @@ class ExperienceMaker:
     ``max_new_tokens``, and optionally forces its end token there; evaluation is not budgeted. Set it
     after building the trainer: ``trainer.maker.completion_budget = CompletionBudget(lengths=..., end_token_id=...)``."""
 
-    def __init__(self, *, models: Models, colocation: Colocation, rewards: RewardEngine, algorithm: Algorithm,
-                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig):
-        self.models = models
+    def __init__(self, *, colocation: Colocation, rewards: RewardEngine, algorithm: Algorithm,
+                 rollout: RolloutConfig, train: TrainConfig, model: ModelConfig, env: EnvConfig, reward: RewardConfig):
+        self.models: Models = colocation.models
         self.colocation = colocation
         self.rewards = rewards
         self.algo = algorithm
@@ -126,10 +128,11 @@ class ExperienceMaker:
         require_resolved(train, "train", "forward_micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
+        self.reward_cfg = reward
         self.timer: PhaseTimer = colocation.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
-        self.env = EnvRollout(env, models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
+        self.env = EnvRollout(env, self.models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
         self.multi_turn = env.name != "single_turn"
 
     @property
@@ -175,42 +178,30 @@ class ExperienceMaker:
         return Rollout(items=items, trajectories=trajectories, metrics=metrics)
 
     # ---- tensors ---------------------------------------------------------------------------------
-    def _pack(self, trajectories: list[Trajectory]) -> tuple[PackedRows, dict]:
-        """The packed rows and the forwards' inputs: right-padded [B, T] tensors of prompt +
-        response, and ``mm_inputs``: each row's prompt images (None for a text row), or None when no
-        row has images."""
-        pad = self.models.tokenizer.pad_token_id or 0
-        packed = pack_trajectories(trajectories, pad)
-        mm = packed.row_list([t.row.mm_inputs for t in trajectories])
-        t = {"sequences_BT": packed.sequences_BT, "attention_mask_BT": packed.attention_mask_BT,
-             "action_mask_BT": packed.action_mask_BT, "rollout_logp_BT": packed.rollout_logp_BT,
-             "mm_inputs": mm if any(m is not None for m in mm) else None}
-        return packed, t
-
     @torch.no_grad()
-    def _per_token(self, forward, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+    def _per_token(self, forward, rows: PackedRows, batches: list[list[int]]) -> torch.Tensor:
         """Run ``forward(ids_BT, mask_BT, packed, mm_inputs) -> x_BT`` over the packed micro-batches
-        (equal pass counts on every rank) and scatter the results into one [B, T] tensor, zero off the
-        actions."""
-        out_BT = torch.zeros_like(t["rollout_logp_BT"])
+        of ``rows`` (equal pass counts on every rank) and scatter the results into one [B, T]
+        tensor, zero off the actions."""
+        out_BT = torch.zeros_like(rows.rollout_logp_BT)
         dev = self.runtime.device
 
         def fn(idx):
             real = idx is not None
             idx = idx if real else batches[0]
-            T = int(t["attention_mask_BT"][idx].sum(-1).max())
-            ids, am = t["sequences_BT"][idx, :T], t["attention_mask_BT"][idx, :T]
-            packed = PackedBatch.build(ids, am, targets_BT=t["action_mask_BT"][idx, :T],
+            T = int(rows.attention_mask_BT[idx].sum(-1).max())
+            ids, am = rows.sequences_BT[idx, :T], rows.attention_mask_BT[idx, :T]
+            packed = PackedBatch.build(ids, am, targets_BT=rows.action_mask_BT[idx, :T],
                                        cap=self.train_cfg.forward_micro_batch_tokens).to(dev)
-            mm = collate_mm_inputs([t["mm_inputs"][i] for i in idx] if t["mm_inputs"] else None, dev)
+            mm = collate_mm_inputs([rows.mm_inputs[i] for i in idx] if rows.mm_inputs else None, dev)
             x_BT = forward(ids.to(dev), am.to(dev), packed, mm)
             if real:
                 out_BT[idx, :T] = x_BT.float().cpu()
 
         run_forward_passes(self.runtime, batches, fn)
-        return out_BT * t["action_mask_BT"]
+        return out_BT * rows.action_mask_BT
 
-    def _logprobs(self, model: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]],
+    def _logprobs(self, model: torch.nn.Module, rows: PackedRows, batches: list[list[int]],
                   temperature: float | None = None) -> torch.Tensor:
         """``model``'s logprobs of the sampled tokens, at ``temperature`` (default: the rollout's)."""
         temp = self.rollout_cfg.temperature if temperature is None else temperature
@@ -220,11 +211,11 @@ class ExperienceMaker:
                                   mm_inputs=mm, packed=packed)[0]
 
         with self.colocation.using(model):
-            return self._per_token(forward, t, batches)
+            return self._per_token(forward, rows, batches)
 
-    def _values(self, critic: torch.nn.Module, t: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+    def _values(self, critic: torch.nn.Module, rows: PackedRows, batches: list[list[int]]) -> torch.Tensor:
         with self.colocation.using(critic):
-            return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), t, batches)
+            return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), rows, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
     def score(self, trajectories: list[Trajectory]) -> Scores:
@@ -255,29 +246,29 @@ class ExperienceMaker:
         supplies them), and the metrics that compare them with the rollout's and the reference's
         (``mismatch/*``, ``kl/rollout``) are left out: the update reports the same comparisons as
         ``actor/mismatch_*`` and ``actor/kl``."""
-        packed, t = self._pack(rollout.trajectories)
-        lengths = t["attention_mask_BT"].sum(-1).tolist()
+        packed = pack_trajectories(rollout.trajectories, self.models.tokenizer.pad_token_id or 0)
+        lengths = packed.attention_mask_BT.sum(-1).tolist()
         batches = packed_micro_batches(lengths, self.train_cfg.forward_micro_batch_tokens, self.train_cfg.forward_micro_batch_max_seqs,
                                        setting="train.forward_micro_batch_tokens")
         m = self.models
         old_logp_BT = ref_logp_BT = values_BT = None
         if self.old_logprobs_pass:
             with self.timer.phase("actor_logprobs"):
-                old_logp_BT = self._logprobs(m.actor.model, t, batches)
+                old_logp_BT = self._logprobs(m.actor.model, packed, batches)
         if m.reference is not None:
             with self.timer.phase("reference_logprobs"):
-                ref_logp_BT = self._logprobs(m.reference, t, batches)
+                ref_logp_BT = self._logprobs(m.reference, packed, batches)
         if m.critic is not None:
             with self.timer.phase("critic_values"):
-                values_BT = self._values(m.critic.model, t, batches)
+                values_BT = self._values(m.critic.model, packed, batches)
         teacher_logp_BT, teacher_ok_B, teacher_metrics = None, None, {}
         if self.algo.needs_teacher:
             with self.timer.phase("teacher_logprobs"):
-                teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(packed, t, batches)
+                teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(packed, batches)
         with self.timer.phase("reward"):
             scores = self.score(rollout.trajectories)
         trajs = rollout.trajectories
-        action_BT = t["action_mask_BT"]
+        action_BT = packed.action_mask_BT
         truncated_B = packed.per_row(torch.tensor([tr.truncated for tr in trajs], dtype=torch.bool))
         response_len_B = None  # single turn: the sampled tokens of the row
         if self.multi_turn:  # the trajectory's budget: sampled and observation tokens (env.max_total_tokens)
@@ -287,7 +278,7 @@ class ExperienceMaker:
             adv = self.algo.advantages(
                 total_B=packed.per_row(scores.total_N), action_mask_BT=action_BT, group_ids_B=group_ids_B,
                 truncated_B=truncated_B, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT, values_BT=values_BT,
-                student_logp_BT=old_logp_BT if old_logp_BT is not None else t["rollout_logp_BT"],
+                student_logp_BT=old_logp_BT if old_logp_BT is not None else packed.rollout_logp_BT,
                 teacher_logp_BT=teacher_logp_BT,
                 token_rewards_BT=packed.token_rewards_BT if packed.token_rewards_BT.any() else None,
                 trajectory_ids_B=packed.advantage_trajectory_ids(), response_len_B=response_len_B,
@@ -296,10 +287,10 @@ class ExperienceMaker:
         if teacher_ok_B is not None:
             loss_mask_B = loss_mask_B * teacher_ok_B.float()
         exp = Experience(
-            sequences_BT=t["sequences_BT"], attention_mask_BT=t["attention_mask_BT"], action_mask_BT=action_BT,
-            old_logp_BT=old_logp_BT, rollout_logp_BT=t["rollout_logp_BT"], ref_logp_BT=ref_logp_BT,
+            sequences_BT=packed.sequences_BT, attention_mask_BT=packed.attention_mask_BT, action_mask_BT=action_BT,
+            old_logp_BT=old_logp_BT, rollout_logp_BT=packed.rollout_logp_BT, ref_logp_BT=ref_logp_BT,
             values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
-            rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=t["mm_inputs"],
+            rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=packed.mm_inputs,
         )
         metrics = self._metrics(exp, packed, scores, adv.kl_BT)
         metrics.update(adv.metrics)
@@ -307,25 +298,25 @@ class ExperienceMaker:
         metrics.update(rollout.metrics)
         return exp, metrics, packed.row_list(scores.samples)
 
-    def _teacher_logprobs(self, packed: PackedRows, t: dict, batches: list[list[int]]):
+    def _teacher_logprobs(self, packed: PackedRows, batches: list[list[int]]):
         """The teacher's logprobs of the sampled tokens (temperature 1: the teacher's own
         distribution), the rows it scored, and its metrics. A local teacher is a frozen model's
         forward; a remote one scores each row's tokens after its prompt (observations included, as
         context) and its failed rows follow ``reward.on_error``: ``raise`` names the teacher and the
         row, ``drop`` leaves the row out of the loss and counts it."""
         m = self.models
-        B = t["sequences_BT"].shape[0]
+        B = packed.sequences_BT.shape[0]
         if m.teacher is not None:
-            return self._logprobs(m.teacher, t, batches, temperature=1.0), torch.ones(B, dtype=torch.bool), {}
+            return self._logprobs(m.teacher, packed, batches, temperature=1.0), torch.ones(B, dtype=torch.bool), {}
         rows = [r for tr in packed.trajectories for r in tr.rows]
         asked = [b for b, r in enumerate(rows) if r.token_ids]  # a row without a turn has nothing to score
         lps, errors, counters = m.remote_teacher.token_logprobs([rows[b].prompt_ids for b in asked],
                                                                 [rows[b].token_ids for b in asked])
-        if errors and self.rewards.cfg.on_error == "raise":
+        if errors and self.reward_cfg.on_error == "raise":
             i = min(errors)
             more = f" ({len(errors) - 1} more samples failed)" if len(errors) > 1 else ""
             raise RewardError(f"distillation teacher failed on sample {asked[i]}: {errors[i]}{more}")
-        out_BT = torch.zeros_like(t["rollout_logp_BT"])
+        out_BT = torch.zeros_like(packed.rollout_logp_BT)
         ok_B = torch.ones(B, dtype=torch.bool)
         for b, lp in zip(asked, lps):
             if lp is None:
@@ -334,7 +325,7 @@ class ExperienceMaker:
             P = len(rows[b].prompt_ids)
             out_BT[b, P : P + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         metrics = {"distill/teacher_dropped_count": float(len(errors)), **{f"distill/teacher_{k}_count": v for k, v in counters.items()}}
-        return out_BT * t["action_mask_BT"], ok_B, metrics
+        return out_BT * packed.action_mask_BT, ok_B, metrics
 
     def _metrics(self, exp: Experience, packed: PackedRows, scores: Scores, kl_BT) -> dict[str, float]:
         """Rollout metrics. Rewards, lengths (sampled tokens) and truncation are per trajectory; the

@@ -44,16 +44,13 @@ import math
 from collections import Counter
 from typing import Any, Callable, Sequence
 
-import torch.distributed as dist
-
 from tidal.distributed.generate import force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental
+from tidal.engine.stepping import EngineRun, GroupsComplete, run_steps
 from tidal.envs.base import EnvRow
 from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
 from tidal.trainer.config import SAMPLE_SLOTS, PartialRolloutConfig
-
-# group id = step * STEP_GROUPS + rank * in_flight + k: unique over ranks and steps
-STEP_GROUPS = 1_000_000
+from tidal.trainer.experience import first_group_id
 
 
 def in_flight_groups(groups_per_step: int, oversample: float) -> int:
@@ -101,53 +98,12 @@ class GroupState:
         return all(s.finished for s in self.seqs)
 
 
-@dataclasses.dataclass(kw_only=True)
-class RunResult:
-    """What one engine run gave: every completion (finished or aborted) and the group ids that
-    completed, in the order they completed; ``steps``: engine steps."""
-
-    completions: list[Completion]
-    completed: list[int]
-    steps: int
-
-
-def run_until_complete(engine: IncrementalEngine, requests: list[Request], owner: dict[int, int], left: dict[int, int],
-                       needed: dict[int, int]) -> RunResult:
-    """Add ``requests`` to the idle engine and step it until every owner ``o`` has ``needed[o]``
-    more complete groups (group ``g`` of owner ``owner[g]`` completes when its ``left[g]``
-    unfinished requests have finished) or nothing is unfinished; then abort the rest. Identical
-    calls on every TP rank give identical results."""
-    if engine.has_unfinished():
-        raise RuntimeError("partial rollout needs an idle engine: it aborts whatever is unfinished at the end")
-    left, todo = dict(left), {o: n for o, n in needed.items() if n > 0}
-    completions: list[Completion] = []
-    completed: list[int] = []
-    steps = 0
-    engine.add(requests)
-    try:
-        while todo and engine.has_unfinished():
-            for c in engine.step():
-                completions.append(c)
-                left[c.group_id] -= 1
-                if left[c.group_id] == 0:
-                    completed.append(c.group_id)
-                    o = owner[c.group_id]
-                    if o in todo:
-                        todo[o] -= 1
-                        if todo[o] == 0:
-                            del todo[o]
-            steps += 1
-    finally:
-        completions += engine.abort()
-    return RunResult(completions=completions, completed=completed, steps=steps)
-
-
 class LongTailRollout:
     """One rank's groups in flight and its policy (see the module docstring).
 
     ``dataset[i]``: a prompt item (``prompt_ids``, ``mm_inputs``, ...); ``draw()``: the next batch of
     dataset indices from the rank's sampler (drawn indices not started yet wait in a queue, which
-    the checkpoint keeps). ``runtime``: for the TP group (``tp_size``, ``tp_rank``, ``tp_cpu_group``).
+    the checkpoint keeps). ``runtime``: the :class:`~tidal.distributed.runtime.Runtime` (its TP group's gather).
     """
 
     def __init__(self, cfg: PartialRolloutConfig, *, groups_per_step: int, n_samples: int, rank: int, runtime: Any,
@@ -175,16 +131,16 @@ class LongTailRollout:
         stats["new_groups"] = len(new)
         groups = self.groups + new
         requests = self._requests(groups, params, stats)
-        run = self._run(engine, groups, requests)
+        run, rule = self._run(engine, groups, requests)
         by_gid = {g.gid: g for g in groups}
         end = budget.end_token_id if budget is not None else None
-        for c in run.completions:
+        for c in run.finished + run.unfinished:
             if c.group_id in by_gid:
                 seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
                 seq.take(force_end(c, seq.budget, end) if end is not None else c)
-        now = set(run.completed)
+        now = set(rule.completed)
         order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
-        order += [gid for gid in run.completed if gid in by_gid]
+        order += [gid for gid in rule.completed if gid in by_gid]
         chosen = set(order[: self.G])
         trained = sorted((by_gid[g] for g in chosen), key=lambda g: g.gid)
         rest = [g for g in groups if g.gid not in chosen]
@@ -215,7 +171,8 @@ class LongTailRollout:
         if budget is not None and need:
             budgets = budget.budgets([self.dataset[i] for i in idx], params)
         # carried groups were started by earlier steps: these ids are free
-        return [GroupState(gid=step * STEP_GROUPS + self.rank * self.in_flight + k, index=i,
+        first = first_group_id(step, self.rank, self.in_flight)
+        return [GroupState(gid=first + k, index=i,
                            seqs=[SeqState(budget=budgets[k * self.n + s], start_step=step) for s in range(self.n)])
                 for k, i in enumerate(idx)]
 
@@ -233,22 +190,17 @@ class LongTailRollout:
                                    versions=list(s.versions)))
         return out
 
-    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request]) -> RunResult:
-        """The engine run of this rank's requests, with the other TP ranks' when the group is larger
-        than one (gathered in rank order: every rank makes the same calls)."""
+    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request]
+             ) -> tuple[EngineRun, GroupsComplete]:
+        """The engine run of this rank's requests with the other TP ranks' (gathered in TP rank
+        order: every rank makes the same calls), until every rank has its G complete groups."""
         done = sum(g.complete for g in groups)
-        left = {g.gid: sum(not s.finished for s in g.seqs) for g in groups}
-        mine = (requests, left, max(self.G - done, 0))
-        rt = self.runtime
-        parts = [mine]
-        if rt is not None and rt.tp_size > 1:
-            parts = [None] * rt.tp_size
-            group = rt.tp_cpu_group if rt.tp_cpu_group is not None else rt.tp_group
-            dist.all_gather_object(parts, mine, group=group)
+        mine = (requests, [g.gid for g in groups], max(self.G - done, 0))
+        parts = self.runtime.tp_gather_objects(mine)
         all_requests = [r for reqs, _, _ in parts for r in reqs]
-        owner = {gid: o for o, (_, lf, _) in enumerate(parts) for gid in lf}
-        left_all = {gid: n for _, lf, _ in parts for gid, n in lf.items()}
-        return run_until_complete(engine, all_requests, owner, left_all, {o: p[2] for o, p in enumerate(parts)})
+        owner = {gid: o for o, (_, gids, _) in enumerate(parts) for gid in gids}
+        rule = GroupsComplete(all_requests, {o: p[2] for o, p in enumerate(parts)}, owner)
+        return run_steps(engine, all_requests, stop=rule), rule
 
     # ---- metrics -------------------------------------------------------------------------------------
     def _metrics(self, trained: list[GroupState], version: int, step: int, stats: Counter) -> dict[str, float]:

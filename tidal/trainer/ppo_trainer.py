@@ -31,7 +31,7 @@ from tidal.run import faults
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
-from tidal.trainer.experience import Experience, concat_experiences
+from tidal.trainer.experience import Experience, concat_experiences, first_group_id
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.memory.plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
@@ -104,8 +104,8 @@ class PPOTrainer:
         self.state = TrainerState()
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
-        self.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
-                                     rollout=cfg.rollout, train=cfg.train, model=cfg.model, env=cfg.env)
+        self.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=cfg.rollout,
+                                     train=cfg.train, model=cfg.model, env=cfg.env, reward=cfg.reward)
         self.perf = PerfMeter(models=models, timer=self.timer, device=self.rt.device, compiles=colocation.strategy.compiles,
                               compile_cache_dir=cfg.strategy.compile_cache_dir, is_main=self.rt.is_main, epochs=cfg.train.epochs)
         self.long_tail = None  # rollout.partial: the groups in flight across steps
@@ -145,7 +145,7 @@ class PPOTrainer:
         tries = 0
         while True:
             items, _ = self._next_items()
-            first_gid = step * 1_000_000 + tries * 10_000 + self.rt.rank * per_rank
+            first_gid = first_group_id(step, self.rt.rank, per_rank, attempt=tries)
             rollout = self.maker.generate(items, self.sampling_params(step, tries), first_gid)
             exp, m, samples = self.maker.make(rollout)
             tries += 1
@@ -269,10 +269,10 @@ class PPOTrainer:
         }
         if self.long_tail is not None:  # every rank's groups in flight (a collective)
             state = self.long_tail.state_dict()
-            trainer_state["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
+            trainer_state["partial"] = self.rt.all_gather_objects(state)
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
             path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
-                                        rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
+                                        runtime=self.rt, keep=self.cfg.checkpoint.keep)
             shown.done(f"in {path}")
 
     def resume(self) -> int:
@@ -287,7 +287,7 @@ class PPOTrainer:
         strategy, m = self.colocation.strategy, self.models
         which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
         loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
-                                  group=self.rt.cpu_group, required_keys=ckpt.TRAINER_STATE_KEYS,
+                                  runtime=self.rt, required_keys=ckpt.TRAINER_STATE_KEYS,
                                   warn_skipped=False)  # setup's resolve_resume_point named them
         self.run_dir.resume = None  # loaded: a second call is a no-op
         if loaded is None:  # every candidate failed to load under auto: a fresh run

@@ -14,10 +14,10 @@ from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.run import checkpoint as ckpt
 
 root, keep = Path(sys.argv[1]), int(sys.argv[2])
-init_runtime(1, "cpu")
+rt = init_runtime(1, "cpu")
 for spec in sys.argv[3:]:
     step, value = (int(x) for x in spec.split(":"))
     states = {"m": {"w": torch.full((4,), float(value))}}
-    ckpt.save_checkpoint(root, step, model_states=states, trainer_state={"step": step, "value": value}, rank=0, keep=keep)
+    ckpt.save_checkpoint(root, step, model_states=states, trainer_state={"step": step, "value": value}, runtime=rt, keep=keep)
     print(f"saved step {step}", flush=True)
 shutdown()

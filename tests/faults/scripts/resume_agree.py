@@ -1,5 +1,5 @@
 """2 ranks (gloo): save steps 1 and 2, spoil rank 1's part of step 2 so that only rank 1 fails to
-load it, then ``load_resume("auto")`` with the world group: both ranks must end on step 1.
+load it, then ``load_resume("auto")`` with the runtime: both ranks must end on step 1.
 Usage: ``torchrun --nproc_per_node 2 resume_agree.py ROOT``; each rank prints ``RESUMED <step> <w>``."""
 
 import sys
@@ -20,7 +20,7 @@ def states(v: float) -> dict:  # one key per rank: each rank's data lands in its
 
 
 for step in (1, 2):
-    ckpt.save_checkpoint(root, step, model_states=states(float(step)), rank=r, keep=5,
+    ckpt.save_checkpoint(root, step, model_states=states(float(step)), runtime=rt, keep=5,
                          trainer_state={"step": step, "sampler": {}, "algorithm": {}, "trainer": {}})
 torch.distributed.barrier()
 if r == 1:  # zero rank 1's bytes item in step 2 (same size: the cheap checks pass; loading fails on rank 1)
@@ -31,7 +31,7 @@ if r == 1:  # zero rank 1's bytes item in step 2 (same size: the cheap checks pa
     data[info.offset : info.offset + info.length] = b"\0" * info.length
     shard.write_bytes(bytes(data))
 torch.distributed.barrier()
-got = ckpt.load_resume("auto", root, model_states=lambda: states(0.0), rank=r, group=rt.cpu_group)
+got = ckpt.load_resume("auto", root, model_states=lambda: states(0.0), rank=r, runtime=rt)
 assert got is not None
 path, sd, st = got
 print(f"RESUMED rank {r} step {st['step']} w {sd['m'][f'w{r}'][0].item()} lr {sd['m'][f'hp{r}']['lr']}", flush=True)

@@ -65,7 +65,7 @@ def check_stage(rt, stage, root: Path, res):
     train(strategy, state, rt, 2)
     saved = weights(strategy, state)
     path = ckpt.save_checkpoint(root / tag, 2, model_states={"actor": strategy.state_dict(state)},
-                                trainer_state={"step": 2}, rank=rt.rank, keep=1)
+                                trainer_state={"step": 2}, runtime=rt, keep=1)
     # the reference continuation: step index 2 of the schedule on step-2 data
     ref_log = train(strategy, state, rt, 1, first_step=2)
     ref_weights = weights(strategy, state)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import time
 from typing import Iterable, Sequence as Seq
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine import sizing
-from tidal.engine.base import Completion, Request, SamplingParams
+from tidal.engine.base import Completion, Request, SamplingParams, eos_ids
 from tidal.engine.config import EngineConfig
 from tidal.engine.native.block_manager import BlockManager
 from tidal.engine.native.kernels import get_ops
@@ -49,13 +48,8 @@ from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
 from tidal.engine.native.speculative import Speculator
+from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
-
-
-def _eos_ids(value) -> set[int]:
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
 TIMERS = ("schedule_s", "postprocess_s", "prepare_s", "submit_s", "wait_s")
@@ -95,8 +89,7 @@ class NativeEngine:
         graph_max_batch = sizing.graph_max_batch(cfg, self.device, getattr(self.ops, "graph_safe", False))
         self.runner = ModelRunner(self.model, self.tp, block_size=cfg.block_size, device=self.device,
                                   graph_max_batch=graph_max_batch)
-        text_config = hf_config.get_text_config()  # a VL config may keep EOS in its text config only
-        self.eos_token_ids = _eos_ids(getattr(hf_config, "eos_token_id", None)) | _eos_ids(getattr(text_config, "eos_token_id", None))
+        self.eos_token_ids = eos_ids(hf_config)
         self.table = SequenceTable(cfg.block_size)
         self.block_manager: BlockManager | None = None  # with the KV cache
         self.scheduler: Scheduler | None = None  # with the KV cache
@@ -121,11 +114,9 @@ class NativeEngine:
         from safetensors import safe_open
         from transformers import AutoConfig
 
-        engine = cls(AutoConfig.from_pretrained(path), cfg, device=device, dtype=dtype, tp_group=tp_group)
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.exists(gen_path):
-            with open(gen_path) as f:
-                engine.eos_token_ids |= _eos_ids(json.load(f).get("eos_token_id"))
+        hf_config = AutoConfig.from_pretrained(path)
+        engine = cls(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group)
+        engine.eos_token_ids = eos_ids(hf_config, path)
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -294,11 +285,7 @@ class NativeEngine:
         lengths = [min(len(r.prompt_ids) + r.params.max_new_tokens, max_pos) for r in requests]
         self._ensure_kv(lengths)
         for r, max_len in zip(requests, lengths):  # every request fits the cache: checked before any is queued
-            kv_tokens = max_len - 1
-            if -(-kv_tokens // self.cfg.block_size) > self.block_manager.num_blocks:
-                raise ValueError(
-                    f"request {r.request_id!r}: {len(r.prompt_ids)} prompt tokens + {max_len - len(r.prompt_ids)} new ones "
-                    f"need more KV blocks than the cache has ({self.block_manager.num_blocks} of {self.cfg.block_size} tokens)")
+            self.scheduler.check_fits(len(r.prompt_ids), max_len, f"request {r.request_id!r}")
         self._sampling = sampling
         for r, m, max_len in zip(requests, mm, lengths):
             stop = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else frozenset(self.eos_token_ids))
@@ -427,23 +414,18 @@ class NativeEngine:
             return []
         if mm_inputs is not None and len(mm_inputs) != len(prompts):
             raise ValueError(f"generate: {len(mm_inputs)} mm_inputs for {len(prompts)} prompts")
-        mm = [None] * len(prompts)
+        mm: list[dict | None] = [None] * len(prompts)
         for i, m in enumerate(mm_inputs or []):
             if m is not None:
-                mm[i] = self._multimodal(prompts[i], m, f"prompt {i}")
+                self._multimodal(prompts[i], m, f"prompt {i}")  # errors name the prompt, before anything is added
+                mm[i] = dict(m)  # one dict per prompt: add() shares its image features among its n samples only
         one = dataclasses.replace(params, n=1)
         n = params.n
-        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i)
+        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i])
                     for i, p in enumerate(prompts) for j in range(n)]
-        self._add(requests, [m for m in mm for _ in range(n)])
         out: list[Completion | None] = [None] * len(requests)
-        try:
-            while self._requests:
-                for c in self.step():
-                    out[c.request_id] = c
-        except BaseException:
-            self.abort()  # leave the engine idle: the next call starts clean
-            raise
+        for c in run_steps(self, requests).finished:
+            out[c.request_id] = c
         return out
 
     def _count(self, batch) -> None:

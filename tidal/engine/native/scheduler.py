@@ -89,15 +89,19 @@ class Scheduler:
             self.stop_sets.append(np.array(sorted(ids), dtype=np.int64))
         return self._stop_set_ids[ids]
 
+    def check_fits(self, num_prompt: int, max_len: int, what: str = "a sequence") -> None:
+        """ValueError naming ``what`` unless a sequence of ``num_prompt`` prompt tokens growing to
+        ``max_len`` tokens could ever fit in the cache (the one check of it)."""
+        kv_tokens = max_len - 1  # the last sampled token is never fed back
+        if -(-kv_tokens // self.block_size) > self.bm.num_blocks:
+            raise ValueError(
+                f"{what} of {num_prompt} prompt tokens + {max_len - num_prompt} new ones needs more KV blocks than the "
+                f"cache has ({self.bm.num_blocks} of {self.block_size} tokens)"
+            )
+
     def add(self, slot: int) -> None:
         """Queue the (waiting) sequence in ``slot``; raises if it could never fit in the cache."""
-        kv_tokens = int(self.table.max_len[slot]) - 1  # the last sampled token is never fed back
-        if -(-kv_tokens // self.block_size) > self.bm.num_blocks:
-            t = self.table
-            raise ValueError(
-                f"a sequence of {t.num_prompt[slot]} prompt tokens + {t.max_len[slot] - t.num_prompt[slot]} new ones "
-                f"needs more KV blocks than the cache has ({self.bm.num_blocks} of {self.block_size} tokens)"
-            )
+        self.check_fits(int(self.table.num_prompt[slot]), int(self.table.max_len[slot]))
         self.waiting.append(slot)
 
     @property
