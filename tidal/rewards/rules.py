@@ -135,6 +135,8 @@ class LengthPenalty(RuleReward):
 class RuleComponent(SyncComponent):
     """A rule as a reward component (scored inline; rules are cheap and do not block)."""
 
+    streams = True
+
     def __init__(self, rule: RuleReward):
         self.rule = rule
 
