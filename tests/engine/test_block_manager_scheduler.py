@@ -195,10 +195,31 @@ def test_schedule_ahead_after_a_prefill_is_the_next_prefill():
     ahead = sched.schedule_ahead(first)  # before first's tokens are known: a's last two tokens, then b
     assert ahead.is_prefill and ahead.rows.tolist() == [a, b]
     assert ahead.start.tolist() == [5, 0] and ahead.num_new.tolist() == [2, 2] and table.num_cached[a] == 7
-    assert sched.schedule_ahead(ahead) is None  # nothing waits: the decode needs the sampled tokens
     sched.postprocess(first, np.zeros(0), np.zeros(0))
+    # nothing waits: the decode of both, one token past their length, fed from ahead's samples
+    decode = sched.schedule_ahead(ahead)
+    assert not decode.is_prefill and decode.rows.tolist() == [a, b] and decode.src_rows.tolist() == [0, 1]
     sched.postprocess(ahead, np.array([4, 5]), np.zeros(2))
     assert _completion(table, a) == [4] and _completion(table, b) == [5]
+    sched.postprocess(decode, np.array([6, 7]), np.zeros(2))
+    assert _completion(table, a) == [4, 6] and _completion(table, b) == [5, 7]
+
+
+def test_decode_after_a_prefill_feeds_known_tokens_from_the_host_and_new_ones_from_the_samples():
+    table, sched = _sched(num_blocks=8, block_size=4)
+    a = _add(table, sched, 0, [1, 2, 3], max_tokens=4)
+    _step(sched, token=7)  # a prefilled and sampled: [1, 2, 3, 7]
+    b = _add(table, sched, 1, [4, 5], max_tokens=4)
+    c = _add(table, sched, 2, [6], max_tokens=1)  # finishes by length with its prefill's token
+    prefill = sched.schedule()
+    assert prefill.is_prefill and prefill.rows.tolist() == [b, c]
+    decode = sched.schedule_ahead(prefill)
+    # a: known input token (-1), one token at its length; b: the prefill's sample 0; c: left out
+    assert decode.rows.tolist() == [a, b] and decode.src_rows.tolist() == [-1, 0]
+    assert sched.schedule_ahead(decode) is None and sched.ahead_off == "not_in_step"  # c is still running
+    sched.postprocess(prefill, np.array([8, 9]), np.zeros(2))
+    sched.postprocess(decode, np.array([10, 11]), np.zeros(2))
+    assert _completion(table, a) == [7, 10] and _completion(table, b) == [8, 11] and _completion(table, c) == [9]
 
 
 def test_scheduler_respects_max_num_seqs_and_rejects_oversized():
@@ -232,7 +253,7 @@ def test_schedule_ahead_runs_one_token_past_and_voids_stopped_rows():
     a = _add(table, sched, 0, [1, 2], max_tokens=8, stop=frozenset({9}))
     b = _add(table, sched, 1, [3], max_tokens=8, stop=frozenset({9}))
     c = _add(table, sched, 2, [4, 5, 6], max_tokens=2, stop=frozenset({9}))
-    assert sched.schedule_ahead(_step(sched)) is None  # never after a prefill
+    _step(sched)  # the prefill (the decode scheduled ahead of a prefill: the tests above)
     batch = sched.schedule()  # decode: lengths 3, 2, 4
     ahead = sched.schedule_ahead(batch)
     # c reaches max_tokens with this step's token: not ahead; a needs a block for its 4th token
@@ -244,8 +265,10 @@ def test_schedule_ahead_runs_one_token_past_and_voids_stopped_rows():
     assert table.slots_with(Status.RUNNING).tolist() == [a]
     sched.postprocess(ahead, np.array([8, 5]), np.zeros(2))  # b's row is void: its token is dropped
     assert _completion(table, a) == [1, 7, 8] and table.num_cached[a] == 4
+    decode = sched.schedule()
     _add(table, sched, 3, [1])
-    assert sched.schedule_ahead(sched.schedule()) is None  # a sequence waits: prefill comes first
+    assert sched.schedule_ahead(decode) is None  # a sequence waits: if decode stops a, it is admitted first
+    assert sched.ahead_off == "waiting"
 
 
 def test_decode_registers_each_block_it_fills_in_the_prefix_cache():

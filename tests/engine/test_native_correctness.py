@@ -131,6 +131,9 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
                             for p in (greedy, sampled)]
         assert (engine.stats["ahead_steps"] > 0) == overlap
         assert engine.stats["prefill_steps"] > 2 * 2
+        # every decode step ran ahead: the first one after the prompts' last prefill too, and the
+        # steps after sequences stopped
+        assert engine.overlap(dict.fromkeys(engine.stats, 0))["ahead_frac"] == (1.0 if overlap else 0.0)
     # same tokens and stops; logprobs equal up to float rounding (a step ahead has other batch rows,
     # so the CPU matmuls may block differently)
     for got, want in zip(results[True], results[False]):
