@@ -292,3 +292,25 @@ def test_the_table_grows_its_rows_and_columns_keeping_every_sequence():
     assert [table.token_list(s) for s in slots] == [[i + 1] * 3 + [9] * 69 for i in range(5)]
     _step(sched, token=9)
     assert len(table) == 0 and table.gen[slots].tolist() == [1] * 5  # all finished (length) and released
+
+
+def test_with_sequences_waiting_a_decode_is_scheduled_ahead_only_when_none_can_be_admitted():
+    table, sched = _sched(num_blocks=16, block_size=4, max_num_seqs=2)
+    a, b = _add(table, sched, 0, [1, 2], max_tokens=3), _add(table, sched, 1, [3], max_tokens=3)
+    c = _add(table, sched, 2, [4], max_tokens=3)  # waits: the cap is 2
+    _step(sched)  # a and b prefilled: 1 token each, max 3
+    decode = sched.schedule()
+    # the cap is reached, no stop tokens, neither reaches its length in this step: none is admitted
+    ahead = sched.schedule_ahead(decode)
+    assert ahead.rows.tolist() == [a, b] and ahead.src_rows.tolist() == [0, 1] and list(sched.waiting) == [c]
+    sched.postprocess(decode, np.array([5, 6]), np.zeros(2))
+    # the step ahead brings both to their length: the step after it may admit c
+    assert sched.schedule_ahead(ahead) is None and sched.ahead_off == "waiting"
+    assert sched.postprocess(ahead, np.array([7, 8]), np.zeros(2)).tolist() == [a, b]
+    # with a stop token, a step may end a sequence and make room: not ahead
+    table, sched = _sched(num_blocks=16, block_size=4, max_num_seqs=2)
+    _add(table, sched, 0, [1, 2], max_tokens=5, stop=frozenset({9}))
+    _add(table, sched, 1, [3], max_tokens=5)
+    _add(table, sched, 2, [4], max_tokens=5)
+    _step(sched)
+    assert sched.schedule_ahead(sched.schedule()) is None and sched.ahead_off == "waiting"

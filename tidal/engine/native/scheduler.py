@@ -19,7 +19,9 @@ Policy (the nano-vllm shape):
   (more waiting sequences admitted, or the next chunk), which needs no sampled token; when nothing
   waits, the decode of every running sequence (the just-prefilled ones fed from the prefill's
   samples). Whether the pending step stops a sequence is unknown, so with sequences waiting the
-  step after a decode is not scheduled ahead (a stop would admit one first).
+  step after a decode is not scheduled ahead (a stop would admit one first), unless no admission
+  can happen then: the ``max_num_seqs`` cap is reached and no running sequence can finish (no stop
+  tokens, none at its length).
 
 Everything per sequence is read from and written to the :class:`SequenceTable`'s arrays: a decode
 step of thousands of rows costs a few numpy operations (scheduling, stop checks, appending the
@@ -206,14 +208,26 @@ class Scheduler:
             if self.waiting:
                 return self._schedule_prefill() or self._off("waiting")
             return self._decode_after_prefill(batch)
-        if self.waiting:
-            return self._off("waiting")
         t, rows = self.table, batch.rows
         live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
+        if self.waiting and not self._admits_none(rows[live]):
+            return self._off("waiting")
         if int(live.sum()) != self.num_running:
             return self._off("not_in_step")
         src = np.flatnonzero(live & (t.num_tokens[rows] + 1 < t.max_len[rows]))  # not finished by length
         return self._decode_ahead(rows[src], src, np.ones(len(src), dtype=bool))
+
+    def _admits_none(self, slots: np.ndarray) -> bool:
+        """Whether, with sequences waiting, :meth:`schedule` surely admits none once the decode of
+        ``slots`` (every running sequence) is postprocessed: the ``max_num_seqs`` cap is reached and
+        none of them can finish in it (no stop tokens, none at its length). Otherwise a stop or a
+        finish in that step may free room (blocks, a slot, new prefix hits) for an admission first."""
+        t = self.table
+        if self.max_num_seqs is None or len(slots) < self.max_num_seqs:
+            return False
+        if any(len(self.stop_sets[k]) for k in np.unique(t.stop_set[slots]).tolist()):
+            return False
+        return not bool((t.num_tokens[slots] + 1 >= t.max_len[slots]).any())
 
     def _decode_after_prefill(self, batch: Batch) -> Batch | None:
         """Every running sequence decodes: those ``batch`` samples for (not finished by length) one
