@@ -47,15 +47,16 @@ def S(response, i, reference="4", label=""):
 
 def _engine(on_error="raise", batched=False):
     components = {"len": {"type": "function", "path": f"{HERE}:resp_len"}, "math": {"type": "math_answer"},
-                  "boom": {"type": "function", "path": f"{HERE}:raises_on_boom"}}
-    recipes = {"default": [["len", 0.5], ["math", 1.0], ["boom", 1.0]], "short": [["math", 2.0]]}
+                  "boom": {"type": "function", "path": f"{HERE}:raises_on_boom"},
+                  "fmt": {"type": "think_answer_format"}}  # a rule scored in the background
+    recipes = {"default": [["len", 0.5], ["math", 1.0], ["boom", 1.0], ["fmt", 0.25]], "short": [["math", 2.0]]}
     if batched:
         components["count"] = {"type": "function", "path": f"{HERE}:batched_count"}
         recipes["default"].append(["count", 1.0])
     return RewardEngine(RewardConfig(components=components, recipes=recipes, on_error=on_error), device=torch.device("cpu"))
 
 
-BATCH = ["\\boxed{4}", "ab", "boom", "\\boxed{5}", "abcdef", "\\boxed{4} x", "boom", "z"]
+BATCH = ["\\boxed{4}", "ab", "boom", "\\boxed{5}", "abcdef", "\\boxed{4} x", "boom", "<think>a</think><answer>4</answer>"]
 
 
 def _samples():
@@ -82,6 +83,9 @@ def test_groups_scored_in_any_order_equal_scoring_at_the_end(batched):
         batched_count.sizes = []
         want = eng.score(samples)
         assert batched_count.sizes == ([7] if batched else [])  # sample 5's recipe lacks it
+        # math_answer's time limit works on the main thread only: it scores at the end
+        assert eng.streams("len") and eng.streams("boom") and not eng.streams("math")
+        assert not batched or not eng.streams("count")
         stream = RewardStream(eng)
         SCORED.clear()
         for group in ([4, 5], [0, 1], [6, 7], [2, 3]):  # groups end in any order

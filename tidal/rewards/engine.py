@@ -15,7 +15,7 @@ Contract:
   that is not finite in float32 (NaN, inf, 1e39) is such an error, whatever component gave it.
 - Scoring while decoding (:class:`~tidal.rewards.stream.RewardStream`): ``prescore`` scores a
   piece of the batch early with the components that score each sample on its own (``streams``:
-  rules, per-sample functions, remote services); ``score(samples, prescored=...)`` then scores only
+  per-sample functions, remote services, rules but ``math_answer``); ``score(samples, prescored=...)`` then scores only
   what is missing and returns exactly what ``score(samples)`` returns (the same rewards, errors,
   drops and counts; ``seconds`` add up the pieces). Batched functions and reward models always
   score the whole batch in ``score``.

@@ -2,8 +2,9 @@
 
 ``submit(positions, samples)`` hands a piece of the batch over as soon as it is known (a group of
 trajectories when its last member finishes); a background thread scores it with the components
-that score each sample on its own (:meth:`RewardEngine.streams`: rules, per-sample functions,
-remote services), one piece after another, while the caller decodes. ``results(samples)`` waits
+that score each sample on its own (:meth:`RewardEngine.streams`: per-sample functions, remote
+services, rules whose time limit does not need the main thread), one piece after another, while
+the caller decodes. ``results(samples)`` waits
 for the pieces and returns ``RewardEngine.score(samples)``: the same rewards in the same order,
 with the same errors, drops and counts. A piece's sample that differs from the final batch's at
 its position (it was submitted with another ``index``), a position never submitted, and the
