@@ -78,7 +78,7 @@ def test_within_chunk_off_by_one_fails_too():
     def wrong_offset(p_BV, u_B, chunk=8):
         B, V = p_BV.shape
         n = -(-V // chunk)
-        p_BNC = torch.nn.functional.pad(p_BV, (0, n * chunk - V)).view(B, n, chunk)
+        p_BNC = torch.nn.functional.pad(p_BV, (0, n * chunk - V)).view(B, n, chunk)  # a reference layout
         mass_BN = p_BNC.sum(-1)
         cdf_BN = monotone_cdf(mass_BN)
         target_B = u_B * cdf_BN[:, -1]

@@ -68,14 +68,17 @@ def inverse_cdf(p_BV: torch.Tensor, u_B: torch.Tensor, chunk: int = CHUNK) -> to
     row's chunk sums of ``chunk`` tokens, then the tokens of the chosen chunk. Token i is drawn with
     probability ``p_i / total`` (up to float rounding of the sums); a token of zero weight never is."""
     B, V = p_BV.shape
-    n = -(-V // chunk)
-    p_BNC = torch.nn.functional.pad(p_BV, (0, n * chunk - V)).view(B, n, chunk)
-    mass_BN = p_BNC.sum(-1)
+    full, n = V // chunk, -(-V // chunk)
+    mass_BN = p_BV.new_zeros(B, n)  # each chunk's mass (no padded copy of the row: it may be 100k+ wide)
+    mass_BN[:, :full] = p_BV[:, : full * chunk].view(B, full, chunk).sum(-1)
+    if n > full:
+        mass_BN[:, full] = p_BV[:, full * chunk :].sum(-1)
     cdf_BN = monotone_cdf(mass_BN)
     target_B = u_B.to(cdf_BN.dtype) * cdf_BN[:, -1]
     c_B = search(cdf_BN, mass_BN > 0, target_B)
     before_B = torch.where(c_B > 0, cdf_BN.gather(-1, (c_B - 1).clamp_min(0)[:, None]).squeeze(-1), 0.0)
-    p_BC = p_BNC[torch.arange(B, device=p_BV.device), c_B]
+    idx_BC = c_B[:, None] * chunk + torch.arange(chunk, device=p_BV.device)
+    p_BC = p_BV.gather(-1, idx_BC.clamp_max(V - 1)).masked_fill(idx_BC >= V, 0.0)  # the chosen chunk's weights
     i_B = search(monotone_cdf(p_BC), p_BC > 0, target_B - before_B)
     return c_B * chunk + i_B
 
