@@ -6,9 +6,9 @@ that score each sample on its own (:meth:`RewardEngine.streams`: per-sample func
 services, rules whose time limit does not need the main thread), one piece after another, while
 the caller decodes. ``results(samples)`` waits
 for the pieces and returns ``RewardEngine.score(samples)``: the same rewards in the same order,
-with the same errors, drops and counts. A piece's sample that differs from the final batch's at
-its position (it was submitted with another ``index``), a position never submitted, and the
-components that need the whole batch (batched functions, reward models) are scored there. A
+with the same errors, drops and counts. A piece with a sample that differs from the final
+batch's at its position (it was submitted with another ``index``), a position never submitted,
+and the components that need the whole batch (batched functions, reward models) are scored there. A
 component's own exception in a piece is raised by ``results``.
 
 The stream knows nothing about engines or environments: whatever learns that a trajectory ended
@@ -45,10 +45,8 @@ class RewardStream:
         try:
             for positions, piece, fut in self._pieces:
                 part = fut.result()
-                same = [i for i, (b, s) in enumerate(zip(positions, piece)) if b < len(samples) and samples[b] == s]
-                if len(same) < len(piece):  # drop the entries of the samples that changed
-                    part.entries = {n: {i: v for i, v in e.items() if i in same} for n, e in part.entries.items()}
-                prescored.add(part, positions)
+                if all(b < len(samples) and samples[b] == s for b, s in zip(positions, piece)):
+                    prescored.add(part, positions)  # else the whole piece is scored again (its counts too)
         finally:
             self.close()
         return self.engine.score(samples, prescored)
