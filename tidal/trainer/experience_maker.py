@@ -4,7 +4,9 @@ generate (the rollout phase: the environment's trajectories, :class:`~tidal.envs
 decoded by the awake engine through :class:`~tidal.distributed.generate.GroupGenerator`) -> actor
 old logprobs (unless the update's forward supplies them: ``Algorithm.reuses_policy_logprobs``) ->
 reference logprobs (KL on) -> critic values (estimators with a critic) -> rewards on the
-trajectories -> reward processing and advantages (the algorithm). Where each model sits during its
+trajectories (each group handed to a :class:`~tidal.rewards.stream.RewardStream` as its last
+trajectory ends, so scoring overlaps the rest of the rollout and the forwards) -> reward
+processing and advantages (the algorithm). Where each model sits during its
 forward is the phase owner's business (:class:`~tidal.trainer.colocation.Colocation`): this module
 only says which phase it enters.
 
