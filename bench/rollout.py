@@ -14,7 +14,9 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
 
 Every native case records the host time per engine step (``host_ms_per_step``: the engine's timers,
 ``host_busy_ms_per_step``: all of them but ``wait``) next to the wall time per step
-(``wall_ms_per_step``): host work hides behind the device step while ``host_busy`` stays below it.
+(``wall_ms_per_step``): host work hides behind the device step while ``host_busy`` stays below it
+and the step was scheduled ahead (``ahead_frac``: decode steps scheduled ahead over all decode
+steps; ``ahead_off_frac``: the steps after which the next was not, by reason, over all steps).
 The engine runs with its defaults (``max_num_seqs: auto``, the KV cache sized from free memory), so
 each case decodes in one wave.
 
