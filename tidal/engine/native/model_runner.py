@@ -213,7 +213,9 @@ class ModelRunner:
         inputs = np.empty((4, len(rows)), dtype=np.int64)
         ctx = table.num_tokens[rows] + ahead
         last = ctx - 1
-        inputs[0] = np.where(ahead, 0, table.tokens[rows, last])
+        inputs[0] = 0
+        known = ~ahead  # a row ahead reads past its tokens (maybe past the table's width): not read
+        inputs[0, known] = table.tokens[rows[known], last[known]]
         inputs[1] = last + table.rope_delta[rows]
         inputs[2] = table.block_table[rows, last // bs].astype(np.int64) * bs + last % bs
         inputs[3] = ctx
