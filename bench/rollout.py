@@ -14,7 +14,9 @@ intermediate 4864, vocab 151936, tied embeddings, bf16). Cases:
 
 Every native case records the host time per engine step (``host_ms_per_step``: the engine's timers,
 ``host_busy_ms_per_step``: all of them but ``wait``) next to the wall time per step
-(``wall_ms_per_step``): host work hides behind the device step while ``host_busy`` stays below it.
+(``wall_ms_per_step``): host work hides behind the device step while ``host_busy`` stays below it
+and the step was scheduled ahead (``ahead_frac``: decode steps scheduled ahead over all decode
+steps; ``ahead_off_frac``: the steps after which the next was not, by reason, over all steps).
 The engine runs with its defaults (``max_num_seqs: auto``, the KV cache sized from free memory), so
 each case decodes in one wave.
 
@@ -130,7 +132,7 @@ def time_engine(engine, prompts, params, repeats: int = 2):
         out = engine.generate(prompts, params)
         wall = sync_time() - t0
     steps = {k: engine.stats[k] - before[k] for k in engine.stats}
-    return out, wall, steps, engine.host_ms_per_step(before)
+    return out, wall, steps, {**engine.host_ms_per_step(before), "overlap": engine.overlap(before)}
 
 
 def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, settings) -> None:
@@ -145,8 +147,10 @@ def bench_native(case: str, engine, prompts, params, bw, variant: str, sink, set
           "preemptions": steps["preemptions"], "out_len_min_med_max": [lens[0], lens[len(lens) // 2], lens[-1]],
           "roofline_tokens_per_s": round(gen / rl["roofline_s"], 1), "roofline_fraction": round(rl["roofline_s"] / wall, 4),
           "bytes_read_per_decode_step_MB": round(rl["bytes_read"] / max(1, steps["decode_steps"]) / 1e6, 1),
-          "host_ms_per_step": {k: round(v, 3) for k, v in host.items() if k != "steps"},
-          "host_busy_ms_per_step": round(sum(v for k, v in host.items() if k not in ("steps", "wait")), 3),
+          "host_ms_per_step": {k: round(v, 3) for k, v in host.items() if k not in ("steps", "overlap")},
+          "host_busy_ms_per_step": round(sum(v for k, v in host.items() if k not in ("steps", "wait", "overlap")), 3),
+          "ahead_frac": round(host["overlap"]["ahead_frac"], 4),
+          "ahead_off_frac": {k[4:]: round(v, 4) for k, v in host["overlap"].items() if k.startswith("off_")},
           "wall_ms_per_step": round(wall / max(1, host["steps"]) * 1e3, 3),
           "kv_blocks": engine.block_manager.num_blocks, "max_num_seqs": engine.cfg.max_num_seqs,
           **settings}, sink)

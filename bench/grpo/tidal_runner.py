@@ -239,7 +239,8 @@ def engine_host_ms(steps: list[dict]) -> dict | None:
     decode) for each of its host timers (schedule, postprocess, prepare, submit, wait), from the
     engine's cumulative ``stats``; ``host`` is their sum without ``wait`` (host work the device waits
     for unless it overlaps a step in flight), ``device`` the engine's own device timer when its
-    stats have one (``device_s``); ``engine_steps`` and ``decode_steps`` are counts per iteration. None
+    stats have one (``device_s``); ``engine_steps`` and ``decode_steps`` are counts per iteration,
+    ``ahead_frac`` the decode steps scheduled ahead over all decode steps. None
     for an engine without timers."""
     per_step: dict[str, list[float]] = {}
     for r in steps:
@@ -254,6 +255,8 @@ def engine_host_ms(steps: list[dict]) -> dict | None:
             per_step.setdefault("host", []).append(1e3 * sum(e.get(f"{t}_s", 0.0) for t in HOST_TIMERS) / n)
         per_step.setdefault("engine_steps", []).append(n)
         per_step.setdefault("decode_steps", []).append(e.get("decode_steps", 0))
+        if "ahead_decode_steps" in e:  # decode steps scheduled ahead (host work hidden) over all decode steps
+            per_step.setdefault("ahead_frac", []).append(e["ahead_decode_steps"] / max(1, e.get("decode_steps", 0)))
     return {k: round(statistics.median(v), 4) for k, v in per_step.items()} or None
 
 

@@ -24,5 +24,6 @@ def test_quickstart_improves_heldout_accuracy(tmp_path):
     assert rows[-1]["step"] == 100 and evals[-1][0] == 100
     assert end >= start + 0.3, (start, evals)  # measured 0.395 -> 0.96
     steps = [r for r in rows if r["step"] > 0]
+    assert all(0 < r["engine/ahead_frac"] <= 1 for r in steps)  # the native engine's decode steps scheduled ahead
     first, last = steps[0]["reward/mean"], sum(r["reward/mean"] for r in steps[-10:]) / 10
     assert last > first, (first, last)

@@ -195,10 +195,31 @@ def test_schedule_ahead_after_a_prefill_is_the_next_prefill():
     ahead = sched.schedule_ahead(first)  # before first's tokens are known: a's last two tokens, then b
     assert ahead.is_prefill and ahead.rows.tolist() == [a, b]
     assert ahead.start.tolist() == [5, 0] and ahead.num_new.tolist() == [2, 2] and table.num_cached[a] == 7
-    assert sched.schedule_ahead(ahead) is None  # nothing waits: the decode needs the sampled tokens
     sched.postprocess(first, np.zeros(0), np.zeros(0))
+    # nothing waits: the decode of both, one token past their length, fed from ahead's samples
+    decode = sched.schedule_ahead(ahead)
+    assert not decode.is_prefill and decode.rows.tolist() == [a, b] and decode.src_rows.tolist() == [0, 1]
     sched.postprocess(ahead, np.array([4, 5]), np.zeros(2))
     assert _completion(table, a) == [4] and _completion(table, b) == [5]
+    sched.postprocess(decode, np.array([6, 7]), np.zeros(2))
+    assert _completion(table, a) == [4, 6] and _completion(table, b) == [5, 7]
+
+
+def test_decode_after_a_prefill_feeds_known_tokens_from_the_host_and_new_ones_from_the_samples():
+    table, sched = _sched(num_blocks=8, block_size=4)
+    a = _add(table, sched, 0, [1, 2, 3], max_tokens=4)
+    _step(sched, token=7)  # a prefilled and sampled: [1, 2, 3, 7]
+    b = _add(table, sched, 1, [4, 5], max_tokens=4)
+    c = _add(table, sched, 2, [6], max_tokens=1)  # finishes by length with its prefill's token
+    prefill = sched.schedule()
+    assert prefill.is_prefill and prefill.rows.tolist() == [b, c]
+    decode = sched.schedule_ahead(prefill)
+    # a: known input token (-1), one token at its length; b: the prefill's sample 0; c: left out
+    assert decode.rows.tolist() == [a, b] and decode.src_rows.tolist() == [-1, 0]
+    assert sched.schedule_ahead(decode) is None and sched.ahead_off == "not_in_step"  # c is still running
+    sched.postprocess(prefill, np.array([8, 9]), np.zeros(2))
+    sched.postprocess(decode, np.array([10, 11]), np.zeros(2))
+    assert _completion(table, a) == [7, 10] and _completion(table, b) == [8, 11] and _completion(table, c) == [9]
 
 
 def test_scheduler_respects_max_num_seqs_and_rejects_oversized():
@@ -232,7 +253,7 @@ def test_schedule_ahead_runs_one_token_past_and_voids_stopped_rows():
     a = _add(table, sched, 0, [1, 2], max_tokens=8, stop=frozenset({9}))
     b = _add(table, sched, 1, [3], max_tokens=8, stop=frozenset({9}))
     c = _add(table, sched, 2, [4, 5, 6], max_tokens=2, stop=frozenset({9}))
-    assert sched.schedule_ahead(_step(sched)) is None  # never after a prefill
+    _step(sched)  # the prefill (the decode scheduled ahead of a prefill: the tests above)
     batch = sched.schedule()  # decode: lengths 3, 2, 4
     ahead = sched.schedule_ahead(batch)
     # c reaches max_tokens with this step's token: not ahead; a needs a block for its 4th token
@@ -244,8 +265,10 @@ def test_schedule_ahead_runs_one_token_past_and_voids_stopped_rows():
     assert table.slots_with(Status.RUNNING).tolist() == [a]
     sched.postprocess(ahead, np.array([8, 5]), np.zeros(2))  # b's row is void: its token is dropped
     assert _completion(table, a) == [1, 7, 8] and table.num_cached[a] == 4
+    decode = sched.schedule()
     _add(table, sched, 3, [1])
-    assert sched.schedule_ahead(sched.schedule()) is None  # a sequence waits: prefill comes first
+    assert sched.schedule_ahead(decode) is None  # a sequence waits: if decode stops a, it is admitted first
+    assert sched.ahead_off == "waiting"
 
 
 def test_decode_registers_each_block_it_fills_in_the_prefix_cache():
@@ -269,3 +292,25 @@ def test_the_table_grows_its_rows_and_columns_keeping_every_sequence():
     assert [table.token_list(s) for s in slots] == [[i + 1] * 3 + [9] * 69 for i in range(5)]
     _step(sched, token=9)
     assert len(table) == 0 and table.gen[slots].tolist() == [1] * 5  # all finished (length) and released
+
+
+def test_with_sequences_waiting_a_decode_is_scheduled_ahead_only_when_none_can_be_admitted():
+    table, sched = _sched(num_blocks=16, block_size=4, max_num_seqs=2)
+    a, b = _add(table, sched, 0, [1, 2], max_tokens=3), _add(table, sched, 1, [3], max_tokens=3)
+    c = _add(table, sched, 2, [4], max_tokens=3)  # waits: the cap is 2
+    _step(sched)  # a and b prefilled: 1 token each, max 3
+    decode = sched.schedule()
+    # the cap is reached, no stop tokens, neither reaches its length in this step: none is admitted
+    ahead = sched.schedule_ahead(decode)
+    assert ahead.rows.tolist() == [a, b] and ahead.src_rows.tolist() == [0, 1] and list(sched.waiting) == [c]
+    sched.postprocess(decode, np.array([5, 6]), np.zeros(2))
+    # the step ahead brings both to their length: the step after it may admit c
+    assert sched.schedule_ahead(ahead) is None and sched.ahead_off == "waiting"
+    assert sched.postprocess(ahead, np.array([7, 8]), np.zeros(2)).tolist() == [a, b]
+    # with a stop token, a step may end a sequence and make room: not ahead
+    table, sched = _sched(num_blocks=16, block_size=4, max_num_seqs=2)
+    _add(table, sched, 0, [1, 2], max_tokens=5, stop=frozenset({9}))
+    _add(table, sched, 1, [3], max_tokens=5)
+    _add(table, sched, 2, [4], max_tokens=5)
+    _step(sched)
+    assert sched.schedule_ahead(sched.schedule()) is None and sched.ahead_off == "waiting"

@@ -131,6 +131,9 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
                             for p in (greedy, sampled)]
         assert (engine.stats["ahead_steps"] > 0) == overlap
         assert engine.stats["prefill_steps"] > 2 * 2
+        # every decode step ran ahead: the first one after the prompts' last prefill too, and the
+        # steps after sequences stopped
+        assert engine.overlap(dict.fromkeys(engine.stats, 0))["ahead_frac"] == (1.0 if overlap else 0.0)
     # same tokens and stops; logprobs equal up to float rounding (a step ahead has other batch rows,
     # so the CPU matmuls may block differently)
     for got, want in zip(results[True], results[False]):
@@ -138,6 +141,25 @@ def test_overlap_scheduling_changes_nothing_but_the_step_order():
         for (_, lp_got, _), (_, lp_want, _) in zip(got, want):
             assert lp_got == pytest.approx(lp_want, abs=1e-5)
     assert {c[2] for c in results[True][0]} == {"stop", "length"}
+
+
+def test_overlap_with_sequences_waiting_behind_the_cap_changes_nothing():
+    """12 sequences, 4 at a time, none can stop: while the cap is reached and no running sequence
+    reaches its length, the decode runs ahead although sequences wait; the outputs are those of one
+    step at a time."""
+    hf = tiny_hf("qwen3")
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, n=3, seed=2, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        engine = engine_for(hf, overlap_scheduling=overlap, max_num_seqs=4)
+        results[overlap] = [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, params)]
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
+    for (_, got), (_, want) in zip(results[True], results[False]):
+        assert got == pytest.approx(want, abs=1e-5)
+    frac = engine.overlap(dict.fromkeys(engine.stats, 0))
+    # each wave of 4: its last decode step is not run ahead of the one before (it finishes them
+    # by length, and then the next wave may be admitted)
+    assert engine.stats["ahead_off_waiting"] > 0 and frac["ahead_frac"] >= 0.8, (frac, engine.stats)
 
 
 def test_prefix_caching_off_recomputes_every_prompt():

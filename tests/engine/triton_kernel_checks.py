@@ -217,8 +217,8 @@ def test_fused_sampler_logprobs_and_distribution():
     tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
     freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
     assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)
-    # a wide vocabulary (16 chunks), mass on four neighbours that share one Philox call and on two
-    # tokens in other chunks: their frequencies match too (independent uniforms per token)
+    # a wide vocabulary (16 chunks), mass on four neighbours and on two tokens in other chunks (the
+    # last one in the last chunk): their frequencies match too (the chunk, then the token in it)
     wide = torch.full((1, 20000), -30.0)
     hot = torch.tensor([0, 1, 2, 3, 5000, 19999])
     wide[0, hot] = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.5, 0.5])

@@ -337,3 +337,41 @@ def test_image_inputs_reach_the_engine_with_every_turn(qwen25_tok):
     seen.clear()
     EnvRollout(EnvConfig(), qwen25_tok).run(engine.generate, rows[1:], SamplingParams(max_new_tokens=8))
     assert seen == ["absent"]
+
+
+# ---- trajectories reported as they end (rewards scored while decoding) ------------------------------------
+def test_each_trajectory_is_reported_when_it_ends_and_scored_as_at_the_end(qwen25_tok):
+    """Row 0 answers at once, row 1 calls the calculator first: each trajectory is reported (and its
+    group handed to the reward stream) once it ends, during the run; the streamed rewards equal one
+    scoring call at the end, in the same order."""
+    from tidal.rewards import RewardConfig, RewardEngine
+    from tidal.rewards.stream import RewardStream
+    from tidal.trainer.experience_maker import GroupScoring
+
+    tok = qwen25_tok
+    rows = [chat_row(tok, "quick: 2+2", reference="4", where="a:0"), chat_row(tok, "Calculate 347*29", reference="10063", where="a:1")]
+    policy = lambda text, turn: "The answer is \\boxed{4}." if "quick" in text else calculator_policy(text, turn)  # noqa: E731
+    reported, calls_at_report = [], []
+    engine = ScriptedEngine(tok, policy)
+    cfg = RewardConfig(components={"fmt": {"type": "think_answer_format"}, "len": {"type": "length_penalty", "max_tokens": 8}},
+                       recipes={"default": [["fmt", 1.0], ["len", 0.5]]})
+    with RewardEngine(cfg, device=torch.device("cpu")) as rewards:
+        stream = RewardStream(rewards)
+        feed = GroupScoring(stream, n=2)
+
+        def on_trajectory(i, traj):
+            reported.append((i, traj))
+            calls_at_report.append(len(engine.calls))
+            feed(i, traj)
+
+        result = EnvRollout(EnvConfig(name="calculator"), tok).run(
+            engine.generate, rows, SamplingParams(max_new_tokens=256, n=2), on_trajectory=on_trajectory)
+        samples = [t.reward_sample(i) for i, t in enumerate(result.trajectories)]
+        got, want = stream.results(samples), rewards.score(samples)
+    assert sorted(i for i, _ in reported) == [0, 1, 2, 3]
+    assert all(traj is result.trajectories[i] for i, traj in reported)
+    at = {i: calls for (i, _), calls in zip(reported, calls_at_report)}
+    # each reported once it ended, during the run: row 1's after its second turn's call
+    assert at[0] >= 1 and at[1] >= 1 and at[2] >= 2 and at[3] >= 2
+    assert torch.equal(got.total_B, want.total_B) and torch.equal(got.valid_B, want.valid_B)
+    assert got.components["len"].tolist() == want.components["len"].tolist() and want.components["len"].min() < 0

@@ -179,13 +179,16 @@ def test_summarize_tidal_flags_a_short_completion():
 
 def test_engine_host_ms_per_engine_step():
     steps = [{"engine": {"decode_steps": 9, "prefill_steps": 1, "schedule_s": 0.002, "submit_s": 0.003, "wait_s": 0.01,
-                         "preemptions": 0}},
-             {"engine": {"decode_steps": 4, "prefill_steps": 1, "schedule_s": 0.002, "submit_s": 0.001, "wait_s": 0.01}},
-             {"engine": {"decode_steps": 3, "prefill_steps": 1, "schedule_s": 0.004, "submit_s": 0.0, "wait_s": 0.0}}]
-    # per engine step: schedule 0.2, 0.4, 1.0 ms; submit 0.3, 0.2, 0 ms; host 0.5, 0.6, 1.0 ms; wait 1.0, 2.0, 0.0 ms
+                         "preemptions": 0, "ahead_decode_steps": 9}},
+             {"engine": {"decode_steps": 4, "prefill_steps": 1, "schedule_s": 0.002, "submit_s": 0.001, "wait_s": 0.01,
+                         "ahead_decode_steps": 3}},
+             {"engine": {"decode_steps": 3, "prefill_steps": 1, "schedule_s": 0.004, "submit_s": 0.0, "wait_s": 0.0,
+                         "ahead_decode_steps": 0}}]
+    # per engine step: schedule 0.2, 0.4, 1.0 ms; submit 0.3, 0.2, 0 ms; host 0.5, 0.6, 1.0 ms; wait 1.0, 2.0, 0.0 ms;
+    # decode steps ahead: 1, 0.75, 0
     assert tidal_runner.engine_host_ms(steps) == {"schedule": pytest.approx(0.4), "submit": pytest.approx(0.2),
                                                   "host": pytest.approx(0.6), "wait": pytest.approx(1.0), "engine_steps": 5,
-                                                  "decode_steps": 4}
+                                                  "decode_steps": 4, "ahead_frac": 0.75}
     assert tidal_runner.engine_host_ms([{"engine": {}}, {}]) is None  # an engine without host timers
 
 

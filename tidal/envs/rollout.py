@@ -155,7 +155,8 @@ class EnvRollout:
         _close(probe)
 
     def run(self, generate: Generate | Generator, rows: list[EnvRow], params: SamplingParams, *,
-            first_group_id: int = 0, budgets: list[int] | None = None, end_token_id: int | None = None) -> RolloutResult:
+            first_group_id: int = 0, budgets: list[int] | None = None, end_token_id: int | None = None,
+            on_trajectory: Callable[[int, Trajectory], None] | None = None) -> RolloutResult:
         """Run ``params.n`` trajectories per row; the n of row i share group id ``first_group_id + i``.
         ``generate``: an engine's ``generate`` or a :class:`Generator` (in a TP group: every rank of
         the group calls ``run`` with its own rows, and the generator keeps their calls in step).
@@ -165,7 +166,10 @@ class EnvRollout:
 
         ``budgets`` (single turn only): one ``max_new_tokens`` per trajectory, row-major, each in
         ``1..params.max_new_tokens``; with ``end_token_id`` a sequence cut at its budget ends with
-        that token instead (:func:`~tidal.distributed.generate.force_end`)."""
+        that token instead (:func:`~tidal.distributed.generate.force_end`).
+
+        ``on_trajectory(i, trajectory)`` is called the moment trajectory ``i`` (its position in the
+        result) ends, on this thread, while the others may still decode (e.g. to score it then)."""
         if budgets is not None and self.cfg.name != "single_turn":
             raise ValueError(f"per-sequence budgets (ExperienceMaker.completion_budget) apply to single-turn rollouts; "
                              f"env.name is {self.cfg.name!r}: bound its trajectories with env.max_total_tokens instead")
@@ -177,7 +181,7 @@ class EnvRollout:
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
         engine = None if self.single_turn or budgets is not None or self.cfg.lockstep else incremental_engine(generate)
-        run = _Run(self, episodes, gen, params, end_token_id)
+        run = _Run(self, episodes, gen, params, end_token_id, on_trajectory)
         try:
             run.loop() if engine is None else run.loop_continuous(engine)
         finally:
@@ -209,7 +213,7 @@ class _Run:
     """The state of one :meth:`EnvRollout.run` call."""
 
     def __init__(self, owner: EnvRollout, episodes: list[_Episode], gen: Generator, params: SamplingParams,
-                 end_token_id: int | None = None):
+                 end_token_id: int | None = None, on_trajectory: Callable[[int, Trajectory], None] | None = None):
         self.cfg, self.renderer = owner.cfg, owner.renderer
         self.episodes, self.gen, self.params = episodes, gen, params
         self.end_token_id = end_token_id
@@ -221,6 +225,8 @@ class _Run:
         self.failure: Exception | None = None
         self.turns_done: list[Completion] = []
         self.stepped_at: float | None = None
+        self.on_trajectory = on_trajectory
+        self.position = {id(ep): i for i, ep in enumerate(episodes)}
 
     # ---- the loop ------------------------------------------------------------------------------------
     def loop(self) -> None:
@@ -345,6 +351,8 @@ class _Run:
         builder = ep.builder or TrajectoryBuilder(list(ep.row.prompt_ids) or [0], ep.row.messages)
         ep.result = builder.finish(row=ep.row, group_id=ep.group_id, finish_reason=reason, outcome_reward=outcome_reward,
                                    valid=valid, error=error, counters=dict(ep.counters))
+        if self.on_trajectory is not None:
+            self.on_trajectory(self.position[id(ep)], ep.result)
 
     def _env_error(self, ep: _Episode, stage: str, exc: BaseException) -> None:
         msg = f"environment '{ep.env.name}' failed on row {ep.row.where} ({stage}): {type(exc).__name__}: {exc}"

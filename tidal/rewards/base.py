@@ -76,6 +76,7 @@ class SyncComponent(abc.ABC):
 
     scores_every_sample: bool = False
     counter_names: tuple[str, ...] = ()
+    streams: bool = False  # scores each sample on its own, cheaply on the host: may score a batch in pieces
 
     @abc.abstractmethod
     def score(self, samples: list[RewardSample]) -> ComponentResult: ...
@@ -86,9 +87,12 @@ class SyncComponent(abc.ABC):
 
 class AsyncComponent(abc.ABC):
     """A component computed on the engine's event loop (functions, remote services).
-    counter_names: the counters its results always carry (reported as 0 when it did not run)."""
+    counter_names: the counters its results always carry (reported as 0 when it did not run).
+    streams: scores each sample on its own, so a batch may be scored in pieces (a batched function
+    does not)."""
 
     counter_names: tuple[str, ...] = ()
+    streams: bool = True
 
     @abc.abstractmethod
     async def score_async(self, samples: list[RewardSample]) -> ComponentResult: ...

@@ -13,6 +13,12 @@ Contract:
 - A component error on a sample raises :class:`RewardError` naming the component and the sample
   (``on_error: raise``), or marks the sample invalid and counts it (``on_error: drop``). A score
   that is not finite in float32 (NaN, inf, 1e39) is such an error, whatever component gave it.
+- Scoring while decoding (:class:`~tidal.rewards.stream.RewardStream`): ``prescore`` scores a
+  piece of the batch early with the components that score each sample on its own (``streams``:
+  per-sample functions, remote services, rules but ``math_answer``); ``score(samples, prescored=...)`` then scores only
+  what is missing and returns exactly what ``score(samples)`` returns (the same rewards, errors,
+  drops and counts; ``seconds`` add up the pieces). Batched functions and reward models always
+  score the whole batch in ``score``.
 - No collectives: every rank calls ``score`` for its own samples. Local reward models score every
   sample of every call (fixed forward count per batch size), so ranks stay in step if a strategy's
   placement shards them.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import math
 import threading
 import time
@@ -34,6 +41,34 @@ from tidal.rewards.base import FLOAT32_MAX, AsyncComponent, ComponentResult, Rew
 from tidal.rewards.config import ComponentSpec, RewardConfig
 from tidal.rewards.placement import LocalPlacement, ModelPlacement
 from tidal.rewards.types import RewardOutput, RewardSample
+
+
+@dataclasses.dataclass
+class Prescored:
+    """Component results computed ahead of :meth:`RewardEngine.score` (see the module docstring).
+
+    entries: component -> batch position -> (score, error message or None).
+    counters / seconds: per component, summed over the calls that made the entries.
+    late: a call ran past its deadline.
+    """
+
+    entries: dict[str, dict[int, tuple[float, str | None]]] = dataclasses.field(default_factory=dict)
+    counters: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    late: bool = False
+
+    def add(self, other: "Prescored", positions: list[int]) -> None:
+        """Merge ``other``, whose entry i stands at batch position ``positions[i]``."""
+        for name, got in other.entries.items():
+            mine = self.entries.setdefault(name, {})
+            mine.update({positions[i]: v for i, v in got.items()})
+        for name, counters in other.counters.items():
+            mine = self.counters.setdefault(name, {})
+            for k, v in counters.items():
+                mine[k] = mine.get(k, 0.0) + v
+        for name, sec in other.seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + sec
+        self.late = self.late or other.late
 
 
 def build_component(spec: ComponentSpec, *, device: torch.device, placement: ModelPlacement, key: str):
@@ -92,6 +127,23 @@ def _invalid_scores_are_errors(name: str, res: ComponentResult) -> None:
                 res.errors[j] = f"component '{name}' gave {problem}"
 
 
+def _merged(pos: list[int], todo: list[int], now: ComponentResult | None, entries: dict[int, tuple[float, str | None]],
+            counters: dict[str, float]) -> ComponentResult:
+    """One component's result over ``pos`` from the entries scored ahead and ``now`` (over ``todo``)."""
+    if now is not None and len(now.scores) != len(todo):
+        return now  # a wrong count: _assemble reports it
+    fresh = {b: (now.scores[j], now.errors.get(j)) for j, b in enumerate(todo)} if now is not None else {}
+    out = ComponentResult(scores=[], counters=dict(counters))
+    for j, b in enumerate(pos):
+        score, err = fresh[b] if b in fresh else entries[b]
+        out.scores.append(score)
+        if err is not None:
+            out.errors[j] = err
+    for k, v in (now.counters if now is not None else {}).items():
+        out.counters[k] = out.counters.get(k, 0.0) + v
+    return out
+
+
 class RewardEngine:
     """Scores batches of :class:`RewardSample` under a :class:`RewardConfig` (see module docstring)."""
 
@@ -129,16 +181,53 @@ class RewardEngine:
 
     # -- scoring ---------------------------------------------------------------------------------
 
-    def score(self, samples: list[RewardSample]) -> RewardOutput:
+    def score(self, samples: list[RewardSample], prescored: Prescored | None = None) -> RewardOutput:
+        """The rewards of ``samples``; with ``prescored``, its entries stand for those components'
+        results at those positions and only the rest is scored now."""
         if not self.components:
             zeros_B = torch.zeros(len(samples), dtype=torch.float32)
             return RewardOutput(total_B=zeros_B, components={}, valid_B=torch.ones(len(samples), dtype=torch.bool),
                                 metrics={"reward/total/count": float(len(samples)), "reward/dropped_count": 0.0})
         recipes = [self._recipe_of(i, s) for i, s in enumerate(samples)]
         positions = self._positions(recipes)
-        results, seconds, late = self._run_components(samples, positions)
+        have = prescored.entries if prescored is not None else {}
+        todo = {n: [b for b in pos if b not in have.get(n, {})] for n, pos in positions.items()}
+        results, seconds, late = self._run_components(samples, todo)
+        if prescored is not None:
+            late = late or prescored.late
+            for name, entries in have.items():
+                results[name] = _merged(positions[name], todo[name], results.get(name), entries, prescored.counters.get(name, {}))
+                seconds[name] = seconds.get(name, 0.0) + prescored.seconds.get(name, 0.0)
         out = self._assemble(len(samples), recipes, positions, results, seconds)
         out.metrics["reward/deadline_exceeded_max"] = float(late)
+        return out
+
+    def streams(self, name: str) -> bool:
+        """Whether component ``name`` scores each sample on its own (so a batch can be scored in pieces)."""
+        return getattr(self.components[name], "streams", False)
+
+    def prescore(self, samples: list[RewardSample]) -> Prescored:
+        """The results of the streaming components (:meth:`streams`) on ``samples``, entries at their
+        positions in ``samples``. A sample without a recipe is skipped (``score`` reports it)."""
+        names = [n for n in self.components if self.streams(n)]
+        positions = {n: [] for n in self.components}
+        for b, s in enumerate(samples):
+            try:
+                recipe = self._recipe_of(b, s)
+            except RewardError:
+                continue
+            for n in names:
+                if any(c == n for c, _ in recipe):
+                    positions[n].append(b)
+        results, seconds, late = self._run_components(samples, positions)
+        out = Prescored(late=late)
+        for name, res in results.items():
+            pos = positions[name]
+            if len(res.scores) != len(pos):  # score() reports it, from the whole batch
+                continue
+            out.entries[name] = {b: (res.scores[j], res.errors.get(j)) for j, b in enumerate(pos)}
+            out.counters[name] = dict(res.counters)
+            out.seconds[name] = seconds[name]
         return out
 
     def deadline_s(self, counts: dict[str, int]) -> float:

@@ -79,6 +79,7 @@ class FunctionReward(AsyncComponent):
         self.fn = load_function(cfg.path, f"{key}.path")  # imported here too: a bad path fails at start
         self.is_async = is_async(self.fn)
         self.batched = getattr(self.fn, "batched", False) is True
+        self.streams = not self.batched  # a batched function sees the whole batch, as its author wrote it for
         self.label = cfg.path
         self._pool = None
         self._pool_lock = threading.Lock()

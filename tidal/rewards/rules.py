@@ -20,9 +20,12 @@ from tidal.rewards.types import RewardSample
 
 
 class RuleReward(abc.ABC):
-    """A rule. ``Config`` is its settings dataclass (the keys next to ``type`` in the YAML)."""
+    """A rule. ``Config`` is its settings dataclass (the keys next to ``type`` in the YAML).
+    ``needs_main_thread``: its own time limit works only on the main thread (so it is never
+    scored in the background while decoding: :mod:`tidal.rewards.stream`)."""
 
     Config: type = object
+    needs_main_thread: bool = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -60,6 +63,7 @@ class MathAnswer(RuleReward):
     numerically and then symbolically with math-verify."""
 
     Config = MathAnswerConfig
+    needs_main_thread = True  # math-verify's timeout is a signal timer
 
     def score(self, sample: RewardSample) -> float:
         golds = math_answer.reference_answers(sample.reference)
@@ -137,6 +141,7 @@ class RuleComponent(SyncComponent):
 
     def __init__(self, rule: RuleReward):
         self.rule = rule
+        self.streams = not rule.needs_main_thread  # a stream scores in a background thread
 
     def score(self, samples: list[RewardSample]) -> ComponentResult:
         result = ComponentResult(scores=[])

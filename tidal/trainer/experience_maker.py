@@ -4,7 +4,9 @@ generate (the rollout phase: the environment's trajectories, :class:`~tidal.envs
 decoded by the awake engine through :class:`~tidal.distributed.generate.GroupGenerator`) -> actor
 old logprobs (unless the update's forward supplies them: ``Algorithm.reuses_policy_logprobs``) ->
 reference logprobs (KL on) -> critic values (estimators with a critic) -> rewards on the
-trajectories -> reward processing and advantages (the algorithm). Where each model sits during its
+trajectories (each group handed to a :class:`~tidal.rewards.stream.RewardStream` as its last
+trajectory ends, so scoring overlaps the rest of the rollout and the forwards) -> reward
+processing and advantages (the algorithm). Where each model sits during its
 forward is the phase owner's business (:class:`~tidal.trainer.colocation.Colocation`): this module
 only says which phase it enters.
 
@@ -43,6 +45,7 @@ from tidal.models.vision import collate_mm_inputs
 from tidal.rewards import RewardEngine
 from tidal.rewards.base import RewardError
 from tidal.rewards.config import RewardConfig
+from tidal.rewards.stream import RewardStream
 from tidal.rewards.types import RewardSample
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
@@ -59,11 +62,34 @@ class Rollout:
         ``first_group_id + i``.
     metrics: the environment's ``env/*`` metrics (:class:`~tidal.envs.RolloutResult`); empty for
         ``single_turn``, whose rollouts report exactly what a plain rollout reports.
+    scoring: the rewards scored while it was generated (each group as its last trajectory ended),
+        which :meth:`ExperienceMaker.score` completes; None: scored at the end.
     """
 
     items: list[PromptItem]
     trajectories: list[Trajectory]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    scoring: RewardStream | None = None
+
+
+class GroupScoring:
+    """The ``on_trajectory`` callback that feeds a :class:`~tidal.rewards.stream.RewardStream` one group
+    at a time: the ``n`` trajectories at positions ``g*n .. g*n+n-1`` when the last of them ends,
+    each as the sample it will be in :meth:`ExperienceMaker.score` when every trajectory has a turn
+    (``index`` = its position); a trajectory without a turn is left to the end."""
+
+    def __init__(self, stream: RewardStream, n: int):
+        self.stream, self.n = stream, n
+        self.ended: dict[int, dict[int, Trajectory]] = {}
+
+    def __call__(self, i: int, trajectory: Trajectory) -> None:
+        group = self.ended.setdefault(i // self.n, {})
+        group[i] = trajectory
+        if len(group) < self.n:
+            return
+        del self.ended[i // self.n]
+        scored = sorted(j for j, t in group.items() if t.turns)
+        self.stream.submit(scored, [group[j].reward_sample(j) for j in scored])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -141,16 +167,19 @@ class ExperienceMaker:
 
     # ---- stage 1-3: generation ----------------------------------------------------------------
     def trajectories(self, engine: RolloutEngine, items: list[PromptItem], params: SamplingParams,
-                     first_group_id: int = 0, budget: CompletionBudget | None = None) -> RolloutResult:
+                     first_group_id: int = 0, budget: CompletionBudget | None = None,
+                     scoring: RewardStream | None = None) -> RolloutResult:
         """This rank's trajectories of ``items`` (prompt-major, ``params.n`` each) from ``engine``,
         which the caller holds in the rollout phase (``with colocation.rollout() as engine``), each
         sequence within its ``budget`` when one is given. Every rank of a rollout TP group calls
-        this with its own items (possibly none). Observers get ``generate:done``."""
+        this with its own items (possibly none). Each group goes to ``scoring`` when its last
+        trajectory ends. Observers get ``generate:done``."""
         rows = [EnvRow.from_prompt_item(it) for it in items]
         budgets = budget.budgets(items, params) if budget is not None else None
         with self.timer.phase("generate"):
             result = self.env.run(GroupGenerator(engine, self.runtime), rows, params, first_group_id=first_group_id,
-                                  budgets=budgets, end_token_id=budget.end_token_id if budget is not None else None)
+                                  budgets=budgets, end_token_id=budget.end_token_id if budget is not None else None,
+                                  on_trajectory=GroupScoring(scoring, params.n) if scoring is not None else None)
         self.timer.event("generate:done", {"prompts": len(items),
                                            "completion_lengths": [t.num_sampled_tokens for t in result.trajectories],
                                            "finish_reasons": [t.turns[-1].finish_reason if t.turns else None  # the engine's stop / length
@@ -160,10 +189,15 @@ class ExperienceMaker:
     def generate(self, items: list[PromptItem], params: SamplingParams, first_group_id: int) -> Rollout:
         """Generate ``params.n`` trajectories per item; the group id of item i is ``first_group_id + i``.
         Metrics: the environment's (multi-turn) and the engine's ``rollout/spec_*`` (speculation)."""
-        with self.colocation.rollout() as engine, speculation_metrics(engine) as spec:
-            result = self.trajectories(engine, items, params, first_group_id, self.completion_budget)
+        scoring = RewardStream(self.rewards)  # each group scored as it ends, while the others decode
+        try:
+            with self.colocation.rollout() as engine, speculation_metrics(engine) as spec:
+                result = self.trajectories(engine, items, params, first_group_id, self.completion_budget, scoring)
+        except BaseException:
+            scoring.close()
+            raise
         return Rollout(items=items, trajectories=result.trajectories,
-                       metrics={**(result.metrics if self.multi_turn else {}), **spec})
+                       metrics={**(result.metrics if self.multi_turn else {}), **spec}, scoring=scoring)
 
     def generate_partial(self, long_tail: LongTailRollout, step: int, params: SamplingParams) -> Rollout:
         """Step ``step``'s rollout under ``rollout.partial`` (:mod:`tidal.trainer.partial`): the
@@ -218,13 +252,14 @@ class ExperienceMaker:
             return self._per_token(lambda ids, am, packed, mm: critic_values(critic, ids, am, packed=packed), rows, batches)
 
     # ---- stage 4-8 ---------------------------------------------------------------------------------
-    def score(self, trajectories: list[Trajectory]) -> Scores:
+    def score(self, trajectories: list[Trajectory], scoring: RewardStream | None = None) -> Scores:
         """Score the trajectories with a turn in one RewardEngine call (each on its final turn, with
-        the whole conversation in ``RewardSample.messages``) and add the environment's outcome rewards."""
+        the whole conversation in ``RewardSample.messages``) and add the environment's outcome rewards.
+        ``scoring``: what was scored while they were generated; the result is the same."""
         N = len(trajectories)
         scored = [i for i, t in enumerate(trajectories) if t.turns]
         batch = [trajectories[i].reward_sample(k) for k, i in enumerate(scored)]
-        rew = self.rewards.score(batch)
+        rew = scoring.results(batch) if scoring is not None else self.rewards.score(batch)
         total_N = torch.zeros(N, dtype=torch.float32)
         valid_N = torch.zeros(N, dtype=torch.bool)
         idx = torch.tensor(scored, dtype=torch.long)
@@ -266,7 +301,7 @@ class ExperienceMaker:
             with self.timer.phase("teacher_logprobs"):
                 teacher_logp_BT, teacher_ok_B, teacher_metrics = self._teacher_logprobs(packed, batches)
         with self.timer.phase("reward"):
-            scores = self.score(rollout.trajectories)
+            scores = self.score(rollout.trajectories, rollout.scoring)
         trajs = rollout.trajectories
         action_BT = packed.action_mask_BT
         truncated_B = packed.per_row(torch.tensor([tr.truncated for tr in trajs], dtype=torch.bool))

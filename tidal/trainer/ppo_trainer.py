@@ -171,7 +171,12 @@ class PPOTrainer:
         return concat_experiences(kept) if len(kept) > 1 else kept[0], metrics, samples_all
 
     def train_step(self, step: int) -> dict[str, float]:
+        engine = self.phases.engine
+        overlap = getattr(engine, "overlap", None)  # the native engine's schedule-ahead share
+        stats_before = dict(engine.stats) if overlap is not None else None
         exp, rollout_metrics, samples = self.collect(step)
+        if overlap is not None:
+            rollout_metrics["engine/ahead_frac"] = overlap(stats_before)["ahead_frac"]
         metrics = reduce_rollout_metrics(self.rt, rollout_metrics)
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, 0, salt=7))
         with self.timer.phase("train"):

@@ -53,6 +53,8 @@ from tidal.host_memory import ParamHostCopy
 
 
 TIMERS = ("schedule_s", "postprocess_s", "prepare_s", "submit_s", "wait_s")
+# why a step was not scheduled ahead (``verify``: after a verify step; ``speculating``: the next step may draft)
+AHEAD_OFF = ("waiting", "not_in_step", "blocks_short", "all_finish", "verify", "speculating")
 
 
 class NativeEngine:
@@ -61,7 +63,11 @@ class NativeEngine:
 
     ``stats`` counts, since construction: ``prefill_tokens`` (tokens whose KV was computed by
     prefill), ``prefix_hit_tokens`` (prompt tokens served from the prefix cache), ``preemptions``,
-    ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (decode steps scheduled ahead); and host
+    ``decode_steps``, ``prefill_steps``, ``ahead_steps`` (steps scheduled ahead, prefill or decode),
+    ``ahead_decode_steps`` (decode steps scheduled ahead), ``ahead_off_<reason>`` (steps after which
+    the next could not be scheduled ahead: sequences ``waiting``, a running sequence ``not_in_step``,
+    ``blocks_short``, ``all_finish``, ``verify``, ``speculating``; :meth:`overlap` turns them into
+    fractions); and host
     wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
     ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens); and the
     speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`).
@@ -103,7 +109,8 @@ class NativeEngine:
         # drafts and their index (host only; survives sleep and weight loads); auto speculates on accelerators only
         self.spec = Speculator(cfg.speculative, latency_bound=self.device.type != "cpu")
         self.stats = dict(prefill_tokens=0, prefix_hit_tokens=0, preemptions=0, decode_steps=0, prefill_steps=0,
-                          ahead_steps=0, schedule_s=0.0, postprocess_s=0.0)
+                          ahead_steps=0, ahead_decode_steps=0, schedule_s=0.0, postprocess_s=0.0,
+                          **{f"ahead_off_{r}": 0 for r in AHEAD_OFF})
         self.stats.update(self.runner.timings)
         self.stats.update(self.spec.stats)
 
@@ -332,7 +339,9 @@ class NativeEngine:
             t0 = time.perf_counter()
         else:
             batch, handle = self._pending
-        overlap = self.cfg.overlap_scheduling and (batch.is_prefill or not self.spec.wants(self.table))
+        # a step that may draft is scheduled now, not ahead (drafts need the tokens of the step before;
+        # after a prefill the step ahead would be the first decode)
+        overlap = self.cfg.overlap_scheduling and not self.spec.wants(self.table)
         ahead = sched.schedule_ahead(batch) if overlap else None
         stats["schedule_s"] += time.perf_counter() - t0
         self._pending = None
@@ -340,6 +349,9 @@ class NativeEngine:
             self._pending = (ahead, runner.launch(ahead, self.table, self._sampling, prev=handle))
             self._count(ahead)
             stats["ahead_steps"] += 1
+            stats["ahead_decode_steps"] += not ahead.is_prefill
+        elif self.cfg.overlap_scheduling:
+            stats[f"ahead_off_{sched.ahead_off if overlap else 'speculating'}"] += 1
         tokens, logprobs = runner.wait(handle)
         t0 = time.perf_counter()
         finished = sched.postprocess(batch, tokens, logprobs)
@@ -388,6 +400,16 @@ class NativeEngine:
         self.scheduler.abort(slots)
         done = sorted((self._complete(s) for s in slots.tolist()), key=lambda c: c[0])
         return [c for _, c in done]
+
+    def overlap(self, before: dict) -> dict[str, float]:
+        """Since the ``stats`` snapshot ``before``: ``ahead_frac``, the decode steps scheduled ahead
+        (their host work hidden behind the step before) over all decode steps, and ``off_<reason>``,
+        the steps after which the next one was not, over all steps."""
+        d = {k: self.stats[k] - before[k] for k in self.stats}
+        steps = max(1, d["decode_steps"] + d["prefill_steps"])
+        out = {"ahead_frac": d["ahead_decode_steps"] / max(1, d["decode_steps"])}
+        out.update({f"off_{r}": d[f"ahead_off_{r}"] / steps for r in AHEAD_OFF})
+        return out
 
     def host_ms_per_step(self, before: dict) -> dict[str, float]:
         """Host milliseconds per engine step of each timer (``schedule``, ``postprocess``,

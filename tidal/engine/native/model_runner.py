@@ -207,14 +207,16 @@ class ModelRunner:
 
     def _decode_inputs(self, batch: Batch, table: SequenceTable) -> tuple[np.ndarray, np.ndarray]:
         """``[4, B]`` int64 rows (input token, position, cache slot, context length) and the block
-        tables ``[B, width]``. A batch scheduled ahead runs one token past each sequence's current
-        length (its input token is not known yet: 0 here, fed on the device)."""
+        tables ``[B, width]``. A row scheduled ahead (``src_rows >= 0``) runs one token past its
+        sequence's current length (its input token is not known yet: 0 here, fed on the device)."""
         bs, rows = self.block_size, batch.rows
-        ahead = batch.src_rows is not None
+        ahead = batch.src_rows >= 0 if batch.src_rows is not None else np.zeros(len(rows), dtype=bool)
         inputs = np.empty((4, len(rows)), dtype=np.int64)
         ctx = table.num_tokens[rows] + ahead
         last = ctx - 1
-        inputs[0] = 0 if ahead else table.tokens[rows, last]
+        inputs[0] = 0
+        known = ~ahead  # a row ahead reads past its tokens (maybe past the table's width): not read
+        inputs[0, known] = table.tokens[rows[known], last[known]]
         inputs[1] = last + table.rope_delta[rows]
         inputs[2] = table.block_table[rows, last // bs].astype(np.int64) * bs + last % bs
         inputs[3] = ctx
@@ -273,12 +275,7 @@ class ModelRunner:
             else:
                 inputs, bt = self._decode_inputs(batch, table)
             n = inputs.shape[1]
-            ids_dev = None
-            if batch.src_rows is not None:
-                src, k = prev.out[0], len(batch.src_rows)
-                # src_rows is increasing: a prefix of the previous rows when its last is k - 1
-                src = src[:k] if batch.src_rows[-1] == k - 1 else src[self._tensor(batch.src_rows, torch.int64)]
-                ids_dev = src.long()
+            ids_dev = self._ahead_ids(batch.src_rows, prev, inputs[0]) if batch.src_rows is not None else None
             t1 = time.perf_counter()
             if self.graphs is not None and self.graphs.fits(n):
                 # the logits and the draw are in the graph too (not for a verify step: it accepts)
@@ -311,6 +308,18 @@ class ModelRunner:
             handle = self._sample(logits, n, sampling)
         self.timings["submit_s"] += time.perf_counter() - t1
         return handle
+
+    def _ahead_ids(self, src_rows: np.ndarray, prev: StepHandle, host_ids: np.ndarray) -> torch.Tensor:
+        """The input tokens of a batch scheduled ahead, on the device: ``prev``'s samples at
+        ``src_rows``, and ``host_ids`` where ``src_rows`` is -1 (tokens known on the host)."""
+        out, k = prev.out[0], len(src_rows)
+        if src_rows.max() < 0:
+            return self._tensor(host_ids, torch.int64)
+        if src_rows.min() >= 0:
+            same = k <= out.shape[0] and np.array_equal(src_rows, np.arange(k))  # a prefix of the samples
+            return (out[:k] if same else out[self._tensor(src_rows, torch.int64)]).long()
+        idx = self._tensor(np.stack([np.maximum(src_rows, 0), src_rows >= 0, host_ids]), torch.int64)
+        return torch.where(idx[1].bool(), out[idx[0]].long(), idx[2])
 
     def _sample(self, logits_BV, n: int, sampling: SamplingState) -> StepHandle:
         out = torch.empty(2, n, dtype=torch.float64, device=self.device)

@@ -20,7 +20,12 @@ Policy (the nano-vllm shape):
   its input token fed on the device, when that is what :meth:`schedule` would do anyway (nothing
   waits, no block is short); a sequence that the pending step finishes with a stop token then has
   a void row in the step ahead, whose token is dropped. After a prefill step: the next prefill
-  (more waiting sequences admitted, or the next chunk), which needs no sampled token.
+  (more waiting sequences admitted, or the next chunk), which needs no sampled token; when nothing
+  waits, the decode of every running sequence (the just-prefilled ones fed from the prefill's
+  samples). Whether the pending step stops a sequence is unknown, so with sequences waiting the
+  step after a decode is not scheduled ahead (a stop would admit one first), unless no admission
+  can happen then: the ``max_num_seqs`` cap is reached and no running sequence can finish (no stop
+  tokens, none at its length).
 
 Everything per sequence is read from and written to the :class:`SequenceTable`'s arrays: a decode
 step of thousands of rows costs a few numpy operations (scheduling, stop checks, appending the
@@ -46,9 +51,10 @@ class Batch:
 
     Prefill: row i computes ``num_new[i]`` tokens from position ``start[i]``; ``sampling[i]``: it
     samples a token (the chunk that reaches its last token). Decode: every row computes one token and
-    samples; ``src_rows`` (scheduled ahead): the row of the previous batch whose sample is each row's
-    input token. Verify (a decode batch with drafts): row i also feeds its ``draft_lens[i]`` drafted
-    tokens (``drafts``, concatenated in row order) and computes ``draft_lens[i] + 1`` positions."""
+    samples; ``src_rows`` (scheduled ahead): the index in the previous batch's samples of each row's
+    input token, -1 for a row whose input token is already known (a decode after a prefill). Verify
+    (a decode batch with drafts): row i also feeds its ``draft_lens[i]`` drafted tokens (``drafts``,
+    concatenated in row order) and computes ``draft_lens[i] + 1`` positions."""
 
     rows: np.ndarray
     gens: np.ndarray
@@ -77,6 +83,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[int] = deque()  # slots
         self.num_preemptions = 0
+        self.ahead_off = ""  # why the last schedule_ahead gave None (engine.AHEAD_OFF)
         self._order = itertools.count()
         self.stop_sets: list[np.ndarray] = []
         self._stop_set_ids: dict[frozenset[int], int] = {}
@@ -231,26 +238,66 @@ class Scheduler:
         return dataclasses.replace(batch, draft_lens=lens, drafts=flat)
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The step after ``batch`` (still running, tokens unknown), or None when it cannot be known
-        yet. After a prefill: the next prefill, if sequences wait and fit. After a decode: the next
-        decode, unless sequences wait or a block would be short."""
+        """The step after ``batch`` (still running, tokens unknown; every earlier batch postprocessed),
+        or None when it cannot be known yet (``ahead_off`` says why). After a prefill: the
+        next prefill if sequences wait and fit; when none waits, the decode of every running sequence
+        (the prefilled ones' input tokens come from ``batch``'s samples). After a decode: the next
+        decode, unless sequences wait or a block would be short. Each is the step :meth:`schedule`
+        would make once ``batch`` is postprocessed, but for the void rows of sequences that ``batch``
+        stops."""
         if batch.is_prefill:
-            return self._schedule_prefill() if self.waiting else None
-        if self.waiting or batch.draft_lens is not None:  # a verify step's lengths are not known yet
-            return None
+            if self.waiting:
+                return self._schedule_prefill() or self._off("waiting")
+            return self._decode_after_prefill(batch)
+        if batch.draft_lens is not None:  # a verify step's lengths are not known yet
+            return self._off("verify")
         t, rows = self.table, batch.rows
         live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
+        if self.waiting and not self._admits_none(rows[live]):
+            return self._off("waiting")
         if int(live.sum()) != self.num_running:
-            return None
+            return self._off("not_in_step")
         src = np.flatnonzero(live & (t.num_tokens[rows] + 1 < t.max_len[rows]))  # not finished by length
-        ahead = rows[src]
-        if not len(ahead):
-            return None
-        need = t.num_tokens[ahead] + 1 > t.num_blocks[ahead] * self.block_size
+        return self._decode_ahead(rows[src], src, np.ones(len(src), dtype=bool))
+
+    def _admits_none(self, slots: np.ndarray) -> bool:
+        """Whether, with sequences waiting, :meth:`schedule` surely admits none once the decode of
+        ``slots`` (every running sequence) is postprocessed: the ``max_num_seqs`` cap is reached and
+        none of them can finish in it (no stop tokens, none at its length). Otherwise a stop or a
+        finish in that step may free room (blocks, a slot, new prefix hits) for an admission first."""
+        t = self.table
+        if self.max_num_seqs is None or len(slots) < self.max_num_seqs:
+            return False
+        if any(len(self.stop_sets[k]) for k in np.unique(t.stop_set[slots]).tolist()):
+            return False
+        return not bool((t.num_tokens[slots] + 1 >= t.max_len[slots]).any())
+
+    def _decode_after_prefill(self, batch: Batch) -> Batch | None:
+        """Every running sequence decodes: those ``batch`` samples for (not finished by length) one
+        token past their length, fed from its samples; the others from their last known token."""
+        t = self.table
+        sampled = batch.rows[batch.sampling]
+        pos = {s: i for i, s in enumerate(sampled.tolist())}  # row of each prefilled slot in batch's samples
+        rows = t.slots_with(Status.RUNNING)
+        src = np.array([pos.get(s, -1) for s in rows.tolist()], dtype=np.int64)
+        ahead = src >= 0
+        keep = ~ahead | (t.num_tokens[rows] + 1 < t.max_len[rows])
+        return self._decode_ahead(rows[keep], src[keep], ahead[keep])
+
+    def _decode_ahead(self, rows: np.ndarray, src: np.ndarray, ahead: np.ndarray) -> Batch | None:
+        """A decode batch of ``rows``, ``ahead`` of them one token past their length, if their blocks fit."""
+        if not len(rows):
+            return self._off("all_finish")
+        t = self.table
+        need = t.num_tokens[rows] + ahead > t.num_blocks[rows] * self.block_size
         if int(need.sum()) > self.bm.num_free_blocks:
-            return None
-        self._append_blocks(ahead[need])
-        return Batch(ahead, t.gen[ahead].copy(), False, src_rows=src)
+            return self._off("blocks_short")
+        self._append_blocks(rows[need])
+        return Batch(rows, t.gen[rows].copy(), False, src_rows=np.where(ahead, src, -1))
+
+    def _off(self, reason: str) -> None:
+        self.ahead_off = reason
+        return None
 
     # ---- after a step ---------------------------------------------------------------------------
     def postprocess(self, batch: Batch, token_ids: np.ndarray, logprobs: np.ndarray) -> np.ndarray:

@@ -1,10 +1,17 @@
-"""One-pass sampling from logits on the GPU: temperature, Gumbel-max draw and the token's logprob.
+"""One-pass sampling from logits on the GPU: temperature, an inverse-CDF draw and the token's logprob.
 
 Covers the processed distributions without top-k/top-p filtering (``tidal.engine.sampler.sample``
-uses it for those on CUDA): each row is read once, split over 16 programs that each keep a running
-log-sum-exp and the running best of ``logits / T + Gumbel noise``; a second tiny kernel merges them. ``temperature == 0`` takes the argmax and returns the
-untempered logprob, like :func:`tidal.engine.sampler.process_logits`. The noise comes from Triton's
-Philox stream keyed by a seed drawn from the caller's generator, so seeded runs are reproducible.
+uses it for those on CUDA). Each row is split over 16 programs that each keep a running log-sum-exp
+of ``logits / T`` over their chunk (and, for ``temperature == 0``, the running argmax); a second
+kernel per row merges them and draws: one uniform ``u`` per row, the chunk whose cumulative mass
+first exceeds ``u * total`` (the chunk sums' prefix made monotone and flat over empty chunks, as in
+:func:`tidal.engine.sampler.monotone_cdf`), then a scan of that chunk alone for the token whose
+cumulative mass first exceeds the rest, falling back to the chunk's last token of positive mass.
+So a draw costs one Philox call per row and one extra read of a sixteenth of the row, the same
+two-level inversion as :func:`tidal.engine.sampler.inverse_cdf`. ``temperature == 0`` takes the
+argmax and returns the untempered logprob, like :func:`tidal.engine.sampler.process_logits`. The
+uniform comes from Triton's Philox stream keyed by a seed drawn from the caller's generator, so
+seeded runs are reproducible.
 """
 
 from __future__ import annotations
@@ -15,18 +22,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _sample_partial_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, part_ptr,
+def _sample_partial_kernel(logits_ptr, stride, V, CHUNK, inv_temp, part_ptr,
                            GREEDY: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr):
-    # one program per (row, chunk of the vocabulary); per-lane running max / sum-exp / best score,
-    # combined across lanes, written as 5 partials that _sample_combine_kernel merges per row
+    # one program per (row, chunk of the vocabulary); per-lane running max / sum-exp (and best score
+    # when greedy), combined across lanes, written as 4 partials that _sample_combine_kernel merges
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    seed = tl.load(seed_ptr)
     lane = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK], tl.float32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_x = tl.zeros([BLOCK], tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     lo = chunk * CHUNK
     for start in range(lo, lo + CHUNK, BLOCK):
@@ -38,45 +43,80 @@ def _sample_partial_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, par
         l = tl.where(seen, l * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
         m = m_new
         if GREEDY:
-            score = x
-        else:
-            # one Philox call per 4 lanes (the random-number math is part of what bounds this kernel,
-            # not its memory traffic; four at a time measured 0.127 -> 0.107 ms at 128 x 151936):
-            # counters (row, chunk, group of 4 lanes) are distinct, so every element gets its own uniform
-            q = (row * NCHUNK + chunk) * (CHUNK // 4) + (start - lo) // 4 + tl.arange(0, BLOCK // 4)
-            r0, r1, r2, r3 = tl.rand4x(seed, q)
-            u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
-            score = x - tl.log(-tl.log(tl.maximum(u, 1e-20)))
-        take = mask & (score > best)
-        best = tl.where(take, score, best)
-        best_x = tl.where(take, x, best_x)
-        best_i = tl.where(take, offs, best_i)
+            take = mask & (x > best)
+            best = tl.where(take, x, best)
+            best_i = tl.where(take, offs, best_i)
     m_all = tl.max(m, axis=0)
     l_all = tl.sum(tl.where(m > float("-inf"), l * tl.exp(m - m_all), 0.0), axis=0)
     win = tl.argmax(best, axis=0)
-    base = part_ptr + (row * NCHUNK + chunk) * 5
+    base = part_ptr + (row * NCHUNK + chunk) * 4
     tl.store(base, m_all)
     tl.store(base + 1, l_all)
-    tl.store(base + 2, tl.max(best, axis=0))
-    tl.store(base + 3, tl.sum(tl.where(lane == win, best_x, 0.0), axis=0))
-    tl.store(base + 4, tl.sum(tl.where(lane == win, best_i, 0), axis=0).to(tl.float32))
+    tl.store(base + 2, tl.max(best, axis=0))  # greedy: the chunk's largest x, at token best_i
+    tl.store(base + 3, tl.sum(tl.where(lane == win, best_i, 0), axis=0).to(tl.float32))
 
 
 @triton.jit
-def _sample_combine_kernel(part_ptr, tok_ptr, logp_ptr, NCHUNK: tl.constexpr):
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _monotone_prefix(w):
+    """Prefix sums of the non-negative ``w`` made non-decreasing and flat over zero weights."""
+    cdf = tl.where(w > 0, tl.cumsum(w, axis=0), 0.0)
+    return tl.associative_scan(cdf, 0, _max_combine)
+
+
+@triton.jit
+def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, part_ptr, tok_ptr, logp_ptr,
+                           GREEDY: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, NCHUNK)
-    base = part_ptr + (row * NCHUNK + c) * 5
+    base = part_ptr + (row * NCHUNK + c) * 4
     m = tl.load(base)
     l = tl.load(base + 1)
-    best = tl.load(base + 2)
     m_all = tl.max(m, axis=0)
-    l_all = tl.sum(tl.where(m > float("-inf"), l * tl.exp(m - m_all), 0.0), axis=0)
-    win = tl.argmax(best, axis=0)
-    x_win = tl.sum(tl.where(c == win, tl.load(base + 3), 0.0), axis=0)
-    tok = tl.sum(tl.where(c == win, tl.load(base + 4), 0.0), axis=0)
+    mass = tl.where(m > float("-inf"), l * tl.exp(m - m_all), 0.0)  # each chunk's sum of exp(x - m_all)
+    l_all = tl.sum(mass, axis=0)
+    if GREEDY:
+        best = tl.load(base + 2)
+        win = tl.argmax(best, axis=0)
+        x_tok = tl.max(best, axis=0)
+        tok = tl.sum(tl.where(c == win, tl.load(base + 3), 0.0), axis=0).to(tl.int32)
+    else:
+        cdf = _monotone_prefix(mass)
+        target = tl.rand(tl.load(seed_ptr), row) * tl.max(cdf, axis=0)
+        last = tl.max(tl.where(mass > 0, c, -1), axis=0)
+        ch = tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), last)  # first prefix above the target
+        rest = target - tl.sum(tl.where(c == ch - 1, cdf, 0.0), axis=0)
+        # the chosen chunk's tokens, BLOCK at a time: the first whose running mass exceeds ``rest``
+        lane = tl.arange(0, BLOCK)
+        acc = rest * 0.0
+        tok = ch * 0 - 1  # not found yet
+        last_pos = ch * 0 - 1  # the chunk's last token of positive mass so far (with its x)
+        x_tok = rest * 0.0
+        x_last = rest * 0.0
+        lo = ch * CHUNK
+        for start in range(0, CHUNK, BLOCK):
+            offs = lo + start + lane
+            mask = (offs < V) & (start + lane < CHUNK)
+            x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+            p = tl.where(mask, tl.exp(x - m_all), 0.0)
+            run = acc + _monotone_prefix(p)
+            hit = (p > 0) & (run > rest)
+            first = tl.min(tl.where(hit, offs, 2147483647), axis=0)
+            found = (tok < 0) & (first < 2147483647)
+            x_tok = tl.where(found, tl.sum(tl.where(offs == first, x, 0.0), axis=0), x_tok)
+            tok = tl.where(found, first, tok)
+            pos_last = tl.max(tl.where(p > 0, offs, -1), axis=0)
+            x_last = tl.where(pos_last >= 0, tl.sum(tl.where(offs == pos_last, x, 0.0), axis=0), x_last)
+            last_pos = tl.maximum(last_pos, pos_last)
+            acc = tl.max(run, axis=0)
+        x_tok = tl.where(tok < 0, x_last, x_tok)
+        tok = tl.where(tok < 0, last_pos, tok)
     tl.store(tok_ptr + row, tok.to(tl.int64))
-    tl.store(logp_ptr + row, x_win - m_all - tl.log(l_all))
+    tl.store(logp_ptr + row, x_tok - m_all - tl.log(l_all))
 
 
 def draw_seed(generator: torch.Generator | None, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,7 +128,7 @@ def draw_seed(generator: torch.Generator | None, device: torch.device, out: torc
 def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                  *, seed: torch.Tensor | None = None):
     """(token_B int64, logp_B fp32) drawn from ``softmax(logits / temperature)`` (argmax when 0).
-    The noise is keyed by ``seed`` (``int64 [1]`` on the device, read by the kernel: a CUDA graph
+    The uniforms are keyed by ``seed`` (``int64 [1]`` on the device, read by the kernel: a CUDA graph
     can capture this call) or, when None, by a seed drawn from ``generator``."""
     B, V = logits_BV.shape
     if logits_BV.stride(1) != 1:
@@ -97,13 +137,15 @@ def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.G
     if seed is None:
         seed = draw_seed(generator, dev)
     nchunk = 16 if V >= 16 * 1024 else 1
-    block = max(16, min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk))))  # >= 16: 4 lanes per Philox call
+    block = max(16, min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk))))
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
-    part = torch.empty(B, nchunk, 5, dtype=torch.float32, device=dev)
+    part = torch.empty(B, nchunk, 4, dtype=torch.float32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    _sample_partial_kernel[(B, nchunk)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, seed, part,
-                                        GREEDY=temperature == 0, BLOCK=block, NCHUNK=nchunk, num_warps=4)
-    _sample_combine_kernel[(B,)](part, tok, logp, NCHUNK=nchunk, num_warps=1)
+    greedy = temperature == 0
+    _sample_partial_kernel[(B, nchunk)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, part,
+                                        GREEDY=greedy, BLOCK=block, NCHUNK=nchunk, num_warps=4)
+    _sample_combine_kernel[(B,)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, seed, part, tok, logp,
+                                 GREEDY=greedy, BLOCK=block, NCHUNK=nchunk, num_warps=4)
     return tok, logp
