@@ -31,6 +31,7 @@ from tidal.config_base import check
 from tidal.data import DataSource, PromptDataset, StatefulDistributedSampler
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
+from tidal.distributed.runtime import set_cpu_threads
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
@@ -171,6 +172,7 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
 def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
+    set_cpu_threads(cfg.run.cpu_threads, runtime.device)
     cfg.check_world(runtime.world_size)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
