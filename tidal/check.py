@@ -5,10 +5,14 @@ Checked, in the order a run checks them (each failure is the run's own ConfigErr
 config and its overrides, the optional packages it needs (:mod:`tidal.optional_deps`), the device
 this process would get (``run.device``, ranks per node against GPUs, under torchrun too) and the
 world against ``engine.tp_size`` and the batch sizes, every local path the run reads (model folders,
-data files), and the model's context against ``data.max_prompt_len + rollout.max_new_tokens``. With a
-model folder at hand it prints the memory plan that exists before anything loads: the engine's
-weights per rank, KV-cache bytes per token and, on CUDA, the KV budget and the tokens it holds. A
-built-in task (``task.name``) builds its assets at the first run, so its model is not read here.
+data files), then what :func:`tidal.build.check_model_and_data` checks for ``tidal train`` too: the
+model's context against ``data.max_prompt_len + rollout.max_new_tokens`` (and ``env.max_total_tokens``)
+before the micro-batches, the tokenizer, and a sample of the rows of every data source -- fields,
+prompt lengths, labels against ``reward.recipes``, and whether each rule component can read the
+references (:mod:`tidal.data.check`). With a model folder at hand it prints the memory plan that
+exists before anything loads: the engine's weights per rank, KV-cache bytes per token and, on CUDA,
+the KV budget and the tokens it holds. A built-in task (``task.name``) builds its assets at the
+first run, so its model and data are not read here.
 """
 
 from __future__ import annotations
@@ -75,19 +79,20 @@ def check(cfg: TidalConfig) -> list[str]:
     device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
                             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)
     cfg.check_world(world)
+    data_lines: list[str] = []
     if cfg.job == "rl":
+        from transformers import AutoConfig
+
         from tidal.algorithms import Algorithm
-        from tidal.build import ResolvedPaths, check_inputs
-        from tidal.models.loading import check_context_fits
+        from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data
 
         rollout_group_ranks(world, cfg.engine.tp_size)
-        if not cfg.task.name:
+        if cfg.task.name:  # its model and data are built at the first run: the micro-batches only
+            check_context_budget(cfg, None)
+        else:
             m = cfg.model
             paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
                                   reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
             check_inputs(cfg, paths, Algorithm(cfg.algorithm))
-            from transformers import AutoConfig
-
-            check_context_fits(AutoConfig.from_pretrained(m.path), max_prompt_len=cfg.data.max_prompt_len,
-                               max_new_tokens=cfg.rollout.max_new_tokens)
-    return plan_lines(cfg, world, device) + memory_lines(cfg, device)
+            _, data_lines = check_model_and_data(cfg, paths, AutoConfig.from_pretrained(m.path))
+    return plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)

@@ -111,13 +111,10 @@ class RewardEngine:
     # -- recipes ---------------------------------------------------------------------------------
 
     def _recipe_of(self, i: int, sample: RewardSample) -> list[tuple[str, float]]:
-        label = sample.label or self.cfg.unlabelled_recipe
-        if label is None:
-            raise RewardError(f"sample {i} has no label, and with several recipes ({sorted(self.cfg.recipe_weights)}) "
-                              "and none named 'default' it has no recipe: label the row or set reward.default_recipe")
-        if label not in self.cfg.recipe_weights:
-            raise RewardError(f"sample {i} has label '{label}', which is not a recipe; recipes: {sorted(self.cfg.recipe_weights)}")
-        return self.cfg.recipe_weights[label]
+        problem = self.cfg.recipe_problem(sample.label)
+        if problem is not None:
+            raise RewardError(f"sample {i} {problem}")
+        return self.cfg.recipe_weights[sample.label or self.cfg.unlabelled_recipe]
 
     def _positions(self, recipes: list[list[tuple[str, float]]]) -> dict[str, list[int]]:
         """Batch positions each component scores (all of them for scores_every_sample components)."""
