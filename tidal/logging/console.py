@@ -5,7 +5,8 @@ The line reads, for example::
 
     step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)
 
-``reward`` is ``reward/total`` (else ``reward/mean``); ``eval acc`` is ``eval/greedy_accuracy`` on
+``reward`` is ``reward/mean``, the reward trained on (reward components and an environment's
+outcome reward together; ``reward/total`` is the components' share alone); ``eval acc`` is ``eval/greedy_accuracy`` on
 the steps that evaluate; ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
 the device memory by part (:func:`memory_text`); tokens per second are the
 tokens generated on all ranks (``response/tokens_count``) over the generate phase
@@ -83,7 +84,7 @@ def tokens_per_s(metrics: dict[str, float]) -> float | None:
 def step_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     """The compact line of one logged step (see the module docstring)."""
     parts = [f"step {step}/{total_steps}"]
-    for label, keys in (("reward", ("reward/total", "reward/mean")), ("eval acc", ("eval/greedy_accuracy",)),
+    for label, keys in (("reward", ("reward/mean", "reward/total")), ("eval acc", ("eval/greedy_accuracy",)),
                         ("kl", ("actor/kl", "kl/rollout"))):
         key = next((k for k in keys if k in metrics), None)
         if key is not None:

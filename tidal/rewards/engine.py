@@ -236,6 +236,8 @@ class RewardEngine:
             metrics[f"reward/{name}/seconds"] = seconds.get(name, 0.0)
             for k in comp.counter_names:
                 metrics[f"reward/{name}/{k}_count"] = 0.0
+            if isinstance(comp, SyncComponent) and comp.reads_answers:  # the same keys on every rank, whether it ran here or not
+                metrics[f"reward/{name}/unparsed_frac"], metrics[f"reward/{name}/unparsed_frac/count"] = math.nan, 0.0
         for name, res in results.items():
             pos = positions[name]
             if len(res.scores) != len(pos):
@@ -250,6 +252,9 @@ class RewardEngine:
             metrics[f"reward/{name}/errors_count"] = float(len(res.errors))
             for k, v in res.counters.items():
                 metrics[f"reward/{name}/{k}_count"] = float(v)
+            if res.unparsed is not None and ok:  # of the responses it scored for a recipe that uses it
+                metrics[f"reward/{name}/unparsed_frac"] = sum(j in res.unparsed for j in ok) / len(ok)
+                metrics[f"reward/{name}/unparsed_frac/count"] = float(len(ok))
         # total_B = sum_c w_c * r_c over each sample's recipe (in float64: a sum of float32 scores may
         # overflow float32, and such a sample is invalid like a NaN one); dropped samples get 0.
         total64_B = torch.zeros(B, dtype=torch.float64)

@@ -165,16 +165,20 @@ class LengthPenalty(RuleReward):
 
 
 class RuleComponent(SyncComponent):
-    """A rule as a reward component (scored inline; rules are cheap and do not block)."""
+    """A rule as a reward component (scored inline; rules are cheap and do not block). A rule that
+    reads answers also reports which responses it could not read (``ComponentResult.unparsed``)."""
 
     def __init__(self, rule: RuleReward):
         self.rule = rule
+        self.reads_answers = rule.reads_answers
 
     def score(self, samples: list[RewardSample]) -> ComponentResult:
-        result = ComponentResult(scores=[])
+        result = ComponentResult(scores=[], unparsed=set() if self.rule.reads_answers else None)
         for i, s in enumerate(samples):
             try:
                 result.scores.append(as_score(self.rule.score(s)))
+                if result.unparsed is not None and self.rule.unparsed(s):
+                    result.unparsed.add(i)
             except Exception as e:  # a rule bug is reported per sample like any component error
                 result.scores.append(math.nan)
                 result.errors[i] = f"rule '{self.rule.name}' raised {type(e).__name__}: {e}"

@@ -23,6 +23,7 @@ numbers of rows, so no rank skips a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -340,8 +341,11 @@ class ExperienceMaker:
         N = len(packed.trajectories)
         len_N = torch.zeros(N, dtype=torch.float32).index_add_(0, packed.trajectory_ids_B, exp.response_len_B.float())
         truncated_N = torch.tensor([t.truncated for t in packed.trajectories], dtype=torch.bool)
+        valid_N = scores.total_N[scores.valid_N]  # the trained rewards' range (-inf/inf: none here)
         m = {
             "reward/mean": float(scores.total_N.mean()),
+            "reward/trajectory_max": float(valid_N.max()) if valid_N.numel() else -math.inf,
+            "reward/trajectory_min": float(valid_N.min()) if valid_N.numel() else math.inf,
             "response/length_mean": float(len_N.mean()),
             "response/length_max": float(len_N.max()),
             "response/tokens_count": float(act.sum()),  # sampled tokens (summed over ranks)

@@ -25,6 +25,7 @@ from tidal.logging.console import format_value
 from tidal.logging.progress import stage
 from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
+from tidal.rewards.alarms import RewardAlarms
 from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.run import checkpoint as ckpt
 from tidal.run import faults
@@ -98,6 +99,7 @@ class PPOTrainer:
         self.watchdog = self.timer.watchdog
         self.rt = colocation.runtime
         self.state = TrainerState()
+        self.reward_alarms = RewardAlarms()  # rewards that teach nothing: all equal, answers unread
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
@@ -177,6 +179,7 @@ class PPOTrainer:
         self.algo.update_after_step(update.actor)
         self._track_skips(metrics)
         self._mismatch_alarm(metrics)
+        self._warn(self.reward_alarms.step(metrics))
         metrics.update(self.timer.pop())
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")
         # after time/step: compile time is inside the phases that compiled, not added to them
@@ -201,6 +204,11 @@ class PPOTrainer:
             raise WeightSyncError(f"{message} (sync.on_alarm=stop)")
         if self.rt.is_main:
             print(f"[tidal] warning: {message}", flush=True)
+
+    def _warn(self, messages: list[str]) -> None:
+        if self.rt.is_main:
+            for message in messages:
+                print(f"[tidal] warning: {message}", flush=True)
 
     def _track_skips(self, metrics: dict[str, float]) -> None:
         skipped = metrics.get("actor/skipped", 0.0) > 0
@@ -328,6 +336,7 @@ class PPOTrainer:
             self.logger.log_start(initial)  # step 0 of metrics.jsonl: where the curves start
             self.state.initial_eval = {k: v for k, v in initial.items() if not k.startswith("time/")}
             self._announce("start", self.state.initial_eval)
+            self._warn(self.reward_alarms.start_eval(initial))
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
