@@ -206,7 +206,7 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
         remote_teacher = RemoteTeacher(t)
         check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")
     models = Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference, teacher=teacher,
-                    remote_teacher=remote_teacher)
+                    remote_teacher=remote_teacher, positions=model_positions(hf_config))
     return models, hf_config
 
 

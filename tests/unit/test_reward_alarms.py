@@ -77,7 +77,9 @@ def test_a_run_whose_reward_reads_no_answer_warns(tmp_path, tiny_task_overrides,
         f"run.output_dir={out}", "run.steps=2", "reward.components.correct={type: math_answer}", "eval.at_start=true",
         "checkpoint.every=0", "checkpoint.at_end=false"])
     try:
-        build_trainer(cfg).fit()
+        trainer = build_trainer(cfg)
+        assert trainer.maker.env.max_context == 128  # trajectories end where the tiny model's context does
+        trainer.fit()
     finally:
         shutdown()
     text = capsys.readouterr().out

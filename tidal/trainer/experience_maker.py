@@ -129,7 +129,8 @@ class ExperienceMaker:
         self.timer: PhaseTimer = colocation.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
-        self.env = EnvRollout(env, models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
+        # builds one environment now: bad env.kwargs fail at setup; trajectories end where the model's context does
+        self.env = EnvRollout(env, models.tokenizer, max_context=models.positions)
         self.multi_turn = env.name != "single_turn"
 
     @property
