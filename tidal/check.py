@@ -34,7 +34,7 @@ def plan_lines(cfg: TidalConfig, world_size: int, device: torch.device) -> list[
     lines = [
         f"job: {cfg.job}; {cfg.run.steps} steps into {cfg.run.output_dir} (metrics.jsonl, checkpoints/ every "
         f"{cfg.checkpoint.every or 'never'}; logging: {', '.join(cfg.logging.backends)})",
-        f"ranks: {world_size} on {device}; strategy {cfg.strategy.backend}",
+        f"ranks: {world_size} on {device}; strategy {cfg.strategy.backend}" + _threads_text(cfg, device),
     ]
     if cfg.job == "rl":
         model = f"task {cfg.task.name!r} (built in {cfg.task.workdir} at the first run)" if cfg.task.name else cfg.model.path
@@ -45,6 +45,17 @@ def plan_lines(cfg: TidalConfig, world_size: int, device: torch.device) -> list[
             f"eval: every {cfg.eval.every or 'never'} steps" + (", and at the start" if cfg.eval.at_start else ""),
         ]
     return lines
+
+
+def _threads_text(cfg: TidalConfig, device: torch.device) -> str:
+    """``; 1 CPU thread per rank (...)`` on CPU (:func:`tidal.distributed.runtime.cpu_threads`)."""
+    if device.type != "cpu":
+        return ""
+    from tidal.distributed.runtime import cpu_threads
+
+    n = cpu_threads(cfg.run.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    why = "run.cpu_threads" if cfg.run.cpu_threads else "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "half the cores"
+    return f"; {n} CPU thread{'s' if n != 1 else ''} per rank ({why})"
 
 
 def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:

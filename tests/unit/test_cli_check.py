@@ -29,12 +29,14 @@ def config(tmp_path):
     return str(path)
 
 
-def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys):
+def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert main(["check", config]) == 0
     out = capsys.readouterr().out
     assert "200 steps into" in out and "64 prompts x 8 samples, up to 512 new tokens" in out
     # 2 layers x 2 KV heads x 16 head dims x (K, V) x 4 bytes (float32 on the CPU) = 0.5 KiB per token
     assert "KV cache 0.5 KiB per token" in out and "check passed" in out
+    assert "ranks: 1 on cpu; strategy fsdp2; 3 CPU threads per rank (OMP_NUM_THREADS)" in out or "on cuda" in out
     assert not (tmp_path / "run").exists()  # nothing written
 
 
