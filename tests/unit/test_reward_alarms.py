@@ -58,6 +58,8 @@ def test_alarms_fire_at_the_1st_2nd_4th_8th_step_and_track_the_whole_run():
     later = RewardAlarms()
     later.step({"reward/trajectory_min": 0.0, "reward/trajectory_max": 1.0})
     assert later.step({"reward/trajectory_min": 1.0, "reward/trajectory_max": 1.0}) == []  # the run's rewards differ
+    quiet = RewardAlarms(all_equal=False)  # a run that learns from a distillation teacher
+    assert quiet.step({"reward/trajectory_min": 0.0, "reward/trajectory_max": 0.0}) == []
     start = RewardAlarms().start_eval({"eval/greedy_reward_min": 0.0, "eval/greedy_reward_max": 0.0, "eval/reward/a/unparsed_frac": 1.0})
     assert len(start) == 2 and "start-of-run evaluation" in start[1]
 

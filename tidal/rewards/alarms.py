@@ -6,7 +6,8 @@ Read from metrics already combined over ranks, so every rank decides the same an
 - **mostly unparsed**: ``reward/<name>/unparsed_frac`` above :data:`UNPARSED_ALARM` (more than
   half the responses scored hold no answer the component can read; it scores them as wrong);
 - **all equal**: every reward of the run so far is the same number (``reward/trajectory_min`` ==
-  ``reward/trajectory_max`` over all steps): group-relative advantages are 0 and nothing is learned.
+  ``reward/trajectory_max`` over all steps): the reward carries no signal (group-relative
+  advantages are 0). Not warned when the run learns from a distillation teacher.
 
 At the start-of-run evaluation the same is read from its ``eval/`` metrics (the greedy rewards).
 A condition that persists is printed at its 1st, 2nd, 4th, 8th... step, not at every step.
@@ -38,15 +39,17 @@ def all_equal_warning(low: float, high: float, what: str) -> str | None:
     """The message when every reward in ``[low, high]`` is one number (None otherwise or when unknown)."""
     if not (math.isfinite(low) and math.isfinite(high)) or low != high:
         return None
-    return (f"every reward {what} is {low:g}: group-relative advantages are 0 and nothing is learned; check the "
+    return (f"every reward {what} is {low:g}: it carries no signal and nothing is learned from it; check the "
             f"reward components against the responses and the data's references (see {DOCS})")
 
 
 class RewardAlarms:
     """The run's reward warnings (see the module docstring); ``step`` and ``start_eval`` return the
-    lines to print now."""
+    lines to print now. ``all_equal``: whether equal rewards are worth a warning (not in a run that
+    learns from a distillation teacher, or has no reward components)."""
 
-    def __init__(self):
+    def __init__(self, *, all_equal: bool = True):
+        self.all_equal = all_equal
         self.low, self.high, self.steps = math.inf, -math.inf, 0
         self.fired: dict[str, int] = {}
 
@@ -55,7 +58,7 @@ class RewardAlarms:
         lines = list(unparsed_warnings(metrics, prefix="eval/").values())
         equal = all_equal_warning(metrics.get("eval/greedy_reward_min", math.nan), metrics.get("eval/greedy_reward_max", math.nan),
                                   "of the start-of-run evaluation (greedy)")
-        return lines + ([equal] if equal else [])
+        return lines + ([equal] if equal and self.all_equal else [])
 
     def step(self, metrics: dict[str, float]) -> list[str]:
         """Warnings after a training step (its metrics, combined over ranks)."""
@@ -64,7 +67,7 @@ class RewardAlarms:
         self.high = max(self.high, metrics.get("reward/trajectory_max", -math.inf))
         found = dict(unparsed_warnings(metrics))
         equal = all_equal_warning(self.low, self.high, f"of the run so far ({self.steps} steps)")
-        if equal:
+        if equal and self.all_equal:
             found[" all equal"] = equal
         return [message for key, message in found.items() if self._due(key)]
 

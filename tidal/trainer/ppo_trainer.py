@@ -99,7 +99,8 @@ class PPOTrainer:
         self.watchdog = self.timer.watchdog
         self.rt = colocation.runtime
         self.state = TrainerState()
-        self.reward_alarms = RewardAlarms()  # rewards that teach nothing: all equal, answers unread
+        # rewards that teach nothing: all equal (unless a teacher teaches), answers unread
+        self.reward_alarms = RewardAlarms(all_equal=bool(rewards.components) and not algorithm.needs_teacher)
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
