@@ -28,17 +28,19 @@ from transformers import AutoConfig
 
 from tidal.algorithms import Algorithm
 from tidal.config import TidalConfig
-from tidal.config_base import check
+from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, PromptDataset, PromptItem, StatefulDistributedSampler
+from tidal.data.check import sample_rows
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
+from tidal.distributed.runtime import set_cpu_threads
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
 from tidal.logging.progress import stage
 from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
-from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, tokenizer_fingerprint
+from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, model_positions, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.models.varlen import enable_packed_attention
 from tidal.optional_deps import check_dependencies
@@ -120,6 +122,60 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
             check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
 
 
+def check_context_budget(cfg: TidalConfig, hf_config) -> None:
+    """The longest sequence fits the model's positions, then the training micro-batches, in that
+    order (a context beyond the model is the problem to name, not the micro-batch that cannot hold
+    it). ``hf_config`` None (a built-in task not built yet): the micro-batches only. A multi-turn
+    run's ``env.max_total_tokens`` (tokens after the prompt) must fit the positions too."""
+    d, r, e = cfg.data, cfg.rollout, cfg.env
+    positions = model_positions(hf_config) if hf_config is not None else None
+    if hf_config is not None:
+        check_context_fits(hf_config, max_prompt_len=d.max_prompt_len, max_new_tokens=r.max_new_tokens)
+    if positions is not None and e.max_total_tokens and d.max_prompt_len + e.max_total_tokens > positions:
+        raise ConfigError("env.max_total_tokens", f"data.max_prompt_len ({d.max_prompt_len}) + env.max_total_tokens "
+                          f"({e.max_total_tokens}) = {d.max_prompt_len + e.max_total_tokens} exceeds the model's {positions} "
+                          f"positions (max_position_embeddings); set env.max_total_tokens <= {positions - d.max_prompt_len} "
+                          "(or 0: the model's context)")
+    longest = d.max_prompt_len + r.max_new_tokens
+    for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence
+        # `auto`: the memory plan resolves it to at least `longest` (or says what to change)
+        value = getattr(cfg.train, key)
+        check(value == "auto" or value >= longest, f"train.{key}",
+              f"({value}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
+              f"= {longest} tokens; raise it (or lower those)")
+
+
+def check_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer) -> list[str]:
+    """Every data source's sampled rows (:func:`tidal.data.check.sample_rows`) against the config:
+    fields, prompt lengths, the label's recipe and what its rule components can read of the
+    reference (:meth:`~tidal.rewards.config.RewardConfig.check_row`). ConfigError on the first
+    failure; returns one line per source saying what was checked."""
+    lines = []
+    for name, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
+        for i, source in enumerate(sources):
+            sampled = sample_rows(source, cfg.data, tokenizer, key=f"{name}[{i}]")
+            for row in sampled:
+                cfg.reward.check_row(row.where, row.parsed.label, row.parsed.reference)
+            longest = max((r.prompt_tokens for r in sampled if r.prompt_tokens is not None), default=0)
+            labels = sorted({r.parsed.label or "(none)" for r in sampled})
+            lines.append(f"data: {source.path}: {len(sampled)} rows checked (fields, labels {', '.join(labels)}, "
+                         f"references); longest prompt {longest} tokens of data.max_prompt_len {cfg.data.max_prompt_len}")
+    return lines
+
+
+def check_model_and_data(cfg: TidalConfig, paths: ResolvedPaths, hf_config) -> tuple[object, list[str]]:
+    """(the tokenizer, what was checked of the data): everything a run checks of the model's config,
+    its tokenizer and the data before any model loads, in order -- the context budget, the tokenizer
+    against the model, the chat template, then every source's sampled rows. ``tidal check`` and
+    ``tidal train`` both call it."""
+    check_context_budget(cfg, hf_config)
+    tokenizer = load_tokenizer(paths.tokenizer)
+    if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
+        check_tokenizer_fits(tokenizer, hf_config)
+    require_chat_template(tokenizer, cfg.data)
+    return tokenizer, check_data(cfg, paths, tokenizer)
+
+
 def build_actor(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy):
     """(the actor sharded for training, its HF config); ``cfg`` as resolved by the memory plan."""
     require_resolved(cfg.model, "model", "gradient_checkpointing")
@@ -161,7 +217,7 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
         remote_teacher = RemoteTeacher(t)
         check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")
     models = Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference, teacher=teacher,
-                    remote_teacher=remote_teacher)
+                    remote_teacher=remote_teacher, positions=model_positions(hf_config))
     return models, hf_config
 
 
@@ -194,6 +250,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     written, cfg = cfg, with_absolute_output_dir(cfg)  # config.yaml records the config as written
     check_dependencies(cfg)  # optional packages (logging backends, deepspeed, peft, vllm) before anything starts
     runtime = init_runtime(cfg.engine.tp_size, cfg.run.device, cfg.run.collective_timeout_s)
+    set_cpu_threads(cfg.run.cpu_threads, runtime.device)
     cfg.check_world(runtime.world_size)
     if runtime.is_main:
         for warning in cfg.learning_warnings():
@@ -207,11 +264,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
     hf_config = AutoConfig.from_pretrained(paths.model)
-    check_context_fits(hf_config, max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens)
-    tokenizer = load_tokenizer(paths.tokenizer)
-    if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
-        check_tokenizer_fits(tokenizer, hf_config)
-    require_chat_template(tokenizer, cfg.data)  # before any model is loaded
+    tokenizer, _ = check_model_and_data(cfg, paths, hf_config)
     # the memory plan (CUDA, or memory.device_memory_gib): printed, `auto` settings chosen; a run
     # that cannot fit stops here, before any model loads
     teacher_path = cfg.model.teacher.path if algorithm.needs_teacher else ""

@@ -5,10 +5,14 @@ Checked, in the order a run checks them (each failure is the run's own ConfigErr
 config and its overrides, the optional packages it needs (:mod:`tidal.optional_deps`), the device
 this process would get (``run.device``, ranks per node against GPUs, under torchrun too) and the
 world against ``engine.tp_size`` and the batch sizes, every local path the run reads (model folders,
-data files), and the model's context against ``data.max_prompt_len + rollout.max_new_tokens``. With a
-model folder at hand it prints the memory plan that exists before anything loads: the engine's
-weights per rank, KV-cache bytes per token and, on CUDA, the KV budget and the tokens it holds. A
-built-in task (``task.name``) builds its assets at the first run, so its model is not read here.
+data files), then what :func:`tidal.build.check_model_and_data` checks for ``tidal train`` too: the
+model's context against ``data.max_prompt_len + rollout.max_new_tokens`` (and ``env.max_total_tokens``)
+before the micro-batches, the tokenizer, and a sample of the rows of every data source -- fields,
+prompt lengths, labels against ``reward.recipes``, and whether each rule component can read the
+references (:mod:`tidal.data.check`). With a model folder at hand it prints the memory plan that
+exists before anything loads: the engine's weights per rank, KV-cache bytes per token and, on CUDA,
+the KV budget and the tokens it holds. A built-in task (``task.name``) builds its assets at the
+first run, so its model and data are not read here.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def plan_lines(cfg: TidalConfig, world_size: int, device: torch.device) -> list[
     lines = [
         f"job: {cfg.job}; {cfg.run.steps} steps into {cfg.run.output_dir} (metrics.jsonl, checkpoints/ every "
         f"{cfg.checkpoint.every or 'never'}; logging: {', '.join(cfg.logging.backends)})",
-        f"ranks: {world_size} on {device}; strategy {cfg.strategy.backend}",
+        f"ranks: {world_size} on {device}; strategy {cfg.strategy.backend}" + _threads_text(cfg, device),
     ]
     if cfg.job == "rl":
         model = f"task {cfg.task.name!r} (built in {cfg.task.workdir} at the first run)" if cfg.task.name else cfg.model.path
@@ -41,6 +45,17 @@ def plan_lines(cfg: TidalConfig, world_size: int, device: torch.device) -> list[
             f"eval: every {cfg.eval.every or 'never'} steps" + (", and at the start" if cfg.eval.at_start else ""),
         ]
     return lines
+
+
+def _threads_text(cfg: TidalConfig, device: torch.device) -> str:
+    """``; 1 CPU thread per rank (...)`` on CPU (:func:`tidal.distributed.runtime.cpu_threads`)."""
+    if device.type != "cpu":
+        return ""
+    from tidal.distributed.runtime import cpu_threads
+
+    n = cpu_threads(cfg.run.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    why = "run.cpu_threads" if cfg.run.cpu_threads else "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "half the cores"
+    return f"; {n} CPU thread{'s' if n != 1 else ''} per rank ({why})"
 
 
 def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
@@ -75,19 +90,21 @@ def check(cfg: TidalConfig) -> list[str]:
     device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
                             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)
     cfg.check_world(world)
+    data_lines: list[str] = []
     if cfg.job == "rl":
+        from transformers import AutoConfig
+
         from tidal.algorithms import Algorithm
-        from tidal.build import ResolvedPaths, check_inputs
-        from tidal.models.loading import check_context_fits
+        from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data
 
         rollout_group_ranks(world, cfg.engine.tp_size)
-        if not cfg.task.name:
+        if cfg.task.name:  # its model and data are built at the first run: the micro-batches only
+            check_context_budget(cfg, None)
+        else:
             m = cfg.model
             paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
                                   reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
             check_inputs(cfg, paths, Algorithm(cfg.algorithm))
-            from transformers import AutoConfig
-
-            check_context_fits(AutoConfig.from_pretrained(m.path), max_prompt_len=cfg.data.max_prompt_len,
-                               max_new_tokens=cfg.rollout.max_new_tokens)
-    return plan_lines(cfg, world, device) + memory_lines(cfg, device) + [f"warning: {w}" for w in cfg.learning_warnings()]
+            _, data_lines = check_model_and_data(cfg, paths, AutoConfig.from_pretrained(m.path))
+    return (plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)
+            + [f"warning: {w}" for w in cfg.learning_warnings()])

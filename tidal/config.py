@@ -91,12 +91,6 @@ class TidalConfig:
               "eval.correct_threshold", "is only used when every reward component is a rule or a function (eval accuracy); "
               "with a reward model or a remote service evaluation reports the mean reward: leave it at its default")
         self._check_unused()
-        longest = self.data.max_prompt_len + self.rollout.max_new_tokens
-        for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence
-            # `auto`: the memory plan resolves it to at least `longest` (or says what to change)
-            check(getattr(self.train, key) == "auto" or getattr(self.train, key) >= longest, f"train.{key}",
-                  f"({getattr(self.train, key)}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
-                  f"= {longest} tokens; raise it (or lower those)")
         check_engine_backend(self.env, self.engine.backend)
         check_partial_rollout(self)
         check(

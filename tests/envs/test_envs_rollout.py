@@ -375,3 +375,79 @@ def test_each_trajectory_is_reported_when_it_ends_and_scored_as_at_the_end(qwen2
     assert at[0] >= 1 and at[1] >= 1 and at[2] >= 2 and at[3] >= 2
     assert torch.equal(got.total_B, want.total_B) and torch.equal(got.valid_B, want.valid_B)
     assert got.components["len"].tolist() == want.components["len"].tolist() and want.components["len"].min() < 0
+
+
+# ---- the model's context bounds every trajectory (env.max_total_tokens: 0) -------------------------------
+class VerboseEnv(Environment):
+    """Answers every turn with an observation of ``size`` characters (a tool that prints a file)."""
+
+    def __init__(self, cfg, size=200, first=None):
+        super().__init__(cfg)
+        self.size, self.first = size, first
+
+    def reset(self, row):
+        return Observation(messages=self.first or row.messages)
+
+    def step(self, turn):
+        return StepResult(observation=Observation(messages=[{"role": "user", "content": "y" * self.size}]))
+
+
+class BoundedEngine(ScriptedEngine):
+    """A scripted engine with the native engine's context rule: a prompt must leave room for one
+    sampled token, and sampling stops at the context."""
+
+    def __init__(self, tok, policy, positions):
+        super().__init__(tok, policy)
+        self.positions = positions
+
+    def generate(self, prompts, params):
+        for p in prompts:
+            if len(p) >= self.positions:
+                raise ValueError(f"{len(p)} prompt tokens >= max_position_embeddings={self.positions}")
+        return [c if len(c.prompt_ids) + len(c.token_ids) <= self.positions else
+                Completion(prompt_ids=c.prompt_ids, token_ids=c.token_ids[: self.positions - len(c.prompt_ids)],
+                           logprobs=c.logprobs[: self.positions - len(c.prompt_ids)], finish_reason="length")
+                for c in super().generate(prompts, params)]
+
+
+@pytest.mark.parametrize("history", ["append", "template"])
+def test_an_observation_beyond_the_context_ends_the_trajectory(qwen25_tok, history):
+    """Was: the engine's ValueError ended the whole run (env.on_error: drop did not catch it)."""
+    positions = 500
+    cfg = EnvConfig(max_turns=50, history=history)
+    engine = BoundedEngine(qwen25_tok, lambda text, turn: "ok", positions)
+    rows = [chat_row(qwen25_tok, "q")]
+    with pytest.raises(ValueError, match="max_position_embeddings=500"):  # without the bound: the engine refuses
+        EnvRollout(cfg, qwen25_tok, env_factory=lambda: VerboseEnv(cfg)).run(engine.generate, rows, SamplingParams(max_new_tokens=64))
+    engine = BoundedEngine(qwen25_tok, lambda text, turn: "ok", positions)
+    rollout = EnvRollout(cfg, qwen25_tok, env_factory=lambda: VerboseEnv(cfg), max_context=positions)
+    (traj,) = rollout.run(engine.generate, rows, SamplingParams(max_new_tokens=64)).trajectories
+    assert traj.finish_reason == "max_total_tokens" and traj.valid and traj.truncated and len(traj.turns) > 1
+    assert all(len(row.input_ids) <= positions for row in traj.rows)
+    assert all(len(p) + c.params.max_new_tokens <= positions for c in engine.calls for p in c.prompts)
+
+
+def test_each_turn_samples_at_most_what_the_context_has_left(qwen25_tok):
+    positions = 60
+    cfg = EnvConfig(max_turns=50)
+    engine = BoundedEngine(qwen25_tok, lambda text, turn: "z" * 100, positions)
+    rollout = EnvRollout(cfg, qwen25_tok, env_factory=lambda: VerboseEnv(cfg, size=1), max_context=positions)
+    (traj,) = rollout.run(engine.generate, [chat_row(qwen25_tok, "q")], SamplingParams(max_new_tokens=64)).trajectories
+    (call,) = engine.calls  # the first turn fills the context: nothing is left for an observation
+    assert call.params.max_new_tokens == positions - len(call.prompts[0])
+    assert traj.finish_reason == "max_total_tokens" and len(traj.rows[0].input_ids) == positions
+
+
+@pytest.mark.parametrize("on_error", ["raise", "drop"])
+def test_a_first_observation_beyond_the_context_is_an_environment_error(qwen25_tok, on_error):
+    cfg = EnvConfig(on_error=on_error)
+    long_prompt = [{"role": "user", "content": "w" * 600}]
+    rollout = EnvRollout(cfg, qwen25_tok, env_factory=lambda: VerboseEnv(cfg, first=long_prompt), max_context=500)
+    engine = BoundedEngine(qwen25_tok, lambda text, turn: "ok", 500)
+    run = lambda: rollout.run(engine.generate, [chat_row(qwen25_tok, "q", where="rows.jsonl:3")], SamplingParams(max_new_tokens=8))  # noqa: E731
+    if on_error == "raise":
+        with pytest.raises(EnvError, match=r"rows.jsonl:3 \(reset\).*the model's context \(500 positions\) leaves no room"):
+            run()
+    else:
+        (traj,) = run().trajectories
+        assert traj.finish_reason == "env_error" and not traj.valid and not engine.calls

@@ -51,8 +51,8 @@ def _own_paths(assets, tmp_path, **changes) -> list[str]:
     return ["task.name=", f"model.path={changes.get('model', model)}", f"data.train=[{{path: {changes.get('train', train)}}}]"]
 
 
-def _cli_error(capsys, overrides: list[str], *, loads_models: bool = True) -> str:
-    assert cli.main(["train", "quickstart", *overrides]) == 2
+def _cli_error(capsys, overrides: list[str], *, loads_models: bool = True, command: str = "train") -> str:
+    assert cli.main([command, "quickstart", *overrides]) == 2
     text = capsys.readouterr().err
     err = text.strip().splitlines()[-1]
     assert err.startswith("tidal: config error at") and "Traceback" not in text, text  # one line, no traceback
@@ -195,3 +195,65 @@ def test_reward_server_down(tmp_path, tiny_task_overrides, on_error):
     assert (row["reward/dropped_count"], row["reward/total/count"]) == (16.0, 0.0)
     assert row["reward/correct/failed_requests_count"] == 1.0 and row["reward/correct/retries_count"] == 1.0
     assert row["actor/skipped"] == 0.0 and row["actor/grad_norm"] == 0.0  # nothing to learn from, nothing corrupted
+
+
+# ---- `tidal check` reads the data against the config, and `tidal train` runs the same check ----------
+
+def _check_error(capsys, overrides: list[str], command: str = "check") -> str:
+    """The one line of a config error of ``tidal COMMAND quickstart OVERRIDES`` (exit 2, no traceback,
+    no model loaded)."""
+    return _cli_error(capsys, overrides, loads_models=False, command=command)
+
+
+def _own(tmp_path, assets, tiny, *extra) -> list[str]:
+    return _no_task(tiny) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path) + list(extra)
+
+
+def _rewrite_row(path: Path, line_no: int, change) -> None:
+    lines = path.read_text().splitlines()
+    lines[line_no - 1] = json.dumps(change(json.loads(lines[line_no - 1])))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_row_without_the_prompt_field_names_file_row_and_key(tmp_path, assets, tiny_task_overrides, capsys, command):
+    overrides = _own(tmp_path, assets, tiny_task_overrides)
+    _rewrite_row(tmp_path / "train.jsonl", 2, lambda row: {"question": row.pop("prompt"), **row})
+    err = _check_error(capsys, overrides, command)
+    assert "'data.prompt_key'" in err and f"{tmp_path / 'train.jsonl'}:2:" in err, err
+    assert "its fields: 'label', 'question', 'reference'" in err and "set data.prompt_key" in err, err
+
+
+def test_a_label_that_is_no_recipe_is_found_before_loading(tmp_path, assets, tiny_task_overrides, capsys):
+    """The README's `gsm8k` recipe on data labelled otherwise: was 78 lines after the model loaded."""
+    overrides = _own(tmp_path, assets, tiny_task_overrides, "reward.recipes={gsm8k: [[correct, 1.0]]}")
+    err = _check_error(capsys, overrides, "train")
+    assert "'reward.recipes'" in err and f"{tmp_path / 'train.jsonl'}:1:" in err, err
+    assert "label 'arithmetic', which is not a recipe; recipes: ['gsm8k']" in err and "rename the recipe" in err, err
+
+
+def test_an_overlong_prompt_names_the_row(tmp_path, assets, tiny_task_overrides, capsys):
+    err = _check_error(capsys, _own(tmp_path, assets, tiny_task_overrides, "data.max_prompt_len=4"))
+    assert "'data.max_prompt_len'" in err and f"{tmp_path / 'train.jsonl'}:1: the prompt has" in err and "> data.max_prompt_len=4" in err, err
+
+
+def test_max_new_tokens_beyond_the_model_is_named_before_the_micro_batches(tmp_path, assets, tiny_task_overrides, capsys):
+    overrides = _own(tmp_path, assets, tiny_task_overrides, "rollout.max_new_tokens=500", "train.micro_batch_tokens=256")
+    err = _check_error(capsys, overrides)
+    assert "'rollout.max_new_tokens'" in err and "exceeds the model's 128 positions" in err, err
+    err = _check_error(capsys, _own(tmp_path / "b", assets, tiny_task_overrides, "train.micro_batch_tokens=32"))
+    assert "'train.micro_batch_tokens'" in err and "must hold the longest sequence" in err, err
+
+
+def test_env_max_total_tokens_beyond_the_model(tmp_path, assets, tiny_task_overrides, capsys):
+    err = _check_error(capsys, _own(tmp_path, assets, tiny_task_overrides, "env.max_total_tokens=1000"))
+    assert "'env.max_total_tokens'" in err and "exceeds the model's 128 positions" in err and "<= 64" in err, err
+
+
+def test_a_rule_that_cannot_read_the_reference(tmp_path, assets, tiny_task_overrides, capsys):
+    overrides = _own(tmp_path, assets, tiny_task_overrides, "reward.components.correct={type: math_answer}")
+    assert cli.main(["check", "quickstart", *overrides]) == 0  # "92" is an answer math_answer reads
+    assert "data: " in capsys.readouterr().out
+    _rewrite_row(tmp_path / "train.jsonl", 3, lambda row: {**row, "reference": None})
+    err = _check_error(capsys, overrides)
+    assert "'reward.components.correct'" in err and f"{tmp_path / 'train.jsonl'}:3: math_answer reads no answer from the reference None" in err, err

@@ -3,7 +3,6 @@ hang, block the event loop, end their process, return 1e39. Scoring always retur
 never ends the trainer); the failure is that sample's error, handled by ``reward.on_error`` and
 naming the component and the sample; a hang meets its time limit and is counted."""
 
-import os
 import re
 import time
 

@@ -5,6 +5,7 @@ import pytest
 from transformers import Qwen2Config
 
 from tidal.cli import main
+from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 GSM8K = """\
 run: {{output_dir: {out}, steps: 200}}
@@ -21,18 +22,21 @@ def config(tmp_path):
     model = tmp_path / "model"
     Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=1000, max_position_embeddings=2048).save_pretrained(model)
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "reference": "2"}\n')
+    save_tokenizer(train_tokenizer(["1+1? 2", "2+3? 5"]), str(model))  # with a chat template
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "reference": "2", "label": "gsm8k"}\n')
     path = tmp_path / "my.yaml"
     path.write_text(GSM8K.format(out=tmp_path / "run", model=model, train=tmp_path / "train.jsonl"))
     return str(path)
 
 
-def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys):
+def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert main(["check", config]) == 0
     out = capsys.readouterr().out
     assert "200 steps into" in out and "64 prompts x 8 samples, up to 512 new tokens" in out
     # 2 layers x 2 KV heads x 16 head dims x (K, V) x 4 bytes (float32 on the CPU) = 0.5 KiB per token
     assert "KV cache 0.5 KiB per token" in out and "check passed" in out
+    assert "ranks: 1 on cpu; strategy fsdp2; 3 CPU threads per rank (OMP_NUM_THREADS)" in out or "on cuda" in out
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -40,6 +44,11 @@ def test_check_prints_the_plan_and_the_memory_plan(config, tmp_path, capsys):
     ("data.train=[{path: /nonexistent.jsonl}]", "data.train[0].path"),
     ("model.path=/nonexistent", "model.path"),
     ("rollout.max_new_tokens=4000", "rollout.max_new_tokens"),  # beyond the model's 2048 positions
+    # below data.max_prompt_len + rollout.max_new_tokens: checked after the model's positions (tidal.build.check_context_budget)
+    ("train.micro_batch_tokens=1000", "train.micro_batch_tokens"),
+    ("train.forward_micro_batch_tokens=1000", "train.forward_micro_batch_tokens"),
+    ("data.prompt_key=question", "data.prompt_key"),  # the rows have no 'question'
+    ("reward.recipes={math: [[answer, 1.0]]}", "reward.recipes"),  # the rows are labelled gsm8k
     ("engine.tp_size=2", "engine.tp_size"),
     ("logging.backends=[wandb]", "logging.backends"),
 ])

@@ -33,8 +33,6 @@ def test_builds_and_round_trips():
         ("train.mini_batches=3", "train.mini_batches"),
         ("nosection.x=1", "nosection"),
         ("strategy.zero_stage=2", "strategy.zero_stage"),
-        ("train.micro_batch_tokens=1000", "train.micro_batch_tokens"),  # below data.max_prompt_len + rollout.max_new_tokens
-        ("train.forward_micro_batch_tokens=1000", "train.forward_micro_batch_tokens"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

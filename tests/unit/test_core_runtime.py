@@ -78,3 +78,63 @@ def test_init_binds_the_device_also_in_a_single_process(monkeypatch):
     with pytest.raises(Stop):
         runtime.init_runtime(1, "auto")
     assert seen["backend"] == "nccl" and str(seen["device_id"]) == "cuda:0"
+
+
+@pytest.mark.parametrize(("cores", "ranks", "env", "setting", "want"), [
+    (2, 1, None, 0, 1),  # a 2-core machine: 1 thread (2 were 20-40x slower when the machine is busy)
+    (16, 1, None, 0, 8),
+    (16, 2, None, 0, 4),
+    (3, 4, None, 0, 1),  # never 0
+    (16, 1, "3", 0, 3),  # OMP_NUM_THREADS wins over the rule
+    (16, 1, "3", 5, 5),  # run.cpu_threads wins over both
+])
+def test_cpu_threads_rule(monkeypatch, cores, ranks, env, setting, want):
+    from tidal.distributed import runtime
+
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert runtime.cpu_threads(setting, ranks) == want
+
+
+def test_set_cpu_threads_sets_torch_on_cpu_only(monkeypatch):
+    import torch
+
+    from tidal.distributed import runtime
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    runtime.set_cpu_threads(0, torch.device("cpu"))
+    runtime.set_cpu_threads(0, torch.device("cuda", 0))
+    assert calls == [2]
+
+
+def test_a_cpu_run_sets_its_threads_before_building(monkeypatch, tmp_path):
+    """`tidal train` on CPU calls the rule with run.cpu_threads (the RM job too)."""
+    from tidal import build
+    from tidal.config import load_config
+    from tidal.rm import setup
+
+    seen = []
+
+    def stop(setting, device):
+        seen.append((setting, device.type))
+        raise RuntimeError("stop here")
+
+    for module in (build, setup):
+        monkeypatch.setattr(module, "set_cpu_threads", stop)
+    for name, fn in (("quickstart", build.build_trainer), ("rm_quickstart", setup.build_reward_model_trainer)):
+        cfg = load_config(name, [f"run.output_dir={tmp_path / name}", "run.device=cpu", "run.cpu_threads=3"])
+        try:
+            with pytest.raises(RuntimeError, match="stop here"):
+                fn(cfg)
+        finally:
+            from tidal.distributed import shutdown
+
+            shutdown()
+    assert seen == [(3, "cpu"), (3, "cpu")]

@@ -103,9 +103,10 @@ def test_malformed_row_names_file_and_line(tmp_path, bad, message):
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"prompt": "hello"}) + "\n\n" + json.dumps(bad) + "\n")
     cfg = cfg_for([str(path)])
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ConfigError, match=message) as e:
         PromptDataset(cfg.train, make_tokenizer(), cfg, seed=0)
-    assert str(e.value).startswith(f"{path}:3: ")  # blank line 2 is skipped but counted
+    assert e.value.message.startswith(f"{path}:3: ")  # blank line 2 is skipped but counted
+    assert e.value.key.startswith("data.") and e.value.key.endswith("_key")  # the key whose field it is
 
 
 def test_messages_without_template_is_an_error(tmp_path):

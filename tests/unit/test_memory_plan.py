@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from tidal.build import check_context_budget
 from tidal.config import load_config
 from tidal.config_base import ConfigError, build
 from tidal.engine.config import EngineConfig
@@ -380,9 +381,11 @@ def test_cpu_runs_without_a_device_size_make_no_plan_and_keep_explicit_values():
     long = load_config("quickstart", ["data.max_prompt_len=8192", "rollout.max_new_tokens=70000"])
     unplanned = _plan_run(long)
     assert (unplanned.micro_batch_tokens, unplanned.forward_micro_batch_tokens) == (78192, 78192)
-    # an explicit budget below the longest sequence is the config check's error (auto is the plan's to resolve)
+    # an explicit budget below the longest sequence is the run's check before loading (after the model's
+    # positions: tidal.build.check_context_budget); auto is the plan's to resolve
     with pytest.raises(ConfigError) as e:
-        load_config("quickstart", ["data.max_prompt_len=8192", "rollout.max_new_tokens=70000", "train.micro_batch_tokens=16384"])
+        check_context_budget(load_config("quickstart", ["data.max_prompt_len=8192", "rollout.max_new_tokens=70000",
+                                                        "train.micro_batch_tokens=16384"]), None)
     assert e.value.key == "train.micro_batch_tokens"
     # memory.* that no plan would read: an error naming the key, not a silent ignore
     for override, key in [("memory.device_fraction=0.8", "memory.device_fraction"), ("memory.host_memory_gib=64", "memory.host_memory_gib")]:

@@ -15,6 +15,8 @@ from tidal.rm.setup import build_reward_model_trainer
 from tidal.rm.trainer import pair_micro_batches
 from tidal.run import faults
 
+from tests.tolerance import rounding_tol
+
 
 def test_bradley_terry_values():
     r_c, r_r = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 1.0])
@@ -56,24 +58,39 @@ def test_micro_batches_keep_pairs_whole_within_the_budget():
 
 
 def _step(overrides, tiny_rm_overrides, tmp_path, steps=1):
+    """(metrics per step, the gradients the last optimizer step was given)."""
     cfg = load_config("rm_quickstart", tiny_rm_overrides + [f"run.output_dir={tmp_path}", "eval.at_start=false",
                                                              "reward_model.export_at_end=false", *overrides])
     trainer = build_reward_model_trainer(cfg)
+    grads, optimizer_step = {}, trainer.strategy.optimizer_step
+
+    def recording_step(state):
+        for n, p in trainer.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[n] = g.detach().clone()
+        return optimizer_step(state)
+
+    trainer.strategy.optimizer_step = recording_step
     try:
         metrics = [trainer.train_step(s) for s in range(1, steps + 1)]
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     finally:
         shutdown()
-    return metrics, params
+    return metrics, grads
 
 
 def test_micro_batching_gives_the_global_batch_gradient(tmp_path, tiny_rm_overrides):
-    one, p_one = _step(["train.micro_batch_tokens=100000"], tiny_rm_overrides, tmp_path / "a")
-    many, p_many = _step(["train.micro_batch_tokens=40", "train.micro_batch_max_seqs=2"], tiny_rm_overrides, tmp_path / "b")
-    (one,), (many,) = one, many
-    assert one["train/loss"] == pytest.approx(many["train/loss"], rel=1e-6)
-    assert one["train/grad_norm"] == pytest.approx(many["train/grad_norm"], rel=1e-5) and one["train/grad_norm"] > 0
-    assert max((p_one[n] - p_many[n]).abs().max().item() for n in p_one) < 1e-6
+    """The gradient, not the parameters after Adam: its first step moves each element by
+    lr * g / (|g| + eps), which maps rounding noise in a gradient that is 0 in exact math (a key
+    projection's bias: softmax ignores it) to a sizeable fraction of lr. Tolerances are the dtype's
+    rounding at each tensor's magnitude (tests/tolerance.py), so they hold on any CPU."""
+    (one,), g_one = _step(["train.micro_batch_tokens=100000"], tiny_rm_overrides, tmp_path / "a")
+    (many,), g_many = _step(["train.micro_batch_tokens=40", "train.micro_batch_max_seqs=2"], tiny_rm_overrides, tmp_path / "b")
+    assert one["train/loss"] == pytest.approx(many["train/loss"], abs=rounding_tol(torch.float32, one["train/loss"]))
+    assert one["train/grad_norm"] == pytest.approx(many["train/grad_norm"], abs=rounding_tol(torch.float32, one["train/grad_norm"]))
+    assert one["train/grad_norm"] > 0
+    for n, g in g_one.items():
+        assert g.dtype == torch.float32 and g.abs().max() > 0, n
+        torch.testing.assert_close(g_many[n], g, rtol=0, atol=rounding_tol(g.dtype, g), msg=n)
     assert one["train/skipped"] == 0.0 and 0.0 <= one["train/accuracy"] <= 1.0
 
 
@@ -99,9 +116,11 @@ def test_non_finite_scores_skip_the_step_and_stop_after_k_in_a_row(tmp_path, tin
 def test_center_rewards_coef_adds_its_term(tmp_path, tiny_rm_overrides):
     (base,), _ = _step([], tiny_rm_overrides, tmp_path / "a")
     (centred,), _ = _step(["reward_model.center_rewards_coef=0.5"], tiny_rm_overrides, tmp_path / "b")
-    assert centred["train/margin"] == pytest.approx(base["train/margin"], rel=1e-6)  # same model, same pairs
+    scores = max(abs(base["train/reward_chosen"]), abs(base["train/reward_rejected"]))
+    assert centred["train/margin"] == pytest.approx(base["train/margin"], abs=rounding_tol(torch.float32, scores))  # same model, same pairs
     mean_sum = base["train/reward_chosen"] + base["train/reward_rejected"]
-    assert centred["train/loss"] - base["train/loss"] >= 0.5 * mean_sum**2 - 1e-6  # mean of squares >= square of mean
+    slack = rounding_tol(torch.float32, centred["train/loss"])
+    assert centred["train/loss"] - base["train/loss"] >= 0.5 * mean_sum**2 - slack  # mean of squares >= square of mean
 
 
 def test_fit_without_export_and_with_fewer_eval_pairs(tmp_path, tiny_rm_overrides):

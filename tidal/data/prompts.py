@@ -1,7 +1,8 @@
 """Turn one raw data row into prompt text (chat template applied) plus its passthrough fields.
 
 Contract: :func:`parse_row` maps the configured fields of a row (``DataConfig.*_key``) to a
-:class:`ParsedRow`; anything malformed raises ``ValueError`` starting with the row's location.
+:class:`ParsedRow`; anything malformed raises :class:`~tidal.config_base.ConfigError` at the
+``data.*_key`` whose field it is, its message starting with the row's location and ending with the fix.
 :func:`render` produces the exact text the model is prompted with. Tokenization and length
 handling live in :mod:`tidal.data.dataset`; this module never truncates.
 """
@@ -31,18 +32,24 @@ def parse_row(where: str, row: dict[str, Any], cfg: DataConfig) -> ParsedRow:
     """Map ``row`` (read at ``where``) to a :class:`ParsedRow` following ``cfg``'s field names."""
     prompt = row.get(cfg.prompt_key)
     messages = row.get(cfg.messages_key)
-    if (prompt is None) == (messages is None):
-        has = "both" if prompt is not None else "neither"
-        raise ValueError(f"{where}: a row needs exactly one of '{cfg.prompt_key}' or '{cfg.messages_key}', it has {has}")
+    if prompt is None and messages is None:
+        raise ConfigError("data.prompt_key", f"{where}: a row needs exactly one of '{cfg.prompt_key}' or '{cfg.messages_key}', "
+                          f"it has neither (its fields: {', '.join(map(repr, sorted(row)))}); set data.prompt_key (a prompt "
+                          "string) or data.messages_key (chat messages) to the field that holds the prompt")
+    if prompt is not None and messages is not None:
+        raise ConfigError("data.prompt_key", f"{where}: a row needs exactly one of '{cfg.prompt_key}' or '{cfg.messages_key}', "
+                          "it has both; remove one from the data, or point data.prompt_key / data.messages_key elsewhere")
     if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"{where}: '{cfg.prompt_key}' must be a string, got {type(prompt).__name__}")
+        raise ConfigError("data.prompt_key", f"{where}: '{cfg.prompt_key}' must be a string, got {type(prompt).__name__} "
+                          "(chat messages go under data.messages_key)")
     if messages is not None:
         _check_messages(where, messages, cfg.messages_key)
         if not cfg.apply_chat_template:
-            raise ValueError(f"{where}: row has '{cfg.messages_key}' but data.apply_chat_template is false; chat messages need a template")
+            raise ConfigError("data.apply_chat_template", f"{where}: row has '{cfg.messages_key}' but data.apply_chat_template is "
+                              "false; chat messages need a template")
     label = row.get(cfg.label_key)
     if label is not None and not isinstance(label, str):
-        raise ValueError(f"{where}: '{cfg.label_key}' must be a string, got {label!r}")
+        raise ConfigError("data.label_key", f"{where}: '{cfg.label_key}' must be a string (a recipe name of reward.recipes), got {label!r}")
     images = row.get(cfg.image_key)
     if images is not None and not isinstance(images, list):
         images = [images]
@@ -61,14 +68,14 @@ def parse_row(where: str, row: dict[str, Any], cfg: DataConfig) -> ParsedRow:
 
 def _check_messages(where: str, messages: Any, key: str) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: '{key}' must be a non-empty list of {{role, content}} messages")
+        raise ConfigError("data.messages_key", f"{where}: '{key}' must be a non-empty list of {{role, content}} messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError(f"{where}: '{key}'[{i}] must be an object with a string 'role' and a 'content', got {m!r:.200}")
+            raise ConfigError("data.messages_key", f"{where}: '{key}'[{i}] must be an object with a string 'role' and a 'content', got {m!r:.200}")
         content = m["content"]
         parts_ok = isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("type"), str) for c in content)
         if not isinstance(content, str) and not parts_ok:
-            raise ValueError(f"{where}: '{key}'[{i}].content must be a string or a list of {{type, ...}} parts, got {content!r:.200}")
+            raise ConfigError("data.messages_key", f"{where}: '{key}'[{i}].content must be a string or a list of {{type, ...}} parts, got {content!r:.200}")
 
 
 def _with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:

@@ -144,6 +144,32 @@ def resolve_device(pref: str, local_rank: int, *, local_world_size: int = 1, tp_
     return torch.device("cuda", local_rank)
 
 
+def cpu_threads(setting: int, local_world_size: int) -> int:
+    """The intra-op threads of a rank that computes on CPU (``run.cpu_threads``).
+
+    ``setting`` > 0 is taken as is; 0 means ``OMP_NUM_THREADS`` when it is set, else half this rank's
+    share of the cores the process may use (``os.sched_getaffinity``), at least 1. Half, because
+    torch's OpenMP threads wait for one another at the end of every op: on a machine whose other
+    processes hold cores, one descheduled thread stalls the rest of the op (a step 20-40x slower on
+    a busy 2-core machine with 2 threads than with 1). So a 2-core machine gets 1 thread, 16 cores
+    with 2 ranks 4 each.
+    """
+    if setting > 0:
+        return setting
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (2 * max(1, local_world_size)))
+
+
+def set_cpu_threads(setting: int, device: torch.device) -> None:
+    """Set torch's intra-op threads by :func:`cpu_threads` when this rank computes on CPU (a CUDA
+    rank's CPU threads are left as torch sets them)."""
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(setting, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def _elastic_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun's c10d rendezvous the workers share the agent's TCPStore, which outlives a
     ``--max-restarts`` restart with the previous attempt's keys in it, unprefixed: a restarted rank may

@@ -58,8 +58,11 @@ class EnvConfig:
         turn ends with finish reason ``max_turns``.
     max_tokens_per_turn: most tokens sampled in one turn (0: the sampler's ``max_new_tokens``).
     max_total_tokens: most tokens after the prompt, sampled and observation tokens together (0: no
-        limit but max_turns). Each turn may sample at most what is left; an observation that would
-        leave no room for one more sampled token ends the trajectory (``max_total_tokens``).
+        limit but max_turns and the model's context). Each turn may sample at most what is left; an
+        observation that would leave no room for one more sampled token ends the trajectory
+        (``max_total_tokens``). The model's context (``max_position_embeddings``) bounds every
+        trajectory the same way whatever this says (:mod:`tidal.envs.rollout`), and
+        ``data.max_prompt_len`` + this must fit it (checked before the run).
     tool_timeout_s: wall-clock limit of one tool call; a call past it is a tool failure.
     step_timeout_s: wall-clock limit of one ``reset`` or ``step`` call of the environment (its tool
         calls included), counted from when it starts running; past it the call is an environment

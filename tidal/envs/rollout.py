@@ -43,7 +43,13 @@ parameters (``n`` included) as a plain rollout, so the completions are those of 
 
 Limits (``env.*``): ``max_turns``; ``max_tokens_per_turn`` (each turn's ``max_new_tokens``: it, or
 the sampler's when it is 0, and never more than what is left of ``max_total_tokens``); ``max_total_tokens``
-(an observation that leaves no room for one more sampled token ends the trajectory).
+(an observation that leaves no room for one more sampled token ends the trajectory). The model's
+context (``max_context``: its ``max_position_embeddings``) bounds every trajectory too, whatever
+``max_total_tokens`` says (its default 0 leaves only this bound): a turn samples at most what the
+context has left, and an observation after which the context would have no room for one more
+sampled token ends the trajectory with finish reason ``max_total_tokens`` (kept, not dropped: its
+turns are trained); a first observation (``reset``) that leaves no such room is an environment
+error (``env.on_error``).
 """
 
 from __future__ import annotations
@@ -142,10 +148,13 @@ class EnvRollout:
 
     tokenizer: the policy's tokenizer (decoding turns; rendering chat observations).
     env_factory: a callable making one environment (default: from ``cfg``).
+    max_context: the most tokens the engine may hold for one trajectory's row (the model's
+        ``max_position_embeddings``; None: no bound but ``cfg``'s), see the module docstring.
     """
 
-    def __init__(self, cfg: EnvConfig, tokenizer: Any, *, env_factory: EnvFactory | None = None):
+    def __init__(self, cfg: EnvConfig, tokenizer: Any, *, env_factory: EnvFactory | None = None, max_context: int | None = None):
         self.cfg = cfg
+        self.max_context = max_context
         self.renderer = ChatRenderer(tokenizer, cfg.chat_template_kwargs)
         self.env_factory = env_factory or make_env_factory(cfg)
         probe = self.env_factory()
@@ -214,7 +223,7 @@ class _Run:
 
     def __init__(self, owner: EnvRollout, episodes: list[_Episode], gen: Generator, params: SamplingParams,
                  end_token_id: int | None = None, on_trajectory: Callable[[int, Trajectory], None] | None = None):
-        self.cfg, self.renderer = owner.cfg, owner.renderer
+        self.cfg, self.renderer, self.max_context = owner.cfg, owner.renderer, owner.max_context
         self.episodes, self.gen, self.params = episodes, gen, params
         self.end_token_id = end_token_id
         self.pool = StepPool(self.cfg.workers, self.cfg.step_timeout_s)
@@ -302,6 +311,9 @@ class _Run:
             prompt, messages = list(obs.token_ids), list(ep.row.messages or [])
         else:
             prompt, messages = self.renderer.prompt_ids(obs.messages, obs.tools), obs.messages
+        if not self._fits(len(prompt)):
+            raise ValueError(f"the first observation has {len(prompt)} tokens: the model's context ({self.max_context} "
+                             "positions) leaves no room to sample a turn")
         ep.tools = obs.tools
         ep.rendered = [dict(m) for m in messages]
         ep.builder = TrajectoryBuilder(prompt, messages)
@@ -332,15 +344,27 @@ class _Run:
             self._finish(ep, "max_total_tokens")
             return False
         if self.cfg.history == "append":
+            if not self._fits(len(b.context_ids) + len(obs_ids)):  # the model's context is full
+                self._finish(ep, "max_total_tokens")
+                return False
             b.add_observation(obs_ids, obs.messages)
         else:
             if obs.token_ids:
                 raise TypeError("env.history=template re-renders the conversation: observations must be messages, not token_ids")
-            b.count_observation(len(obs_ids), obs.messages)
             # the conversation as rendered: observation contents defused like appended ones
-            ep.rendered += [{"role": "assistant", "content": ep.last_turn.text}, *self._defused(obs.messages)]
-            b.new_row(self.renderer.prompt_ids(ep.rendered, ep.tools))
+            rendered = ep.rendered + [{"role": "assistant", "content": ep.last_turn.text}, *self._defused(obs.messages)]
+            prompt = self.renderer.prompt_ids(rendered, ep.tools)
+            if not self._fits(len(prompt)):
+                self._finish(ep, "max_total_tokens")
+                return False
+            ep.rendered = rendered
+            b.count_observation(len(obs_ids), obs.messages)
+            b.new_row(prompt)
         return True
+
+    def _fits(self, context_len: int) -> bool:
+        """Whether a context of ``context_len`` tokens leaves room for one more sampled token."""
+        return self.max_context is None or context_len + 1 <= self.max_context
 
     def _defused(self, messages: list[dict]) -> list[dict]:
         return [dict(m, content=self.renderer.defuse(m["content"])) if isinstance(m.get("content"), str) else dict(m)
@@ -366,6 +390,8 @@ class _Run:
         limit = self.cfg.max_tokens_per_turn or self.params.max_new_tokens
         if self.cfg.max_total_tokens:
             limit = min(limit, self.cfg.max_total_tokens - ep.builder.num_response_tokens)
+        if self.max_context is not None:  # what the model's context has left (always >= 1: see _fits)
+            limit = min(limit, self.max_context - len(ep.builder.context_ids))
         return limit
 
     def _decode(self) -> bool:

@@ -5,13 +5,14 @@ The line reads, for example::
 
     step 12/100  reward 0.512  eval acc 0.63  kl 0.0012  4.2k tok/s  1.84 s/step (generate 0.91, train 0.62, weight_sync 0.12, reward 0.08)  about 2 min 49 s left
 
-``reward`` is ``reward/mean``, the reward trained on (an environment's included; else ``reward/total``,
-the reward components' over valid samples); ``eval acc`` is ``eval/greedy_accuracy`` on the steps
-that evaluate (``eval reward``, ``eval/greedy_reward``, when the rewards include a reward model and
-evaluation reports no accuracy); ``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with
-the device memory by part (:func:`memory_text`); the time left is the wall time per step since the
-first logged step (evaluations and saves included; at the first, its ``time/step``) times the steps
-left; tokens per second are the
+``reward`` is ``reward/mean``, the reward trained on (reward components and an environment's
+outcome reward together; else ``reward/total``, the components' share alone, over valid samples);
+``eval acc`` is ``eval/greedy_accuracy`` on the steps that evaluate (``eval reward``,
+``eval/greedy_reward``, when the rewards include a reward model and evaluation reports no accuracy);
+``kl`` is ``actor/kl`` (else ``kl/rollout``); on CUDA the line ends with the device memory by part
+(:func:`memory_text`); the time left is the wall time per step since the first logged step
+(evaluations and saves included; at the first, its ``time/step``) times the steps left; tokens per
+second are the
 tokens generated on all ranks (``response/tokens_count``) over the generate phase
 (``time/generate``); the phases are the largest ``time/*`` entries. The table lists every metric by
 group under its full name, which says how ranks were combined (:mod:`tidal.logging.reduce`).

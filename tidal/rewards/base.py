@@ -26,11 +26,15 @@ class ComponentResult:
     scores: one float per sample (NaN where ``errors`` has an entry).
     errors: position in the given list -> why that sample has no score.
     counters: event counts to report as ``reward/<component>/<counter>`` (timeouts, retries, ...).
+    unparsed: positions whose response held no answer the component could read (scored as wrong
+        answers), for a component that reads answers (a rule with ``reads_answers``); None for one
+        that does not say.
     """
 
     scores: list[float]
     errors: dict[int, str] = dataclasses.field(default_factory=dict)
     counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    unparsed: set[int] | None = None
 
     @classmethod
     def failed(cls, n: int, message: str, **counters: float) -> "ComponentResult":
@@ -72,11 +76,14 @@ class SyncComponent(abc.ABC):
 
     counter_names: the counters its results always carry (reported as 0 when it did not run).
     scores_every_sample: if True the engine passes it every sample of each ``score`` call, whether
-    or not their recipes use it, so that its work (forward passes) is the same on every rank."""
+    or not their recipes use it, so that its work (forward passes) is the same on every rank.
+    reads_answers: its results say which responses it could not read (``ComponentResult.unparsed``),
+    reported as ``reward/<name>/unparsed_frac``."""
 
     scores_every_sample: bool = False
     counter_names: tuple[str, ...] = ()
     streams: bool = False  # scores each sample on its own, cheaply on the host: may score a batch in pieces
+    reads_answers: bool = False
 
     @abc.abstractmethod
     def score(self, samples: list[RewardSample]) -> ComponentResult: ...

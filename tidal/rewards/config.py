@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any, Literal
 
-from tidal.config_base import build, check, check_choice
+from tidal.config_base import ConfigError, build, check, check_choice
 from tidal.rewards.rules import RULES
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -224,6 +224,7 @@ class RewardConfig:
     specs: dict[str, ComponentSpec] = dataclasses.field(init=False, repr=False, compare=False)
     recipe_weights: dict[str, list[tuple[str, float]]] = dataclasses.field(init=False, repr=False, compare=False)
     unlabelled_recipe: str | None = dataclasses.field(init=False, repr=False, compare=False)
+    _rules: dict[str, Any] = dataclasses.field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self):
         check_choice(self.on_error, ("raise", "drop"), "on_error")
@@ -246,6 +247,41 @@ class RewardConfig:
         threshold on the total reward turns into accuracy); False when a reward model or a remote
         service scores (a preference score: evaluation reports the mean reward only)."""
         return all(spec.type in ("rule", "function") for spec in self.specs.values())
+    def recipe_problem(self, label: str) -> str | None:
+        """Why a row labelled ``label`` ("" for none) has no recipe; None when it has one (the same
+        rule for the check before a run and the scoring in it)."""
+        if not label and self.unlabelled_recipe is None:
+            return (f"has no label, and with several recipes ({sorted(self.recipe_weights)}) and none named 'default' it "
+                    "has no recipe: label the row or set reward.default_recipe")
+        if label and label not in self.recipe_weights:
+            return f"has label '{label}', which is not a recipe; recipes: {sorted(self.recipe_weights)}"
+        return None
+
+    def check_row(self, where: str, label: str, reference: Any) -> None:
+        """A data row's ``label`` names a recipe, and every rule of that recipe that reads answers
+        can use the row's ``reference`` (:meth:`~tidal.rewards.rules.RuleReward.reference_problem`).
+        ConfigError naming the row, the key and the fix; nothing to check without components."""
+        if not self.specs:
+            return
+        problem = self.recipe_problem(label)
+        if problem is not None:
+            fix = ("rename the recipe in reward.recipes to the data's label, or set data.label_key to the field that "
+                   "holds recipe names") if label else "label the rows (data.label_key) or set reward.default_recipe"
+            raise ConfigError("reward.recipes", f"{where}: the row {problem}; {fix}")
+        for name, _weight in self.recipe_weights[label or self.unlabelled_recipe]:
+            rule = self._rule(name)
+            problem = rule.reference_problem(reference) if rule is not None else None
+            if problem is not None:
+                raise ConfigError(f"reward.components.{name}", f"{where}: {problem}")
+
+    def _rule(self, name: str):
+        """The rule object of component ``name`` (built once), or None for another type."""
+        spec = self.specs[name]
+        if spec.type != "rule":
+            return None
+        if name not in self._rules:
+            self._rules[name] = RULES.get(spec.rule, f"reward.components.{name}.rule")(spec.settings)
+        return self._rules[name]
 
     def _resolve_default(self, recipes: dict) -> str | None:
         if self.default_recipe is not None:

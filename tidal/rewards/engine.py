@@ -36,7 +36,6 @@ from typing import Any, Coroutine
 
 import torch
 
-from tidal.config_base import check
 from tidal.rewards.base import FLOAT32_MAX, AsyncComponent, ComponentResult, RewardError, SyncComponent, score_problem
 from tidal.rewards.config import ComponentSpec, RewardConfig
 from tidal.rewards.placement import LocalPlacement, ModelPlacement
@@ -163,13 +162,10 @@ class RewardEngine:
     # -- recipes ---------------------------------------------------------------------------------
 
     def _recipe_of(self, i: int, sample: RewardSample) -> list[tuple[str, float]]:
-        label = sample.label or self.cfg.unlabelled_recipe
-        if label is None:
-            raise RewardError(f"sample {i} has no label, and with several recipes ({sorted(self.cfg.recipe_weights)}) "
-                              "and none named 'default' it has no recipe: label the row or set reward.default_recipe")
-        if label not in self.cfg.recipe_weights:
-            raise RewardError(f"sample {i} has label '{label}', which is not a recipe; recipes: {sorted(self.cfg.recipe_weights)}")
-        return self.cfg.recipe_weights[label]
+        problem = self.cfg.recipe_problem(sample.label)
+        if problem is not None:
+            raise RewardError(f"sample {i} {problem}")
+        return self.cfg.recipe_weights[sample.label or self.cfg.unlabelled_recipe]
 
     def _positions(self, recipes: list[list[tuple[str, float]]]) -> dict[str, list[int]]:
         """Batch positions each component scores (all of them for scores_every_sample components)."""
@@ -328,6 +324,8 @@ class RewardEngine:
             metrics[f"reward/{name}/seconds"] = seconds.get(name, 0.0)
             for k in comp.counter_names:
                 metrics[f"reward/{name}/{k}_count"] = 0.0
+            if isinstance(comp, SyncComponent) and comp.reads_answers:  # the same keys on every rank, whether it ran here or not
+                metrics[f"reward/{name}/unparsed_frac"], metrics[f"reward/{name}/unparsed_frac/count"] = math.nan, 0.0
         for name, res in results.items():
             pos = positions[name]
             if len(res.scores) != len(pos):
@@ -342,6 +340,9 @@ class RewardEngine:
             metrics[f"reward/{name}/errors_count"] = float(len(res.errors))
             for k, v in res.counters.items():
                 metrics[f"reward/{name}/{k}_count"] = float(v)
+            if res.unparsed is not None and ok:  # of the responses it scored for a recipe that uses it
+                metrics[f"reward/{name}/unparsed_frac"] = sum(j in res.unparsed for j in ok) / len(ok)
+                metrics[f"reward/{name}/unparsed_frac/count"] = float(len(ok))
         # total_B = sum_c w_c * r_c over each sample's recipe (in float64: a sum of float32 scores may
         # overflow float32, and such a sample is invalid like a NaN one); dropped samples get 0.
         total64_B = torch.zeros(B, dtype=torch.float64)

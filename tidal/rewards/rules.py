@@ -22,10 +22,16 @@ from tidal.rewards.types import RewardSample
 class RuleReward(abc.ABC):
     """A rule. ``Config`` is its settings dataclass (the keys next to ``type`` in the YAML).
     ``needs_main_thread``: its own time limit works only on the main thread (so it is never
-    scored in the background while decoding: :mod:`tidal.rewards.stream`)."""
+    scored in the background while decoding: :mod:`tidal.rewards.stream`).
+
+    reads_answers: whether the rule reads an answer out of the response; such a rule says which
+        responses it could not read (:meth:`unparsed`, the ``reward/<name>/unparsed_frac`` metric)
+        and which references it cannot use (:meth:`reference_problem`, checked before a run starts).
+    """
 
     Config: type = object
     needs_main_thread: bool = False
+    reads_answers: bool = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -33,6 +39,16 @@ class RuleReward(abc.ABC):
     @abc.abstractmethod
     def score(self, sample: RewardSample) -> float:
         """The reward of one sample (a finite float)."""
+
+    def unparsed(self, sample: RewardSample) -> bool:
+        """True when the response holds no answer this rule can read (then it scored it wrong)."""
+        return False
+
+    def reference_problem(self, reference) -> str | None:
+        """Why this rule cannot score responses against ``reference`` (a data row's reference):
+        it cannot read an answer from it, or a well-formed answer to it is not scored right; None
+        when it can."""
+        return None
 
 
 RULES: Registry[RuleReward] = Registry("reward rule")
@@ -64,6 +80,7 @@ class MathAnswer(RuleReward):
 
     Config = MathAnswerConfig
     needs_main_thread = True  # math-verify's timeout is a signal timer
+    reads_answers = True
 
     def score(self, sample: RewardSample) -> float:
         golds = math_answer.reference_answers(sample.reference)
@@ -72,6 +89,21 @@ class MathAnswer(RuleReward):
             return self.cfg.incorrect
         ok = any(math_answer.answers_match(g, pred, timeout_s=self.cfg.timeout_s) for g in golds)
         return self.cfg.correct if ok else self.cfg.incorrect
+
+    def unparsed(self, sample: RewardSample) -> bool:
+        return math_answer.response_answer(sample.response, fallback_last_number=self.cfg.fallback_last_number) is None
+
+    def reference_problem(self, reference) -> str | None:
+        golds = math_answer.reference_answers(reference)
+        if not golds:
+            return (f"math_answer reads no answer from the reference {reference!r:.80}: give a number, a bare answer, a "
+                    "GSM8K solution ending in '#### x', a \\boxed{} solution or a list of these (data.reference_key names the field)")
+        if self.cfg.correct == self.cfg.incorrect:
+            return None
+        answer = f"The answer is \\boxed{{{golds[0]}}}."
+        if self.score(RewardSample(prompt="", response=answer, prompt_ids=[], response_ids=[], reference=reference)) != self.cfg.correct:
+            return f"math_answer does not score the well-formed answer {answer!r:.80} right against the reference {reference!r:.80}"
+        return None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,17 +169,21 @@ class LengthPenalty(RuleReward):
 
 
 class RuleComponent(SyncComponent):
-    """A rule as a reward component (scored inline; rules are cheap and do not block)."""
+    """A rule as a reward component (scored inline; rules are cheap and do not block). A rule that
+    reads answers also reports which responses it could not read (``ComponentResult.unparsed``)."""
 
     def __init__(self, rule: RuleReward):
         self.rule = rule
         self.streams = not rule.needs_main_thread  # a stream scores in a background thread
+        self.reads_answers = rule.reads_answers
 
     def score(self, samples: list[RewardSample]) -> ComponentResult:
-        result = ComponentResult(scores=[])
+        result = ComponentResult(scores=[], unparsed=set() if self.rule.reads_answers else None)
         for i, s in enumerate(samples):
             try:
                 result.scores.append(as_score(self.rule.score(s)))
+                if result.unparsed is not None and self.rule.unparsed(s):
+                    result.unparsed.add(i)
             except Exception as e:  # a rule bug is reported per sample like any component error
                 result.scores.append(math.nan)
                 result.errors[i] = f"rule '{self.rule.name}' raised {type(e).__name__}: {e}"

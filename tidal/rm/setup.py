@@ -19,6 +19,7 @@ from tidal.data import DataSource, StatefulDistributedSampler
 from tidal.data.prompts import require_chat_template
 from tidal.data.vision import VisionProcessor
 from tidal.distributed import Runtime, init_runtime
+from tidal.distributed.runtime import set_cpu_threads
 from tidal.logging import MetricsLogger
 from tidal.models import load_tokenizer
 from tidal.optional_deps import check_dependencies
@@ -94,6 +95,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     run directory -- no lock, no settling of partial saves, no heartbeat, metrics or config file."""
     check_dependencies(cfg)  # optional packages (deepspeed, logging backends) before anything starts
     runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
+    set_cpu_threads(cfg.run.cpu_threads, runtime.device)
     cfg.check_world(runtime.world_size)
     saves = (cfg.checkpoint.every > 0 or cfg.checkpoint.at_end) and not read_only
     keys = ("step", "sampler", "trainer")

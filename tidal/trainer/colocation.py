@@ -52,7 +52,9 @@ from tidal.memory.peaks import DevicePeaks
 class Models:
     """The models of a run. ``actor`` (and ``critic``) are trained; ``reference`` is frozen (the KL
     anchor; None without KL); the distillation teacher is a frozen local model (``teacher``) or a
-    remote endpoint (``remote_teacher``), or neither. ``tokenizer`` is the actor's."""
+    remote endpoint (``remote_teacher``), or neither. ``tokenizer`` is the actor's. ``positions``:
+    the actor's context (``max_position_embeddings``; None when its config does not say), the most
+    tokens a rollout may give the engine for one sequence."""
 
     tokenizer: Any
     actor: TrainState
@@ -60,6 +62,7 @@ class Models:
     reference: torch.nn.Module | None = None
     teacher: torch.nn.Module | None = None
     remote_teacher: RemoteTeacher | None = None
+    positions: int | None = None
 
 
 class Colocation:

@@ -25,6 +25,9 @@ class RunConfig:
         (0 <= seed < 2**63).
     device: ``auto`` (CUDA if available), ``cuda`` or ``cpu``.
     collective_timeout_s: how long a rank waits in a collective before the run fails with the stage named.
+    cpu_threads: torch's intra-op threads per rank when the run computes on CPU. 0 (default):
+        ``OMP_NUM_THREADS`` when set, else half of the rank's share of the usable cores, at least 1
+        (:func:`tidal.distributed.runtime.cpu_threads` says why). Unused on CUDA.
     """
 
     output_dir: str = "runs/default"
@@ -32,12 +35,14 @@ class RunConfig:
     seed: int = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
     collective_timeout_s: float = 1800.0
+    cpu_threads: int = 0
 
     def __post_init__(self):
         check(bool(self.output_dir), "output_dir", "must be set")
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.seed >= 0, "seed", "must be >= 0")
         check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
+        check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0: the rule in docs, or OMP_NUM_THREADS)")
 
 
 @dataclasses.dataclass(kw_only=True)

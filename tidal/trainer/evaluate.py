@@ -16,15 +16,17 @@ trajectories).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from tidal.data import PromptItem
 from tidal.engine.base import SamplingParams
 from tidal.envs import RolloutResult
 from tidal.distributed.runtime import Runtime
+from tidal.rewards.base import SyncComponent
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import EvalConfig, TrainerSections
-from tidal.trainer.experience_maker import ExperienceMaker
+from tidal.trainer.experience_maker import ExperienceMaker, Scores
 
 # Rollout metrics that are not averages over trajectories (they are not reported for evaluation).
 _NOT_PER_TRAJECTORY = ("env/generate_calls", "env/generate_s", "env/wait_s")
@@ -60,8 +62,9 @@ def evaluate(
         if cfg.n_samples > 0:
             params = SamplingParams(temperature=cfg.temperature, max_new_tokens=max_new_tokens, n=cfg.n_samples, seed=seed)
             sampled = maker.trajectories(engine, items, params)
+    greedy_scores = None
     if greedy is not None and items:
-        scores = maker.score(greedy.trajectories)
+        scores = greedy_scores = maker.score(greedy.trajectories)
         s.greedy_reward = float(scores.total_N.sum())
         s.greedy_correct = float(scores.correct_N(cfg.correct_threshold).sum())
         s.greedy_length = float(sum(t.num_sampled_tokens for t in greedy.trajectories))
@@ -73,6 +76,8 @@ def evaluate(
     fields = [f.name for f in dataclasses.fields(EvalSums)]
     tot = EvalSums(**dict(zip(fields, maker.runtime.all_reduce_sum([getattr(s, f) for f in fields]))))
     out = eval_metrics(tot, cfg, accuracy=maker.rewards.cfg.judges_correctness)
+    if cfg.greedy:
+        out.update(readable_rewards(maker, greedy_scores))
     if maker.multi_turn:
         out.update(env_metrics(maker, greedy if greedy is not None else sampled))
     return out
@@ -91,6 +96,29 @@ def eval_metrics(tot: EvalSums, cfg: EvalConfig, *, accuracy: bool) -> dict[str,
         out[f"eval/mean@{cfg.n_samples}"] = tot.sampled_reward / n
         if accuracy:
             out[f"eval/pass@{cfg.n_samples}"] = tot.pass_at_k / n
+    return out
+
+
+def readable_rewards(maker: ExperienceMaker, scores: Scores | None) -> dict[str, float]:
+    """Over all ranks' greedy rewards (``scores``: this rank's, None without prompts): the lowest and
+    highest (``eval/greedy_reward_min`` / ``_max``) and, for each component that reads answers, the
+    fraction of responses it could not read (``eval/reward/<name>/unparsed_frac``): what
+    :class:`~tidal.rewards.alarms.RewardAlarms` warns about at the start of a run."""
+    rt = maker.runtime
+    total = scores.total_N[scores.valid_N] if scores is not None else None
+    high, neg_low = rt.all_reduce_max([float(total.max()) if total is not None and total.numel() else -math.inf,
+                                       -float(total.min()) if total is not None and total.numel() else -math.inf])
+    out = {"eval/greedy_reward_min": -neg_low, "eval/greedy_reward_max": high}
+    names = [n for n, c in maker.rewards.components.items() if isinstance(c, SyncComponent) and c.reads_answers]
+    local = scores.metrics if scores is not None else {}
+    parts = []
+    for name in names:
+        count = local.get(f"reward/{name}/unparsed_frac/count", 0.0)
+        parts += [local[f"reward/{name}/unparsed_frac"] * count if count else 0.0, count]
+    sums = rt.all_reduce_sum(parts) if parts else []
+    for k, name in enumerate(names):
+        unparsed, count = sums[2 * k], sums[2 * k + 1]
+        out[f"eval/reward/{name}/unparsed_frac"] = unparsed / count if count else math.nan
     return out
 
 

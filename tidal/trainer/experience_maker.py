@@ -25,6 +25,7 @@ numbers of rows, so no rank skips a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -158,7 +159,8 @@ class ExperienceMaker:
         self.timer: PhaseTimer = colocation.timer
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
-        self.env = EnvRollout(env, self.models.tokenizer)  # builds one environment now: bad env.kwargs fail at setup
+        # builds one environment now: bad env.kwargs fail at setup; trajectories end where the model's context does
+        self.env = EnvRollout(env, self.models.tokenizer, max_context=self.models.positions)
         self.multi_turn = env.name != "single_turn"
 
     @property
@@ -370,8 +372,11 @@ class ExperienceMaker:
         N = len(packed.trajectories)
         len_N = torch.zeros(N, dtype=torch.float32).index_add_(0, packed.trajectory_ids_B, exp.response_len_B.float())
         truncated_N = torch.tensor([t.truncated for t in packed.trajectories], dtype=torch.bool)
+        valid_N = scores.total_N[scores.valid_N]  # the trained rewards' range (-inf/inf: none here)
         m = {
             "reward/mean": float(scores.total_N.mean()),
+            "reward/trajectory_max": float(valid_N.max()) if valid_N.numel() else -math.inf,
+            "reward/trajectory_min": float(valid_N.min()) if valid_N.numel() else math.inf,
             "response/length_mean": float(len_N.mean()),
             "response/length_max": float(len_N.max()),
             "response/tokens_count": float(act.sum()),  # sampled tokens (summed over ranks)

@@ -25,6 +25,7 @@ from tidal.logging.console import format_value
 from tidal.logging.progress import stage
 from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
+from tidal.rewards.alarms import RewardAlarms
 from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.run import checkpoint as ckpt
 from tidal.run import faults
@@ -102,6 +103,8 @@ class PPOTrainer:
         self.watchdog = self.timer.watchdog
         self.rt = colocation.runtime
         self.state = TrainerState()
+        # rewards that teach nothing: all equal (unless a teacher teaches), answers unread
+        self.reward_alarms = RewardAlarms(all_equal=bool(rewards.components) and not algorithm.needs_teacher)
         self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=cfg.rollout,
@@ -186,6 +189,7 @@ class PPOTrainer:
         self.algo.update_after_step(update.actor)
         self._track_skips(metrics)
         self._mismatch_alarm(metrics)
+        self._warn(self.reward_alarms.step(metrics))
         metrics.update(self.timer.pop())
         metrics["time/step"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step")
         # after time/step: compile time is inside the phases that compiled, not added to them
@@ -210,6 +214,11 @@ class PPOTrainer:
             raise WeightSyncError(f"{message} (sync.on_alarm=stop)")
         if self.rt.is_main:
             print(f"[tidal] warning: {message}", flush=True)
+
+    def _warn(self, messages: list[str]) -> None:
+        if self.rt.is_main:
+            for message in messages:
+                print(f"[tidal] warning: {message}", flush=True)
 
     def _track_skips(self, metrics: dict[str, float]) -> None:
         skipped = metrics.get("actor/skipped", 0.0) > 0
@@ -340,6 +349,7 @@ class PPOTrainer:
             self.logger.log_start(initial)  # step 0 of metrics.jsonl: where the curves start
             self.state.initial_eval = {k: v for k, v in initial.items() if not k.startswith("time/")}
             self._announce("start", self.state.initial_eval)
+            self._warn(self.reward_alarms.start_eval(initial))
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)

@@ -1,0 +1,75 @@
+"""Read a sample of every data source against the config, before any model loads.
+
+``tidal check`` and ``tidal train`` run the same check (:func:`tidal.build.check_data` calls
+:func:`sample_rows` for every source): each sampled row is parsed with the run's field names
+(:func:`~tidal.data.prompts.parse_row`), rendered with its chat template and tokenized, and a prompt
+longer than ``data.max_prompt_len`` is an error when ``data.overlong_prompt`` is ``error``. Every
+failure is a :class:`~tidal.config_base.ConfigError` naming the file and row, the key and the fix.
+The sample is the first :data:`HEAD_ROWS` rows and :data:`SPREAD_ROWS` more spread evenly over the
+rest, so a check takes about as long on a large source as on a small one; the whole data is read
+(and every row checked) when the run loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tidal.config_base import ConfigError
+from tidal.data.config import DataConfig, DataSource
+from tidal.data.loaders import load_rows
+from tidal.data.prompts import ParsedRow, parse_row, render, text_tokenizer
+
+HEAD_ROWS = 32
+SPREAD_ROWS = 96
+
+
+@dataclasses.dataclass(kw_only=True)
+class SampledRow:
+    """One checked row: where it is, its mapped fields, and its prompt's tokens (None for a row
+    with images, whose image tokens the vision processor adds when the data loads)."""
+
+    where: str
+    parsed: ParsedRow
+    prompt_tokens: int | None
+
+
+def sample_indices(n: int) -> list[int]:
+    """The rows checked of a source with ``n`` rows: the first HEAD_ROWS, then SPREAD_ROWS evenly
+    spaced over the rest (the last row included)."""
+    head = list(range(min(n, HEAD_ROWS)))
+    rest = n - len(head)
+    if rest <= SPREAD_ROWS:
+        return head + list(range(len(head), n))
+    return head + sorted({len(head) + (rest - 1) * k // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)})
+
+
+def sample_rows(source: DataSource, cfg: DataConfig, tokenizer: Any, *, key: str) -> list[SampledRow]:
+    """The checked sample of ``source`` (``key``: its config key, e.g. ``data.train[0]``)."""
+    try:
+        rows = load_rows(source)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}.path", str(e)) from None
+    if not rows:
+        raise ConfigError(f"{key}.path", f"{source.path}: holds no rows")
+    picked = [rows[i] for i in sample_indices(len(rows))]
+    out = []
+    for where, row in picked:
+        parsed = parse_row(where, row, cfg)
+        tokens = None if parsed.images else _prompt_tokens(where, parsed, cfg, tokenizer)
+        out.append(SampledRow(where=where, parsed=parsed, prompt_tokens=tokens))
+    return out
+
+
+def _prompt_tokens(where: str, parsed: ParsedRow, cfg: DataConfig, tokenizer: Any) -> int:
+    """Tokens of the rendered prompt, as the dataset counts them; ConfigError when it is too long
+    and ``data.overlong_prompt`` is ``error``."""
+    try:
+        text = render(parsed, tokenizer)
+    except Exception as e:  # noqa: BLE001 -- jinja raises anything the row's values provoke
+        raise ConfigError("data.messages_key", f"{where}: the chat template cannot render this row ({type(e).__name__}: {e})") from None
+    n = len(text_tokenizer(tokenizer)(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"])
+    if n > cfg.max_prompt_len and cfg.overlong_prompt == "error":
+        raise ConfigError("data.max_prompt_len", f"{where}: the prompt has {n} tokens > data.max_prompt_len={cfg.max_prompt_len}; "
+                          "raise data.max_prompt_len, or set data.overlong_prompt to drop or left_truncate")
+    return n
