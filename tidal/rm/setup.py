@@ -24,7 +24,7 @@ from tidal.models import load_tokenizer
 from tidal.optional_deps import check_dependencies
 from tidal.rm.dataset import PreferenceDataset
 from tidal.rm.model import load_trainable_reward_model
-from tidal.rm.trainer import RewardModelTrainer
+from tidal.rm.trainer import RM_STATE_KEYS, RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
@@ -93,7 +93,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     runtime = init_runtime(1, cfg.run.device, cfg.run.collective_timeout_s)
     cfg.check_world(runtime.world_size)
     saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
-    run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=("step", "sampler", "trainer"))
+    run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=RM_STATE_KEYS)
     resume = run_dir.resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
