@@ -136,12 +136,29 @@ class JobLoop:
                              f"set checkpoint.resume to a {self.job.name} checkpoint")
 
     def save(self, step: int) -> None:
-        """A checkpoint of ``step`` (a collective), rotated down to ``checkpoint.keep``."""
+        """A checkpoint of ``step`` (a collective), rotated down to ``checkpoint.keep``; never one
+        of non-finite weights (:meth:`_check_finite` stops the run first, keeping the last good one)."""
+        states = self.job.model_states()
+        self._check_finite(step, states)
         trainer_state = {"step": step, "job": self.job.name, **self.job.job_state(), "trainer": dataclasses.asdict(self.job.state)}
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
-            path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=self.job.model_states(), trainer_state=trainer_state,
+            path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=states, trainer_state=trainer_state,
                                         rank=self.rt.rank, keep=self.cfg.checkpoint.keep)
             shown.done(f"in {path}")
+
+    def _check_finite(self, step: int, states: dict[str, Any]) -> None:
+        """Raise :class:`~tidal.run.checkpoint.NonFiniteWeightsError` on every rank when the trained
+        state holds NaN/Inf on any rank (a collective): a checkpoint of it would rotate the last good
+        one away, and a resume from it would train on nothing."""
+        bad = ckpt.nonfinite_names(states)
+        if self.rt.all_reduce_max([float(bool(bad))])[0] == 0:
+            return
+        kept = ckpt.complete_checkpoints(self.ckpt_root)
+        where = (f"the newest complete checkpoint, {kept[-1]}, is kept: rerun with checkpoint.resume=auto to resume from it"
+                 if kept else "no earlier checkpoint exists")
+        names = f" ({', '.join(bad)} on rank {self.rt.rank})" if bad else " (on another rank)"
+        raise ckpt.NonFiniteWeightsError(
+            f"the trained weights hold NaN/Inf after step {step}{names}; no checkpoint of them is written and {where}")
 
     # ---- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -170,7 +187,7 @@ class JobLoop:
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
             metrics = job.train_step(step)
-            self._track_skips(metrics)
+            self._track_skips(step, metrics)
             final = step == cfg.run.steps
             signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
             if job.has_eval() and not signum and (_due(cfg.eval.every, step) or (final and cfg.eval.at_end)):
@@ -195,8 +212,9 @@ class JobLoop:
         self.job.state.initial_eval = {k: v for k, v in initial.items() if not k.startswith("time/")}
         self.job.announce("start", self.job.state.initial_eval)
 
-    def _track_skips(self, metrics: dict[str, float]) -> None:
-        """Count skipped optimizer steps (``<prefix>/skipped_total``); too many in a row stop the run."""
+    def _track_skips(self, step: int, metrics: dict[str, float]) -> None:
+        """Count skipped optimizer steps (``<prefix>/skipped_total``); too many in a row stop the run
+        (a collective then: when the weights themselves hold NaN/Inf, that is what is said)."""
         state, key = self.job.state, self.job.skip_key
         skipped = metrics.get(key, 0.0) > 0
         state.skipped_total += int(skipped)
@@ -204,6 +222,7 @@ class JobLoop:
         metrics[f"{key}_total"] = float(state.skipped_total)
         limit = self.cfg.train.max_skipped_steps_in_a_row
         if state.skipped_in_a_row >= limit:
+            self._check_finite(step, self.job.model_states())
             raise RuntimeError(
                 f"{state.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
                 f"(train.max_skipped_steps_in_a_row={limit}); {self.job.skip_hint}"
