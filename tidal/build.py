@@ -48,6 +48,7 @@ from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import require_resolved
 from tidal.memory.probe import plan_run
 from tidal.trainer.ppo_trainer import PPOTrainer, RunData
+from tidal.run.resume import compare_config
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -174,6 +175,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     cfg.check_world(runtime.world_size)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
+    compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")
     seed_everything(cfg.run.seed)

@@ -28,6 +28,7 @@ from tidal.rm.trainer import RM_STATE_KEYS, RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
+from tidal.run.resume import compare_config
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -94,6 +95,7 @@ def build_reward_model_trainer(cfg) -> RewardModelTrainer:
     cfg.check_world(runtime.world_size)
     saves = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=RM_STATE_KEYS)
+    compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
     resume = run_dir.resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime.cpu_group).mark("setup")

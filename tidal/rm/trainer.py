@@ -25,7 +25,7 @@ from tidal.data import StatefulDistributedSampler
 from tidal.rm.dataset import Pair, PreferenceDataset
 from tidal.rm.loss import PairMeans, bradley_terry_loss, pair_sums
 from tidal.rm.model import score_pairs
-from tidal.strategy.base import Strategy, TrainState
+from tidal.strategy.base import Strategy, TrainState, apply_optim_settings
 from tidal.run import faults
 from tidal.run.loop import JobLoop, LoopState
 from tidal.run.resume import ResumePoint
@@ -153,11 +153,12 @@ class RewardModelTrainer:
         return {"reward_model": self.strategy.state_dict(self.model_state)}
 
     def job_state(self) -> dict:
-        return {"sampler": self.sampler.state_dict()}
+        return {}
 
     def load_state(self, states: dict, trainer_state: dict) -> None:
+        """The loaded model and optimizer, with this run's ``optim`` settings (a changed LR applies)."""
         self.strategy.load_state_dict(self.model_state, states["reward_model"])
-        self.sampler.load_state_dict(trainer_state["sampler"])
+        apply_optim_settings(self.model_state, self.cfg.optim, lr=self.cfg.optim.lr)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def resume(self) -> int:

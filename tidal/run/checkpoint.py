@@ -11,6 +11,9 @@ Reading a checkpoint never runs code from it: DCP's ``.metadata`` pickle is read
 of the classes DCP writes, its non-tensor items and the RNG files with ``torch.load(weights_only=True)``
 (:class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`, :func:`load_rng_file`).
 
+Each checkpoint holds a copy of the run's ``config.yaml`` (:data:`CONFIG_RECORD`): a resume compares
+its own config with it (:func:`tidal.run.resume.check_config_change`).
+
 Resume (``checkpoint.resume``): :func:`resolve_resume` picks the checkpoint without loading tensors,
 after checking that it looks loadable (:func:`checkpoint_problems`: trainer.json, DCP metadata, every
 shard file present and long enough, RNG files). ``auto`` skips (with a warning) complete checkpoints
@@ -51,6 +54,7 @@ from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
 CHECKSUMS = "checksums.json"  # {file relative to the checkpoint: crc32}, of every file but the marker
+CONFIG_RECORD = "config.yaml"  # the run's config as written (in its run directory), copied into each checkpoint
 REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
 TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -599,6 +603,8 @@ def save_checkpoint(
         raise _save_failed(e, tmp, step=step, rank=rank) from e
     dist.barrier()
     if rank == 0:
+        if (root.parent / CONFIG_RECORD).is_file():  # what a resume compares its config with
+            shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
         write_checksums(tmp)
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(trainer_state, f)

@@ -22,6 +22,8 @@ import dataclasses
 import json
 from typing import Any, Protocol
 
+from tidal.config_base import ConfigError
+from tidal.data import StatefulDistributedSampler
 from tidal.distributed.runtime import Runtime
 from tidal.logging import MetricsLogger
 from tidal.logging.progress import stage
@@ -54,6 +56,7 @@ class Job(Protocol):
     skip_hint: str
     logs_initial_eval: bool
     state: LoopState
+    sampler: StatefulDistributedSampler  # the training data's position, saved and restored by the loop
 
     def has_eval(self) -> bool:
         """Whether there is anything to evaluate on."""
@@ -68,10 +71,10 @@ class Job(Protocol):
         """Fresh sharded state dicts of the trained models (DCP-ready), to save or to load into."""
 
     def job_state(self) -> dict[str, Any]:
-        """The job's own entries of trainer.json (sampler position, ...; a collective allowed)."""
+        """The job's own entries of trainer.json (algorithm state, ...; a collective allowed)."""
 
     def load_state(self, states: dict[str, Any], trainer_state: dict[str, Any]) -> None:
-        """Take loaded model states and trainer.json (with :attr:`state` already restored)."""
+        """Take loaded model states and trainer.json (:attr:`state` and the sampler already restored)."""
 
     def announce(self, when: str, metrics: dict[str, float]) -> None:
         """Print the eval metrics of the start or the end (``when``)."""
@@ -120,6 +123,7 @@ class JobLoop:
             return 0
         path, states, st = loaded
         self.job.state = type(self.job.state)(**st["trainer"])
+        self._restore_sampler(path, st["sampler"])
         self.job.load_state(states, st)
         step = int(st["step"])
         if step != point.step:
@@ -127,6 +131,15 @@ class JobLoop:
         self.timer.pop()  # loading is not a step's phase
         self.loaded_from = str(path)
         return step
+
+    def _restore_sampler(self, path, state: dict[str, Any]) -> None:
+        """The sampler's position; training data of another size (or batching) is a ConfigError at
+        ``data.train`` (the config may be unchanged while a data file is not)."""
+        try:
+            self.job.sampler.load_state_dict(state)
+        except ValueError as e:
+            raise ConfigError("data.train", f"the training data differs from what the checkpoint {path} was trained on ({e}); "
+                                            "resume with that data, or start a new run in another run.output_dir") from None
 
     def _check_job(self, point: ResumePoint) -> None:
         with open(point.path / ckpt.COMPLETE_MARKER) as f:
@@ -140,7 +153,8 @@ class JobLoop:
         of non-finite weights (:meth:`_check_finite` stops the run first, keeping the last good one)."""
         states = self.job.model_states()
         self._check_finite(step, states)
-        trainer_state = {"step": step, "job": self.job.name, **self.job.job_state(), "trainer": dataclasses.asdict(self.job.state)}
+        trainer_state = {"step": step, "job": self.job.name, "sampler": self.job.sampler.state_dict(), **self.job.job_state(),
+                         "trainer": dataclasses.asdict(self.job.state)}
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
             path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=states, trainer_state=trainer_state,
                                         rank=self.rt.rank, keep=self.cfg.checkpoint.keep)

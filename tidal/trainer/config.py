@@ -10,7 +10,7 @@ from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.run.config import CheckpointConfig
-from tidal.strategy.config import StrategyConfig
+from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 
 
@@ -188,6 +188,7 @@ class TrainerSections(Protocol):
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     strategy: StrategyConfig
+    optim: OptimConfig
     env: EnvConfig
 
 

@@ -25,6 +25,7 @@ from tidal.logging.console import format_value
 from tidal.logging.progress import stage
 from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
+from tidal.strategy.base import apply_optim_settings
 from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.run import checkpoint as ckpt
 from tidal.run import faults
@@ -249,21 +250,27 @@ class PPOTrainer:
             states["critic"] = strategy.state_dict(m.critic)
         return states
 
+    @property
+    def sampler(self) -> StatefulDistributedSampler:
+        return self.data.sampler
+
     def job_state(self) -> dict:
-        """Sampler and algorithm state; with ``rollout.partial`` every rank's groups in flight (a collective)."""
-        out = {"sampler": self.data.sampler.state_dict(), "algorithm": self.algo.state_dict()}
+        """Algorithm state; with ``rollout.partial`` every rank's groups in flight (a collective)."""
+        out = {"algorithm": self.algo.state_dict()}
         if self.long_tail is not None:
             state = self.long_tail.state_dict()
             out["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
         return out
 
     def load_state(self, states: dict, trainer_state: dict) -> None:
-        """Loaded models, sampler, algorithm and groups in flight; then the engine gets the weights."""
-        strategy, m, st = self.colocation.strategy, self.models, trainer_state
+        """Loaded models (with this run's ``optim`` settings: a changed LR applies), algorithm and
+        groups in flight; then the engine gets the weights."""
+        strategy, m, st, optim = self.colocation.strategy, self.models, trainer_state, self.cfg.optim
         strategy.load_state_dict(m.actor, states["actor"])
+        apply_optim_settings(m.actor, optim, lr=optim.lr)
         if m.critic is not None:
             strategy.load_state_dict(m.critic, states["critic"])
-        self.data.sampler.load_state_dict(st["sampler"])
+            apply_optim_settings(m.critic, optim, lr=optim.critic_lr)
         self.algo.load_state_dict(st["algorithm"])
         if self.long_tail is not None and "partial" in st:
             self.long_tail.load_state_dict(per_rank_states(st["partial"], self.rt.rank, self.rt.world_size))
