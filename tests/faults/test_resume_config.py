@@ -153,3 +153,33 @@ def test_apply_optim_settings_keeps_an_unchanged_state_exact_and_applies_a_chang
     unchanged.scheduler.load_state_dict(saved.scheduler.state_dict())
     apply_optim_settings(unchanged, optim, lr=optim.lr)
     assert unchanged.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]  # bit for bit
+
+
+def _torchrun_rm(out: Path, overrides: list[str]):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tidal.cli", "train",
+           "rm_quickstart", f"run.output_dir={out}", *overrides]
+    return subprocess.run(cmd, cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # about 90 s: three reward-model runs under torchrun, 2 gloo ranks
+def test_two_ranks_refuse_a_changed_seed_and_apply_a_changed_lr(tmp_path, tiny_rm_overrides):
+    out = tmp_path / "run"
+    common = [*tiny_rm_overrides, "checkpoint.every=2", "optim.scheduler=constant"]
+    first = _torchrun_rm(out, common + ["run.steps=2"])
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    refused = _torchrun_rm(out, common + ["run.steps=3", "run.seed=9"])
+    assert refused.returncode != 0
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("tidal: config error at 'run.seed'")]
+    assert len(lines) == 1, refused.stderr[-3000:]  # said once (rank 0), by both ranks' error
+    resumed = _torchrun_rm(out, common + ["run.steps=3", "optim.lr=6e-3"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    said = [line for line in resumed.stdout.splitlines() if "changed since the checkpoint" in line]
+    assert said == ["[tidal] resume: changed since the checkpoint of step 2, applied from step 3: optim.lr 0.003 -> 0.006, "
+                    "run.steps 2 -> 3"], resumed.stdout[-3000:]
+    metrics = _metrics(out)
+    assert metrics[2]["train/lr"] == pytest.approx(3e-3) and metrics[3]["train/lr"] == pytest.approx(6e-3), metrics
