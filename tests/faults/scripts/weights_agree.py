@@ -31,13 +31,14 @@ def states(v: float, nan_on: int | None = None) -> dict:  # one key per rank: ea
 
 class Job:
     name, state = "rl", LoopState()
+    sampler = types.SimpleNamespace(state_dict=lambda: {"epoch": 0})
     value, nan_on = 1.0, None
 
     def model_states(self):
         return states(self.value, self.nan_on)
 
     def job_state(self):
-        return {"sampler": {}, "algorithm": {}}
+        return {"algorithm": {}}
 
 
 job = Job()
