@@ -54,7 +54,7 @@ from tidal.trainer.ppo_trainer import EVAL_SEED_SALT, PPOTrainer, RunData, step_
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.trainer.evaluate import CheckpointPolicy
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import resolve_resume_point
+from tidal.run.resume import compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -257,6 +257,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
             print(f"[tidal] warning: {warning}", file=sys.stderr, flush=True)
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
+    compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)

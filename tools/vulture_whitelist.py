@@ -57,6 +57,7 @@ _.fx_graph_cache, _.enable_autograd_cache
 # Named in configs as "module:Class" (env.name) and imported at run time.
 SyntheticToolEnv  # bench/multiturn.py's cases
 _.metavar, _.help  # argparse actions: tidal launch names torchrun's positionals in its --help (tidal/launch.py)
+_.base_lrs, _._last_lr  # torch's LRScheduler state, set after a resume (tidal/strategy/base.py apply_optim_settings)
 
 # Public names re-exported by a package's lazy __init__ (tidal.lazy.lazy_exports names them as strings).
 gather_and_generate  # tidal.distributed: the rollout entry point of the public API

@@ -43,9 +43,9 @@ def _tmpfs(path: Path, size: str):
 def _killed_save_filled_the_disk(run: Path) -> Path:
     """Step 1 saved, then a save of step 2 written until the kernel said ENOSPC (and killed there)."""
     root = ckpt.checkpoint_root(str(run))
-    init_runtime(1, "cpu")
+    rt = init_runtime(1, "cpu")
     try:
-        ckpt.save_checkpoint(root, 1, model_states={"m": {"w": torch.ones(64)}}, rank=0, keep=5,
+        ckpt.save_checkpoint(root, 1, model_states={"m": {"w": torch.ones(64)}}, runtime=rt, keep=5,
                              trainer_state={"step": 1, "sampler": {}, "algorithm": {}, "trainer": {}})
     finally:
         shutdown()

@@ -362,11 +362,13 @@ class Algorithm:
     def state_dict(self) -> dict:
         return {
             "kl_coef": self.kl_ctl.value,
+            "kl_coef_config": self.cfg.kl_coef,  # a resume with another algorithm.kl_coef starts from that
             "reward_moments": self.reward_moments.state_dict(),
             "adv_moments": self.adv_moments.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.kl_ctl.value = float(state["kl_coef"])
+        if state.get("kl_coef_config", self.cfg.kl_coef) == self.cfg.kl_coef:  # else the new config's coefficient
+            self.kl_ctl.value = float(state["kl_coef"])
         self.reward_moments.load_state_dict(state["reward_moments"])
         self.adv_moments.load_state_dict(state["adv_moments"])

@@ -25,11 +25,11 @@ from tidal.models import load_tokenizer
 from tidal.optional_deps import check_dependencies
 from tidal.rm.dataset import PreferenceDataset
 from tidal.rm.model import load_trainable_reward_model
-from tidal.rm.trainer import RewardModelTrainer
+from tidal.rm.trainer import RM_STATE_KEYS, RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import resolve_resume_point
+from tidal.run.resume import compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -98,11 +98,12 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     set_cpu_threads(cfg.run.cpu_threads, runtime.device)
     cfg.check_world(runtime.world_size)
     saves = (cfg.checkpoint.every > 0 or cfg.checkpoint.at_end) and not read_only
-    keys = ("step", "sampler", "trainer")
     if read_only:
-        resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime, required_keys=keys)
+        resume = resolve_resume_point(cfg.checkpoint, cfg.run.output_dir, runtime, required_keys=RM_STATE_KEYS)
     else:
-        resume = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=keys).resume
+        run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=RM_STATE_KEYS)
+        compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
+        resume = run_dir.resume
     watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
     if not read_only:  # a watchdog never started writes no heartbeat
         watchdog.start(runtime).mark("setup")

@@ -11,13 +11,19 @@ Reading a checkpoint never runs code from it: DCP's ``.metadata`` pickle is read
 of the classes DCP writes, its non-tensor items and the RNG files with ``torch.load(weights_only=True)``
 (:class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`, :func:`load_rng_file`).
 
+Each checkpoint holds a copy of the run's ``config.yaml`` (:data:`CONFIG_RECORD`): a resume compares
+its own config with it (:func:`tidal.run.resume.check_config_change`).
+
 Resume (``checkpoint.resume``): :func:`resolve_resume` picks the checkpoint without loading tensors,
 after checking that it looks loadable (:func:`checkpoint_problems`: trainer.json, DCP metadata, every
 shard file present and long enough, RNG files). ``auto`` skips (with a warning) complete checkpoints
 that do not, newest first; an explicit path that does not is a ConfigError at ``checkpoint.resume``
 naming the problem. :func:`load_resume` also falls back to the next older one when loading itself
-fails under ``auto``. With a ``runtime`` (its host collectives, over gloo) rank 0 decides and the
-ranks agree on the outcome of each load attempt; without one this process decides alone.
+fails under ``auto``, when a file fails its checksum (``checksums.json``: the crc32 of every shard and
+RNG file, written by :func:`save_checkpoint` before the marker; flipped bytes) or when the loaded
+weights hold NaN/Inf (:func:`nonfinite_names`). With a ``runtime`` (its host collectives, over gloo)
+rank 0 decides and the ranks agree on the outcome of each load attempt; without one this process
+decides alone.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import random
 import re
 import shutil
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,6 +54,8 @@ from tidal.distributed.runtime import Runtime
 from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
+CHECKSUMS = "checksums.json"  # {file relative to the checkpoint: crc32}, of every file but the marker
+CONFIG_RECORD = "config.yaml"  # the run's config as written (in its run directory), copied into each checkpoint
 REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
 TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -61,6 +70,10 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint could not be loaded; the message names it and each failing rank's error."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The trained weights (or their optimizer state) hold NaN/Inf: no checkpoint is written of them."""
 
 
 def _summary(exc: BaseException) -> str:
@@ -378,6 +391,66 @@ def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED
     return _shard_problems(path / "models") + _rng_problems(path)
 
 
+# ---- checksums and non-finite values -----------------------------------------------------------------
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_checksums(directory: Path) -> None:
+    """Write ``CHECKSUMS`` into ``directory`` (a checkpoint being saved, every rank's files written):
+    the crc32 of each file under it, the marker aside (rank 0; one read of the checkpoint)."""
+    files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name not in (COMPLETE_MARKER, CHECKSUMS))
+    sums = {str(f.relative_to(directory)): _crc32(f) for f in files}
+    with open(directory / CHECKSUMS, "w", encoding="utf-8") as f:
+        json.dump(sums, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checksum_problems(path: Path) -> list[str]:
+    """The files of checkpoint ``path`` whose bytes differ from what was saved (``CHECKSUMS``; a
+    checkpoint saved before checksums were written has nothing to compare: [])."""
+    try:
+        with open(path / CHECKSUMS, encoding="utf-8") as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{CHECKSUMS} is not valid JSON ({type(e).__name__})"]
+    problems = []
+    for rel, crc in sorted(sums.items()):
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"missing {rel}")
+        elif _crc32(f) != crc:
+            problems.append(f"{rel} fails its checksum (its bytes changed since the save)")
+    return problems
+
+
+def nonfinite_names(states: Any, prefix: str = "", limit: int = 3) -> list[str]:
+    """The names (``a.b.c``) of up to ``limit`` floating-point tensors of the nested ``states`` that
+    hold NaN or Inf, this rank's local shards only (a DTensor's local tensor)."""
+    found: list[str] = []
+    items = states.items() if isinstance(states, dict) else enumerate(states) if isinstance(states, (list, tuple)) else ()
+    for key, value in items:
+        if len(found) >= limit:
+            break
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+                found.append(name)
+        else:
+            found += nonfinite_names(value, name, limit - len(found))
+    return found
+
+
 def _warn(message: str, runtime: Runtime | None = None) -> None:
     if runtime is None or runtime.is_main:
         print(f"[tidal] warning: {message}", file=sys.stderr, flush=True)
@@ -439,25 +512,41 @@ def load_resume(
 ) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     """Resolve and load a resume (collective): ``(path, model_states, trainer_state)``, or None when
     there is nothing to resume. ``model_states()`` builds fresh state dicts to load into (called
-    again for each attempt). Under ``auto`` a checkpoint that fails to load on any rank is skipped
-    with a warning naming the error, and the next older one is tried; an explicit path that fails
-    is a ConfigError at ``checkpoint.resume``. With ``runtime`` every rank takes the same decision.
+    again for each attempt). A checkpoint is not taken when a file fails its checksum (rank 0
+    reads them: :func:`checksum_problems`), when it fails to load on any rank, or when the loaded
+    weights hold NaN/Inf on any rank (:func:`nonfinite_names`). Under ``auto`` such a checkpoint is
+    skipped with a warning naming the problem, and the next older one is tried; an explicit path is
+    a ConfigError at ``checkpoint.resume``. With ``runtime`` every rank takes the same decision.
     ``warn_skipped=False``: the checkpoints that fail the cheap checks were named already (by
     :func:`resolve_resume` at setup), so they are skipped without a second warning."""
     for path in resume_candidates(resume, root, runtime=runtime, required_keys=required_keys, warn=warn_skipped):
         states = model_states()
-        error = None
-        try:
-            trainer_state = load_checkpoint(path, model_states=states, rank=rank)
-        except Exception as e:  # noqa: BLE001 -- reported and decided on below, the same on every rank
-            error = _summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)
+        error = _from_rank0(lambda: "; ".join(checksum_problems(path)) or None, runtime)  # the same on every rank
+        if error is None:
+            error = _load_problem(path, states, rank)
         if error is None if runtime is None else runtime.all_agree(error is None):
-            return path, states, trainer_state
-        why = error or "it failed to load on another rank"
+            return path, states, trainer_state_of(path)
+        why = error or "it failed to load, or holds NaN/Inf, on another rank"
         if resume != "auto":
             raise ConfigError("checkpoint.resume", f"{resume!r} cannot be loaded: {why}")
-        _warn(f"checkpoint.resume=auto skips {path}: loading failed: {why}", runtime)
+        _warn(f"checkpoint.resume=auto skips {path}: {why}", runtime)
     return None
+
+
+def _load_problem(path: Path, states: dict[str, Any], rank: int) -> str | None:
+    """Load ``path`` into ``states`` (collective); what is wrong with it on this rank, or None."""
+    try:
+        load_checkpoint(path, model_states=states, rank=rank)
+    except Exception as e:  # noqa: BLE001 -- reported and decided on by the caller, the same on every rank
+        return f"loading failed: {_summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)}"
+    bad = nonfinite_names(states)
+    return f"its weights hold NaN/Inf ({', '.join(bad)})" if bad else None
+
+
+def trainer_state_of(path: Path) -> dict[str, Any]:
+    """The trainer state (``trainer.json``) of checkpoint ``path``."""
+    with open(path / COMPLETE_MARKER, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -506,6 +595,9 @@ def save_checkpoint(
         raise _save_failed(e, tmp, step=step, rank=rank) from e
     runtime.barrier()
     if rank == 0:
+        if (root.parent / CONFIG_RECORD).is_file():  # what a resume compares its config with
+            shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
+        write_checksums(tmp)
         with open(tmp / COMPLETE_MARKER, "w") as f:
             json.dump(trainer_state, f)
             f.flush()
@@ -538,5 +630,4 @@ def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> d
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_rng_file(rng_file))
-    with open(path / COMPLETE_MARKER, encoding="utf-8") as f:
-        return json.load(f)
+    return trainer_state_of(path)

@@ -3,7 +3,8 @@
 ``checkpoint.resume`` (``auto``, ``never`` or a path) is turned into a :class:`ResumePoint` (the
 checkpoint directory and its step) or None for a fresh run. What an interrupted save left is settled
 first (rank 0; the others wait), so a put-back ``step_N.old`` is the step that the logger keeps its
-records up to and the one the trainer loads.
+records up to and the one the trainer loads. The config of the run is then compared with the one the
+checkpoint was trained with (:func:`check_config_change`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from tidal.config_base import ConfigError
 from tidal.distributed.runtime import Runtime
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
@@ -35,3 +40,74 @@ def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtim
         return None
     with open(path / ckpt.COMPLETE_MARKER) as f:
         return ResumePoint(path=path, step=int(json.load(f)["step"]))
+
+
+# ---- a changed config on resume ----------------------------------------------------------------------
+
+# What a resume may not change: the keys that decide the training data, its order and the batch shape
+# (the sampler's position and the RNG states would mean something else), and the shape of the saved
+# state. A key ending in "." stands for its section; NOT_FIXED are exceptions inside such a section.
+FIXED = (
+    "job", "run.seed", "data.", "task.", "rollout.prompts_per_step", "rollout.n_samples", "reward_model.batch_pairs",
+    "reward_model.task.", "reward_model.chosen_key", "reward_model.rejected_key", "reward_model.separator",
+    "reward_model.max_length", "reward_model.overlong", "reward_model.bad_pairs", "algorithm.advantage",
+    "optim.weight_decay", "model.path", "model.critic_path", "model.lora.",
+)
+NOT_FIXED = ("data.eval", "task.workdir", "task.sft_threads", "reward_model.task.workdir")
+NOT_COMPARED = ("checkpoint.resume",)  # how this run finds its checkpoint, not how it trains
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _is_fixed(key: str) -> bool:
+    def hits(names: tuple[str, ...]) -> bool:
+        return any(key == n or (n.endswith(".") and key.startswith(n)) or key.startswith(n + ".") for n in names)
+
+    return hits(FIXED) and not hits(NOT_FIXED)
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, value now)}`` for every key whose value differs (a key only on
+    one side has ``None`` on the other), ``checkpoint.resume`` aside."""
+    a, b = _flat(saved), _flat(now)
+    keys = sorted(set(a) | set(b))
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and not any(k.startswith(n) for n in NOT_COMPARED)}
+
+
+def check_config_change(point: ResumePoint | None, config: dict[str, Any], *, is_main: bool) -> dict[str, tuple[Any, Any]]:
+    """Compare this run's config as written (``config``, the root config's ``to_dict()``) with the
+    one the checkpoint of ``point`` was trained with (its ``config.yaml``; a checkpoint without one
+    has nothing to compare). A key that may not change (:data:`FIXED`: seed, data, batch shape,
+    the saved state's shape) is a ConfigError naming it; every other change applies from the next
+    step and is said in one line (main rank). Returns the changes."""
+    if point is None or not (point.path / ckpt.CONFIG_RECORD).is_file():
+        return {}
+    saved = yaml.safe_load((point.path / ckpt.CONFIG_RECORD).read_text(encoding="utf-8")) or {}
+    changes = config_changes(saved, config)
+    for key, (old, new) in changes.items():
+        if _is_fixed(key):
+            raise ConfigError(key, f"is {new!r} but the checkpoint {point.path} was trained with {old!r}; it cannot change "
+                                   f"on resume (it decides the data, its order or the batch shape): set it back to {old!r}, "
+                                   "or start a new run in another run.output_dir")
+    if changes and is_main:
+        shown = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        print(f"[tidal] resume: changed since the checkpoint of step {point.step}, applied from step {point.step + 1}: {shown}", flush=True)
+    return changes
+
+
+def compare_config(run_dir, config: dict[str, Any], *, is_main: bool) -> dict[str, tuple[Any, Any]]:
+    """:func:`check_config_change` for a claimed run directory (a :class:`tidal.run.run_dir.RunDir`:
+    its resume point and lock); a ConfigError releases the lock. Every job's builder calls it right
+    after claiming the directory, before anything loads."""
+    try:
+        return check_config_change(run_dir.resume, config, is_main=is_main)
+    except ConfigError:
+        run_dir.lock.release()
+        raise

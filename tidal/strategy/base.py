@@ -59,6 +59,25 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return fn
 
 
+def apply_optim_settings(state: TrainState, optim: OptimConfig, *, lr: float) -> None:
+    """After a checkpoint's optimizer and schedule state was loaded into ``state``: this run's peak
+    ``lr`` (``optim.lr`` or ``optim.critic_lr``), ``optim.betas`` and ``optim.eps`` take over from the
+    saved ones, and the schedule's current LR is recomputed at the loaded step (the schedule's shape
+    is already this run's: its function is built from the config, never loaded). With unchanged
+    settings the state stays exactly as loaded (the same float expression as the schedule's)."""
+    sched = state.scheduler
+    groups = sched.optimizer.param_groups
+    sched.base_lrs = [lr] * len(groups)
+    now = [lr * fn(sched.last_epoch) for fn in sched.lr_lambdas]
+    for group, value in zip(groups, now):
+        group.update(initial_lr=lr, lr=value)
+        if "betas" in group:
+            group["betas"] = tuple(optim.betas)
+        if "eps" in group:
+            group["eps"] = optim.eps
+    sched._last_lr = now
+
+
 class Strategy(abc.ABC):
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         if cfg.offload_optimizer == "auto":  # no memory plan decided it (a Strategy built directly): off

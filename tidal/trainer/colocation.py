@@ -1,7 +1,8 @@
 """Colocation: the one owner of what sits on the GPU in each phase of an iteration (spec §5, §7).
 
 Training and rollout share the device; its memory changes hands between phases. This module makes
-every placement decision, in one place; the mechanisms belong to others (the Strategy moves models
+every placement decision, in one place (:class:`Placement`: the trained and frozen models'
+phases, also the reward-model job's; :class:`Colocation`: those and the rollout engine's); the mechanisms belong to others (the Strategy moves models
 and optimizer state, the engine sleeps and wakes, :mod:`tidal.sync` copies weights).
 
 What is on the device, by phase (beyond the actor's weights, which always stay, except during
@@ -65,8 +66,88 @@ class Models:
     positions: int | None = None
 
 
-class Colocation:
-    """Owns the device's phases for one run (see the module docstring).
+class Placement:
+    """Owns the placement of a job's trained and frozen models, without a rollout engine: the
+    phases :meth:`using` and :meth:`update` (see the module docstring). The reward-model job holds
+    one directly; :class:`Colocation` adds the engine's phases. ``trained``: each trained model's
+    state by the role its events name (``actor``, ``critic``, ``reward_model``)."""
+
+    def __init__(self, *, strategy: Strategy, timer: PhaseTimer, trained: dict[str, TrainState]):
+        require_resolved(strategy.cfg, "strategy", "offload_optimizer")
+        self.strategy = strategy
+        self.timer = timer
+        self._offload_optimizer = strategy.cfg.offload_optimizer
+        self._away: set[int] = set()  # ids of models kept off the device at rest
+        self._roles = {id(state.model): role for role, state in trained.items()}  # what the observers' events call a model
+        # the allocator's peaks per phase (the one owner of its peak counter; the timer's first observer)
+        self.peaks = DevicePeaks(strategy.device)
+        timer.add_observer(self.peaks)
+        self.memory = MemoryParts(self.peaks, strategy.resident_bytes)  # the step's memory by component
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.strategy.runtime
+
+    # ---- frozen models registered later (reward models, a teacher) ---------------------------------
+    def prepare_frozen(self, model: torch.nn.Module, *, resident: bool) -> torch.nn.Module:
+        """Shard a frozen model for inference and give it its rest place: on the device when
+        ``resident``, else parked (it comes in only inside :meth:`using`). Implements
+        :class:`tidal.rewards.placement.ModelPlacement` for the reward layer."""
+        model = self.strategy.prepare_frozen(model, offload=False)
+        if not resident:
+            self._rest_away(model)
+        return model
+
+    # ---- phases ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def using(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """A no-grad forward of ``model``: on the device inside, back at rest after."""
+        away = id(model) in self._away
+        if away:
+            self._move("reload_model", model, self.strategy.reload_model)
+        try:
+            yield model
+        finally:
+            if away:
+                self._move("offload_model", model, self.strategy.offload_model)
+
+    @contextlib.contextmanager
+    def update(self, state: TrainState) -> Iterator[TrainState]:
+        """An optimizer step of ``state`` (its forward/backward passes and the step): the model and
+        its optimizer state on the device inside, back at rest after, also when the block raises."""
+        model_away = id(state.model) in self._away
+        try:
+            if model_away:
+                self._move("reload_model", state.model, self.strategy.reload_model)
+            if self._offload_optimizer:
+                self._move("reload_optimizer", state.model, self.strategy.reload_optimizer, state)
+            with self.memory.update(self._roles[id(state.model)], state):
+                yield state
+        finally:
+            if self._offload_optimizer:
+                self._move("offload_optimizer", state.model, self.strategy.offload_optimizer, state)
+            if model_away:
+                self._move("offload_model", state.model, self.strategy.offload_model)
+
+    # ---- mechanics -------------------------------------------------------------------------------
+    def _rest_away(self, model: torch.nn.Module) -> None:
+        self._away.add(id(model))
+        self._move("offload_model", model, self.strategy.offload_model)
+
+    def _move(self, action: str, target: torch.nn.Module | str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run one placement mechanism ``fn`` (with ``args``, or on the model ``target`` itself),
+        marked for the timer's observers as ``<action>/<role>:before`` and ``:after`` (bytes moved
+        in ``info`` when the mechanism returns them)."""
+        role = target if isinstance(target, str) else self._roles.get(id(target), "frozen")
+        self.timer.event(f"{action}/{role}:before")
+        out = fn(*args, **kwargs) if args or isinstance(target, str) else fn(target)
+        self.timer.event(f"{action}/{role}:after", {"bytes": out} if isinstance(out, int) else None)
+        return out
+
+
+class Colocation(Placement):
+    """Owns the device's phases for one RL run (see the module docstring): :class:`Placement`'s,
+    and the rollout engine's.
 
     Construction puts the models at rest (frozen models parked and the critic offloaded as
     configured: ``strategy.offload_*``), before the engine exists, so the two never peak together;
@@ -76,17 +157,11 @@ class Colocation:
     """
 
     def __init__(self, *, strategy: Strategy, models: Models, timer: PhaseTimer):
-        self.strategy = strategy
+        trained = {"actor": models.actor, **({"critic": models.critic} if models.critic is not None else {})}
+        super().__init__(strategy=strategy, timer=timer, trained=trained)
         self.models = models
-        self.timer = timer
         placement = strategy.cfg
-        require_resolved(placement, "strategy", "offload_optimizer")
         self._offload_actor = placement.offload_actor_during_rollout
-        self._offload_optimizer = placement.offload_optimizer
-        self._away: set[int] = set()  # ids of models kept off the device at rest
-        self._roles = {id(models.actor.model): "actor"}  # what the observers' events call a model
-        if models.critic is not None:
-            self._roles[id(models.critic.model)] = "critic"
         if models.reference is not None:
             self._roles[id(models.reference)] = "reference"
         if models.teacher is not None:
@@ -102,10 +177,6 @@ class Colocation:
         self.sleep_level = 0
         self.verify_sync = False
         self.engine_memory: dict[str, int] = {}  # the engine's device bytes by kind, at the end of the last rollout
-        # the allocator's peaks per phase (the one owner of its peak counter; the timer's first observer)
-        self.peaks = DevicePeaks(strategy.device)
-        timer.add_observer(self.peaks)
-        self.memory = MemoryParts(self.peaks, strategy.resident_bytes)  # the step's memory by component
 
     def attach_engine(self, engine: RolloutEngine, *, dtype: torch.dtype, sleep_level: int, verify: bool) -> None:
         """Take charge of the rollout engine: sync the actor's weights into it and put it to rest.
@@ -115,20 +186,6 @@ class Colocation:
         self.engine, self.engine_dtype, self.sleep_level, self.verify_sync = engine, dtype, sleep_level, verify
         self.sync_weights()
         self._sleep()
-
-    @property
-    def runtime(self) -> Runtime:
-        return self.strategy.runtime
-
-    # ---- frozen models registered later (reward models, a teacher) ---------------------------------
-    def prepare_frozen(self, model: torch.nn.Module, *, resident: bool) -> torch.nn.Module:
-        """Shard a frozen model for inference and give it its rest place: on the device when
-        ``resident``, else parked (it comes in only inside :meth:`using`). Implements
-        :class:`tidal.rewards.placement.ModelPlacement` for the reward layer."""
-        model = self.strategy.prepare_frozen(model, offload=False)
-        if not resident:
-            self._rest_away(model)
-        return model
 
     # ---- phases ------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -154,36 +211,6 @@ class Colocation:
                 with self.timer.phase("actor_reload"):
                     self._move("reload_model", actor, self.strategy.reload_model)
 
-    @contextlib.contextmanager
-    def using(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """A no-grad forward of ``model``: on the device inside, back at rest after."""
-        away = id(model) in self._away
-        if away:
-            self._move("reload_model", model, self.strategy.reload_model)
-        try:
-            yield model
-        finally:
-            if away:
-                self._move("offload_model", model, self.strategy.offload_model)
-
-    @contextlib.contextmanager
-    def update(self, state: TrainState) -> Iterator[TrainState]:
-        """An optimizer step of ``state`` (its forward/backward passes and the step): the model and
-        its optimizer state on the device inside, back at rest after."""
-        model_away = id(state.model) in self._away
-        try:
-            if model_away:
-                self._move("reload_model", state.model, self.strategy.reload_model)
-            if self._offload_optimizer:
-                self._move("reload_optimizer", state.model, self.strategy.reload_optimizer, state)
-            with self.memory.update(self._roles[id(state.model)], state):
-                yield state
-        finally:
-            if self._offload_optimizer:
-                self._move("offload_optimizer", state.model, self.strategy.offload_optimizer, state)
-            if model_away:
-                self._move("offload_model", state.model, self.strategy.offload_model)
-
     def sync_weights(self, version: int | None = None) -> int:
         """The actor's current weights into the engine (a collective; the engine may be asleep: its
         KV cache stays freed). Returns the bytes sent. ``version``: the policy version the engine's
@@ -198,20 +225,6 @@ class Colocation:
         return sent
 
     # ---- mechanics -------------------------------------------------------------------------------
-    def _rest_away(self, model: torch.nn.Module) -> None:
-        self._away.add(id(model))
-        self._move("offload_model", model, self.strategy.offload_model)
-
     def _sleep(self) -> None:
         if self.sleep_level > 0:
             self._move("sleep", "engine", self.engine.sleep, self.sleep_level)
-
-    def _move(self, action: str, target: torch.nn.Module | str, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Run one placement mechanism ``fn`` (with ``args``, or on the model ``target`` itself),
-        marked for the timer's observers as ``<action>/<role>:before`` and ``:after`` (bytes moved
-        in ``info`` when the mechanism returns them)."""
-        role = target if isinstance(target, str) else self._roles.get(id(target), "frozen")
-        self.timer.event(f"{action}/{role}:before")
-        out = fn(*args, **kwargs) if args or isinstance(target, str) else fn(target)
-        self.timer.event(f"{action}/{role}:after", {"bytes": out} if isinstance(out, int) else None)
-        return out

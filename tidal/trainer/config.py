@@ -11,7 +11,7 @@ from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
 from tidal.run.config import CheckpointConfig
-from tidal.strategy.config import StrategyConfig
+from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
 
 # request id = group id * SAMPLE_SLOTS + sample index (unique among the partial rollout's requests in flight)
@@ -201,6 +201,7 @@ class TrainerSections(Protocol):
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     strategy: StrategyConfig
+    optim: OptimConfig
     env: EnvConfig
     reward: RewardConfig
 

@@ -26,6 +26,7 @@ from tidal.logging.progress import stage
 from tidal.logging.reduce import reduce_over_ranks, with_absent
 from tidal.rewards import RewardEngine
 from tidal.rewards.alarms import RewardAlarms
+from tidal.strategy.base import apply_optim_settings
 from tidal.sync import WeightSyncError, mismatch_alarm
 from tidal.run import checkpoint as ckpt
 from tidal.run import faults
@@ -37,8 +38,8 @@ from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.memory.plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
 from tidal.trainer.perf import PerfMeter
+from tidal.run.loop import JobLoop, LoopState
 from tidal.run.run_dir import RunDir
-from tidal.run.stop import StopRequest, StopRun
 from tidal.trainer.update import Updater
 from tidal.run.watchdog import StageTimer
 
@@ -64,12 +65,9 @@ def reduce_rollout_metrics(runtime: Runtime, metrics: dict[str, float]) -> dict[
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainerState:
+class TrainerState(LoopState):
     step: int = 0
-    skipped_in_a_row: int = 0
-    skipped_total: int = 0
     sync_alarms: int = 0
-    initial_eval: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,9 +80,15 @@ class RunData:
 
 
 class PPOTrainer:
-    """The RL loop. ``cfg`` holds the config sections it reads (:class:`TrainerSections`); each
-    component it builds gets its own sections. ``run_dir``: the run directory's lock (released when
-    :meth:`fit` ends) and the resume point resolved at setup."""
+    """The RL job, run by the job loop (:class:`tidal.run.loop.JobLoop`: resume, cadence, stop
+    signals, skip accounting). ``cfg`` holds the config sections it reads (:class:`TrainerSections`);
+    each component it builds gets its own sections. ``run_dir``: the run directory's lock (released
+    when :meth:`fit` ends) and the resume point resolved at setup."""
+
+    name = "rl"
+    skip_key = "actor/skipped"
+    skip_hint = "lower optim.lr, check rewards for NaN/Inf"
+    logs_initial_eval = True
 
     def __init__(self, *, cfg: TrainerSections, colocation: Colocation, models: Models, rewards: RewardEngine,
                  algorithm: Algorithm, data: RunData, logger: MetricsLogger, run_dir: RunDir):
@@ -97,7 +101,6 @@ class PPOTrainer:
         self.data = data
         self.logger = logger
         self.run_dir = run_dir
-        self.loaded_from: str | None = None  # the checkpoint :meth:`resume` loaded
         self.eval_s: float | None = None  # how long the last evaluation took (the next one's remaining time)
         self.timer: StageTimer = colocation.timer
         self.watchdog = self.timer.watchdog
@@ -105,7 +108,6 @@ class PPOTrainer:
         self.state = TrainerState()
         # rewards that teach nothing: all equal (unless a teacher teaches), answers unread
         self.reward_alarms = RewardAlarms(all_equal=bool(rewards.components) and not algorithm.needs_teacher)
-        self.ckpt_root = ckpt.checkpoint_root(cfg.run.output_dir)
         self.trajectories = TrajectoryWriter(Path(cfg.run.output_dir)) if self.rt.is_main else None
         self.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=cfg.rollout,
                                      train=cfg.train, model=cfg.model, env=cfg.env, reward=cfg.reward)
@@ -118,6 +120,8 @@ class PPOTrainer:
                                              dataset=data.train, draw=lambda: self._next_items()[1])
         self.updater = Updater(models=models, colocation=colocation, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
                                model=cfg.model, split=self.perf.split)
+        self.loop = JobLoop(self, cfg=cfg, runtime=self.rt, timer=self.timer, watchdog=self.watchdog, logger=logger,
+                            resume=run_dir.resume, required_keys=ckpt.TRAINER_STATE_KEYS)
 
     # ---- one iteration ---------------------------------------------------------------------------
     def sampling_params(self, step: int, attempt: int = 0) -> SamplingParams:
@@ -174,7 +178,7 @@ class PPOTrainer:
         return concat_experiences(kept) if len(kept) > 1 else kept[0], metrics, samples_all
 
     def train_step(self, step: int) -> dict[str, float]:
-        engine = self.phases.engine
+        engine = self.colocation.engine
         overlap = getattr(engine, "overlap", None)  # the native engine's schedule-ahead share
         stats_before = dict(engine.stats) if overlap is not None else None
         exp, rollout_metrics, samples = self.collect(step)
@@ -187,7 +191,6 @@ class PPOTrainer:
         metrics.update(update.flat())
         self.colocation.sync_weights(version=step)
         self.algo.update_after_step(update.actor)
-        self._track_skips(metrics)
         self._mismatch_alarm(metrics)
         self._warn(self.reward_alarms.step(metrics))
         metrics.update(self.timer.pop())
@@ -197,6 +200,7 @@ class PPOTrainer:
         # the device's memory by component (CUDA): used, allocator peak, trained models' weights,
         # optimizer state and update peaks, the engine's weights, KV cache and graphs
         metrics.update(self.colocation.memory.pop(self.colocation.engine_memory))
+        self.run_dir.check_intact(self.rt)  # before anything of this step is written there
         if self.trajectories is not None and self.cfg.logging.trajectories_due(step):
             self.trajectories.write(step, self._trajectory_records(samples, exp))
         return metrics
@@ -219,18 +223,6 @@ class PPOTrainer:
         if self.rt.is_main:
             for message in messages:
                 print(f"[tidal] warning: {message}", flush=True)
-
-    def _track_skips(self, metrics: dict[str, float]) -> None:
-        skipped = metrics.get("actor/skipped", 0.0) > 0
-        self.state.skipped_total += int(skipped)
-        self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
-        metrics["actor/skipped_total"] = float(self.state.skipped_total)
-        limit = self.cfg.train.max_skipped_steps_in_a_row
-        if self.state.skipped_in_a_row >= limit:
-            raise RuntimeError(
-                f"{self.state.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
-                f"(train.max_skipped_steps_in_a_row={limit}); lower optim.lr, check rewards for NaN/Inf"
-            )
 
     def _trajectory_records(self, samples, exp: Experience) -> list[dict]:
         """One record per row with a scored sample (``samples`` is aligned with the rows); with a
@@ -269,107 +261,70 @@ class PPOTrainer:
         out["time/eval"] = self.eval_s = self.timer.pop()["time/eval"]
         return {**pending, **out}
 
-    def _model_states(self) -> dict:
+    def has_eval(self) -> bool:
+        return bool(self.data.eval_items)
+
+    def model_states(self) -> dict:
         strategy, m = self.colocation.strategy, self.models
         states = {"actor": strategy.state_dict(m.actor)}
         if m.critic is not None:
             states["critic"] = strategy.state_dict(m.critic)
         return states
 
-    def save(self, step: int) -> None:
-        trainer_state = {
-            "step": step, "sampler": self.data.sampler.state_dict(), "algorithm": self.algo.state_dict(),
-            "trainer": dataclasses.asdict(self.state),
-        }
-        if self.long_tail is not None:  # every rank's groups in flight (a collective)
-            state = self.long_tail.state_dict()
-            trainer_state["partial"] = self.rt.all_gather_objects(state)
-        with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
-            path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=self._model_states(), trainer_state=trainer_state,
-                                        runtime=self.rt, keep=self.cfg.checkpoint.keep)
-            shown.done(f"in {path}")
+    @property
+    def sampler(self) -> StatefulDistributedSampler:
+        return self.data.sampler
 
-    def resume(self) -> int:
-        """Load the checkpoint chosen at setup (models, optimizer, sampler, algorithm and trainer
-        state, RNG) and sync the engine; returns its step (0 for a fresh run). Under
-        ``checkpoint.resume: auto`` a checkpoint that fails to load on any rank is skipped for the
-        next older one, every rank agreeing (:func:`tidal.run.checkpoint.load_resume`). The
-        checkpoint's path is kept in ``loaded_from``; the caller says what it loaded it for."""
-        point = self.run_dir.resume
-        if point is None:
-            return 0
-        strategy, m = self.colocation.strategy, self.models
-        which = "auto" if self.cfg.checkpoint.resume == "auto" else str(point.path)
-        loaded = ckpt.load_resume(which, self.ckpt_root, model_states=self._model_states, rank=self.rt.rank,
-                                  runtime=self.rt, required_keys=ckpt.TRAINER_STATE_KEYS,
-                                  warn_skipped=False)  # setup's resolve_resume_point named them
-        self.run_dir.resume = None  # loaded: a second call is a no-op
-        if loaded is None:  # every candidate failed to load under auto: a fresh run
-            self.logger.rewind(0)
-            return 0
-        path, states, st = loaded
+    def job_state(self) -> dict:
+        """Algorithm state; with ``rollout.partial`` every rank's groups in flight (a collective)."""
+        out = {"algorithm": self.algo.state_dict()}
+        if self.long_tail is not None:
+            state = self.long_tail.state_dict()
+            out["partial"] = self.rt.all_gather_objects(state) if self.rt.world_size > 1 else [state]
+        return out
+
+    def load_state(self, states: dict, trainer_state: dict) -> None:
+        """Loaded models (with this run's ``optim`` settings: a changed LR applies), algorithm and
+        groups in flight; then the engine gets the weights."""
+        strategy, m, st, optim = self.colocation.strategy, self.models, trainer_state, self.cfg.optim
         strategy.load_state_dict(m.actor, states["actor"])
+        apply_optim_settings(m.actor, optim, lr=optim.lr)
         if m.critic is not None:
             strategy.load_state_dict(m.critic, states["critic"])
-        self.data.sampler.load_state_dict(st["sampler"])
+            apply_optim_settings(m.critic, optim, lr=optim.critic_lr)
         self.algo.load_state_dict(st["algorithm"])
-        self.state = TrainerState(**st["trainer"])
         if self.long_tail is not None and "partial" in st:
             self.long_tail.load_state_dict(per_rank_states(st["partial"], self.rt.rank, self.rt.world_size))
-        step = int(st["step"])
-        if step != point.step:
-            self.logger.rewind(step)
-        self.colocation.sync_weights(version=step)
-        self.timer.pop()  # loading is not a step's phase
-        self.loaded_from = str(path)
-        return step
+        self.colocation.sync_weights(version=int(st["step"]))
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
-        """Run to ``run.steps``; returns the final metrics (with start/end eval when configured).
-        A SIGINT/SIGTERM stops it after the current step, with a checkpoint (:mod:`tidal.run.stop`)."""
-        with StopRequest() as stop:
-            try:
-                return self._fit(stop)
-            finally:
-                self.logger.close()
-                self.watchdog.close()
-                self.perf.close()
-                self.run_dir.lock.release()
+    def resume(self) -> int:
+        """Load the checkpoint chosen at setup and sync the engine (:meth:`JobLoop.resume`); its step."""
+        return self.loop.resume()
 
-    def _fit(self, stop: StopRequest) -> dict[str, float]:
-        self.timer.pop()  # setup's phases (the first weight sync) are not step 1's
-        with self.watchdog.stage("resume"):
-            start = self.resume()
-        if start and self.rt.is_main:
-            print(f"[tidal] resumed from {self.loaded_from} (step {start})", flush=True)
-        cfg = self.cfg
-        if start == 0 and cfg.eval.at_start and self.data.eval_items:
-            initial = self.evaluate(0)
-            self.logger.log_start(initial)  # step 0 of metrics.jsonl: where the curves start
-            self.state.initial_eval = {k: v for k, v in initial.items() if not k.startswith("time/")}
-            self._announce("start", self.state.initial_eval)
-            self._warn(self.reward_alarms.start_eval(initial))
-        last: dict[str, float] = {}
-        for step in range(start + 1, cfg.run.steps + 1):
-            self.watchdog.set_step(step)
-            metrics = self.train_step(step)
-            self.run_dir.check_intact(self.rt)  # before anything of this step is written there
-            final = step == cfg.run.steps
-            signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
-            if self.data.eval_items and not signum and ((cfg.eval.every and step % cfg.eval.every == 0) or (final and cfg.eval.at_end)):
-                metrics.update(self.evaluate(step))
-            checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (final and cfg.checkpoint.at_end) or (signum and checkpoints):
-                self.save(step)
-                metrics.update(self.timer.pop())
-            self.logger.log(step, metrics)
-            last = metrics
-            if signum and not final:
-                raise StopRun(step, signum, saved=checkpoints)
-        if self.state.initial_eval and any(k.startswith("eval/") for k in last):
-            self._announce("end", {k: v for k, v in last.items() if k.startswith("eval/")})
-        return {**{f"initial_{k}": v for k, v in self.state.initial_eval.items()}, **last}
+    @property
+    def loaded_from(self) -> str | None:
+        """The checkpoint :meth:`resume` loaded."""
+        return self.loop.loaded_from
+
+    def fit(self) -> dict[str, float]:
+        """Run to ``run.steps`` (:meth:`JobLoop.fit`); returns the final metrics (with start/end eval
+        when configured). A SIGINT/SIGTERM stops it after the current step, with a checkpoint."""
+        return self.loop.fit()
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.perf.close()
+        self.run_dir.lock.release()
+
+    def announce(self, when: str, metrics: dict[str, float]) -> None:
+        """Print the eval metrics (at the end only when the run also evaluated at the start)."""
+        if when == "start" or self.state.initial_eval:
+            self._announce(when, metrics)
+        if when == "start":
+            self._warn(self.reward_alarms.start_eval(metrics))
 
     def _announce(self, when: str, metrics: dict[str, float]) -> None:
         """Print the eval metrics; the environment's (``eval/env/*``) on a line of their own, the

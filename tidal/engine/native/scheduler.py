@@ -158,7 +158,7 @@ class Scheduler:
 
     def _allocate(self, s: int) -> bool:
         """Give the waiting sequence in slot ``s`` its blocks (cached prefix shared); False if short."""
-        t = self.table
+        t, bs = self.table, self.block_size
         n = int(t.num_tokens[s])
         seed = seed_of(t.seqs[s].cache_key)
         hashes, hits = self.bm.lookup(t.tokens[s, :n], seed)
@@ -175,7 +175,7 @@ class Scheduler:
     def _register(self, s: int, num_tokens: int) -> None:
         """Register the full blocks among slot ``s``'s first ``num_tokens`` tokens (their KV is
         computed in the step being scheduled) so other sequences can share them."""
-        t = self.table
+        t, bs = self.table, self.block_size
         lo, hi = int(t.num_hashed[s]), num_tokens // bs
         if not self.bm.prefix_caching or hi <= lo:
             return
@@ -215,7 +215,7 @@ class Scheduler:
         a plain row), each cut to the blocks free now (drafts never preempt) and, with ``max_rows``, to
         that many rows in all. Takes the blocks the drafted positions need. ``batch`` itself when no
         draft is left."""
-        t = self.table
+        t, bs = self.table, self.block_size
         lens = np.array([0 if d is None else len(d) for d in drafts], dtype=np.int64)
         if max_rows is not None:
             budget = max(0, max_rows - len(lens))
@@ -393,7 +393,7 @@ class Scheduler:
     def _register_filled(self, slots: np.ndarray) -> None:
         """Register the blocks ``slots`` completed with this step's KV (one per decode step; up to
         a verify step's accepted length)."""
-        t = self.table
+        t, bs = self.table, self.block_size
         while True:
             filled = slots[t.num_cached[slots] // bs > t.num_hashed[slots]]
             if not len(filled):
