@@ -136,13 +136,7 @@ def check_context_budget(cfg: TidalConfig, hf_config) -> None:
                           f"({e.max_total_tokens}) = {d.max_prompt_len + e.max_total_tokens} exceeds the model's {positions} "
                           f"positions (max_position_embeddings); set env.max_total_tokens <= {positions - d.max_prompt_len} "
                           "(or 0: the model's context)")
-    longest = d.max_prompt_len + r.max_new_tokens
-    for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):  # a packed micro-batch never splits a sequence
-        # `auto`: the memory plan resolves it to at least `longest` (or says what to change)
-        value = getattr(cfg.train, key)
-        check(value == "auto" or value >= longest, f"train.{key}",
-              f"({value}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
-              f"= {longest} tokens; raise it (or lower those)")
+    cfg.check_micro_batches()
 
 
 def check_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer) -> list[str]:

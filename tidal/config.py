@@ -91,6 +91,8 @@ class TidalConfig:
               "eval.correct_threshold", "is only used when every reward component is a rule or a function (eval accuracy); "
               "with a reward model or a remote service evaluation reports the mean reward: leave it at its default")
         self._check_unused()
+        if self.task.name:  # no model to read positions from yet: the micro-batches are the context check now
+            self.check_micro_batches()
         check_engine_backend(self.env, self.engine.backend)
         check_partial_rollout(self)
         check(
@@ -98,6 +100,18 @@ class TidalConfig:
             "train.mini_batches",
             f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must divide into {self.train.mini_batches} mini-batches",
         )
+
+    def check_micro_batches(self) -> None:
+        """The training micro-batches hold the longest sequence (a packed micro-batch never splits
+        one); ``auto`` is the memory plan's to resolve to at least that (or to say what to change).
+        After the context against the model's positions (:func:`tidal.build.check_context_budget`):
+        a context beyond the model is the problem to name, not the micro-batch that cannot hold it."""
+        longest = self.data.max_prompt_len + self.rollout.max_new_tokens
+        for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):
+            value = getattr(self.train, key)
+            check(value == "auto" or value >= longest, f"train.{key}",
+                  f"({value}) must hold the longest sequence, data.max_prompt_len + rollout.max_new_tokens "
+                  f"= {longest} tokens; raise it (or lower those)")
 
     def learning_warnings(self) -> list[str]:
         """What makes this valid config a run that cannot learn (said at start by ``tidal train``

@@ -83,7 +83,7 @@ def test_reshard_after_forward_is_rejected_with_deepspeed():
 
 def _runtime(device: str) -> Runtime:
     return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend="gloo", tp_size=1,
-                   tp_rank=0, tp_group=None, dp_rank=0, dp_size=1, dp_group=None, cpu_group=None)
+                   tp_rank=0, tp_group=None, dp_rank=0, dp_size=1, dp_group=None, cpu_group=None, tp_cpu_group=None)
 
 
 def test_accelerator_must_match_the_run_device():

@@ -100,14 +100,14 @@ def test_non_finite_scores_skip_the_step_and_stop_after_k_in_a_row(tmp_path, tin
     trainer = build_reward_model_trainer(cfg)
     try:
         faults.set_step(1)
-        first = trainer.train_step(1)
+        first = trainer.loop.step(1)  # the job's step with the job loop's skip accounting
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         faults.set_step(2)
-        second = trainer.train_step(2)
+        second = trainer.loop.step(2)
         assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
         faults.set_step(3)
         with pytest.raises(RuntimeError, match=r"2 optimizer steps in a row .*train.max_skipped_steps_in_a_row=2"):
-            trainer.train_step(3)
+            trainer.loop.step(3)
     finally:
         shutdown()
     assert first["train/skipped"] == 0.0 and second["train/skipped"] == 1.0 and second["train/skipped_total"] == 1.0

@@ -201,8 +201,7 @@ class JobLoop:
         checkpoints = cfg.checkpoint.every > 0 or cfg.checkpoint.at_end
         for step in range(start + 1, cfg.run.steps + 1):
             self.watchdog.set_step(step)
-            metrics = job.train_step(step)
-            self._track_skips(step, metrics)
+            metrics = self.step(step)
             final = step == cfg.run.steps
             signum = int(self.rt.all_reduce_max([float(stop.signum)])[0])  # every rank stops after the same step
             if job.has_eval() and not signum and (_due(cfg.eval.every, step) or (final and cfg.eval.at_end)):
@@ -218,6 +217,13 @@ class JobLoop:
             job.announce("end", {k: v for k, v in last.items() if k.startswith("eval/")})
         job.finish()
         return {**{f"initial_{k}": v for k, v in job.state.initial_eval.items()}, **last}
+
+    def step(self, step: int) -> dict[str, float]:
+        """The job's training step ``step`` with its skipped optimizer steps counted (too many in a
+        row stop the run: :meth:`_track_skips`)."""
+        metrics = self.job.train_step(step)
+        self._track_skips(step, metrics)
+        return metrics
 
     def _initial_eval(self) -> None:
         initial = self.job.evaluate(0)
