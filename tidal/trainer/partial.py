@@ -2,13 +2,16 @@
 iterations (``carry``) and over-sampling with the slowest groups dropped (``drop``).
 
 Heavy-tailed completion lengths leave the device decoding a few long sequences at the end of every
-plain rollout. Here each rank keeps ``in_flight = ceil(G * (1 + oversample))`` prompt groups in
-flight (G: its share of ``rollout.prompts_per_step``) and a rollout stops at the engine step where G
-groups are complete (all ``n_samples`` sequences of the prompt finished). The G groups trained are
-the ones complete at the start of the rollout (complete groups carried over), then those that
-completed first; they enter the batch ordered by group id (oldest prompts first), so a rollout that
-cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the same order,
-the same seed, the same group ids.
+plain rollout. Here each rank keeps prompt groups in flight (G: its share of
+``rollout.prompts_per_step``; ``ceil(G * (1 + oversample))``, or with ``oversample: auto`` a number
+sized from the observed tail after every rollout) and a rollout stops at the engine step where G
+groups are complete (all ``n_samples`` sequences of the prompt finished) and, in ``carry``, every
+due group is complete (one whose oldest token would lag more than ``max_staleness`` if it were
+trained later: so a sequence spans at most ``max_staleness + 1`` rollouts and is never thrown away).
+The G groups trained are, in ``carry``, the complete groups with the oldest tokens first, in
+``drop`` the first to complete; they enter the batch ordered by group id (oldest prompts first), so
+a rollout that cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the
+same order, the same seed, the same group ids.
 
 ``carry``: what is left (unfinished sequences with their tokens, sampling logprobs and per-token
 policy versions, finished members of incomplete groups, complete groups beyond G) is kept by
@@ -32,9 +35,9 @@ Metrics (per rank, averaged over ranks; ``_max`` ones the max): ``partial/stalen
 ``partial/stale_token_frac``, ``partial/span_mean`` / ``partial/span_max`` (rollouts a trained
 sequence spanned, 1 for one that started and finished in this rollout), ``partial/resumed``
 (unfinished sequences resumed with tokens), ``partial/restarted`` (sequences restarted: past
-``max_staleness``), ``partial/carried`` (sequences carried to the next rollout),
-``partial/carried_groups``, ``partial/dropped_groups`` (``drop``), ``partial/new_groups``,
-``partial/engine_steps``.
+``max_staleness``), ``partial/carried`` (unfinished sequences carried to the next rollout),
+``partial/carried_groups``, ``partial/carried_complete_groups``, ``partial/dropped_groups``
+(``drop``), ``partial/new_groups``, ``partial/engine_steps``, ``partial/in_flight``.
 """
 
 from __future__ import annotations
@@ -78,9 +81,21 @@ def check_partial_rollout(cfg: Any) -> None:
               "seq_truncate or seq_mask) so that they are weighted by pi_old / pi_rollout")
 
 
-def in_flight_groups(groups_per_step: int, oversample: float) -> int:
-    """Groups a rank keeps in flight: ``ceil(G * (1 + oversample))`` (float noise rounded away)."""
-    return max(groups_per_step, math.ceil(round(groups_per_step * (1.0 + oversample), 6)))
+AUTO_OVERSAMPLE = 0.5  # oversample: auto starts with ceil(1.5 G) groups in flight (drop keeps that)
+
+
+def in_flight_groups(groups_per_step: int, oversample: float | str) -> int:
+    """Groups a rank keeps in flight at first: ``ceil(G * (1 + oversample))`` (float noise rounded
+    away; ``auto`` starts from :data:`AUTO_OVERSAMPLE`)."""
+    extra = AUTO_OVERSAMPLE if oversample == "auto" else float(oversample)
+    return max(groups_per_step, math.ceil(round(groups_per_step * (1.0 + extra), 6)))
+
+
+def max_in_flight(groups_per_step: int, max_staleness: int) -> int:
+    """The most groups ``oversample: auto`` keeps in flight: a group lives at most
+    ``max_staleness + 1`` rollouts, so ``G * (max_staleness + 2)`` covers a full pipeline plus the
+    complete groups waiting for a batch."""
+    return groups_per_step * (max_staleness + 2)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,46 +137,68 @@ class GroupState:
     def complete(self) -> bool:
         return all(s.finished for s in self.seqs)
 
+    def oldest_version(self, version: int) -> int:
+        """The policy version of the group's oldest token (``version``, the engine's now, for a
+        group without tokens: its first token will be sampled by it)."""
+        return min((min(s.versions) for s in self.seqs if s.versions), default=version)
+
+    def due(self, version: int, max_staleness: int) -> bool:
+        """The group must be complete at the end of this rollout: trained any later (by version
+        ``version + 1`` or newer) its oldest token would lag more than ``max_staleness``."""
+        return version + 1 - self.oldest_version(version) > max_staleness
+
 
 @dataclasses.dataclass(kw_only=True)
 class RunResult:
     """What one engine run gave: every completion (finished or aborted) and the group ids that
-    completed, in the order they completed; ``steps``: engine steps."""
+    completed, in the order they completed; ``steps``: engine steps; ``completed_when_due``: how
+    many groups of each owner had completed in this run when its last due group completed (the
+    moment the stop rule would have stopped given enough complete groups)."""
 
     completions: list[Completion]
     completed: list[int]
     steps: int
+    completed_when_due: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def run_until_complete(engine: IncrementalEngine, requests: list[Request], owner: dict[int, int], left: dict[int, int],
-                       needed: dict[int, int]) -> RunResult:
+                       needed: dict[int, int], due: Sequence[int] = ()) -> RunResult:
     """Add ``requests`` to the idle engine and step it until every owner ``o`` has ``needed[o]``
     more complete groups (group ``g`` of owner ``owner[g]`` completes when its ``left[g]``
-    unfinished requests have finished) or nothing is unfinished; then abort the rest. Identical
-    calls on every TP rank give identical results."""
+    unfinished requests have finished) and every group in ``due`` is complete, or nothing is
+    unfinished; then abort the rest. Identical calls on every TP rank give identical results."""
     if engine.has_unfinished():
         raise RuntimeError("partial rollout needs an idle engine: it aborts whatever is unfinished at the end")
     left, todo = dict(left), {o: n for o, n in needed.items() if n > 0}
+    waiting = {g for g in due if left.get(g, 0) > 0}
+    done_by = Counter()  # owner -> groups completed in this run so far
+    when_due = {o: 0 for o in needed} if not waiting else {}
     completions: list[Completion] = []
     completed: list[int] = []
     steps = 0
     engine.add(requests)
     try:
-        while todo and engine.has_unfinished():
+        while (todo or waiting) and engine.has_unfinished():
             for c in engine.step():
                 completions.append(c)
                 left[c.group_id] -= 1
                 if left[c.group_id] == 0:
                     completed.append(c.group_id)
                     o = owner[c.group_id]
+                    done_by[o] += 1
+                    waiting.discard(c.group_id)
                     if o in todo:
                         todo[o] -= 1
                         if todo[o] == 0:
                             del todo[o]
             steps += 1
+            if not waiting and not when_due:
+                when_due = {o: done_by[o] for o in needed}
     finally:
         completions += engine.abort()
-    return RunResult(completions=completions, completed=completed, steps=steps)
+    if not when_due:  # everything finished before the due groups did: nothing was cut
+        when_due = {o: done_by[o] for o in needed}
+    return RunResult(completions=completions, completed=completed, steps=steps, completed_when_due=when_due)
 
 
 class LongTailRollout:
@@ -179,6 +216,8 @@ class LongTailRollout:
         self.cfg = cfg
         self.G, self.n, self.rank = groups_per_step, n_samples, rank
         self.in_flight = in_flight_groups(groups_per_step, cfg.oversample)
+        self.adaptive = cfg.mode == "carry" and cfg.oversample == "auto"
+        self.cap = max_in_flight(groups_per_step, cfg.max_staleness) if self.adaptive else self.in_flight
         self.runtime, self.dataset, self.draw = runtime, dataset, draw
         self.groups: list[GroupState] = []  # carried over (carry mode), oldest first
         self.queue: list[int] = []  # drawn dataset indices not started yet
@@ -196,29 +235,60 @@ class LongTailRollout:
         new = self._refill(step, params, budget)
         stats["new_groups"] = len(new)
         groups = self.groups + new
+        before = sum(g.complete for g in groups)
         requests = self._requests(groups, params, stats)
-        run = self._run(engine, groups, requests)
+        run = self._run(engine, groups, requests, version)
         by_gid = {g.gid: g for g in groups}
         end = budget.end_token_id if budget is not None else None
         for c in run.completions:
             if c.group_id in by_gid:
                 seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
                 seq.take(force_end(c, seq.budget, end) if end is not None else c)
-        now = set(run.completed)
-        order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
-        order += [gid for gid in run.completed if gid in by_gid]
-        chosen = set(order[: self.G])
-        trained = sorted((by_gid[g] for g in chosen), key=lambda g: g.gid)
+        trained = self._choose(groups, run.completed, version)
+        chosen = {g.gid for g in trained}
         rest = [g for g in groups if g.gid not in chosen]
         if self.cfg.mode == "carry":
             self.groups = rest
             stats["carried_groups"] = len(rest)
-            stats["carried"] = sum(len(g.seqs) for g in rest)
+            stats["carried"] = sum(not s.finished for g in rest for s in g.seqs)
+            stats["carried_complete_groups"] = sum(g.complete for g in rest)
         else:
             self.groups = []
             stats["dropped_groups"] = len(rest)
         stats["engine_steps"] = run.steps
+        stats["in_flight"] = self.in_flight
+        if self.adaptive:
+            self._adapt(before + run.completed_when_due.get(self._owner_index(), 0))
         return trained, self._metrics(trained, version, step, stats), version
+
+    def _choose(self, groups: list[GroupState], completed: list[int], version: int) -> list[GroupState]:
+        """The G groups to train, by group id: in ``carry``, the complete groups with the oldest
+        tokens first (so a complete group never waits past ``max_staleness``), ties in the order
+        they completed (groups complete before this run first); in ``drop``, the first G to complete."""
+        by_gid = {g.gid: g for g in groups}
+        now = set(completed)
+        order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
+        order += [gid for gid in completed if gid in by_gid]
+        if self.cfg.mode == "carry":
+            rank = {gid: i for i, gid in enumerate(order)}
+            order.sort(key=lambda gid: (by_gid[gid].oldest_version(version), rank[gid]))
+        return sorted((by_gid[g] for g in order[: self.G]), key=lambda g: g.gid)
+
+    def _adapt(self, complete_when_due: int) -> None:
+        """``oversample: auto``: size the groups in flight from the observed tail. The rollout may
+        stop once its due groups are complete; if fewer than G groups were complete then, it had
+        to wait for more (the tail): keep more groups in flight (at most G/2 more per rollout); if
+        many more were, keep fewer (half the excess), between G and :func:`max_in_flight`."""
+        short = self.G - complete_when_due
+        if short > 0:
+            self.in_flight = min(self.cap, self.in_flight + min(short, -(-self.G // 4)))
+        elif short < 0:
+            self.in_flight = max(self.G, self.in_flight - (-short) // 2)
+
+    def _owner_index(self) -> int:
+        """This rank's index among the parts of its TP group's run (its TP rank)."""
+        rt = self.runtime
+        return rt.tp_rank if rt is not None and rt.tp_size > 1 else 0
 
     def _restart_stale(self, version: int, step: int, stats: Counter) -> None:
         for g in self.groups:
@@ -237,7 +307,7 @@ class LongTailRollout:
         if budget is not None and need:
             budgets = budget.budgets([self.dataset[i] for i in idx], params)
         # carried groups were started by earlier steps: these ids are free
-        return [GroupState(gid=step * STEP_GROUPS + self.rank * self.in_flight + k, index=i,
+        return [GroupState(gid=step * STEP_GROUPS + self.rank * self.cap + k, index=i,
                            seqs=[SeqState(budget=budgets[k * self.n + s], start_step=step) for s in range(self.n)])
                 for k, i in enumerate(idx)]
 
@@ -255,22 +325,24 @@ class LongTailRollout:
                                    versions=list(s.versions)))
         return out
 
-    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request]) -> RunResult:
+    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request], version: int) -> RunResult:
         """The engine run of this rank's requests, with the other TP ranks' when the group is larger
         than one (gathered in rank order: every rank makes the same calls)."""
         done = sum(g.complete for g in groups)
         left = {g.gid: sum(not s.finished for s in g.seqs) for g in groups}
-        mine = (requests, left, max(self.G - done, 0))
+        due = [g.gid for g in groups if self.cfg.mode == "carry" and not g.complete and g.due(version, self.cfg.max_staleness)]
+        mine = (requests, left, max(self.G - done, 0), due)
         rt = self.runtime
         parts = [mine]
         if rt is not None and rt.tp_size > 1:
             parts = [None] * rt.tp_size
             group = rt.tp_cpu_group if rt.tp_cpu_group is not None else rt.tp_group
             dist.all_gather_object(parts, mine, group=group)
-        all_requests = [r for reqs, _, _ in parts for r in reqs]
-        owner = {gid: o for o, (_, lf, _) in enumerate(parts) for gid in lf}
-        left_all = {gid: n for _, lf, _ in parts for gid, n in lf.items()}
-        return run_until_complete(engine, all_requests, owner, left_all, {o: p[2] for o, p in enumerate(parts)})
+        all_requests = [r for reqs, _, _, _ in parts for r in reqs]
+        owner = {gid: o for o, (_, lf, _, _) in enumerate(parts) for gid in lf}
+        left_all = {gid: n for _, lf, _, _ in parts for gid, n in lf.items()}
+        due_all = [gid for _, _, _, d in parts for gid in d]
+        return run_until_complete(engine, all_requests, owner, left_all, {o: p[2] for o, p in enumerate(parts)}, due_all)
 
     # ---- metrics -------------------------------------------------------------------------------------
     def _metrics(self, trained: list[GroupState], version: int, step: int, stats: Counter) -> dict[str, float]:
@@ -283,8 +355,8 @@ class LongTailRollout:
             "partial/span_mean": sum(spans) / max(len(spans), 1),
             "partial/span_max": float(max(spans, default=0)),
         }
-        keys = ("resumed", "restarted", "carried", "carried_groups", "new_groups", "engine_steps") if self.cfg.mode == "carry" \
-            else ("new_groups", "dropped_groups", "engine_steps")
+        keys = ("resumed", "restarted", "carried", "carried_groups", "carried_complete_groups", "new_groups", "engine_steps",
+                "in_flight") if self.cfg.mode == "carry" else ("new_groups", "dropped_groups", "engine_steps", "in_flight")
         out.update({f"partial/{k}": float(stats[k]) for k in keys})
         return out
 
@@ -311,7 +383,9 @@ class LongTailRollout:
                 "in_flight": self.in_flight}
 
     def load_state_dict(self, state: dict) -> None:
-        if int(state["in_flight"]) != self.in_flight:
+        if self.adaptive:  # sized from the observed tail: the checkpoint's size goes on
+            self.in_flight = min(int(state["in_flight"]), self.cap)
+        elif int(state["in_flight"]) != self.in_flight:
             raise ValueError(f"the checkpoint's partial rollout kept {state['in_flight']} groups in flight per rank, this "
                              f"run keeps {self.in_flight} (rollout.prompts_per_step, rollout.partial.oversample and the "
                              f"world size must match to resume exactly)")
