@@ -6,6 +6,7 @@ distillation case), each case in its own subprocess with its own time limit.
     python -m bench.grpo matrix --cases '0.5b-512x1024-*' --trl '0.5b-*' --time-budget-s 540 --record $OUT/matrix.jsonl
     python -m bench.grpo matrix --cases '0.5b-512x1024-natural-distill1.5b' --record $OUT/matrix.jsonl
     python -m bench.grpo matrix --tiny                       # CPU: the tiny model, 5 cases
+    python -m bench.grpo matrix --long-tail --cases '1.5b-128x8192-natural-heavy*' --record $OUT/matrix.jsonl
 
 A case line (``figure: "case"``) holds the workload (``size``, ``seqs``, ``prompt_len``,
 ``max_new_tokens``, ``lengths``, ``partial_rollout``, ``rollout_mode``: ``plain``, ``carry`` or
@@ -34,7 +35,7 @@ from bench.grpo.profile import PROFILE_EXTRA_S, profile_figure
 from bench.grpo.record import REPO, gib, git_commit
 from bench.grpo.session import Session, median_bounds, median_or_none
 from bench.grpo.settings import RunSettings
-from bench.grpo.workloads import Workload, matrix, select, tiny_matrix
+from bench.grpo.workloads import Workload, long_tail_matrix, matrix, select, tiny_matrix
 
 DEFAULT_RECORD = os.path.join(REPO, "bench", "results", "matrix.jsonl")
 # Seconds each framework's subprocess of a case may take (--case-timeout-s overrides), and the
@@ -62,7 +63,7 @@ def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict,
     return {
         "size": w.size, "seqs": w.seqs, "prompts": w.prompts, "samples": w.samples, "prompt_len": w.prompt_len,
         "max_new_tokens": w.max_new_tokens, "lengths": w.lengths, "partial_rollout": w.partial_rollout,
-        "rollout_mode": w.rollout, "partial": t.get("partial"), "kl": w.kl,
+        "rollout_mode": w.rollout, "partial": t.get("partial"), "kl": w.kl, "tail": w.tail,
         "teacher_size": w.teacher, "case": w.name, "iteration_s": median_or_none(steady), "steady_s": steady,
         "first_iteration_s": t.get("first_iteration_s"), "phases": t.get("phases") or {},
         "bounds": median_bounds(bounds_per_step),
@@ -159,6 +160,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--trl", default="", help="comma list of case-name patterns where TRL runs too (default: none; "
                                              "never a distillation case)")
     p.add_argument("--list", action="store_true", help="print the case names (after --cases) and exit")
+    p.add_argument("--long-tail", action="store_true", help="the long-tail matrix (reasoning-shaped natural lengths: "
+                                                               "two tails, groups of 8 and 16, 2k-16k new tokens) instead of the matrix")
     p.add_argument("--case-timeout-s", type=float, default=None,
                    help=f"seconds each framework's subprocess of a case may take (default by size: {CASE_TIMEOUT_S})")
     p.add_argument("--warmup", type=int, default=None, help="untimed first iterations of each case (default 1)")
@@ -195,7 +198,7 @@ def settings_of(args) -> RunSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    everything = tiny_matrix() if args.tiny else matrix()
+    everything = tiny_matrix() if args.tiny else long_tail_matrix() if args.long_tail else matrix()
     try:
         workloads = select(everything, _patterns(args.cases))
         trl_cases = {w.name for w in trl_selection(workloads, _patterns(args.trl))}

@@ -5,9 +5,11 @@ A :class:`Workload` is a model size, a rollout (``prompts`` x ``samples`` sequen
 
 - ``forced``: every completion is exactly ``max_new_tokens`` tokens (EOS ignored).
 - ``natural``: completion j of rollout k is :func:`natural_lengths` ``(...)[j]`` tokens long, its
-  last token EOS (``finish_reason: stop``), drawn from a seeded lognormal whose median is a quarter
-  of ``max_new_tokens`` and of which about 3% reach the maximum (they end with EOS there too). Every
-  framework reproduces the same draws: rollout k of Tidal and rollout k of TRL have the same lengths.
+  last token EOS (``finish_reason: stop``), drawn from a seeded lognormal (``tail``): ``lognormal``,
+  median a quarter of ``max_new_tokens``, about 3% reach the maximum; ``heavy``, median an eighth,
+  about 10% reach the maximum (reasoning rollouts: most groups of 8 or 16 hold a capped sample).
+  Those at the maximum end with EOS there too. Every framework reproduces the same draws: rollout
+  k of Tidal and rollout k of TRL have the same lengths.
 
 The rollout (``rollout``): ``plain`` (every group runs to its end), or the long-tail modes of
 ``rollout.partial`` (docs/partial_rollout.md), on ``natural`` lengths only: ``carry`` (partial
@@ -16,13 +18,16 @@ rollout: stop at ``prompts`` complete groups, resume the unfinished sequences ne
 ``...-natural-drop``; a long-tail case's rollouts draw their lengths for the new sequences they start
 (:meth:`Workload.completion_lengths` with ``count``), from the same distribution.
 
-The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
+The long-tail matrix (:func:`long_tail_matrix`, ``matrix --long-tail``) crosses 0.5b, 1.5b and 7b,
+128 and 512 sequences, 2k/8k/16k new tokens, groups of 8 and 16, both tails and the three rollouts,
+on natural lengths. The matrix (:func:`matrix`) crosses the Qwen2.5 sizes, rollouts of 128, 512 and 2048 sequences
 (``samples`` per prompt), 256 to 4096 new tokens, both length modes and, on natural lengths, the
 three rollouts, and the same (plain rollouts) for on-policy distillation of a student by a larger
 teacher of the same tokenizer (:data:`DISTILL_PAIRS`: 0.5b from 1.5b); ``--cases`` picks cases by
 name (:func:`select`), e.g. ``0.5b-512x1024-*``. Names are ``SIZE-SEQSxNEW-LENGTHS``, with
-``-carry``/``-drop`` for a long-tail rollout, ``-kl`` for a KL case and ``-distillTEACHER`` for a
-distillation case (``0.5b-512x1024-natural-distill1.5b``).
+``-heavy`` for the heavy tail, ``-g16`` for groups larger than 8, ``-carry``/``-drop`` for a long-tail
+rollout, ``-kl`` for a KL case and ``-distillTEACHER`` for a distillation case
+(``0.5b-512x1024-natural-distill1.5b``, ``1.5b-512x8192-natural-heavy-g16-carry``).
 """
 
 from __future__ import annotations
@@ -41,10 +46,19 @@ LengthMode = Literal["forced", "natural"]
 LENGTH_MODES: tuple[str, ...] = ("forced", "natural")
 RolloutMode = Literal["plain", "carry", "drop"]
 ROLLOUT_MODES: tuple[str, ...] = ("plain", "carry", "drop")
-MEDIAN_FRACTION = 0.25  # natural: median length / max_new_tokens
-TRUNCATED_FRACTION = 0.03  # natural: share of draws at or beyond max_new_tokens (cut to it)
-# lognormal sigma with P(X >= max) = TRUNCATED_FRACTION when the median is MEDIAN_FRACTION * max
-SIGMA = math.log(1 / MEDIAN_FRACTION) / statistics.NormalDist().inv_cdf(1 - TRUNCATED_FRACTION)
+TailShape = Literal["lognormal", "heavy"]
+# natural lengths: tail -> (median length / max_new_tokens, share of draws at or beyond max_new_tokens)
+TAILS: dict[str, tuple[float, float]] = {"lognormal": (0.25, 0.03), "heavy": (0.125, 0.10)}
+MEDIAN_FRACTION, TRUNCATED_FRACTION = TAILS["lognormal"]
+
+
+def tail_sigma(tail: str) -> float:
+    """The lognormal sigma with P(X >= max) = the tail's capped share when the median is its fraction of max."""
+    median, capped = TAILS[tail]
+    return math.log(1 / median) / statistics.NormalDist().inv_cdf(1 - capped)
+
+
+SIGMA = tail_sigma("lognormal")
 
 MATRIX_SEQS = (128, 512, 2048)
 MATRIX_NEW_TOKENS = (256, 1024, 4096)
@@ -76,6 +90,7 @@ class Workload:
     kl: bool = False
     rollout: RolloutMode = "plain"
     teacher: str | None = None
+    tail: TailShape = "lognormal"
 
     def __post_init__(self):
         if self.size not in SHAPES:
@@ -96,6 +111,10 @@ class Workload:
             raise ValueError(f"lengths must be one of {LENGTH_MODES}, got {self.lengths!r}")
         if self.rollout not in ROLLOUT_MODES:
             raise ValueError(f"rollout must be one of {ROLLOUT_MODES}, got {self.rollout!r}")
+        if self.tail not in TAILS:
+            raise ValueError(f"tail must be one of {sorted(TAILS)}, got {self.tail!r}")
+        if self.tail != "lognormal" and self.lengths != "natural":
+            raise ValueError(f"tail={self.tail!r} shapes natural lengths; forced ones are all max_new_tokens")
         if self.rollout != "plain" and self.lengths != "natural":
             raise ValueError(f"rollout={self.rollout!r} needs natural lengths: with forced ones every sequence ends at the same step")
         for size in filter(None, (self.size, self.teacher)):
@@ -114,7 +133,8 @@ class Workload:
     @property
     def name(self) -> str:
         mode = "" if self.rollout == "plain" else f"-{self.rollout}"
-        return (f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}{mode}" + ("-kl" if self.kl else "")
+        shape = ("" if self.tail == "lognormal" else f"-{self.tail}") + (f"-g{self.samples}" if self.samples > MATRIX_SAMPLES else "")
+        return (f"{self.size}-{self.seqs}x{self.max_new_tokens}-{self.lengths}{shape}{mode}" + ("-kl" if self.kl else "")
                 + (f"-distill{self.teacher}" if self.teacher else ""))
 
     def completion_lengths(self, rollout: int, seed: int, count: int | None = None) -> list[int]:
@@ -123,15 +143,15 @@ class Workload:
         count = self.seqs if count is None else count
         if self.lengths == "forced":
             return [self.max_new_tokens] * count
-        return natural_lengths(count, self.max_new_tokens, seed=seed, rollout=rollout)
+        return natural_lengths(count, self.max_new_tokens, seed=seed, rollout=rollout, tail=self.tail)
 
 
-def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int) -> list[int]:
-    """``n`` lengths in ``1..max_new_tokens``: ceil of a lognormal draw with median
-    ``MEDIAN_FRACTION * max_new_tokens`` and sigma :data:`SIGMA` (so about ``TRUNCATED_FRACTION`` of
-    them reach the maximum), from a generator seeded with ``(seed, rollout)`` only."""
+def natural_lengths(n: int, max_new_tokens: int, *, seed: int, rollout: int, tail: str = "lognormal") -> list[int]:
+    """``n`` lengths in ``1..max_new_tokens``: ceil of a lognormal draw whose median is the tail's
+    fraction of ``max_new_tokens`` (:data:`TAILS`) and sigma :func:`tail_sigma` (so about the tail's
+    capped share reach the maximum), from a generator seeded with ``(seed, rollout)`` only."""
     rng = np.random.default_rng([seed, rollout])
-    x = rng.lognormal(mean=math.log(MEDIAN_FRACTION * max_new_tokens), sigma=SIGMA, size=n)
+    x = rng.lognormal(mean=math.log(TAILS[tail][0] * max_new_tokens), sigma=tail_sigma(tail), size=n)
     return np.clip(np.ceil(x), 1, max_new_tokens).astype(int).tolist()
 
 
@@ -155,6 +175,25 @@ def matrix(sizes: list[str] | None = None, *, samples: int = MATRIX_SAMPLES, pro
     return sorted(out, key=lambda w: (SIZE_ORDER.index(w.size) if w.size in SIZE_ORDER else -1,
                                       w.seqs * (w.prompt_len + w.max_new_tokens), w.teacher is not None, w.teacher or "",
                                       w.lengths, ROLLOUT_MODES.index(w.rollout)))
+
+
+LONG_TAIL_SIZES = ("0.5b", "1.5b", "7b")
+LONG_TAIL_SEQS = (128, 512)
+LONG_TAIL_NEW_TOKENS = (2048, 8192, 16384)
+LONG_TAIL_GROUPS = (8, 16)
+
+
+def long_tail_matrix(sizes: tuple[str, ...] = LONG_TAIL_SIZES, *, seqs: tuple[int, ...] = LONG_TAIL_SEQS,
+                     new_tokens: tuple[int, ...] = LONG_TAIL_NEW_TOKENS, groups: tuple[int, ...] = LONG_TAIL_GROUPS,
+                     prompt_len: int = MATRIX_PROMPT_LEN) -> list[Workload]:
+    """Reasoning-shaped rollouts (issue 30): natural lengths with both tails, groups of 8 and 16,
+    plain, carry and drop next to each other; cheapest first within each size."""
+    out = [Workload(size=z, prompts=s // g, samples=g, prompt_len=prompt_len, max_new_tokens=r, lengths="natural",
+                    tail=t, rollout=mode)
+           for z in sizes for s in seqs for r in new_tokens for g in groups for t in TAILS for mode in ROLLOUT_MODES
+           if prompt_len + r <= SHAPES[z]["max_position_embeddings"]]
+    return sorted(out, key=lambda w: (sizes.index(w.size), w.seqs * w.max_new_tokens, w.samples, w.tail,
+                                      ROLLOUT_MODES.index(w.rollout)))
 
 
 def tiny_matrix() -> list[Workload]:

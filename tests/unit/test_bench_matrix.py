@@ -215,3 +215,18 @@ def test_tiny_distillation_case_on_cpu(tmp_path):
     teacher = tmp_path / "w" / "teacher-tiny2"
     assert json.loads((teacher / "config.json").read_text())["hidden_size"] == SHAPES["tiny2"]["hidden_size"]
     assert (teacher / "tokenizer.json").read_text() == (tmp_path / "w" / "tokenizer-1024" / "tokenizer.json").read_text()
+
+
+def test_heavy_tail_caps_about_a_tenth_and_names_its_cases():
+    many = workloads.natural_lengths(40000, 8192, seed=3, rollout=0, tail="heavy")
+    capped = sum(x == 8192 for x in many) / len(many)
+    assert 0.09 < capped < 0.11 and 0.11 * 8192 < sorted(many)[len(many) // 2] < 0.14 * 8192
+    w = workloads.Workload(size="1.5b", prompts=8, samples=16, prompt_len=256, max_new_tokens=8192, lengths="natural",
+                           tail="heavy", rollout="carry")
+    assert w.name == "1.5b-128x8192-natural-heavy-g16-carry"
+    assert w.completion_lengths(1, seed=2) == workloads.natural_lengths(128, 8192, seed=2, rollout=1, tail="heavy")
+    with pytest.raises(ValueError, match="tail"):
+        workloads.Workload(size="0.5b", prompts=2, samples=8, prompt_len=8, max_new_tokens=64, tail="heavy")
+    cases = workloads.long_tail_matrix()
+    assert {w.tail for w in cases} == {"lognormal", "heavy"} and {w.samples for w in cases} == {8, 16}
+    assert {w.rollout for w in cases} == {"plain", "carry", "drop"} and {w.size for w in cases} == {"0.5b", "1.5b", "7b"}

@@ -108,7 +108,7 @@ def test_carry_trains_first_complete_groups_and_resumes_the_rest():
     assert [g.index for g in trained] == [1, 2] and version == 0
     assert [g.gid for g in trained] == [1 * STEP_GROUPS + 1, 1 * STEP_GROUPS + 2]
     assert m["partial/engine_steps"] == 3 and m["partial/new_groups"] == 3
-    assert m["partial/carried_groups"] == 1 and m["partial/carried"] == 2
+    assert m["partial/carried_groups"] == 1 and m["partial/carried"] == 1  # row 0: its unfinished sequence
     assert m["partial/staleness_max"] == 0 and m["partial/span_max"] == 1
     (carried,) = lt.groups
     assert carried.index == 0 and carried.seqs[0].finished and carried.seqs[1].token_ids == [10, 11, 12]
@@ -133,21 +133,35 @@ def test_carry_trains_first_complete_groups_and_resumes_the_rest():
     assert m["partial/span_max"] == 3  # row 0 started at step 1, trained at step 3
 
 
-def test_staleness_cap_restarts_from_the_prompt():
+def test_a_due_group_completes_before_the_rollout_stops():
+    # max_staleness 1: a group may span 2 rollouts. Row 0's second sequence is 6 tokens long.
     eng = ScriptedEngine({(0, 0): 1, (0, 1): 6, (1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1,
-                          (3, 0): 1, (3, 1): 1, (4, 0): 1, (4, 1): 1})
+                          (3, 0): 1, (3, 1): 1, (4, 0): 1, (4, 1): 1, (5, 0): 1, (5, 1): 1, (6, 0): 1, (6, 1): 1})
     lt = rollout(mode="carry", oversample=0.5, max_staleness=1)
     trained, m, _ = lt.collect(eng, 1, PARAMS)  # rows 1, 2 done in 1 step; row 0 carried with 1 token of v0
-    assert [g.index for g in trained] == [1, 2]
+    assert [g.index for g in trained] == [1, 2] and m["partial/engine_steps"] == 1
     eng.policy_version = 1
-    trained, m, _ = lt.collect(eng, 2, PARAMS)  # lag 1 <= 1: resumed (2 tokens now)
-    assert m["partial/restarted"] == 0 and m["partial/resumed"] == 1
+    # row 0 is due (trained any later, its v0 tokens would lag 2 > 1): rows 3, 4 complete after 1 step
+    # but the rollout goes on until row 0's 6th token, 5 steps; row 0 (oldest) and row 3 are trained
+    trained, m, _ = lt.collect(eng, 2, PARAMS)
+    assert m["partial/engine_steps"] == 5 and m["partial/restarted"] == 0 and m["partial/resumed"] == 1
+    assert [g.index for g in trained] == [0, 3] and trained[0].seqs[1].versions == [0, 1, 1, 1, 1, 1]
+    assert m["partial/staleness_max"] == 1 and m["partial/carried_complete_groups"] == 1
     eng.policy_version = 2
-    trained, m, _ = lt.collect(eng, 3, PARAMS)  # lag 2 > 1: both sequences of row 0 restart (the finished one too)
-    assert m["partial/restarted"] == 2 and m["partial/resumed"] == 0
-    assert all(r.token_ids == [] for r in eng.added[-1])
-    (g,) = [g for g in lt.groups if g.index == 0]
-    assert g.seqs[1].start_step == 3 and g.seqs[1].versions == [2]
+    trained, m, _ = lt.collect(eng, 3, PARAMS)  # row 4 (complete, lag 1) goes first, then row 5
+    assert [g.index for g in trained] == [4, 5] and m["partial/restarted"] == 0 and m["partial/staleness_max"] == 1
+
+
+def test_a_complete_group_past_the_cap_restarts_from_the_prompt():
+    # every sequence is 1 token: 3 groups complete in the first step, 2 are trained; the third waits
+    # complete, and with max_staleness 0 its tokens would lag 1 > 0 in the next batch: it restarts
+    eng = ScriptedEngine({(i, j): 1 for i in range(10) for j in range(2)})
+    lt = rollout(mode="carry", oversample=0.5, max_staleness=0)
+    lt.collect(eng, 1, PARAMS)
+    eng.policy_version = 1
+    trained, m, _ = lt.collect(eng, 2, PARAMS)
+    assert m["partial/restarted"] == 2 and all(r.token_ids == [] for r in eng.added[-1])
+    assert [g.index for g in trained] == [2, 3] and m["partial/staleness_max"] == 0
 
 
 def test_max_staleness_zero_restarts_every_carried_sequence():
@@ -251,3 +265,67 @@ def test_config_validation():
 
 def test_engine_contract():
     assert supports_incremental(ScriptedEngine({}))
+
+
+def _heavy_tail(rows: int, n: int, cap: int, seed: int = 0) -> dict:
+    """Scripted lengths with a heavy tail: most sequences short (lognormal around cap/16), about
+    one in ten runs to the cap, so most groups of 8 hold a capped sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(rows):
+        for j in range(n):
+            if torch.rand((), generator=gen).item() < 0.1:
+                out[(i, j)] = cap
+            else:
+                out[(i, j)] = int(min(cap, max(1, torch.empty(()).log_normal_(mean=1.4, std=0.6, generator=gen).item())))
+    return out
+
+
+def _grpo_advantages(lengths: list[int]) -> list[float]:
+    r = torch.tensor(lengths, dtype=torch.float64)  # reward: the response length
+    return ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+
+
+@pytest.mark.parametrize("max_staleness", [1, 4])
+def test_auto_carry_cuts_a_heavy_tail_and_trains_whole_groups(max_staleness):
+    G, n, cap, steps = 4, 8, 64, 24
+    lengths = _heavy_tail(G * (steps + 20) * 4, n, cap)
+    plain_steps = [max(lengths[(i, j)] for i in range(k * G, (k + 1) * G) for j in range(n)) for k in range(steps)]
+    assert sum(s == cap for s in plain_steps) >= 0.8 * steps  # a plain rollout runs to the cap nearly every time
+    eng = ScriptedEngine(lengths)
+    lt = rollout(mode="carry", G=G, n=n, rows=len(lengths) // n, max_staleness=max_staleness)
+    params = SamplingParams(max_new_tokens=cap, n=n, seed=1)
+    engine_steps, restarted = [], []
+    for step in range(1, steps + 1):
+        eng.policy_version = step - 1
+        trained, m, version = lt.collect(eng, step, params)
+        assert len(trained) == G and all(g.complete and len(g.seqs) == n for g in trained)
+        assert m["partial/staleness_max"] <= max_staleness
+        restarted.append(m["partial/restarted"])
+        for g in trained:  # exactly the sequences a plain rollout samples: same tokens, so same rewards and advantages
+            plain = [lengths[(g.index, j)] for j in range(n)]
+            assert [s.token_ids for s in g.seqs] == [[10 + t for t in range(k)] for k in plain]
+            assert _grpo_advantages([len(s.token_ids) for s in g.seqs]) == _grpo_advantages(plain)
+        engine_steps.append(m["partial/engine_steps"])
+    steady = engine_steps[steps // 2:]
+    # each rollout runs about cap / (max_staleness + 1) steps instead of the cap
+    assert sum(steady) / len(steady) <= 1.5 * cap / (max_staleness + 1) + 2, engine_steps
+    # work thrown away (a complete group that found no batch in time) only while in-flight grows
+    assert sum(restarted) <= 0.02 * steps * G * n and sum(restarted[steps // 2:]) == 0, restarted
+    assert G <= lt.in_flight <= G * (max_staleness + 2)
+
+
+def test_auto_in_flight_is_checkpointed():
+    lengths = _heavy_tail(400, 4, 32, seed=1)
+    a, ea = rollout(mode="carry", G=2, n=4, rows=100), ScriptedEngine(lengths)
+    params = SamplingParams(max_new_tokens=32, n=4, seed=1)
+    for step in (1, 2, 3, 4):
+        ea.policy_version = step - 1
+        a.collect(ea, step, params)
+    state = json.loads(json.dumps(a.state_dict()))
+    b, eb = rollout(mode="carry", G=2, n=4, rows=100, start=a.sampler["next"]), ScriptedEngine(lengths)
+    b.load_state_dict(state)
+    assert b.in_flight == a.in_flight and b.groups == a.groups
+    for step in (5, 6, 7):
+        ea.policy_version = eb.policy_version = step - 1
+        assert a.collect(ea, step, params) == b.collect(eb, step, params)

@@ -48,9 +48,10 @@ class RunConfig:
 @dataclasses.dataclass(kw_only=True)
 class PartialRolloutConfig:
     """Long-tail handling of training rollouts (``rollout.partial.*``; docs/partial_rollout.md).
-    Each rank keeps ``ceil(G * (1 + oversample))`` prompt groups in flight, G being its share of
-    ``rollout.prompts_per_step``; a rollout stops as soon as G groups are complete (all their
-    ``n_samples`` sequences finished) and those G are trained.
+    Each rank keeps prompt groups in flight, G being its share of ``rollout.prompts_per_step``; a
+    rollout stops as soon as G groups are complete (all their ``n_samples`` sequences finished) and,
+    in ``carry``, every *due* group is complete too (one that could not be trained later without a
+    token lagging more than ``max_staleness``); G groups are trained.
 
     mode: ``off`` (plain rollout: every group runs to its end). ``carry`` (partial rollout across
         iterations): the unfinished sequences (tokens, sampling logprobs, policy versions) and the
@@ -60,23 +61,28 @@ class PartialRolloutConfig:
         were sampled by older weights: the correction weights them by pi_old / pi_rollout).
         ``drop`` (over-sample, drop the slowest): the groups that are not among the first G complete
         are aborted and discarded (biased towards short responses; nothing is stale).
-    oversample: extra groups in flight as a fraction of G (>= 0). 0 cuts nothing: every group in
-        flight completes, which is exactly a plain rollout.
+    oversample: extra groups in flight as a fraction of G: a number >= 0 keeps
+        ``ceil(G * (1 + oversample))`` in flight (0 cuts nothing: every group in flight completes,
+        which is exactly a plain rollout). ``auto``: ``carry`` starts with ``ceil(1.5 G)`` and sizes
+        it from the observed tail after every rollout (more groups when the rollout had to wait for
+        complete groups, fewer when it had many to spare; between G and ``G * (max_staleness + 2)``,
+        ``partial/in_flight``); ``drop`` keeps ``ceil(1.5 G)``.
     max_staleness: ``carry`` only: the most policy versions a trained token may lag behind the
-        weights it is trained with. A carried sequence whose oldest token would lag more is
-        restarted from its prompt (counted in ``partial/restarted``); 0 restarts every carried
-        sequence. A sequence that needs more than ``max_staleness + 1`` rollouts to finish is
-        restarted again and again: keep it large enough for ``max_new_tokens``.
+        weights it is trained with. A group in its last allowed rollout is due: the rollout goes on
+        until it is complete, so a sequence spans at most ``max_staleness + 1`` rollouts and
+        no work is thrown away. A carried group whose oldest token would still lag more (a complete
+        group that found no place in a batch in time) is restarted from its prompt (counted in
+        ``partial/restarted``). 0: every group is due in the rollout that starts it.
     """
 
     mode: Literal["off", "carry", "drop"] = "off"
-    oversample: float = 0.5
+    oversample: Literal["auto"] | float = "auto"
     max_staleness: int = 4
 
     def __post_init__(self):
-        check(self.oversample >= 0, "oversample", "must be >= 0")
+        check(self.oversample == "auto" or self.oversample >= 0, "oversample", "must be 'auto' or a number >= 0")
         check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
-        check(self.mode != "off" or self.oversample == 0.5, "oversample", "only used when mode is carry or drop")
+        check(self.mode != "off" or self.oversample == "auto", "oversample", "only used when mode is carry or drop")
         check(self.mode == "carry" or self.max_staleness == 4, "max_staleness", f"only used when mode is carry, not '{self.mode}'")
 
     @property

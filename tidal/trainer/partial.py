@@ -2,13 +2,16 @@
 iterations (``carry``) and over-sampling with the slowest groups dropped (``drop``).
 
 Heavy-tailed completion lengths leave the device decoding a few long sequences at the end of every
-plain rollout. Here each rank keeps ``in_flight = ceil(G * (1 + oversample))`` prompt groups in
-flight (G: its share of ``rollout.prompts_per_step``) and a rollout stops at the engine step where G
-groups are complete (all ``n_samples`` sequences of the prompt finished). The G groups trained are
-the ones complete at the start of the rollout (complete groups carried over), then those that
-completed first; they enter the batch ordered by group id (oldest prompts first), so a rollout that
-cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the same order,
-the same seed, the same group ids.
+plain rollout. Here each rank keeps prompt groups in flight (G: its share of
+``rollout.prompts_per_step``; ``ceil(G * (1 + oversample))``, or with ``oversample: auto`` a number
+sized from the observed tail after every rollout) and a rollout stops at the engine step where G
+groups are complete (all ``n_samples`` sequences of the prompt finished) and, in ``carry``, every
+due group is complete (one whose oldest token would lag more than ``max_staleness`` if it were
+trained later: so a sequence spans at most ``max_staleness + 1`` rollouts and is never thrown away).
+The G groups trained are, in ``carry``, the complete groups with the oldest tokens first, in
+``drop`` the first to complete; they enter the batch ordered by group id (oldest prompts first), so
+a rollout that cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the
+same order, the same seed, the same group ids.
 
 ``carry``: what is left (unfinished sequences with their tokens, sampling logprobs and per-token
 policy versions, finished members of incomplete groups, complete groups beyond G) is kept by
@@ -32,9 +35,9 @@ Metrics (per rank, averaged over ranks; ``_max`` ones the max): ``partial/stalen
 ``partial/stale_token_frac``, ``partial/span_mean`` / ``partial/span_max`` (rollouts a trained
 sequence spanned, 1 for one that started and finished in this rollout), ``partial/resumed``
 (unfinished sequences resumed with tokens), ``partial/restarted`` (sequences restarted: past
-``max_staleness``), ``partial/carried`` (sequences carried to the next rollout),
-``partial/carried_groups``, ``partial/dropped_groups`` (``drop``), ``partial/new_groups``,
-``partial/engine_steps``.
+``max_staleness``), ``partial/carried`` (unfinished sequences carried to the next rollout),
+``partial/carried_groups``, ``partial/carried_complete_groups``, ``partial/dropped_groups``
+(``drop``), ``partial/new_groups``, ``partial/engine_steps``, ``partial/in_flight``.
 """
 
 from __future__ import annotations
@@ -53,9 +56,21 @@ from tidal.trainer.config import SAMPLE_SLOTS, PartialRolloutConfig
 from tidal.trainer.experience import first_group_id
 
 
-def in_flight_groups(groups_per_step: int, oversample: float) -> int:
-    """Groups a rank keeps in flight: ``ceil(G * (1 + oversample))`` (float noise rounded away)."""
-    return max(groups_per_step, math.ceil(round(groups_per_step * (1.0 + oversample), 6)))
+AUTO_OVERSAMPLE = 0.5  # oversample: auto starts with ceil(1.5 G) groups in flight (drop keeps that)
+
+
+def in_flight_groups(groups_per_step: int, oversample: float | str) -> int:
+    """Groups a rank keeps in flight at first: ``ceil(G * (1 + oversample))`` (float noise rounded
+    away; ``auto`` starts from :data:`AUTO_OVERSAMPLE`)."""
+    extra = AUTO_OVERSAMPLE if oversample == "auto" else float(oversample)
+    return max(groups_per_step, math.ceil(round(groups_per_step * (1.0 + extra), 6)))
+
+
+def max_in_flight(groups_per_step: int, max_staleness: int) -> int:
+    """The most groups ``oversample: auto`` keeps in flight: a group lives at most
+    ``max_staleness + 1`` rollouts, so ``G * (max_staleness + 2)`` covers a full pipeline plus the
+    complete groups waiting for a batch."""
+    return groups_per_step * (max_staleness + 2)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -97,6 +112,45 @@ class GroupState:
     def complete(self) -> bool:
         return all(s.finished for s in self.seqs)
 
+    def oldest_version(self, version: int) -> int:
+        """The policy version of the group's oldest token (``version``, the engine's now, for a
+        group without tokens: its first token will be sampled by it)."""
+        return min((min(s.versions) for s in self.seqs if s.versions), default=version)
+
+    def due(self, version: int, max_staleness: int) -> bool:
+        """The group must be complete at the end of this rollout: trained any later (by version
+        ``version + 1`` or newer) its oldest token would lag more than ``max_staleness``."""
+        return version + 1 - self.oldest_version(version) > max_staleness
+
+
+class DueGroupsComplete:
+    """Stop rule for :func:`~tidal.engine.stepping.run_steps` under ``carry``: each owner has its
+    complete groups (:class:`~tidal.engine.stepping.GroupsComplete`) and every ``due`` group is
+    complete. :meth:`completed_when_due` counts an owner's groups that had completed in this run
+    when the last due group did (the moment the rule would have stopped had enough groups been
+    complete; the end of the run when that never came)."""
+
+    def __init__(self, requests: Sequence[Request], needed: dict[int, int], owner: dict[int, int], due: Sequence[int]):
+        self.enough = GroupsComplete(requests, needed, owner)
+        self.owner = owner
+        self.waiting = {g for g in due if self.enough.left[g] > 0}
+        self.at_due: int | None = None  # completions counted when the last due group completed
+
+    @property
+    def completed(self) -> list[int]:
+        return self.enough.completed
+
+    def __call__(self, completions: list[Completion]) -> bool:
+        enough = self.enough(completions)
+        self.waiting = {g for g in self.waiting if self.enough.left[g] > 0}
+        if not self.waiting and self.at_due is None:
+            self.at_due = len(self.enough.completed)
+        return enough and not self.waiting
+
+    def completed_when_due(self, owner: int) -> int:
+        done = self.enough.completed if self.at_due is None else self.enough.completed[: self.at_due]
+        return sum(self.owner[g] == owner for g in done)
+
 
 class LongTailRollout:
     """One rank's groups in flight and its policy (see the module docstring).
@@ -113,6 +167,8 @@ class LongTailRollout:
         self.cfg = cfg
         self.G, self.n, self.rank = groups_per_step, n_samples, rank
         self.in_flight = in_flight_groups(groups_per_step, cfg.oversample)
+        self.adaptive = cfg.mode == "carry" and cfg.oversample == "auto"
+        self.cap = max_in_flight(groups_per_step, cfg.max_staleness) if self.adaptive else self.in_flight
         self.runtime, self.dataset, self.draw = runtime, dataset, draw
         self.groups: list[GroupState] = []  # carried over (carry mode), oldest first
         self.queue: list[int] = []  # drawn dataset indices not started yet
@@ -130,29 +186,55 @@ class LongTailRollout:
         new = self._refill(step, params, budget)
         stats["new_groups"] = len(new)
         groups = self.groups + new
+        before = sum(g.complete for g in groups)
         requests = self._requests(groups, params, stats)
-        run, rule = self._run(engine, groups, requests)
+        run, rule = self._run(engine, groups, requests, version)
         by_gid = {g.gid: g for g in groups}
         end = budget.end_token_id if budget is not None else None
         for c in run.finished + run.unfinished:
             if c.group_id in by_gid:
                 seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
                 seq.take(force_end(c, seq.budget, end) if end is not None else c)
-        now = set(rule.completed)
-        order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
-        order += [gid for gid in rule.completed if gid in by_gid]
-        chosen = set(order[: self.G])
-        trained = sorted((by_gid[g] for g in chosen), key=lambda g: g.gid)
+        trained = self._choose(groups, rule.completed, version)
+        chosen = {g.gid for g in trained}
         rest = [g for g in groups if g.gid not in chosen]
         if self.cfg.mode == "carry":
             self.groups = rest
             stats["carried_groups"] = len(rest)
-            stats["carried"] = sum(len(g.seqs) for g in rest)
+            stats["carried"] = sum(not s.finished for g in rest for s in g.seqs)
+            stats["carried_complete_groups"] = sum(g.complete for g in rest)
         else:
             self.groups = []
             stats["dropped_groups"] = len(rest)
         stats["engine_steps"] = run.steps
+        stats["in_flight"] = self.in_flight
+        if self.adaptive:
+            self._adapt(before + rule.completed_when_due(self.runtime.tp_rank))
         return trained, self._metrics(trained, version, step, stats), version
+
+    def _choose(self, groups: list[GroupState], completed: list[int], version: int) -> list[GroupState]:
+        """The G groups to train, by group id: in ``carry``, the complete groups with the oldest
+        tokens first (so a complete group never waits past ``max_staleness``), ties in the order
+        they completed (groups complete before this run first); in ``drop``, the first G to complete."""
+        by_gid = {g.gid: g for g in groups}
+        now = set(completed)
+        order = [g.gid for g in groups if g.complete and g.gid not in now]  # complete before this run
+        order += [gid for gid in completed if gid in by_gid]
+        if self.cfg.mode == "carry":
+            rank = {gid: i for i, gid in enumerate(order)}
+            order.sort(key=lambda gid: (by_gid[gid].oldest_version(version), rank[gid]))
+        return sorted((by_gid[g] for g in order[: self.G]), key=lambda g: g.gid)
+
+    def _adapt(self, complete_when_due: int) -> None:
+        """``oversample: auto``: size the groups in flight from the observed tail. The rollout may
+        stop once its due groups are complete; if fewer than G groups were complete then, it had
+        to wait for more (the tail): keep more groups in flight (at most G/2 more per rollout); if
+        many more were, keep fewer (half the excess), between G and :func:`max_in_flight`."""
+        short = self.G - complete_when_due
+        if short > 0:
+            self.in_flight = min(self.cap, self.in_flight + min(short, -(-self.G // 4)))
+        elif short < 0:
+            self.in_flight = max(self.G, self.in_flight - (-short) // 2)
 
     def _restart_stale(self, version: int, step: int, stats: Counter) -> None:
         for g in self.groups:
@@ -171,7 +253,7 @@ class LongTailRollout:
         if budget is not None and need:
             budgets = budget.budgets([self.dataset[i] for i in idx], params)
         # carried groups were started by earlier steps: these ids are free
-        first = first_group_id(step, self.rank, self.in_flight)
+        first = first_group_id(step, self.rank, self.cap)
         return [GroupState(gid=first + k, index=i,
                            seqs=[SeqState(budget=budgets[k * self.n + s], start_step=step) for s in range(self.n)])
                 for k, i in enumerate(idx)]
@@ -190,16 +272,22 @@ class LongTailRollout:
                                    versions=list(s.versions)))
         return out
 
-    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request]
-             ) -> tuple[EngineRun, GroupsComplete]:
+    def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request], version: int
+             ) -> tuple[EngineRun, GroupsComplete | DueGroupsComplete]:
         """The engine run of this rank's requests with the other TP ranks' (gathered in TP rank
-        order: every rank makes the same calls), until every rank has its G complete groups."""
+        order: every rank makes the same calls), until every rank has its G complete groups and, in
+        ``carry``, every rank's due groups are complete."""
         done = sum(g.complete for g in groups)
-        mine = (requests, [g.gid for g in groups], max(self.G - done, 0))
+        due = [g.gid for g in groups if self.cfg.mode == "carry" and not g.complete and g.due(version, self.cfg.max_staleness)]
+        mine = (requests, [g.gid for g in groups], max(self.G - done, 0), due)
         parts = self.runtime.tp_gather_objects(mine)
-        all_requests = [r for reqs, _, _ in parts for r in reqs]
-        owner = {gid: o for o, (_, gids, _) in enumerate(parts) for gid in gids}
-        rule = GroupsComplete(all_requests, {o: p[2] for o, p in enumerate(parts)}, owner)
+        all_requests = [r for reqs, _, _, _ in parts for r in reqs]
+        owner = {gid: o for o, (_, gids, _, _) in enumerate(parts) for gid in gids}
+        needed = {o: p[2] for o, p in enumerate(parts)}
+        if self.cfg.mode == "carry":
+            rule = DueGroupsComplete(all_requests, needed, owner, [gid for _, _, _, d in parts for gid in d])
+        else:
+            rule = GroupsComplete(all_requests, needed, owner)
         return run_steps(engine, all_requests, stop=rule), rule
 
     # ---- metrics -------------------------------------------------------------------------------------
@@ -213,8 +301,8 @@ class LongTailRollout:
             "partial/span_mean": sum(spans) / max(len(spans), 1),
             "partial/span_max": float(max(spans, default=0)),
         }
-        keys = ("resumed", "restarted", "carried", "carried_groups", "new_groups", "engine_steps") if self.cfg.mode == "carry" \
-            else ("new_groups", "dropped_groups", "engine_steps")
+        keys = ("resumed", "restarted", "carried", "carried_groups", "carried_complete_groups", "new_groups", "engine_steps",
+                "in_flight") if self.cfg.mode == "carry" else ("new_groups", "dropped_groups", "engine_steps", "in_flight")
         out.update({f"partial/{k}": float(stats[k]) for k in keys})
         return out
 
@@ -241,7 +329,9 @@ class LongTailRollout:
                 "in_flight": self.in_flight}
 
     def load_state_dict(self, state: dict) -> None:
-        if int(state["in_flight"]) != self.in_flight:
+        if self.adaptive:  # sized from the observed tail: the checkpoint's size goes on
+            self.in_flight = min(int(state["in_flight"]), self.cap)
+        elif int(state["in_flight"]) != self.in_flight:
             raise ValueError(f"the checkpoint's partial rollout kept {state['in_flight']} groups in flight per rank, this "
                              f"run keeps {self.in_flight} (rollout.prompts_per_step, rollout.partial.oversample and the "
                              f"world size must match to resume exactly)")
