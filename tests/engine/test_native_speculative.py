@@ -335,7 +335,7 @@ def test_engine_speculative_config_is_checked():
         EngineConfig(speculative="yes")
     with pytest.raises(ConfigError, match="speculative"):
         EngineConfig(backend="hf", speculative="on")
-    assert EngineConfig().speculative == "auto"
+    assert EngineConfig().speculative == "off"  # auto is opt-in until it is measured faster (docs/engine.md)
 
 
 def test_an_off_engine_keeps_no_index():
@@ -377,7 +377,7 @@ def test_tp2_gloo_speculates_in_lockstep(tmp_path):
 
 def test_auto_leaves_a_cpu_engine_on_the_plain_path():
     hf = tiny_hf("qwen2")
-    eng = engine_for(hf)  # engine.speculative: auto (the default)
+    eng = engine_for(hf, speculative="auto")
     assert eng.cfg.speculative == "auto"
     for _ in range(2):
         eng.generate(REPEATING, GREEDY)
