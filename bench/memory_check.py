@@ -106,7 +106,7 @@ def write_prompts(path: str, *, rows: int, prompt_len: int) -> None:
 class PhasePeaks(PhaseObserver):
     """The allocated peak of every trainer phase, as an observer of the trainer's PhaseTimer that
     reads each ended phase's peak from the run's peak owner (``trainer.colocation.peaks``,
-    :class:`tidal.memory.peaks.DevicePeaks`: the only resetter of the allocator's counter)."""
+    :class:`tidal.logging.memory_peaks.DevicePeaks`: the only resetter of the allocator's counter)."""
 
     def __init__(self, peaks):
         self.peaks, self.points = peaks, []

@@ -30,7 +30,7 @@ import torch
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.logging.compile import CompileMonitor
 from tidal.logging.update_split import UpdateSplit, train_perf
-from tidal.memory.peaks import DevicePeaks
+from tidal.logging.memory_peaks import DevicePeaks
 from tidal.models.flops import FlopModel, measure_matmul_peak, mfu
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 from tidal.models.packing import PackedBatch

@@ -13,7 +13,7 @@ from tidal.logging import PhaseObserver
 class TidalObserver(PhaseObserver):
     """Records (label, allocated, reserved, device used) at every phase boundary of Tidal's
     PhaseTimer, with the phase's own peak (read from the run's
-    :class:`~tidal.memory.peaks.DevicePeaks`, ``trainer.colocation.peaks``, the one owner of the
+    :class:`~tidal.logging.memory_peaks.DevicePeaks`, ``trainer.colocation.peaks``, the one owner of the
     allocator's peak counter: nothing here resets it), and around every
     placement move of the phase owner (``<action>/<role>:before`` / ``:after`` events, with the bytes
     the move returned; ``calls`` times each move); ``rollouts`` keeps each ``generate:done`` (prompts,

@@ -49,7 +49,6 @@ ROLLOUT_MODES: tuple[str, ...] = ("plain", "carry", "drop")
 TailShape = Literal["lognormal", "heavy"]
 # natural lengths: tail -> (median length / max_new_tokens, share of draws at or beyond max_new_tokens)
 TAILS: dict[str, tuple[float, float]] = {"lognormal": (0.25, 0.03), "heavy": (0.125, 0.10)}
-MEDIAN_FRACTION, TRUNCATED_FRACTION = TAILS["lognormal"]
 
 
 def tail_sigma(tail: str) -> float:
@@ -57,8 +56,6 @@ def tail_sigma(tail: str) -> float:
     median, capped = TAILS[tail]
     return math.log(1 / median) / statistics.NormalDist().inv_cdf(1 - capped)
 
-
-SIGMA = tail_sigma("lognormal")
 
 MATRIX_SEQS = (128, 512, 2048)
 MATRIX_NEW_TOKENS = (256, 1024, 4096)

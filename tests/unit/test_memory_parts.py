@@ -10,8 +10,8 @@ from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.logging.console import memory_text
 from tidal.strategy import OptimConfig, StrategyConfig, get_strategy
 from tidal.strategy.resident import device_bytes
-from tidal.memory.parts import MemoryParts
-from tidal.memory.peaks import DevicePeaks
+from tidal.logging.memory_parts import MemoryParts
+from tidal.logging.memory_peaks import DevicePeaks
 from tidal.logging.timer import PhaseTimer
 
 CPU = torch.device("cpu")

@@ -124,7 +124,7 @@ def memory_text(metrics: dict[str, float]) -> str:
     """``mem 115.2 GiB on the device (peak alloc 40.1, weights 2.8, optimizer 3.7, activations peak 12.0,
     engine weights 0.9, KV cache 70.3, graphs 0.4)``: what the device holds (``memory/device_used_gib``,
     the KV cache outside PyTorch's allocator included) and its known parts
-    (:mod:`tidal.memory.parts`): the trained models' weights and optimizer state summed, the
+    (:mod:`tidal.logging.memory_parts`): the trained models' weights and optimizer state summed, the
     largest of their update peaks; empty off CUDA."""
     if "memory/device_used_gib" not in metrics:
         return ""

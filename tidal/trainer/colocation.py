@@ -18,7 +18,7 @@ phases)                (reference with ``strategy.offload_reference``, a distill
                        evaluation
 ``using(model)``       that model (a no-grad forward: reference, critic, reward model, ...)
 ``update(state)``      the trained model, its gradients and optimizer state (measured:
-                       :attr:`memory`, :mod:`tidal.memory.parts`)
+                       :attr:`memory`, :mod:`tidal.logging.memory_parts`)
 ``sync_weights()``     actor and engine weights (the engine's KV cache stays freed)
 =====================  =========================================================================
 
@@ -45,8 +45,8 @@ from tidal.logging.timer import PhaseTimer
 from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
 from tidal.trainer.config import require_resolved
-from tidal.memory.parts import MemoryParts
-from tidal.memory.peaks import DevicePeaks
+from tidal.logging.memory_parts import MemoryParts
+from tidal.logging.memory_peaks import DevicePeaks
 
 
 @dataclasses.dataclass(kw_only=True)

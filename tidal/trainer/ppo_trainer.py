@@ -35,7 +35,6 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences, first_group_id
 from tidal.trainer.experience_maker import ExperienceMaker
-from tidal.memory.plan import MemorySettings
 from tidal.trainer.partial import LongTailRollout, per_rank_states
 from tidal.trainer.perf import PerfMeter
 from tidal.run.loop import JobLoop, LoopState
@@ -93,7 +92,8 @@ class PPOTrainer:
     def __init__(self, *, cfg: TrainerSections, colocation: Colocation, models: Models, rewards: RewardEngine,
                  algorithm: Algorithm, data: RunData, logger: MetricsLogger, run_dir: RunDir):
         self.cfg = cfg
-        self.memory: MemorySettings | None = None  # set by build_trainer: the settings the run was built with and their plan
+        # set by build_trainer: the settings the run was built with and their plan (tidal.memory.plan.MemorySettings)
+        self.memory = None
         self.colocation = colocation
         self.models = models
         self.rewards = rewards

@@ -11,7 +11,7 @@
   update's peak of allocated memory above what was allocated at its start (activations, gradients
   and the optimizer step's temporaries; the largest of the step's optimizer steps).
 
-Peaks are read from :class:`tidal.memory.peaks.DevicePeaks`, the one owner of the allocator's peak
+Peaks are read from :class:`tidal.logging.memory_peaks.DevicePeaks`, the one owner of the allocator's peak
 counter (this module never resets it).
 - ``engine_{weights,kv_cache,graphs}_gib``: the rollout engine's own memory while it generated
   (:meth:`tidal.engine.base.RolloutEngine.memory_report`).
@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from tidal.memory.peaks import DevicePeaks
+from tidal.logging.memory_peaks import DevicePeaks
 
 GIB = 2**30
 
