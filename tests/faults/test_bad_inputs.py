@@ -193,7 +193,8 @@ def test_reward_server_down(tmp_path, tiny_task_overrides, on_error):
     _run(tmp_path / "run", tiny_task_overrides, extra)
     (row,) = _steps(tmp_path / "run")
     assert (row["reward/dropped_count"], row["reward/total/count"]) == (16.0, 0.0)
-    assert row["reward/correct/failed_requests_count"] == 1.0 and row["reward/correct/retries_count"] == 1.0
+    # scored while decoding: one request per group as it ends (4 groups of 4), each failed after its one retry
+    assert row["reward/correct/failed_requests_count"] == 4.0 and row["reward/correct/retries_count"] == 4.0
     assert row["actor/skipped"] == 0.0 and row["actor/grad_norm"] == 0.0  # nothing to learn from, nothing corrupted
 
 

@@ -110,12 +110,13 @@ def test_a_function_that_blocks_the_event_loop_meets_the_calls_deadline():
 def test_derived_deadline_comes_from_the_components_limits():
     spec = {"f": {"type": "function", "path": f"{F}:pid", "timeout_s": 2.0, "concurrency": 4},
             "r": {"type": "remote", "url": "http://127.0.0.1:9", "batch_size": 8, "concurrency": 2, "timeout_s": 3.0,
-                  "max_retries": 1, "backoff_s": 0.5, "max_backoff_s": 4.0}}
+                  "max_retries": 1, "backoff_s": 0.5, "max_backoff_s": 4.0, "retry_deadline_s": 10.0}}
     cfg = RewardConfig(components=spec, recipes={"default": [["f", 1.0], ["r", 1.0]]})
     with RewardEngine(cfg, device=torch.device("cpu")) as eng:
         assert eng.components["f"].deadline_s(10) == 3 * 2.0  # ceil(10 / 4) waves of 2 s
-        assert eng.components["r"].deadline_s(20) == 3 * 3.0 + 4.0  # 3 batches x 2 attempts / 2 slots, + a backoff
-        assert eng.deadline_s({"f": 10, "r": 20}) == 13.0 + 60.0
+        # 3 batches x 2 attempts / 2 slots, + a backoff, + the waits for a busy server
+        assert eng.components["r"].deadline_s(20) == 3 * 3.0 + 4.0 + 10.0
+        assert eng.deadline_s({"f": 10, "r": 20}) == 23.0 + 60.0
     cfg = RewardConfig(components=spec, recipes={"default": [["f", 1.0], ["r", 1.0]]}, timeout_s=5)
     with RewardEngine(cfg, device=torch.device("cpu")) as eng:
         assert eng.deadline_s({"f": 10, "r": 20}) == 5.0
