@@ -11,7 +11,6 @@
   with the one being written.
 """
 
-import contextlib
 import json
 import pathlib
 import pickle
@@ -27,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.run import checkpoint as ckpt
+
+from tests.faults.disks import tmpfs
 
 
 def _state(value: float) -> dict:
@@ -234,19 +235,10 @@ def test_no_unsafe_torch_load_in_the_repository():
 # ---- a disk that really fills up ---------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str):
-    path.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_real_enospc_mid_save_names_the_full_disk_and_frees_it(tmp_path):
-    with _tmpfs(tmp_path / "disk", "2m") as disk:
+    with tmpfs(tmp_path / "disk", "2m") as disk:
         root = ckpt.checkpoint_root(str(disk / "run"))
         _save_steps(root, [1])
         rt = init_runtime(1, "cpu")
@@ -263,7 +255,7 @@ def test_real_enospc_mid_save_names_the_full_disk_and_frees_it(tmp_path):
 
 def test_partial_save_that_filled_the_disk_does_not_refuse_the_rerun(tmp_path):
     """A save killed after filling the disk (here: a shard written until the kernel said ENOSPC)."""
-    with _tmpfs(tmp_path / "disk", "2m") as disk:
+    with tmpfs(tmp_path / "disk", "2m") as disk:
         out = disk / "run"
         root = ckpt.checkpoint_root(str(out))
         _save_steps(root, [1])
@@ -281,7 +273,7 @@ def test_partial_save_that_filled_the_disk_does_not_refuse_the_rerun(tmp_path):
 
 
 def test_free_space_check_counts_the_kept_checkpoints(tmp_path):
-    with _tmpfs(tmp_path / "disk", "1m") as disk:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         root = disk / "checkpoints"
         root.mkdir()
         per = 300 * 1024

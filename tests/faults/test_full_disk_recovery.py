@@ -9,7 +9,6 @@
   line elsewhere is an error naming file and line.
 """
 
-import contextlib
 import json
 import os
 import subprocess
@@ -26,18 +25,11 @@ from tidal.logging.config import LoggingConfig
 from tidal.run import checkpoint as ckpt
 from tidal.run.run_dir import open_run_dir
 
+from tests.faults.disks import tmpfs
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str):
-    path.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _killed_save_filled_the_disk(run: Path) -> Path:
@@ -59,7 +51,7 @@ def _killed_save_filled_the_disk(run: Path) -> Path:
 
 
 def test_a_save_that_filled_the_disk_is_settled_before_the_lock(tmp_path):
-    with _tmpfs(tmp_path / "disk", "2m") as disk:
+    with tmpfs(tmp_path / "disk", "2m") as disk:
         run = disk / "run"
         partial = _killed_save_filled_the_disk(run)
         rt = init_runtime(1, "cpu")
@@ -93,7 +85,7 @@ def test_a_live_runs_partial_save_is_left_alone(tmp_path):
 
 
 def test_two_ranks_settle_a_full_disk_before_the_lock(tmp_path):
-    with _tmpfs(tmp_path / "disk", "2m") as disk:
+    with tmpfs(tmp_path / "disk", "2m") as disk:
         run = disk / "run"
         partial = _killed_save_filled_the_disk(run)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

@@ -16,20 +16,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tidal.config_base import ConfigError, to_dict
+from tidal.config_base import to_dict
 from tidal.rm.config import PreferenceTaskConfig
+from tidal.tasks.store import MARKER, ensure_built
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
-MARKER = "task.json"
 BUILD_VERSION = 1  # part of the asset hash: bump whenever the same settings would build different assets
 VERBS = ("Say", "Write", "Give", "Name", "Pick")
 MAX_POSITIONS = 64
@@ -74,21 +71,7 @@ def asset_dir(cfg: PreferenceTaskConfig) -> Path:
 
 def prepare(cfg: PreferenceTaskConfig) -> PreferenceTaskAssets:
     """The task's assets, built first unless a complete build exists."""
-    root = asset_dir(cfg)
-    if not (root / MARKER).is_file():
-        if root.exists():
-            raise ConfigError("reward_model.task.workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-        os.chmod(tmp, 0o755)
-        try:
-            _build(cfg, tmp)
-            os.rename(tmp, root)
-        except OSError:
-            if not (root / MARKER).is_file():  # not a lost race with another builder
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    root = ensure_built(cfg, asset_dir(cfg), _build, key="reward_model.task.workdir")
     return PreferenceTaskAssets(model_path=str(root / "model"), train_path=str(root / "train.jsonl"), eval_path=str(root / "eval.jsonl"))
 
 

@@ -49,14 +49,19 @@ def asset_dir(cfg: Any, workdir: str) -> Path:
     return Path(workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
 
 
-def built(cfg: Any, workdir: str, build: Callable[[Any, Path], None]) -> TaskAssets:
-    """The assets of ``cfg`` under ``workdir``, built first by ``build(cfg, tmp_dir)`` unless a
-    complete build exists; a folder of that name without the marker is a config error."""
-    root = asset_dir(cfg, workdir)
+def ensure_built(cfg: Any, root: Path, build: Callable[[Any, Path], None], *, key: str = "workdir") -> Path:
+    """``root``, built first by ``build(cfg, tmp_dir)`` (atomically) unless a complete build is
+    there; a folder of that name without the marker is a config error at ``key``."""
     if not (root / MARKER).is_file():
         if root.exists():
-            raise ConfigError("workdir", f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
+            raise ConfigError(key, f"{root} exists but has no {MARKER}; it was not built by Tidal, remove it")
         _build_atomically(cfg, root, build)
+    return root
+
+
+def built(cfg: Any, workdir: str, build: Callable[[Any, Path], None]) -> TaskAssets:
+    """The assets of ``cfg`` under ``workdir`` (:func:`ensure_built`)."""
+    root = ensure_built(cfg, asset_dir(cfg, workdir), build)
     marker = json.loads((root / MARKER).read_text())
     return TaskAssets(
         model_path=str(root / "model"),
