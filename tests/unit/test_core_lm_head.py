@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.reference import reference_logprobs
 from tests.tolerance import rounding_tol
-from tidal.models import logprobs as lp_mod
+from tidal.models import lm_head, logprobs as lp_mod
 from tidal.models.logprobs import attach_logprob_method, lm_head_logprobs, token_logprobs
 
 B, T, H, V = 3, 8, 16, 37  # N = B * (T - 1) = 21 rows: chunks of 4 and 5 do not divide it
@@ -192,10 +192,10 @@ def test_token_logprobs_threads_positions_through_the_attached_method():
 
 
 def test_cpu_runs_eagerly_and_head_compile_is_set_per_model(monkeypatch):
-    monkeypatch.setattr(lp_mod, "_COMPILED", {})
+    monkeypatch.setattr(lm_head, "_COMPILED", {})
     head, hidden_BTH, ids_BT = _head(torch.float32, bias=False)
     lm_head_logprobs(hidden_BTH, head, ids_BT, with_entropy=True)[0].sum().backward()
-    assert lp_mod._COMPILED == {}  # CPU tensors never compile
+    assert lm_head._COMPILED == {}  # CPU tensors never compile
     cfg = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     on, off = Qwen2ForCausalLM(cfg), Qwen2ForCausalLM(cfg)
@@ -203,8 +203,8 @@ def test_cpu_runs_eagerly_and_head_compile_is_set_per_model(monkeypatch):
     attach_logprob_method(off)
     lp_mod.set_head_compile(off, False)  # what a strategy that does not compile does to the models it prepares
     seen = []
-    run = lp_mod._run
-    monkeypatch.setattr(lp_mod, "_run", lambda fn, compile_head, *a: seen.append(compile_head) or run(fn, compile_head, *a))
+    run = lm_head._run
+    monkeypatch.setattr(lm_head, "_run", lambda fn, compile_head, *a: seen.append(compile_head) or run(fn, compile_head, *a))
     ids_BT = torch.randint(0, 50, (2, 5))
     for m in (on, off):
         token_logprobs(m, ids_BT, torch.ones_like(ids_BT), chunk_tokens=4)[0].sum().backward()

@@ -6,7 +6,7 @@ _WHERE = {
     "load_tokenizer": "tidal.models.loading",
     "critic_values": "tidal.models.loading",
     "attach_logprob_method": "tidal.models.logprobs",
-    "lm_head_logprobs": "tidal.models.logprobs",
+    "lm_head_logprobs": "tidal.models.lm_head",
     "token_logprobs": "tidal.models.logprobs",
 }
 

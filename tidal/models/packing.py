@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from tidal.models.logprobs import head_logprobs
+from tidal.models.lm_head import head_logprobs
 from tidal.models.varlen import packed_attention_kwargs, uses_packed_attention
 from tidal.models.vision import image_token_id, multimodal_position_ids, placeholder_mask, vision_keepalive
 
@@ -214,7 +214,7 @@ def packed_token_logprobs(
     chunk_tokens: int = 2048, mm_inputs: dict | None = None, entropy_grad: bool = True, compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the packed batch's targets, as [B, T] fp32 tensors aligned with
-    the padded rows (the layout of :func:`tidal.models.logprobs.lm_head_logprobs`; zero off the
+    the padded rows (the layout of :func:`tidal.models.lm_head.lm_head_logprobs`; zero off the
     targets). The LM head runs on the K target rows only. Arguments as in
     :func:`tidal.models.logprobs.token_logprobs`; reach this through ``token_logprobs(..., packed=)``
     so sharded models unshard around it."""
