@@ -236,7 +236,10 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
 
 def with_absolute_output_dir(cfg: TidalConfig) -> TidalConfig:
     """``cfg`` with ``run.output_dir`` made absolute against the current directory, once, at start:
-    a reward function that calls ``os.chdir`` cannot send checkpoints and metrics elsewhere."""
+    a reward function that calls ``os.chdir`` cannot send checkpoints and metrics elsewhere
+    (``cfg`` itself when it is absolute already)."""
+    if os.path.isabs(cfg.run.output_dir):
+        return cfg
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=os.path.abspath(cfg.run.output_dir)))
 
 
@@ -322,13 +325,13 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
     run_cfg = settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
     actor, hf_config = build_actor(run_cfg, paths, strategy)
-    models = Models(tokenizer=tokenizer, actor=actor)
+    models = Models(tokenizer=tokenizer, actor=actor, positions=model_positions(hf_config))
     # a watchdog never started: it writes no heartbeat into the run directory
     timer = StageTimer(Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir,
                                 timeout_s=cfg.run.collective_timeout_s))
     colocation = Colocation(strategy=strategy, models=models, timer=timer)
     loaded = ckpt.load_resume(str(point.path), ckpt.checkpoint_root(cfg.run.output_dir), rank=runtime.rank,
-                              model_states=lambda: {"actor": strategy.state_dict(actor)}, group=runtime.cpu_group,
+                              model_states=lambda: {"actor": strategy.state_dict(actor)}, runtime=runtime,
                               required_keys=ckpt.TRAINER_STATE_KEYS)
     strategy.load_state_dict(actor, loaded[1]["actor"])
     policy = CheckpointPolicy(cfg=run_cfg, rt=runtime, colocation=colocation, models=models, path=point.path, step=point.step,
@@ -338,7 +341,7 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
         engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype, tp_group=runtime.tp_group)
         colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
         rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
-        policy.maker = ExperienceMaker(models=models, colocation=colocation, rewards=rewards, algorithm=algorithm,
-                                       rollout=run_cfg.rollout, train=run_cfg.train, model=run_cfg.model, env=run_cfg.env)
+        policy.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=run_cfg.rollout,
+                                       train=run_cfg.train, model=run_cfg.model, env=run_cfg.env, reward=run_cfg.reward)
         policy.eval_items = build_eval_items(run_cfg, paths, tokenizer)
     return policy

@@ -2,6 +2,7 @@
 plain completions, score them, reward processing and advantages. The single_turn environment
 path must give exactly these tensors and metrics."""
 
+import math
 import types
 
 import torch
@@ -65,8 +66,12 @@ def make(maker, items, comps, group_ids):
                      group_ids_B=group_ids_B, loss_mask_B=rew.valid_B.float() * maker.algo.loss_mask_B(truncated_B).float(),
                      mm_inputs=t["mm_inputs"])
     ntok = act.sum().clamp_min(1)
+    valid = rew.total_B[rew.valid_B].float()
     metrics = {
         "reward/mean": float(rew.total_B.float().mean()),
+        # added with the reward alarms (the range of the trained rewards; -inf/inf: none valid)
+        "reward/trajectory_max": float(valid.max()) if valid.numel() else -math.inf,
+        "reward/trajectory_min": float(valid.min()) if valid.numel() else math.inf,
         "response/length_mean": float(exp.response_len_B.float().mean()),
         "response/length_max": float(exp.response_len_B.float().max()),
         "response/tokens_count": float(act.sum()),  # added with the metric reduction contract (a count: summed over ranks)
