@@ -158,8 +158,12 @@ def build_app(scorer: Scorer, *, info: dict, token: str | None = None, limits: S
         if not authorised(request):
             return error(401, "missing or wrong bearer token")
         if stats["in_flight"] >= limits.max_in_flight:
-            return error(503, f"busy: {limits.max_in_flight} requests in flight (--max-in-flight); retry",
-                         {"Retry-After": str(busy.turn_away())})
+            busy_reply = error(503, f"busy: {limits.max_in_flight} requests in flight (--max-in-flight); retry",
+                               {"Retry-After": str(busy.turn_away())})
+            # the client comes back after Retry-After, when an idle keep-alive connection may have been
+            # closed under it (idle_timeout_s): it reconnects instead of writing into a closed socket
+            busy_reply.force_close()
+            return busy_reply
         stats["in_flight"] += 1
         started = time.monotonic()
         try:
