@@ -39,5 +39,7 @@ def test_plain_torchrun_names_the_config_error_in_its_report(tmp_path):
            "-m", "tidal.cli", "train", "quickstart", "run.steps=-1"]
     p = launch(cmd, tmp_path)
     assert p.returncode == 1  # torchrun's own: why `tidal launch` exists
-    assert p.stderr.count("tidal: config error at 'run.steps': must be >= 1") == 3  # rank 0's line, the report's two ranks
+    # rank 0's line, and the report names it for each rank that wrote its error file: a rank that the
+    # agent stops first (a config error now comes in 0.1 s, without torch) has none of its own
+    assert p.stderr.count("tidal: config error at 'run.steps': must be >= 1") in (2, 3)
     assert "To enable traceback see" not in p.stderr
