@@ -228,7 +228,7 @@ class LongTailRollout:
     def _adapt(self, complete_when_due: int) -> None:
         """``oversample: auto``: size the groups in flight from the observed tail. The rollout may
         stop once its due groups are complete; if fewer than G groups were complete then, it had
-        to wait for more (the tail): keep more groups in flight (at most G/2 more per rollout); if
+        to wait for more (the tail): keep more groups in flight (at most G/4 more per rollout); if
         many more were, keep fewer (half the excess), between G and :func:`max_in_flight`."""
         short = self.G - complete_when_due
         if short > 0:
