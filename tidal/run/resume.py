@@ -14,9 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tidal.config_base import ConfigError
+from tidal.config_base import ConfigError, load_yaml
 from tidal.distributed.runtime import Runtime
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
@@ -89,7 +87,8 @@ def check_config_change(point: ResumePoint | None, config: dict[str, Any], *, is
     step and is said in one line (main rank). Returns the changes."""
     if point is None or not (point.path / ckpt.CONFIG_RECORD).is_file():
         return {}
-    saved = yaml.safe_load((point.path / ckpt.CONFIG_RECORD).read_text(encoding="utf-8")) or {}
+    record = point.path / ckpt.CONFIG_RECORD
+    saved = load_yaml(record.read_text(encoding="utf-8"), str(record)) or {}
     changes = config_changes(saved, config)
     for key, (old, new) in changes.items():
         if _is_fixed(key):
