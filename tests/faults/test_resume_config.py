@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tidal.cli import main
@@ -183,3 +184,35 @@ def test_two_ranks_refuse_a_changed_seed_and_apply_a_changed_lr(tmp_path, tiny_r
                     "run.steps 2 -> 3"], resumed.stdout[-3000:]
     metrics = _metrics(out)
     assert metrics[2]["train/lr"] == pytest.approx(3e-3) and metrics[3]["train/lr"] == pytest.approx(6e-3), metrics
+
+
+@pytest.mark.parametrize("left", ["checkpoint", "metrics"])
+def test_resume_never_in_a_directory_holding_an_earlier_run_is_refused(tmp_path, left):
+    """Issue 44 item 2: ``resume: never`` over a finished run deleted its metrics, then rotated the
+    new run's checkpoints away (the older run's higher steps were kept), and a later ``auto``
+    continued the old run. A config error naming the directory and the choices; nothing touched."""
+    from tidal.distributed import shutdown
+    from tidal.distributed.runtime import init_runtime
+    from tidal.run.config import CheckpointConfig
+    from tidal.run.run_dir import claim_run_dir
+
+    run = tmp_path / "run"
+    rt = init_runtime(1, "cpu")
+    try:
+        if left == "checkpoint":
+            ckpt.save_checkpoint(ckpt.checkpoint_root(str(run)), 9, model_states={"m": {"w": torch.ones(4)}}, runtime=rt, keep=2,
+                                 trainer_state={"step": 9, "sampler": {}, "algorithm": {}, "trainer": {}})
+        else:
+            run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        files = lambda: sorted(p.relative_to(run) for p in run.rglob("*") if p.is_file())  # noqa: E731
+        before = files()
+        with pytest.raises(ConfigError) as info:
+            claim_run_dir(str(run), CheckpointConfig(resume="never"), rt)
+        assert info.value.key == "checkpoint.resume" and f"{run} holds an earlier run" in info.value.message
+        assert ("step_000009" in info.value.message) == (left == "checkpoint")
+        assert "checkpoint.resume=auto" in info.value.message and "another run.output_dir" in info.value.message
+        assert files() == before and (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+        claim_run_dir(str(tmp_path / "fresh"), CheckpointConfig(resume="never"), rt).lock.release()  # an empty directory: fine
+    finally:
+        shutdown()
