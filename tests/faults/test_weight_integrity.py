@@ -56,6 +56,24 @@ def test_flipped_bytes_fail_their_checksum_and_auto_falls_back(tmp_path, capsys)
         ckpt.load_resume(str(newest), root, model_states=_fresh, rank=0)
 
 
+def test_a_checkpoint_this_version_wrote_without_checksums_is_incomplete(tmp_path, capsys):
+    """Issue 44 item 4: with ``checksums.json`` removed, flipped bytes loaded silently (a misleading
+    ``WeightSyncError`` later, no fall-back). This version writes it before ``trainer.json``: a
+    checkpoint without it is incomplete, skipped by the cheap checks like a corrupt one."""
+    root = tmp_path / "checkpoints"
+    _save(root, {1: 1.0, 2: 2.0})
+    newest = root / "step_000002"
+    _flip_a_weight_byte(newest)
+    (newest / ckpt.CHECKSUMS).unlink()
+    why = "no checksums.json (the save that wrote trainer.json writes it first: the checkpoint is incomplete or was altered)"
+    assert ckpt.checkpoint_problems(newest) == [why]
+    path, states, st = ckpt.load_resume("auto", root, model_states=_fresh, rank=0)
+    assert path == root / "step_000001" and st["step"] == 1 and torch.equal(states["m"]["w"], torch.full((64,), 1.0))
+    assert f"checkpoint.resume=auto skips {newest}: {why}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"step_000002' cannot be loaded: no checksums.json"):
+        ckpt.load_resume(str(newest), root, model_states=_fresh, rank=0)
+
+
 def test_nan_weights_in_a_checkpoint_are_skipped_under_auto(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     _save(root, {1: 1.0, 2: float("nan")})

@@ -20,7 +20,9 @@ shard file present and long enough, RNG files). ``auto`` skips (with a warning) 
 that do not, newest first; an explicit path that does not is a ConfigError at ``checkpoint.resume``
 naming the problem. :func:`load_resume` also falls back to the next older one when loading itself
 fails under ``auto``, when a file fails its checksum (``checksums.json``: the crc32 of every shard and
-RNG file, written by :func:`save_checkpoint` before the marker; flipped bytes) or when the loaded
+RNG file, written by :func:`save_checkpoint` before the marker; flipped bytes; a checkpoint whose
+``trainer.json`` says this version wrote it but that lacks ``checksums.json`` is incomplete, found
+by the cheap checks) or when the loaded
 weights hold NaN/Inf (:func:`nonfinite_names`). With a ``runtime`` (its host collectives, over gloo)
 rank 0 decides and the ranks agree on the outcome of each load attempt; without one this process
 decides alone.
@@ -55,6 +57,9 @@ from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
 CHECKSUMS = "checksums.json"  # {file relative to the checkpoint: crc32}, of every file but the marker
+# trainer.json's record of the checkpoint layout: 2 (this version) writes CHECKSUMS before the marker, so
+# a checkpoint of format 2 without it is incomplete; checkpoints without the key predate checksums
+FORMAT_KEY, FORMAT = "checkpoint_format", 2
 CONFIG_RECORD = "config.yaml"  # the run's config as written (in its run directory), copied into each checkpoint
 REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
 TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
@@ -340,6 +345,8 @@ def _trainer_state_problem(path: Path, required_keys: tuple[str, ...]) -> str | 
         return f"{COMPLETE_MARKER} lacks {missing}"
     if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
         return f"{COMPLETE_MARKER} has step={state['step']!r}, not a step number"
+    if state.get(FORMAT_KEY, 1) >= FORMAT and not (path / CHECKSUMS).is_file():
+        return f"no {CHECKSUMS} (the save that wrote {COMPLETE_MARKER} writes it first: the checkpoint is incomplete or was altered)"
     return None
 
 
@@ -379,7 +386,8 @@ def _rng_problems(path: Path) -> list[str]:
 
 def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED_KEYS) -> list[str]:
     """What would keep ``path`` from loading, found without loading a tensor (empty: it looks
-    loadable): ``trainer.json`` is a JSON object with ``required_keys`` (``step`` by default; the RL
+    loadable): ``trainer.json`` is a JSON object with ``required_keys`` and, when this version wrote
+    it (``checkpoint_format`` 2), ``checksums.json`` is there (``step`` by default; the RL
     trainer's are ``TRAINER_STATE_KEYS``); ``models/.metadata``
     unpickles under the allow-list; every shard file it references exists and is at least as long
     as the byte ranges it holds there; every ``rng_rank<R>.pt`` loads with ``weights_only=True``."""
@@ -415,7 +423,8 @@ def write_checksums(directory: Path) -> None:
 
 def checksum_problems(path: Path) -> list[str]:
     """The files of checkpoint ``path`` whose bytes differ from what was saved (``CHECKSUMS``; a
-    checkpoint saved before checksums were written has nothing to compare: [])."""
+    checkpoint saved before checksums were written has nothing to compare: []; one saved since
+    without them is found incomplete earlier, by :func:`checkpoint_problems`)."""
     try:
         with open(path / CHECKSUMS, encoding="utf-8") as f:
             sums = json.load(f)
@@ -599,7 +608,7 @@ def save_checkpoint(
             shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
         write_checksums(tmp)
         with open(tmp / COMPLETE_MARKER, "w") as f:
-            json.dump(trainer_state, f)
+            json.dump({**trainer_state, FORMAT_KEY: FORMAT}, f)
             f.flush()
             os.fsync(f.fileno())
         faults.hit("checkpoint/marker", step=step, rank=rank)
