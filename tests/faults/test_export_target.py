@@ -62,7 +62,7 @@ def test_check_export_target_accepts_new_empty_and_marked_folders(tmp_path):
     run = _run_dir(tmp_path)
     check_export_target(run / "export", run_dir=run)  # a new folder inside the run directory is fine
     with pytest.raises(ConfigError, match="inside or around"):
-        check_export_target(run / "checkpoints" / "step_000002" / "hf", protected={"the checkpoint": run / "checkpoints" / "step_000002"})
+        check_export_target(run / "checkpoints" / "hf", protected={"the checkpoints folder": run / "checkpoints"})
 
 
 def _write(folder: Path) -> None:
@@ -103,3 +103,31 @@ def test_a_failed_export_leaves_the_earlier_one(tmp_path):
     with pytest.raises(OSError):
         write_export(out, fail, source="checkpoint B")
     assert "checkpoint A" in (out / EXPORT_MARKER).read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("how", ["directly", "through a symlink"])
+def test_run_output_dir_inside_another_runs_checkpoint_is_refused(tmp_path, how):
+    """Issue 44 item 5: a run whose ``run.output_dir`` was inside another run's checkpoint wrote its
+    ``config.yaml`` there: the checkpoint then failed its checksum and ``tidal eval`` refused it.
+    Refused like ``export --out`` (one check, :func:`tidal.run.checkpoint.check_outside_checkpoints`)."""
+    from tidal.distributed import shutdown
+    from tidal.distributed.runtime import init_runtime
+    from tidal.run.config import CheckpointConfig
+    from tidal.run.run_dir import claim_run_dir
+
+    ckpt = _run_dir(tmp_path) / "checkpoints" / "step_000002"
+    inside = ckpt / "new_run"
+    if how == "through a symlink":
+        (tmp_path / "link").symlink_to(ckpt)
+        inside = tmp_path / "link" / "new_run"
+    before = _tree(tmp_path / "run")
+    rt = init_runtime(1, "cpu")
+    try:
+        with pytest.raises(ConfigError) as info:
+            claim_run_dir(str(inside), CheckpointConfig(), rt)
+    finally:
+        shutdown()
+    assert info.value.key == "run.output_dir" and f"is inside the checkpoint {ckpt}" in info.value.message
+    assert _tree(tmp_path / "run") == before and not (ckpt / "new_run").exists()
+    with pytest.raises(ConfigError, match=f"'--out'.*is inside the checkpoint {ckpt}"):  # any run's, not only the one exported
+        check_export_target(inside / "hf")

@@ -107,6 +107,26 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint (a ``step_N`` directory holding ``trainer.json``) that ``path`` is or
+    lies inside, symlinks resolved; None when there is none."""
+    target = Path(path).expanduser().resolve()
+    for p in (target, *target.parents):
+        if _STEP_RE.match(p.name) and (p / COMPLETE_MARKER).is_file():
+            return p
+    return None
+
+
+def check_outside_checkpoints(path: str | os.PathLike, *, key: str) -> None:
+    """ConfigError at ``key`` when ``path`` is, or lies inside, a checkpoint (:func:`enclosing_checkpoint`):
+    whatever is written there (a run's ``config.yaml``, an export) changes the checkpoint, which then
+    fails its checksums. ``run.output_dir`` and ``tidal export --out`` are both checked here."""
+    found = enclosing_checkpoint(path)
+    if found is not None:
+        raise ConfigError(key, f"{path} is inside the checkpoint {found} (a run's checkpoint must stay as it was saved): "
+                               "choose a folder outside it")
+
+
 def clean_partial(root: Path) -> list[str]:
     """Settle what an interrupted save left (rank 0 only): remove ``*.tmp`` directories; a
     ``step_N.old`` (an interrupted re-save of step N) is put back when ``step_N`` is missing,

@@ -21,6 +21,7 @@ import torch
 
 from tidal.config_base import ConfigError
 from tidal.models.lora import save_hf
+from tidal.run.checkpoint import check_outside_checkpoints
 
 EXPORT_MARKER = ".tidal-export"  # in every folder an export wrote: a later export may replace it
 
@@ -33,10 +34,13 @@ def check_export_target(out: str | os.PathLike, *, run_dir: str | os.PathLike | 
                         protected: dict[str, str | os.PathLike] | None = None, key: str = "--out") -> Path:
     """``out`` resolved, or a ConfigError at ``key`` saying why an export may not write there:
     it is an existing file, a folder holding files that no export wrote (no :data:`EXPORT_MARKER`),
-    the run directory ``run_dir`` (or a folder holding it; a new folder inside it is fine), or
+    inside any checkpoint (:func:`~tidal.run.checkpoint.check_outside_checkpoints`, the check
+    ``run.output_dir`` gets too), the run directory ``run_dir`` (or a folder holding it; a new
+    folder inside it is fine), or
     one of ``protected`` (``{what: path}``: a checkpoint, ``model.path``; neither inside one, nor
     a folder holding one)."""
     target = Path(out).expanduser().resolve()
+    check_outside_checkpoints(out, key=key)
     if run_dir is not None and _within(Path(run_dir).resolve(), target):
         raise ConfigError(key, f"{out} is the run directory {run_dir} (or holds it): export into a new folder")
     for what, path in (protected or {}).items():
