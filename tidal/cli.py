@@ -144,6 +144,17 @@ def check_out(cfg, args) -> None:
 
 
 def cmd_export(args) -> int:
+    from tidal.trainer.export import ExportError
+
+    try:
+        return _export(args)
+    except ExportError as e:  # e.g. a full disk: said in one line, the earlier export kept
+        print(f"tidal: {e}", file=sys.stderr)
+        _end_process_group()
+        return 1
+
+
+def _export(args) -> int:
     cfg, source = _load_checkpoint_config(args)
     check_out(cfg, args)
     if cfg.job != "rl":

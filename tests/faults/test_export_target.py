@@ -131,3 +131,20 @@ def test_run_output_dir_inside_another_runs_checkpoint_is_refused(tmp_path, how)
     assert _tree(tmp_path / "run") == before and not (ckpt / "new_run").exists()
     with pytest.raises(ConfigError, match=f"'--out'.*is inside the checkpoint {ckpt}"):  # any run's, not only the one exported
         check_export_target(inside / "hf")
+
+
+def test_a_full_disk_during_an_export_is_one_error_and_leaves_nothing(tmp_path):
+    """Issue 44 item 10: safetensors' ``SafetensorError`` on a full disk came out as a raw traceback."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.faults.disks import tmpfs
+    from tidal.trainer.export import ExportError
+
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(ExportError) as info:
+            write_export(disk / "hf", lambda folder: save_file({"w": torch.zeros(2**20)}, str(folder / "model.safetensors")),
+                         source="checkpoint A")
+        message = str(info.value)
+        assert message.startswith(f"writing the export {disk / 'hf'} failed: SafetensorError: ") and "the disk is full" in message
+        assert "\n" not in message and list(disk.iterdir()) == []

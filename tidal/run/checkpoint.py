@@ -81,7 +81,7 @@ class NonFiniteWeightsError(RuntimeError):
     """The trained weights (or their optimizer state) hold NaN/Inf: no checkpoint is written of them."""
 
 
-def _summary(exc: BaseException) -> str:
+def error_summary(exc: BaseException) -> str:
     """One line per failing rank of a DCP CheckpointException (its str() holds whole tracebacks)."""
     failures = getattr(exc, "failures", None)
     if not failures:
@@ -91,7 +91,7 @@ def _summary(exc: BaseException) -> str:
     parts = []
     for r, pair in sorted(failures.items()):
         inner = pair[0] if isinstance(pair, tuple) else pair
-        parts.append(f"rank {r}: {_summary(inner)}")
+        parts.append(f"rank {r}: {error_summary(inner)}")
     return "; ".join(parts)
 
 
@@ -567,7 +567,7 @@ def _load_problem(path: Path, states: dict[str, Any], rank: int) -> str | None:
     try:
         load_checkpoint(path, model_states=states, rank=rank)
     except Exception as e:  # noqa: BLE001 -- reported and decided on by the caller, the same on every rank
-        return f"loading failed: {_summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)}"
+        return f"loading failed: {error_summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)}"
     bad = nonfinite_names(states)
     return f"its weights hold NaN/Inf ({', '.join(bad)})" if bad else None
 
@@ -586,18 +586,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def free_space_note(directory: Path) -> str:
+    """How much space ``directory``'s filesystem has left, for the message of a failed write
+    (``0.00 GiB were free on its filesystem -- the disk is full``: a full disk often shows only as
+    a zip or safetensors writer's error)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "free space unknown"
+    full = " -- the disk is full" if free < _FULL_DISK_BYTES else ""
+    return f"{free / 2**30:.2f} GiB were free on its filesystem{full}"
+
+
 def _save_failed(exc: BaseException, tmp: Path, *, step: int, rank: int) -> CheckpointSaveError:
     """The error to raise for a failed write; rank 0 removes the partial ``tmp`` at once, so a full
     disk gets its space back (DCP reports a shard failure on every rank after all have written)."""
-    try:
-        free = shutil.disk_usage(tmp.parent).free
-    except OSError:
-        free = -1
+    where = free_space_note(tmp.parent)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    full = " -- the disk is full" if 0 <= free < _FULL_DISK_BYTES else ""
-    where = f"{free / 2**30:.2f} GiB were free on its filesystem{full}" if free >= 0 else "free space unknown"
-    return CheckpointSaveError(f"saving checkpoint step {step} into {tmp} failed: {_summary(exc)} ({where}); the previous checkpoint is intact")
+    return CheckpointSaveError(f"saving checkpoint step {step} into {tmp} failed: {error_summary(exc)} ({where}); the previous checkpoint is intact")
 
 
 def save_checkpoint(
@@ -655,7 +662,7 @@ def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> d
     try:
         dcp.load(model_states, storage_reader=SafeFileSystemReader(models), planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:
-        raise CheckpointLoadError(f"cannot load {models}: {_summary(e)}") from e
+        raise CheckpointLoadError(f"cannot load {models}: {error_summary(e)}") from e
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_rng_file(rng_file))

@@ -21,9 +21,14 @@ import torch
 
 from tidal.config_base import ConfigError
 from tidal.models.lora import save_hf
-from tidal.run.checkpoint import check_outside_checkpoints
+from tidal.run.checkpoint import check_outside_checkpoints, error_summary, free_space_note
 
 EXPORT_MARKER = ".tidal-export"  # in every folder an export wrote: a later export may replace it
+
+
+class ExportError(RuntimeError):
+    """Writing an export failed; the message says why in one line (the cause, the free space left, a
+    full disk named as such) and that ``out`` is as it was."""
 
 
 def _within(path: Path, folder: Path) -> bool:
@@ -73,6 +78,11 @@ def write_export(out: Path, write: Callable[[Path], None], *, source: str, key: 
             aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
             os.replace(out, aside / out.name)
         os.replace(tmp, out)
+    except Exception as e:
+        free = free_space_note(out.parent)  # before the partial copy gives its space back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"writing the export {out} failed: {error_summary(e)} ({free}); "
+                          f"{'the earlier export in it is' if out.exists() else 'it is'} as it was") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
