@@ -122,6 +122,39 @@ def test_nan_weights_stop_the_run_before_the_save_and_keep_the_last_good_checkpo
     assert ckpt.complete_checkpoints(out / "checkpoints") == [kept]
 
 
+@pytest.mark.slow  # a 2-step RL run on the tiny task, twice
+@pytest.mark.parametrize("verify", ["true", "false"])
+def test_an_update_that_leaves_nan_weights_is_named_before_the_engine_gets_them(tmp_path, tiny_task_overrides, verify):
+    """Issue 44 item 7: weights an update left NaN surfaced as ``WeightSyncError ... stale weights``
+    (``sync.verify``) or as ``index -1024 is out of bounds`` in the sampler (without it): the
+    :class:`NonFiniteWeightsError` built for it names the step and the first such parameter."""
+    from tidal.build import build_trainer
+    from tidal.config import load_config
+
+    cfg = load_config("quickstart", tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}", f"sync.verify={verify}",
+                                                           "run.steps=3", "checkpoint.every=0"])  # no save finds them first
+    try:
+        trainer = build_trainer(cfg)
+        train, calls = trainer.updater.train, []
+
+        def nan_at_2(exp, **kw):  # the second update leaves NaN weights (what an overflowing update gives)
+            result = train(exp, **kw)
+            calls.append(1)
+            if len(calls) == 2:
+                with torch.no_grad():
+                    dict(trainer.models.actor.model.named_parameters())["model.norm.weight"].fill_(float("nan"))
+            return result
+
+        trainer.updater.train = nan_at_2
+        with pytest.raises(ckpt.NonFiniteWeightsError) as info:
+            trainer.fit()
+    finally:
+        shutdown()
+    message = str(info.value)
+    assert message.startswith("the trained weights hold NaN/Inf after step 2 (actor.model.norm.weight on rank 0)"), message
+    assert "no checkpoint of them is written and no earlier checkpoint exists" in message
+
+
 @pytest.mark.slow  # about 20 s: two ranks under torchrun
 def test_two_ranks_agree_on_nonfinite_and_corrupt_weights(tmp_path):
     script = Path(__file__).resolve().parent / "scripts" / "weights_agree.py"

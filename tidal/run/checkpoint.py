@@ -40,7 +40,7 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -462,22 +462,32 @@ def checksum_problems(path: Path) -> list[str]:
     return problems
 
 
-def nonfinite_names(states: Any, prefix: str = "", limit: int = 3) -> list[str]:
-    """The names (``a.b.c``) of up to ``limit`` floating-point tensors of the nested ``states`` that
-    hold NaN or Inf, this rank's local shards only (a DTensor's local tensor)."""
-    found: list[str] = []
+def _float_tensors(states: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, local tensor)`` of every non-empty floating-point tensor of the nested ``states``
+    (a DTensor's local shard)."""
     items = states.items() if isinstance(states, dict) else enumerate(states) if isinstance(states, (list, tuple)) else ()
     for key, value in items:
-        if len(found) >= limit:
-            break
         name = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
-            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-                found.append(name)
+            if local.is_floating_point() and local.numel():
+                yield name, local
         else:
-            found += nonfinite_names(value, name, limit - len(found))
-    return found
+            yield from _float_tensors(value, name)
+
+
+@torch.no_grad()
+def nonfinite_names(states: Any, limit: int = 3) -> list[str]:
+    """The names (``a.b.c``) of up to ``limit`` floating-point tensors of the nested ``states`` that
+    hold NaN or Inf, this rank's local shards only (a DTensor's local tensor). One host sync per
+    device when every tensor is finite (the common case: it runs after every update)."""
+    named = list(_float_tensors(states))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in named:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return []
+    return [name for name, t in named if not bool(torch.isfinite(t).all())][:limit]
 
 
 def _warn(message: str, runtime: Runtime | None = None) -> None:
