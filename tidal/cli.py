@@ -232,7 +232,8 @@ several ranks or GPUs: every rank runs the same command under torch's launcher, 
 (torchrun's options, then the command; plain `torchrun --nproc_per_node 8 -m tidal.cli train ...` works
 too, but torchrun ends every failure with exit code 1 and its own failure report)
 
-exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+exit codes: 0 done (only when the command finished: a process that ends early, even with code 0, is
+named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
 saved step."""
 
 
@@ -289,7 +290,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``tidal`` command. As a program (``argv`` None) a train/check/eval/export runs in a child
+    process that this one watches (:mod:`tidal.run.supervise`): whatever ends the child, the command
+    says so and never exits 0 unless the command finished."""
+    from tidal.run import supervise
+
+    if argv is None and supervise.wanted(sys.argv[1:]):
+        return supervise.run_supervised(sys.argv[1:])
+    supervise.start_child()
+    code = None
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        supervise.report_outcome(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] == "serve-reward":
         return cmd_serve_reward(argv[1:])
     if argv and argv[0] == "serve-teacher":

@@ -212,3 +212,15 @@ def ctypes_exits(sample) -> float:
     if sample.response == "bye":
         ctypes.CDLL(None)._exit(0)
     return 1.0
+
+
+def posix_exits_at_step_2(sample) -> float:
+    """posix._exit(0) while scoring the second step (a world of one: the second call with sample
+    index 0): a trainer that ends mid-run with exit code 0 and no message."""
+    import posix
+
+    if sample.index == 0:
+        CALLS["n"] += 1
+        if CALLS["n"] == 2:
+            posix._exit(0)
+    return text_hash_reward(sample)
