@@ -99,7 +99,10 @@ def test_rl_resume_applies_a_changed_lr_and_kl_coef_and_refuses_a_changed_seed(t
 
 
 @pytest.mark.slow  # about 30 s: two short RL runs on a copy of the tiny task's data
-def test_rl_resume_with_a_training_set_of_another_size_names_data_train(tmp_path, tiny_task_overrides, capsys):
+@pytest.mark.parametrize("change", ["fewer rows", "rows reordered"])
+def test_rl_resume_with_other_training_data_names_data_train(tmp_path, tiny_task_overrides, capsys, change):
+    """A training set of another size, or (issue 44 item 8) the same rows reordered, under the same
+    config: a config error at ``data.train``; the reordered one went on silently on other prompts."""
     from tidal.config import load_config
     from tidal.tasks.assets import prepare
 
@@ -111,11 +114,13 @@ def test_rl_resume_with_a_training_set_of_another_size_names_data_train(tmp_path
               f"run.output_dir={out}", "checkpoint.every=2"]
     common = [o for o in common if not o.startswith("task.") or o == "task.name="]
     assert main(["train", *common, "run.steps=2"]) == 0
-    train.write_text("".join(train.read_text().splitlines(keepends=True)[:-8]))  # 8 prompts fewer, same config
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(lines[:-8] if change == "fewer rows" else lines[1:] + lines[:1]))  # same config
     capsys.readouterr()
     assert main(["train", *common, "run.steps=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("tidal: config error at 'data.train'") and "num_items" in err[-1], err
+    assert err[-1].startswith("tidal: config error at 'data.train'"), err
+    assert ("num_items" if change == "fewer rows" else "rows were changed or reordered") in err[-1], err
 
 
 def _trained(optim, total_steps: int, steps: int):
