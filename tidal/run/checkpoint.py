@@ -422,7 +422,7 @@ def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED
 # ---- checksums and non-finite values -----------------------------------------------------------------
 
 
-def _crc32(path: Path) -> str:
+def file_crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -434,7 +434,7 @@ def write_checksums(directory: Path) -> None:
     """Write ``CHECKSUMS`` into ``directory`` (a checkpoint being saved, every rank's files written):
     the crc32 of each file under it, the marker aside (rank 0; one read of the checkpoint)."""
     files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name not in (COMPLETE_MARKER, CHECKSUMS))
-    sums = {str(f.relative_to(directory)): _crc32(f) for f in files}
+    sums = {str(f.relative_to(directory)): file_crc32(f) for f in files}
     with open(directory / CHECKSUMS, "w", encoding="utf-8") as f:
         json.dump(sums, f)
         f.flush()
@@ -457,7 +457,7 @@ def checksum_problems(path: Path) -> list[str]:
         f = path / rel
         if not f.is_file():
             problems.append(f"missing {rel}")
-        elif _crc32(f) != crc:
+        elif file_crc32(f) != crc:
             problems.append(f"{rel} fails its checksum (its bytes changed since the save)")
     return problems
 
