@@ -73,10 +73,10 @@ def report_outcome(code: int | None) -> None:
 
 
 def run_supervised(argv: list[str]) -> int:
-    """Run ``python -m tidal.cli ARGV`` as a supervised child; its exit code, checked (module docstring)."""
+    """Run ``tidal ARGV`` as a supervised child; its exit code, checked (module docstring)."""
     read_fd, write_fd = os.pipe()
     env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd)})
-    child = subprocess.Popen([sys.executable, "-m", "tidal.cli", *argv], env=env, pass_fds=(write_fd,), process_group=0)
+    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd,), process_group=0)
     os.close(write_fd)
 
     def forward(signum, _frame):
@@ -99,6 +99,16 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         os.close(read_fd)
     return _outcome(argv[0], child.pid, code, said)
+
+
+def _child_code() -> str:
+    """The child's program: this process's ``tidal`` package (not one a different working directory
+    would put first on the path) and ``argv[0]`` (the run lock records the command line)."""
+    import tidal
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tidal.__file__)))
+    return (f"import sys; sys.argv[0] = {sys.argv[0]!r}; sys.path.insert(0, {root!r}); "
+            "from tidal.cli import main; sys.exit(main())")
 
 
 def _outcome(command: str, pid: int, code: int, said: str) -> int:
