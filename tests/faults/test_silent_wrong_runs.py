@@ -110,6 +110,20 @@ def test_the_supervising_command_keeps_what_the_child_said_and_names_what_it_did
     assert _outcome("eval", 12, 7, "") == 7 and "eval process (pid 12) ended with exit code 7" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("signum", [9, 15])
+def test_a_child_ended_by_a_signal_ends_the_command_by_the_same_signal(signum):
+    """SIGKILL (a crash, the kernel's OOM killer, a fault test's kill) is named; a SIGTERM the command
+    passed on is not said twice. Either way the command ends by that signal (torchrun sees it)."""
+    import subprocess
+    import sys
+
+    code = f"from tidal.run.supervise import _outcome; _outcome('train', 5, -{signum}, '')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signum, proc.stderr
+    said = "tidal: the train process (pid 5) was ended by signal SIGKILL before the command finished\n"
+    assert proc.stderr == (said if signum == 9 else ""), proc.stderr
+
+
 def test_a_supervised_config_error_is_one_line_with_its_exit_code():
     proc = _tidal("check", "/no/such/config.yaml", timeout=120)
     assert proc.returncode == 2 and proc.stderr == "tidal: config error at '<config>': config file '/no/such/config.yaml' not found\n", proc.stderr

@@ -113,8 +113,11 @@ def _child_code() -> str:
 
 def _outcome(command: str, pid: int, code: int, said: str) -> int:
     if code < 0:  # ended by a signal: end the same way, so whoever started the command sees it
-        print(f"tidal: the {command} process (pid {pid}) was ended by signal {signal.Signals(-code).name}", file=sys.stderr, flush=True)
-        signal.signal(-code, signal.SIG_DFL)
+        if not said and -code not in _FORWARDED:  # a SIGINT/SIGTERM came through us: the user knows of it
+            print(f"tidal: the {command} process (pid {pid}) was ended by signal {signal.Signals(-code).name} before the "
+                  "command finished", file=sys.stderr, flush=True)
+        if -code != signal.SIGKILL:  # SIGKILL's handler cannot be set (nor caught)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         return 128 - code
     if said:
