@@ -144,17 +144,6 @@ def check_out(cfg, args) -> None:
 
 
 def cmd_export(args) -> int:
-    from tidal.trainer.export import ExportError
-
-    try:
-        return _export(args)
-    except ExportError as e:  # e.g. a full disk: said in one line, the earlier export kept
-        print(f"tidal: {e}", file=sys.stderr)
-        _end_process_group()
-        return 1
-
-
-def _export(args) -> int:
     cfg, source = _load_checkpoint_config(args)
     check_out(cfg, args)
     if cfg.job != "rl":
@@ -332,6 +321,19 @@ def _run(argv: list[str]) -> int:
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE
+    except Exception as e:
+        if not _export_failed(e):
+            raise
+        print(f"tidal: {e}", file=sys.stderr)  # e.g. a full disk: one line, the earlier export kept
+        _end_process_group()
+        return 1
+
+
+def _export_failed(exc: Exception) -> bool:
+    """Whether ``exc`` is an export's failure (``tidal export``, or the reward-model job's export at
+    the end), said in one line; without the export module loaded, it cannot be one."""
+    export = sys.modules.get("tidal.trainer.export")
+    return export is not None and isinstance(exc, export.ExportError)
 
 
 if __name__ == "__main__":
