@@ -47,7 +47,7 @@ _.add_observer, _.remove_observer
 # Read by other libraries (bench/).
 _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links are built already
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
-CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv  # env.name
+CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv  # env.name
 
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner

@@ -17,6 +17,7 @@ BUILT_IN: dict[str, str] = {
     "python": "tidal.envs.python_tool:PythonToolEnv",
     # from the ecosystem: each needs its extra (tidal.optional_deps.ENV_EXTRAS), imported on first use
     "mcp": "tidal.envs.adapters.mcp:McpEnv",
+    "openenv": "tidal.envs.adapters.openenv:OpenEnvEnv",
 }
 ENVIRONMENTS: Registry = Registry("environment")
 

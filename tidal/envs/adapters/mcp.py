@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import importlib
 import json
 import threading
 from typing import Any
 
 from tidal.config_base import ConfigError, build, check
+from tidal.envs.adapters import import_object
 from tidal.envs.adapters.background import BackgroundLoop
 from tidal.envs.config import EnvConfig
 from tidal.envs.tool_env import ToolEnv
@@ -82,16 +82,6 @@ class McpConnection:
 
     def call(self, name: str, arguments: dict[str, Any], timeout_s: float):
         return self.loop.run(self.client.call_tool(name, arguments), timeout_s)
-
-
-def import_object(path: str, key: str) -> Any:
-    """The object ``module:attr`` names (ConfigError at ``key`` when it cannot be imported)."""
-    module, _, attr = path.partition(":")
-    check(bool(module) and bool(attr), key, f"expected module:attr, got {path!r}")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(key, f"cannot import {path!r}: {type(e).__name__}: {e}") from None
 
 
 _LOCK = threading.Lock()

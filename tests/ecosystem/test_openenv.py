@@ -1,0 +1,52 @@
+"""OpenEnv (the extra ``openenv``; run by .ci/run in the extras venv): an in-process OpenEnv
+environment mapped to turns, its rewards per turn and at the end, the trained tokens exactly the
+sampled ones."""
+
+import pytest
+
+pytest.importorskip("openenv", reason="openenv-core is not installed: .ci/run runs this file in the extras venv")
+pytestmark = pytest.mark.extras
+
+from tidal.config_base import ConfigError  # noqa: E402
+from tidal.engine.base import SamplingParams  # noqa: E402
+from tidal.envs import EnvConfig, EnvRollout, make_env_factory  # noqa: E402
+
+from tests.ecosystem.exact import Recorder, assert_trained_equals_sampled  # noqa: E402
+from tests.envs.helpers import ScriptedEngine, chat_row  # noqa: E402
+
+GUESS = "tests.ecosystem.openenv_guess:GuessEnv"
+
+
+def policy(text: str, turn: int) -> str:
+    return ["50", "20", "7"][turn]
+
+
+def test_in_process_environment_rollout_is_exact(qwen25_tok):
+    tok = qwen25_tok
+    cfg = EnvConfig(name="openenv", kwargs={"environment": GUESS}, max_turns=5)
+    engine = ScriptedEngine(tok, policy)
+    rec = Recorder(engine.generate)
+    rows = [chat_row(tok, "Play.", where="r:0")]
+    result = EnvRollout(cfg, tok, env_factory=make_env_factory(cfg)).run(rec.generate, rows, SamplingParams(max_new_tokens=8, n=2))
+    assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == 6
+    for traj in result.trajectories:
+        assert [m["content"] for m in traj.messages] == ["Play.", "Guess my number (1-100).", "50", "lower", "20", "lower", "7"]
+        assert traj.finish_reason == "done" and traj.outcome_reward == 1.0
+        assert [t.reward for t in traj.turns] == pytest.approx([-0.1, -0.1, 0.0])  # per-turn rewards, then the outcome
+
+
+def test_seed_from_the_row_and_settings_errors(qwen25_tok):
+    cfg = EnvConfig(name="openenv", kwargs={"environment": GUESS, "role": "tool"})
+    row = chat_row(qwen25_tok, "Play.")
+    row.metadata["seed"] = 50
+    env = make_env_factory(cfg)()
+    env.reset(row)
+    from tidal.envs import ModelTurn
+
+    assert env.step(ModelTurn(token_ids=[1], text="50", finish_reason="stop", index=0)).done
+    with pytest.raises(ConfigError, match="env.kwargs.environment"):
+        make_env_factory(EnvConfig(name="openenv", kwargs={"environment": "tests.ecosystem.openenv_guess:Guess"}))
+    with pytest.raises(ConfigError, match="env.kwargs.action_field"):
+        make_env_factory(EnvConfig(name="openenv", kwargs={"environment": GUESS, "action_field": "text"}))
+    with pytest.raises(ConfigError, match="env.kwargs.role"):
+        make_env_factory(EnvConfig(name="openenv", kwargs={"environment": GUESS, "role": "system"}))
