@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp", reason="mcp is not installed: .ci/run runs this file in the extras venv")
+from tests.ecosystem import import_extra
+
+import_extra("mcp", "mcp")
 pytestmark = pytest.mark.extras
 
 from tidal.config_base import ConfigError  # noqa: E402

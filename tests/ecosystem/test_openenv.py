@@ -4,7 +4,9 @@ sampled ones."""
 
 import pytest
 
-pytest.importorskip("openenv", reason="openenv-core is not installed: .ci/run runs this file in the extras venv")
+from tests.ecosystem import import_extra
+
+import_extra("openenv", "openenv")
 pytestmark = pytest.mark.extras
 
 from tidal.config_base import ConfigError  # noqa: E402
