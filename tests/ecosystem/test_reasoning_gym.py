@@ -100,3 +100,31 @@ def test_shipped_config_checks():
     rg_source.check_sources(cfg.data)
     with pytest.raises(ConfigError, match=r"data.eval\[0\].reasoning_gym.datasets.nope"):
         rg_source.check_sources(load_config("reasoning_gym", ["data.eval=[{reasoning_gym: {datasets: {nope: {}}}}]"]).data)
+
+
+def test_rollout_of_generated_rows_is_exact_and_scored_by_the_rule(qwen25_tok):
+    """The rows go through the single-turn path (the dataset's prompt as ids, one turn): the trained
+    tokens are the sampled ones, and the rule scores each trajectory's answer with its row's entry."""
+    from tidal.engine.base import SamplingParams
+    from tidal.envs import EnvConfig, EnvRollout, EnvRow
+    from tidal.envs.chat import ChatRenderer
+
+    from tests.ecosystem.exact import Recorder, assert_trained_equals_sampled
+    from tests.envs.helpers import ScriptedEngine
+
+    tok = qwen25_tok
+    rows = rg_source.rows(spec(size=4), DataConfig())
+    env_rows = []
+    for i, row in enumerate(rows):
+        ids = ChatRenderer(tok).prompt_ids([{"role": "user", "content": row["prompt"]}])
+        env_rows.append(EnvRow(prompt_ids=ids, prompt_text=tok.decode(ids), reference=row["reference"], where=f"rg:{i}",
+                               metadata={"reasoning_gym": row["reasoning_gym"]}))
+    answers = {r.prompt_text: row["reference"] for r, row in zip(env_rows, rows)}
+    engine = ScriptedEngine(tok, lambda text, turn: f"<answer>{answers[text]}</answer>" if "leg" not in text else "1")
+    rec = Recorder(engine.generate)
+    result = EnvRollout(EnvConfig(), tok).run(rec.generate, env_rows, SamplingParams(max_new_tokens=64, n=2))
+    assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == 8
+    rule = RULES.get("reasoning_gym", "type")(ReasoningGymRewardConfig())
+    scores = [rule.score(t.reward_sample(i)) for i, t in enumerate(result.trajectories)]
+    legs = ["leg" in r.prompt_text for r in env_rows for _ in range(2)]
+    assert scores == [0.0 if leg else 1.0 for leg in legs]
