@@ -20,6 +20,7 @@ The ``mcp`` package is imported on first connection only; this module imports ne
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import threading
@@ -60,15 +61,14 @@ class McpConnection:
     """A live client session with one server and its tool list (read once)."""
 
     def __init__(self, server: McpServerConfig, loop: BackgroundLoop):
-        from mcp import Client, StdioServerParameters
+        from mcp import Client
 
         if server.command:
-            target = StdioServerParameters(command=server.command[0], args=list(server.command[1:]), env=server.env,
-                                           cwd=server.cwd)
-        else:
-            target = import_object(server.object, "env.kwargs.servers.object")
+            session = _stdio_session(server)
+        else:  # in process
+            session = Client(import_object(server.object, "env.kwargs.servers.object"))
         self.loop = loop
-        self.client = loop.hold(Client(target), server.connect_timeout_s)
+        self.client = loop.hold(session, server.connect_timeout_s)
         self.tools = loop.run(self._list_tools(), server.connect_timeout_s)
 
     async def _list_tools(self) -> list:
@@ -82,6 +82,19 @@ class McpConnection:
 
     def call(self, name: str, arguments: dict[str, Any], timeout_s: float):
         return self.loop.run(self.client.call_tool(name, arguments), timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def _stdio_session(server: McpServerConfig):
+    """An initialised client session with a spawned stdio server (``stdio_client`` and
+    ``ClientSession``: the API of every mcp 2.x)."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    params = StdioServerParameters(command=server.command[0], args=list(server.command[1:]), env=server.env, cwd=server.cwd)
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
 
 
 _LOCK = threading.Lock()
