@@ -54,3 +54,17 @@ def assert_trained_equals_sampled(result, completions, pad_id: int) -> int:
             trained[key] += 1
     assert trained == sampled, "a completion is trained on twice, or never"
     return sum(trained.values())
+
+
+def assert_trainer_logprobs_equal_engine(result, model, pad_id: int, atol: float = 2e-4) -> None:
+    """The trainer's log-probabilities of the packed rows equal the engine's sampling logprobs on
+    every sampled token (fp32 on the CPU on both sides), as tests/envs/test_envs_logprobs.py does."""
+    from tidal.models.logprobs import attach_logprob_method, token_logprobs
+
+    packed = pack_trajectories(result.trajectories, pad_id=pad_id)
+    attach_logprob_method(model)
+    with torch.no_grad():
+        logp_BT, _ = token_logprobs(model, packed.sequences_BT, packed.attention_mask_BT, positions_BT=packed.action_mask_BT)
+    mask = packed.action_mask_BT.bool()
+    assert mask.any()
+    assert (logp_BT[mask] - packed.rollout_logp_BT[mask]).abs().max() < atol

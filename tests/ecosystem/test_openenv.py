@@ -52,3 +52,24 @@ def test_seed_from_the_row_and_settings_errors(qwen25_tok):
         make_env_factory(EnvConfig(name="openenv", kwargs={"environment": GUESS, "action_field": "text"}))
     with pytest.raises(ConfigError, match="env.kwargs.role"):
         make_env_factory(EnvConfig(name="openenv", kwargs={"environment": GUESS, "role": "system"}))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tiny_model_on_the_native_engine(qwen25_tok):
+    """A real tiny model sampling on the native engine against the OpenEnv environment (its random
+    guesses get feedback until max_turns): trained ids, masks and logprobs are the engine's, and the
+    trainer's log-probabilities equal the engine's on every sampled token."""
+    from tests.ecosystem.exact import assert_trainer_logprobs_equal_engine
+    from tests.engine.helpers import engine_for, tiny_hf
+
+    tok = qwen25_tok
+    model = tiny_hf("qwen2", vocab_size=len(tok), max_position_embeddings=512)
+    engine = engine_for(model, kv_cache_max_tokens=4096)
+    cfg = EnvConfig(name="openenv", kwargs={"environment": GUESS}, max_turns=3, max_tokens_per_turn=6)
+    rec = Recorder(engine.generate)
+    rows = [chat_row(tok, "Play.", where="r:0"), chat_row(tok, "Guess.", where="r:1")]
+    result = EnvRollout(cfg, tok, env_factory=make_env_factory(cfg)).run(
+        rec.generate, rows, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=0))
+    assert any(len(t.turns) > 1 for t in result.trajectories)  # observations between sampled turns
+    assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == sum(len(t.turns) for t in result.trajectories)
+    assert_trainer_logprobs_equal_engine(result, model, tok.pad_token_id)
