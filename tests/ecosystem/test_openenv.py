@@ -20,7 +20,9 @@ GUESS = "tests.ecosystem.openenv_guess:GuessEnv"
 
 
 def policy(text: str, turn: int) -> str:
-    return ["50", "20", "7"][turn]
+    """Sampled one character per token (tests/envs/helpers.py): words the tokenizer merges, so a
+    re-encoded turn would differ from the sampled ids."""
+    return ["The answer is 50", "The answer is 20", "The answer is 7"][turn]
 
 
 def test_in_process_environment_rollout_is_exact(qwen25_tok):
@@ -29,10 +31,11 @@ def test_in_process_environment_rollout_is_exact(qwen25_tok):
     engine = ScriptedEngine(tok, policy)
     rec = Recorder(engine.generate)
     rows = [chat_row(tok, "Play.", where="r:0")]
-    result = EnvRollout(cfg, tok, env_factory=make_env_factory(cfg)).run(rec.generate, rows, SamplingParams(max_new_tokens=8, n=2))
+    result = EnvRollout(cfg, tok, env_factory=make_env_factory(cfg)).run(rec.generate, rows, SamplingParams(max_new_tokens=32, n=2))
     assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == 6
     for traj in result.trajectories:
-        assert [m["content"] for m in traj.messages] == ["Play.", "Guess my number (1-100).", "50", "lower", "20", "lower", "7"]
+        assert [m["content"] for m in traj.messages] == ["Play.", "Guess my number (1-100).", "The answer is 50", "lower",
+                                                     "The answer is 20", "lower", "The answer is 7"]
         assert traj.finish_reason == "done" and traj.outcome_reward == 1.0
         assert [t.reward for t in traj.turns] == pytest.approx([-0.1, -0.1, 0.0])  # per-turn rewards, then the outcome
 
