@@ -86,6 +86,10 @@ def check(cfg: TidalConfig) -> list[str]:
     from tidal.optional_deps import check_dependencies
 
     check_dependencies(cfg)
+    if cfg.job == "rl":  # the environment's own settings (env.kwargs: an MCP tool, an OpenEnv class), by building one
+        from tidal.envs import make_env_factory
+
+        make_env_factory(cfg.env)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
                             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)

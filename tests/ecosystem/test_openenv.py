@@ -76,3 +76,12 @@ def test_tiny_model_on_the_native_engine(qwen25_tok):
     assert any(len(t.turns) > 1 for t in result.trajectories)  # observations between sampled turns
     assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == sum(len(t.turns) for t in result.trajectories)
     assert_trainer_logprobs_equal_engine(result, model, tok.pad_token_id)
+
+
+def test_tidal_check_names_a_wrong_environment_in_one_line(capsys, tmp_path):
+    from tidal.cli import main
+
+    rc = main(["check", "quickstart", "env.name=openenv", "env.kwargs={environment: tests.ecosystem.openenv_guess:Nope}",
+               f"task.workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "'env.kwargs.environment'" in err and "Nope" in err, err
