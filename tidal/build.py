@@ -46,6 +46,7 @@ from tidal.models.varlen import enable_packed_attention
 from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
+from tidal.tasks.reasoning_gym import generated_sources, resolve_sources
 from tidal.run import checkpoint as ckpt
 from tidal.trainer.colocation import Colocation, Models
 from tidal.trainer.config import require_resolved
@@ -78,12 +79,17 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_paths(cfg: TidalConfig, runtime: Runtime) -> ResolvedPaths:
-    """Build the task's assets on rank 0 (others wait) when ``task.name`` is set."""
+    """Build the task's assets and generate the reasoning-gym rows on rank 0 (others wait)."""
     m = cfg.model
+    if generated_sources(cfg.data):  # reasoning-gym rows: generated once into the task store, then read
+        if runtime.is_main:
+            resolve_sources(cfg.data, cfg.data.train + cfg.data.eval, cfg.task.workdir)
+        runtime.barrier()
+    train, eval_ = (resolve_sources(cfg.data, s, cfg.task.workdir) for s in (cfg.data.train, cfg.data.eval))
     if not cfg.task.name:
         return ResolvedPaths(
             model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
-            reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval),
+            reference=m.reference_path or m.path, train=train, eval=eval_,
         )
     from tidal.tasks import prepare
 
@@ -91,10 +97,10 @@ def resolve_paths(cfg: TidalConfig, runtime: Runtime) -> ResolvedPaths:
         prepare(cfg.task)
     runtime.barrier()
     assets = prepare(cfg.task)  # idempotent: returns the paths of what rank 0 built
-    return ResolvedPaths(
-        model=assets.model_path, tokenizer=assets.model_path, critic=assets.model_path, reference=assets.model_path,
-        train=[DataSource(path=assets.train_path)], eval=[DataSource(path=assets.eval_path)],
-    )
+    if not cfg.data.train:  # the task's prompts (with reasoning-gym sources the task gives the model only)
+        train, eval_ = [DataSource(path=assets.train_path)], [DataSource(path=assets.eval_path)]
+    return ResolvedPaths(model=assets.model_path, tokenizer=assets.model_path, critic=assets.model_path,
+                         reference=assets.model_path, train=train, eval=eval_)
 
 
 def total_optimizer_steps(cfg: TidalConfig) -> int:

@@ -86,6 +86,10 @@ def check(cfg: TidalConfig) -> list[str]:
     from tidal.optional_deps import check_dependencies
 
     check_dependencies(cfg)
+    if cfg.job == "rl":  # the environment's own settings (env.kwargs: an MCP tool, an OpenEnv class), by building one
+        from tidal.envs import make_env_factory
+
+        make_env_factory(cfg.env)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
                             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)
@@ -102,8 +106,11 @@ def check(cfg: TidalConfig) -> list[str]:
             check_context_budget(cfg, None)
         else:
             m = cfg.model
+            from tidal.tasks.reasoning_gym import resolve_sources  # reasoning-gym rows: generated once, then read
+
+            train, eval_ = (resolve_sources(cfg.data, sources, cfg.task.workdir) for sources in (cfg.data.train, cfg.data.eval))
             paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
-                                  reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
+                                  reference=m.reference_path or m.path, train=train, eval=eval_)
             check_inputs(cfg, paths, Algorithm(cfg.algorithm))
             _, data_lines = check_model_and_data(cfg, paths, AutoConfig.from_pretrained(m.path))
     return (plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)

@@ -32,9 +32,11 @@ def _load(args):
     from tidal.config import load_config
     from tidal.logging.quiet import quiet_third_party
     from tidal.optional_deps import check_dependencies
+    from tidal.tasks.reasoning_gym import check_sources
 
     cfg = load_config(args.config, args.overrides)
     check_dependencies(cfg)
+    check_sources(cfg.data)  # reasoning-gym names and settings, by the library (imported only when used)
     quiet_third_party(int(os.environ.get("RANK", "0")))
     return cfg
 

@@ -69,7 +69,11 @@ class TidalConfig:
             return
         if self.task.name:
             check(not self.model.path, "model.path", f"must be empty with task.name={self.task.name!r}: the task builds the model")
-            check(not self.data.train, "data.train", f"must be empty with task.name={self.task.name!r}: the task builds the data")
+            check(all(s.reasoning_gym is not None for s in self.data.train + self.data.eval), "data.train",
+                  f"must be empty with task.name={self.task.name!r}: the task builds the data (reasoning-gym sources "
+                  "excepted: with them the task gives the model and reasoning-gym the prompts)")
+            check(not self.data.eval or bool(self.data.train), "data.eval",
+                  f"with task.name={self.task.name!r} needs reasoning-gym sources in data.train too (else the task's own data is used)")
         else:
             check(bool(self.model.path), "model.path", "must be a local Hugging Face model folder (or set task.name)")
             check(bool(self.data.train), "data.train", "needs at least one prompt source (or set task.name)")
@@ -83,7 +87,7 @@ class TidalConfig:
               "no reward components and no distillation (algorithm.distill_coef): nothing to learn from")
         check(bool(self.reward.components) or self.algorithm.distill_task_weight == 1.0, "algorithm.distill_task_weight",
               "weights task rewards, but reward.components is empty")
-        has_eval = bool(self.data.eval or self.task.name) and (self.eval.every > 0 or self.eval.at_start or self.eval.at_end)
+        has_eval = bool(self.data.eval or (self.task.name and not self.data.train)) and (self.eval.every > 0 or self.eval.at_start or self.eval.at_end)
         check(bool(self.reward.components) or not has_eval, "eval",
               "evaluation scores responses with reward.components (correct: reward >= eval.correct_threshold); "
               "configure reward components or turn evaluation off (eval.every=0, eval.at_start=false, eval.at_end=false)")

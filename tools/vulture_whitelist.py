@@ -14,7 +14,7 @@ CISPO, CPGDLoss, GMPO, GSPO, PPOClip  # algorithm.policy_loss
 TorchOps, TritonOps  # engine.kernel_backend
 Qwen3ForCausalLM, LlamaForCausalLM, Qwen2_5_VLForConditionalGeneration  # the HF config's model_type
 JsonlBackend, TensorBoardBackend, WandbBackend, ConsoleBackend  # logging.backends
-MathAnswer, ThinkAnswerFormat, LengthPenalty  # reward rule components
+MathAnswer, ThinkAnswerFormat, LengthPenalty, ReasoningGymReward  # reward rule components
 
 # Named in configs as "module:function" and imported at run time.
 arithmetic_reward  # tidal/configs/quickstart.yaml
@@ -39,6 +39,7 @@ _.__cuda_array_interface__  # read by torch.as_tensor (CUDA array interface)
 # Dataclass fields read through dataclasses.fields().
 greedy_reward, greedy_correct, sampled_reward, pass_at_k, greedy_length  # EvalSums
 _.greedy_reward, _.greedy_correct, _.sampled_reward, _.pass_at_k, _.greedy_length
+library_version  # tidal/tasks/reasoning_gym.py _Generation: hashed into the task store's folder name
 
 # The observer hook of PhaseTimer: the benchmark registers its memory timeline and profiler through it.
 _.add_observer, _.remove_observer
@@ -46,7 +47,7 @@ _.add_observer, _.remove_observer
 # Read by other libraries (bench/).
 _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links are built already
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
-CalculatorEnv, PythonToolEnv, SingleTurnEnv  # env.name
+CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv  # env.name
 
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner

@@ -47,6 +47,9 @@ def _hide(monkeypatch, module):
     ("strategy.backend=deepspeed", "deepspeed", "deepspeed"),
     ("model.lora.rank=8", "peft", "lora"),
     ("engine.backend=sglang", "sglang", "sglang"),
+    ("data.train=[{reasoning_gym: {datasets: {basic_arithmetic: {}}}}]", "reasoning_gym", "reasoning-gym"),
+    ("env.name=mcp", "mcp", "mcp"),
+    ("env.name=openenv", "openenv", "openenv"),
 ])
 def test_missing_package_is_one_line_exit_2_before_anything_loads(monkeypatch, capsys, tmp_path, override, module, extra):
     _hide(monkeypatch, module)

@@ -15,6 +15,9 @@ BUILT_IN: dict[str, str] = {
     "single_turn": "tidal.envs.single_turn:SingleTurnEnv",
     "calculator": "tidal.envs.calculator:CalculatorEnv",
     "python": "tidal.envs.python_tool:PythonToolEnv",
+    # from the ecosystem: each needs its extra (tidal.optional_deps.ENV_EXTRAS), imported on first use
+    "mcp": "tidal.envs.adapters.mcp:McpEnv",
+    "openenv": "tidal.envs.adapters.openenv:OpenEnvEnv",
 }
 ENVIRONMENTS: Registry = Registry("environment")
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import math
 import re
+from typing import Literal
 
-from tidal.config_base import check
+from tidal.config_base import check, check_choice
 from tidal.registry import Registry
 from tidal.rewards import math_answer
 from tidal.rewards.base import ComponentResult, SyncComponent, as_score
@@ -166,6 +168,63 @@ class LengthPenalty(RuleReward):
         c = self.cfg
         frac = (len(sample.response_ids) - c.target_tokens) / (c.max_tokens - c.target_tokens)
         return 0.0 - c.penalty * min(1.0, max(0.0, frac))
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReasoningGymRewardConfig:
+    """answer: how the answer is read from the response: ``tag``, the library's own extraction
+    (``reasoning_gym.utils.extract_answer``: the last ``<tag>...</tag>`` block, stripped; none is a
+    wrong answer); ``whole``: the whole response, stripped (for a model that answers bare).
+    tag: the tag of ``answer: tag``. The score is the dataset's own ``score_answer`` (0..1)."""
+
+    answer: Literal["tag", "whole"] = "tag"
+    tag: str = "answer"
+
+    def __post_init__(self):
+        check_choice(self.answer, ("tag", "whole"), "answer")
+        check(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", self.tag)), "tag", "must be a tag name")
+
+
+@RULES.register("reasoning_gym")
+class ReasoningGymReward(RuleReward):
+    """A reasoning-gym row's score: its dataset's own ``score_answer(answer, entry)`` (the dataset
+    built with the row's settings), on the answer read from the response (``answer``). The row comes
+    from a ``reasoning_gym`` data source (:mod:`tidal.tasks.reasoning_gym`), whose field
+    ``reasoning_gym`` holds the dataset name, its settings and the library's entry."""
+
+    Config = ReasoningGymRewardConfig
+    reads_answers = True
+
+    def __init__(self, cfg: ReasoningGymRewardConfig):
+        super().__init__(cfg)
+        self._datasets: dict[str, object] = {}
+
+    def _answer(self, response: str) -> str | None:
+        if self.cfg.answer == "whole":
+            return response.strip()
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(response, tag_name=self.cfg.tag)
+
+    def _dataset(self, name: str, config: dict):
+        key = json.dumps([name, config], sort_keys=True)
+        if key not in self._datasets:
+            from reasoning_gym.factory import DATASETS
+
+            dataset_cls, config_cls = DATASETS[name]
+            self._datasets[key] = dataset_cls(config=config_cls(**config))
+        return self._datasets[key]
+
+    def score(self, sample: RewardSample) -> float:
+        record = sample.metadata.get("reasoning_gym")
+        if not isinstance(record, dict) or not {"dataset", "config", "entry"} <= record.keys():
+            raise ValueError("the row has no 'reasoning_gym' field {dataset, config, entry}: the rule scores rows of a "
+                             "reasoning_gym data source (data.train[i].reasoning_gym)")
+        dataset = self._dataset(record["dataset"], record["config"])
+        return float(dataset.score_answer(self._answer(sample.response), record["entry"]))
+
+    def unparsed(self, sample: RewardSample) -> bool:
+        return self._answer(sample.response) is None
 
 
 class RuleComponent(SyncComponent):

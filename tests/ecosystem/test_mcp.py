@@ -1,0 +1,103 @@
+"""MCP tools (the extra ``mcp``; run by .ci/run in the extras venv): a local stdio MCP server kept
+alive across episodes, its schemas rendered byte-identically, ``is_error`` results and timeouts as
+counted observations, and the trained tokens exactly the sampled ones."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ecosystem import import_extra
+
+import_extra("mcp", "mcp")
+pytestmark = pytest.mark.extras
+
+from tidal.config_base import ConfigError  # noqa: E402
+from tidal.engine.base import SamplingParams  # noqa: E402
+from tidal.envs import ChatRenderer, EnvConfig, EnvRollout, make_env_factory  # noqa: E402
+from tidal.envs.adapters import mcp as adapter  # noqa: E402
+from tidal.envs.tool_calls import format_tool_call  # noqa: E402
+
+from tests.ecosystem.exact import Recorder, assert_trained_equals_sampled  # noqa: E402
+from tests.envs.helpers import ScriptedEngine, chat_row  # noqa: E402
+
+SERVER = [sys.executable, str(Path(__file__).with_name("mcp_server.py"))]
+
+
+def env_config(**kw) -> EnvConfig:
+    settings = dict(name="mcp", kwargs={"servers": [{"command": SERVER}]}, max_turns=4, tool_timeout_s=1.0, step_timeout_s=30.0)
+    return EnvConfig(**{**settings, **kw})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_connections():
+    adapter.close_all()
+    yield
+    adapter.close_all()
+
+
+def policy(text: str, turn: int) -> str:
+    """Turn 0: a right call, a call the server refuses (is_error) and the server's pid; turn 1: a
+    call past the time limit; turn 2: the pid again (the connection survived the timeout); turn 3: the answer."""
+    return [format_tool_call("add", {"a": 2, "b": 3}) + format_tool_call("divide", {"a": 1, "b": 0}) + format_tool_call("pid", {}),
+            format_tool_call("sleep", {"seconds": 5}), format_tool_call("pid", {}), "5"][turn]
+
+
+def test_stdio_server_rollout_is_exact_and_counts_errors_and_timeouts(qwen25_tok):
+    tok, cfg = qwen25_tok, env_config()
+    t0 = time.perf_counter()
+    factory = make_env_factory(cfg)  # connects (spawns the server) once
+    connect_s = time.perf_counter() - t0
+    engine = ScriptedEngine(tok, policy)
+    rec = Recorder(engine.generate)
+    rows = [chat_row(tok, "2+3?", where="r:0"), chat_row(tok, "What is 2+3?", where="r:1")]
+    t1 = time.perf_counter()
+    result = EnvRollout(cfg, tok, env_factory=factory).run(rec.generate, rows, SamplingParams(max_new_tokens=400, n=2))
+    assert time.perf_counter() - t1 < connect_s + 8, "the rollout's episodes spawned servers of their own"
+    assert assert_trained_equals_sampled(result, rec.completions, tok.pad_token_id) == 16  # 4 trajectories x 4 turns
+    for traj in result.trajectories:
+        tools = [m["content"] for m in traj.messages if m["role"] == "tool"]
+        assert tools[0] == "5" and "division by zero" in tools[1]  # is_error: the server's words, to the model
+        assert tools[3] == "error: sleep: timed out after 1 s"
+        assert tools[2] == tools[4] and tools[2].isdigit()  # one server process, alive after the timeout
+        assert traj.counters == {"tool_calls": 5.0, "tool_errors": 1.0, "tool_failures": 1.0, "tool_timeouts": 1.0}
+    pids = {[m["content"] for m in t.messages if m["role"] == "tool"][2] for t in result.trajectories}
+    assert len(pids) == 1  # every episode, and both rows, on the same kept-alive server
+    assert result.metrics["env/tool_timeouts"] == 1.0 and result.metrics["env/tool_errors"] == 1.0
+
+
+def test_schemas_render_byte_identically(qwen25_tok):
+    """The same tool listing, in the server's order, in every episode and after the server restarts:
+    the prompt the engine is given (and the trainer trains on) is the same bytes."""
+    cfg = env_config()
+    renderer = ChatRenderer(qwen25_tok)
+    row = chat_row(qwen25_tok, "2+3?")
+    first = [make_env_factory(cfg)().reset(row) for _ in range(2)]
+    adapter.close_all()  # a new server process
+    again = make_env_factory(cfg)().reset(row)
+    texts = {renderer.render(o.messages, tools=o.tools) for o in first + [again]}
+    assert len(texts) == 1
+    (text,) = texts
+    assert [t["function"]["name"] for t in again.tools] == ["add", "divide", "sleep", "pid"]
+    assert '"name": "add", "description": "Add two integers."' in text
+
+
+def test_settings_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"env.kwargs.servers"):
+        make_env_factory(env_config(kwargs={"servers": []}))
+    with pytest.raises(ConfigError, match=r"env.kwargs.servers\[0\].command"):
+        make_env_factory(env_config(kwargs={"servers": [{"command": SERVER, "object": "x:y"}]}))
+    with pytest.raises(ConfigError, match=r"env.kwargs.tools.*no MCP tool named \['nope'\]"):
+        make_env_factory(env_config(kwargs={"servers": [{"command": SERVER}], "tools": ["add", "nope"]}))
+    factory = make_env_factory(env_config(kwargs={"servers": [{"command": SERVER}], "tools": ["pid", "add"]}))
+    assert [t.name for t in factory().toolset.tools.values()] == ["pid", "add"]
+
+
+def test_in_process_server():
+    cfg = env_config(kwargs={"servers": [{"object": "tests.ecosystem.mcp_server:server"}]})
+    env = make_env_factory(cfg)()
+    from tidal.envs import ModelTurn
+
+    res = env.step(ModelTurn(token_ids=[1], text=format_tool_call("add", {"a": 4, "b": 5}), finish_reason="stop", index=0))
+    assert res.observation.messages[0]["content"] == "9"
