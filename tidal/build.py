@@ -34,6 +34,7 @@ from tidal.data.check import sample_rows
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
+from tidal.distributed.topology import describe_sharding
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
@@ -255,7 +256,11 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
-    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    shard = runtime.topology.shard_size(cfg.strategy.shard_setting())  # strategy.shard checked against the nodes
+    if runtime.is_main and runtime.world_size > 1:
+        print(f"[tidal] ranks: {runtime.topology.describe()}; {describe_sharding(shard, runtime.world_size)}", flush=True)
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s,
+                        topology=runtime.topology)
     watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
@@ -267,7 +272,8 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     # that cannot fit stops here, before any model loads
     teacher_path = cfg.model.teacher.path if algorithm.needs_teacher else ""
     memory = plan_run(
-        cfg, hf_config, device=runtime.device, world_size=runtime.world_size, is_main=runtime.is_main,
+        cfg, hf_config, device=runtime.device, world_size=runtime.world_size, num_nodes=runtime.topology.num_nodes,
+        is_main=runtime.is_main,
         needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic,
         teacher_hf_config=AutoConfig.from_pretrained(teacher_path) if teacher_path else None,
         all_reduce_max=runtime.all_reduce_max,

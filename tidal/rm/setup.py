@@ -104,7 +104,8 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
         run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=RM_STATE_KEYS)
         compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
         resume = run_dir.resume
-    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s,
+                        topology=runtime.topology)
     if not read_only:  # a watchdog never started writes no heartbeat
         watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)

@@ -17,6 +17,9 @@ stops (or, with ``--max-restarts``, restarts) the job instead of it hanging unti
 timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
 length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
 An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note.
+With several nodes (a :class:`~tidal.distributed.topology.Topology`) the report names each rank's
+node and host, and the hosts of the ranks behind: a node that died shows as its ranks' missing or
+stalled heartbeats.
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
 none afterwards. ``<run_dir>`` must be visible to every rank (as checkpoints already require).
@@ -40,14 +43,16 @@ from tidal.run import faults
 dist = lazy_module("torch.distributed")
 if TYPE_CHECKING:
     from tidal.distributed.runtime import Runtime
+    from tidal.distributed.topology import Topology
 
 EXIT_CODE = 3
 
 
 class Watchdog:
-    def __init__(self, *, rank: int, world_size: int, run_dir: str | Path, timeout_s: float):
+    def __init__(self, *, rank: int, world_size: int, run_dir: str | Path, timeout_s: float, topology: Topology | None = None):
         self.rank = rank
         self.world_size = world_size
+        self.topology = topology if topology is not None and topology.num_nodes > 1 else None
         self.timeout_s = float(timeout_s)
         self.poll_s = min(10.0, max(0.05, self.timeout_s / 20))
         self.flush_s = min(1.0, self.poll_s)
@@ -177,11 +182,12 @@ class Watchdog:
     def _report(self, beats: dict, now: float, *, behind: list[int], why: str) -> dict:
         ranks = []
         for r, b in sorted(beats.items()):
+            where = {"node": self.topology.node_of(r), "host": self.topology.host_of(r)} if self.topology else {}
             if b is None:
-                ranks.append({"rank": r, "stage": None, "behind": True})
+                ranks.append({"rank": r, **where, "stage": None, "behind": True})
             else:
                 ranks.append({
-                    "rank": r, "step": b["step"], "stage": b["stage"], "state": b["state"],
+                    "rank": r, **where, "step": b["step"], "stage": b["stage"], "state": b["state"],
                     "seconds": round(now - b["entered"], 3), "behind": r in behind,
                 })
         return {"timeout_s": self.timeout_s, "why": why, "behind": behind, "ranks": ranks}
@@ -205,14 +211,17 @@ class Watchdog:
 def format_report(report: dict, title: str) -> str:
     lines = [f"[tidal.watchdog] {title}: {report['why']} (run.collective_timeout_s={report['timeout_s']:g})"]
     for r in report["ranks"]:
+        who = f"rank {r['rank']}" + (f" (node {r['node']}, host {r['host']})" if "node" in r else "")
         if r["stage"] is None:
-            lines.append(f"  rank {r['rank']}: no heartbeat  <- behind")
+            lines.append(f"  {who}: no heartbeat  <- behind")
             continue
         where = "in" if r["state"] == "in" else "after"
         mark = "  <- behind" if r["behind"] else ""
-        lines.append(f"  rank {r['rank']}: step {r['step']}, {where} stage '{r['stage']}' for {r['seconds']:.1f} s{mark}")
+        lines.append(f"  {who}: step {r['step']}, {where} stage '{r['stage']}' for {r['seconds']:.1f} s{mark}")
     if report["behind"]:
-        lines.append(f"  diverged (behind): ranks {report['behind']}")
+        hosts = sorted({(r["node"], r["host"]) for r in report["ranks"] if r["behind"] and "node" in r})
+        on = f" on {', '.join(f'node {g} (host {h})' for g, h in hosts)}" if hosts else ""
+        lines.append(f"  diverged (behind): ranks {report['behind']}{on}")
     return "\n".join(lines)
 
 
