@@ -2,7 +2,8 @@
 replicate x shard) against full sharding (strategy.shard=world) from the same weights and data:
 losses, gradients and the stepped weights; which shard each rank holds; weight sync from the
 hybrid layout (bucketed, verified by read-back); a DCP checkpoint of the hybrid layout loaded into
-the full one.
+the full one. With deepspeed installed (DS_ACCELERATOR=cpu), also ZeRO-3 with strategy.shard=2
+(ZeRO++ hierarchical partitioning): the same losses, and each parameter's secondary partition.
 
 Writes $TIDAL_TEST_OUT/rank<R>.json.
 """
@@ -39,17 +40,38 @@ def prepared(rt, shard, weights):
     return strategy, strategy.prepare_trainable(model, OptimConfig(lr=1e-2, max_grad_norm=1.0), lr=1e-2, total_steps=4)
 
 
-def train(rt, strategy, state, batches):
+def train(rt, strategy, state, batches, grads=True):
     """Two optimizer steps; per step the global loss, the full gradients and the step's metrics."""
     out = []
     for ids in batches:
         logp, _ = token_logprobs(state.model, ids, torch.ones_like(ids))
         loss = -logp.mean() / rt.world_size  # this rank's share of the global loss
         strategy.backward(loss, state, sync_grads=True)
-        grads = {n: p.grad.full_tensor() for n, p in state.model.named_parameters()}
+        full = {n: p.grad.full_tensor() for n, p in state.model.named_parameters()} if grads else {}
         metrics = strategy.optimizer_step(state)
-        out.append((rt.all_reduce_sum([float(loss.detach())])[0], grads, metrics))
+        out.append((rt.all_reduce_sum([float(loss.detach())])[0], full, metrics))
     return out
+
+
+def deepspeed_hpz(rt, weights, batches):
+    """ZeRO-3 with ``zero_hpz_partition_size`` 2: losses, grad norms, full weights, secondary partition sizes."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return {}
+    model = Qwen2ForCausalLM(CFG)
+    model.load_state_dict(weights)
+    attach_logprob_method(model)
+    strategy = get_strategy(StrategyConfig(backend="deepspeed", shard=2), rt)
+    state = strategy.prepare_trainable(model, OptimConfig(lr=1e-2, max_grad_norm=1.0), lr=1e-2, total_steps=4)
+    out = train(rt, strategy, state, batches, grads=False)
+    module = state.model.module
+    return {
+        "ds_losses": [x[0] for x in out], "ds_grad_norms": [x[2]["grad_norm"] for x in out],
+        "ds_weights": {n: t.tolist() for n, t in strategy.full_weights(state.model, torch.float32) if n.endswith("norm.weight")},
+        "ds_secondary": all(p.ds_secondary_tensor is not None and p.ds_secondary_tensor.numel() == -(-p.ds_numel // 2)
+                            for p in module.parameters()),
+    }
 
 
 def main():
@@ -100,6 +122,8 @@ def main():
     hyb_opt, other_opt = hyb_s.state_dict(hyb)["optimizer"]["state"], other_s.state_dict(other)["optimizer"]["state"]
     res["dcp_moments_equal"] = all(torch.equal(hyb_opt[n]["exp_avg"].full_tensor(), other_opt[n]["exp_avg"].full_tensor())
                                    for n in hyb_opt)
+    res["norm_weights"] = {n: t.tolist() for n, t in hyb_w.items() if n.endswith("norm.weight")}
+    res.update(deepspeed_hpz(rt, weights, batches))
     with open(os.path.join(os.environ["TIDAL_TEST_OUT"], f"rank{rt.rank}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.destroy_process_group()
