@@ -55,7 +55,7 @@ from tidal.trainer.ppo_trainer import EVAL_SEED_SALT, PPOTrainer, RunData, step_
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.trainer.evaluate import CheckpointPolicy
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import compare_config, resolve_resume_point
+from tidal.run.resume import check_world_change, compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -281,6 +281,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     run_cfg = memory.run_config(cfg)  # what every component below reads: no `auto` left for the plan's settings
 
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(run_dir.resume, runtime, reshards=strategy.reshards_checkpoints)
     with stage(f"loading and sharding the models ({paths.model})", enabled=runtime.is_main):
         models, hf_config = build_models(run_cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
@@ -330,6 +331,7 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
     tokenizer = load_tokenizer(paths.tokenizer)
     run_cfg = settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(point, runtime, reshards=strategy.reshards_checkpoints)
     actor, hf_config = build_actor(run_cfg, paths, strategy)
     models = Models(tokenizer=tokenizer, actor=actor, positions=model_positions(hf_config))
     # a watchdog never started: it writes no heartbeat into the run directory

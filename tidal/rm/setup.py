@@ -29,7 +29,7 @@ from tidal.rm.trainer import RM_STATE_KEYS, RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import compare_config, resolve_resume_point
+from tidal.run.resume import check_world_change, compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -115,6 +115,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     # without a memory plan takes them; every component below reads this resolved config
     run_cfg = settings_without_plan(cfg).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(resume, runtime, reshards=strategy.reshards_checkpoints)
     tokenizer = load_tokenizer(paths.tokenizer)
     if isinstance(tokenizer, VisionProcessor):
         raise ConfigError("model.tokenizer_path", "has an image processor; reward-model training supports text models only")

@@ -29,7 +29,7 @@ from tidal.logging import MetricsLogger
 from tidal.logging.progress import stage
 from tidal.logging.timer import PhaseTimer
 from tidal.run import checkpoint as ckpt
-from tidal.run.resume import ResumePoint
+from tidal.run.resume import ResumePoint, world_record
 from tidal.run.stop import StopRequest, StopRun
 from tidal.run.watchdog import Watchdog
 
@@ -155,7 +155,7 @@ class JobLoop:
         states = self.job.model_states()
         self._check_finite(step, states)
         trainer_state = {"step": step, "job": self.job.name, "sampler": self.job.sampler.state_dict(), **self.job.job_state(),
-                         "trainer": dataclasses.asdict(self.job.state)}
+                         "trainer": dataclasses.asdict(self.job.state), "world": world_record(self.rt)}
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
             path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=states, trainer_state=trainer_state,
                                         runtime=self.rt, keep=self.cfg.checkpoint.keep)

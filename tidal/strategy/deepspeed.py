@@ -293,6 +293,8 @@ def _materialize_optimizer_state(engine) -> None:
 
 
 class DeepSpeedStrategy(Strategy):
+    reshards_checkpoints = False  # each rank's ZeRO optimizer state is stored under its rank and world size
+
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         super().__init__(cfg, runtime)
         accel = get_accelerator().device_name()
