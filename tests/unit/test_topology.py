@@ -130,3 +130,27 @@ def test_watchdog_report_names_the_missing_ranks_node_and_host(tmp_path):
     assert "rank 1 (node 0, host hostA): step 0, in stage 'train'" in text
     assert "rank 3 (node 1, host hostB): no heartbeat  <- behind" in text
     assert "diverged (behind): ranks [2, 3] on node 1 (host hostB)" in text
+
+
+def test_watchdog_names_silent_ranks_of_a_dead_node(tmp_path):
+    """Ranks whose heartbeats stopped (their node died while every rank was in the same stage, where
+    positions alone show nothing) are reported once silent past the deadline, with their host."""
+    import json
+
+    from tidal.run.watchdog import Watchdog, format_report
+
+    wd = Watchdog(rank=0, world_size=4, run_dir=tmp_path, timeout_s=10.0,
+                  topology=Topology.from_ranks([(0, "hostA"), (0, "hostA"), (1, "hostB"), (1, "hostB")]))
+    wd.session, wd._started = "s1", 0.0
+    wd.dir.mkdir(parents=True)
+    wd._state = {**wd._make_state("generate", "in"), "session": "s1", "entered": 100.0}
+    for r, beat in ((1, 120.0), (2, 101.0), (3, 101.0)):
+        (wd.dir / f"rank{r}.json").write_text(json.dumps({"rank": r, "session": "s1", "pid": 1, "step": 0, "k": 0,
+                                                          "stage": "generate", "state": "in", "entered": 100.0, "beat": beat}))
+    assert wd.check(now=105.0) is None  # silent, but not yet past the deadline (8.5 s)
+    report = wd.check(now=110.0)
+    assert report["behind"] == [2, 3]
+    text = format_report(report, "ranks diverged")
+    assert "ranks [2, 3] on node 1 (host hostB) wrote no heartbeat for 9.0 s" in text
+    assert "rank 3 (node 1, host hostB): step 0, in stage 'generate' for 10.0 s, no heartbeat for 9.0 s  <- behind" in text
+    assert "rank 1 (node 0, host hostA): step 0, in stage 'generate' for 10.0 s\n" in text  # alive: beat 10 s ahead of now
