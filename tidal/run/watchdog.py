@@ -19,8 +19,9 @@ stops (or, with ``--max-restarts``, restarts) the job instead of it hanging unti
 timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
 length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
 An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note; for a
-``RuntimeError`` (what a collective raises when a peer's connection closes) the note waits up to
-``3 * beat_s`` first, so that ranks that are gone show as silent in it.
+collective's error (a plain ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a
+collective raises when a peer's connection closes) the note waits ``4 * beat_s`` first, so that ranks
+that are gone show as silent in it.
 With several nodes (a :class:`~tidal.distributed.topology.Topology`) the report names each rank's
 node and host, and the hosts of the ranks behind: a node that died shows as its ranks' missing or
 stalled heartbeats.
@@ -102,7 +103,7 @@ class Watchdog:
             yield
         except BaseException as e:
             if not getattr(e, "_tidal_stage_noted", False):
-                if isinstance(e, RuntimeError):  # a collective whose peer is gone: let it show as silent
+                if type(e) is RuntimeError or isinstance(e, dist.DistError):  # a collective's (gloo's, NCCL's): a peer may be gone
                     self._await_silence()
                 e.add_note(self.describe(f"rank {self.rank} failed in step {self.step}, stage '{name}'"))
                 e._tidal_stage_noted = True
