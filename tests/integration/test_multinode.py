@@ -1,11 +1,23 @@
-"""Several nodes and topology changes on CPU with gloo (issue 42 items 3-4): a run resumed on another
-number of ranks (4 -> 2 -> 4) continues from its checkpoint."""
+"""Several nodes on one machine (issue 42 items 3-4), on CPU with gloo: each simulated node is its own
+``tidal launch`` agent (torchrun) with ``--nnodes`` and a c10d rendezvous on 127.0.0.1, as on a cluster.
+
+- 2 nodes x 2 ranks train the quickstart as 1 node x 4 ranks do (the same metrics and prompts), the
+  models sharded within each node (``strategy.shard=auto``: HSDP);
+- that run resumes on 2 ranks, then on 4 again (DCP resharding; the sampler's position re-split);
+- a node killed mid-step: the other node's ranks stop with the watchdog's report naming the killed
+  ranks and their host, and with ``--max-restarts 1`` the job comes back on the surviving node
+  (``--nnodes 1:2``), resumes from the newest checkpoint and finishes.
+"""
 
 import json
 import math
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,36 +25,127 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+DETERMINISTIC = ("reward/", "actor/", "response/", "advantage/")
 
 
-def launch(nproc: int, out: Path, overrides: list[str], *, rdzv: list[str] | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
-    """``tidal launch`` of the quickstart on ``nproc`` local ranks (``--standalone`` unless ``rdzv`` gives the flags)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "tidal.cli", "launch", *(rdzv or ["--standalone"]), "--nproc_per_node", str(nproc),
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, out: Path, overrides: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+    """``tidal launch --standalone`` of the quickstart on one node of ``nproc`` ranks."""
+    cmd = [sys.executable, "-m", "tidal.cli", "launch", "--standalone", "--nproc_per_node", str(nproc),
            "train", "quickstart", f"run.output_dir={out}", *overrides]
-    return subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=out.parent, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_nodes(out: Path, overrides: list[str], *, nnodes: str = "2", rdzv: list[str] = (), conf: str = "") -> list[subprocess.Popen]:
+    """Two simulated nodes of 2 ranks each: ``tidal launch`` agents meeting at a c10d rendezvous on
+    127.0.0.1 (the first hosts the rendezvous store, ``is_host``). Output goes to ``node<i>.log``."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "tidal.cli", "launch", "--nnodes", nnodes, "--nproc_per_node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "sim",
+               "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}{conf}", *rdzv,
+               "train", "quickstart", f"run.output_dir={out}", *overrides]
+        log = open(out.parent / f"node{node}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=out.parent, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+        time.sleep(0.5 if node == 0 else 0)  # the store's host binds the port first (the other retries meanwhile)
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout: float = 400) -> list[int]:
+    end = time.monotonic() + timeout
+    return [p.wait(timeout=max(1.0, end - time.monotonic())) for p in procs]
 
 
 def metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_resume_on_fewer_then_more_ranks(tmp_path, tiny_task_overrides):
-    """Saved on 4 ranks, resumed on 2 (step 2), then on 4 again (step 3): model and optimizer are
-    resharded by DCP and the sampler's position re-split (which global batch each step takes is
-    tests/unit/test_data_sampler.py's); the run goes on from each checkpoint."""
-    out = tmp_path / "run"
-    common = tiny_task_overrides + ["checkpoint.every=1", "checkpoint.keep=3", "optim.lr=1e-3"]
-    for nproc, steps in ((4, 1), (2, 2), (4, 3)):
-        p = launch(nproc, out, common + [f"run.steps={steps}"])
+def prompts_seen(out: Path, step: int) -> list[str]:
+    return [json.loads(line)["prompt"] for line in (out / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+def test_two_nodes_match_one_and_resume_on_other_worlds(tmp_path, tiny_task_overrides):
+    common = tiny_task_overrides + ["checkpoint.every=1", "checkpoint.keep=3", "optim.lr=1e-3", "logging.trajectories_every=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    p = launch(4, one, common + ["run.steps=2"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    codes = wait(start_nodes(two, common + ["run.steps=2"]))
+    log = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    assert codes == [0, 0], log[-4000:]
+    host = socket.gethostname()
+    assert f"ranks: 2 nodes x 2 ranks (node 0: {host}, ranks 0-1; node 1: {host}, ranks 2-3); models sharded over 2 ranks, " \
+           "2 replicas (hybrid sharding)" in log
+    a, b = metrics(one), metrics(two)
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in (1, 2):
+        assert prompts_seen(one, step) == prompts_seen(two, step)  # rank 0's prompts; the sampler's split is the same
+        keys = [k for k in a[step] if k.startswith(DETERMINISTIC) and not k.endswith("seconds")]
+        assert keys and keys == [k for k in b[step] if k.startswith(DETERMINISTIC) and not k.endswith("seconds")]
+        for k in keys:
+            assert b[step][k] == pytest.approx(a[step][k], rel=1e-4, abs=1e-6), (step, k)
+
+    # the 2 x 2 run's checkpoint resumed on 1 x 2 ranks (step 3), then on 1 x 4 (step 4)
+    for nproc, steps, was in ((2, 3, "4 ranks (2 node(s) x 2)"), (4, 4, "2 ranks (1 node(s) x 2)")):
+        p = launch(nproc, two, common + [f"run.steps={steps}"])
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-        if steps > 1:
-            was = 4 if nproc == 2 else 2
-            assert (f"resuming step_{steps - 1:06d}, saved on {was} ranks (1 node(s) x {was}), on {nproc} ranks "
-                    f"(1 node(s) x {nproc}): model and optimizer state resharded") in p.stdout, p.stdout[-2000:]
-        record = json.loads((out / "checkpoints" / f"step_{steps:06d}" / "trainer.json").read_text())
+        assert (f"resuming step_{steps - 1:06d}, saved on {was}, on {nproc} ranks (1 node(s) x {nproc}): model and "
+                "optimizer state resharded") in p.stdout, p.stdout[-2000:]
+        record = json.loads((two / "checkpoints" / f"step_{steps:06d}" / "trainer.json").read_text())
         assert record["world"] == {"world_size": nproc, "num_nodes": 1, "ranks_per_node": nproc}
-        assert record["sampler"]["items_consumed"] == 4 * steps  # the global batch goes on from where it was
-    m = metrics(out)
-    assert sorted(m) == [1, 2, 3]
+        assert record["sampler"]["items_consumed"] == 4 * steps  # every global batch once, in order
+    m = metrics(two)
+    assert sorted(m) == [1, 2, 3, 4]
     assert all(math.isfinite(m[s]["reward/mean"]) and math.isfinite(m[s]["actor/loss"]) for s in m)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_task_overrides):
+    out = tmp_path / "run"
+    overrides = tiny_task_overrides + ["checkpoint.every=1", "run.steps=4", "run.collective_timeout_s=300"]
+    # both nodes join the first round within its last call; the restart's round closes 10 s after
+    # the survivor joins (the dead node never does)
+    procs = start_nodes(out, overrides, nnodes="1:2", rdzv=["--max-restarts", "1"], conf=",last_call_timeout=10")
+    try:
+        beats: dict[int, dict] = {}
+        deadline = time.monotonic() + 300
+        while len(beats) < 4 or min(b["step"] for b in beats.values()) < 2:  # every rank in step 2: kill mid-step
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 2 never began"
+            time.sleep(0.05)
+            for r in range(4):
+                try:
+                    beats[r] = json.loads((out / "heartbeat" / f"rank{r}.json").read_text())
+                except (OSError, ValueError):
+                    pass
+        victim = procs[1]  # the node that does not host the rendezvous store dies: its agent and its workers
+        killed = sorted(r for r, b in beats.items() if _ppid(b["pid"]) == victim.pid)
+        assert len(killed) == 2
+        for pid in [victim.pid] + [beats[r]["pid"] for r in killed]:
+            os.kill(pid, signal.SIGKILL)
+        code = procs[0].wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = (tmp_path / "node0.log").read_text()
+    assert code == 0, log[-5000:]
+    host = socket.gethostname()
+    node = 0 if killed == [0, 1] else 1
+    assert f"ranks {killed} on node {node} (host {host}) wrote no heartbeat for" in log, log[-5000:]
+    resumed = re.search(r"resuming step_(\d+), saved on 4 ranks \(2 node\(s\) x 2\), on 2 ranks \(1 node\(s\) x 2\)", log)
+    assert resumed and 1 <= int(resumed.group(1)) <= 3, log[-5000:]  # the newest complete checkpoint before the kill
+    m = metrics(out)
+    assert sorted(m) == [1, 2, 3, 4] and all(math.isfinite(m[s]["actor/loss"]) for s in m)

@@ -343,7 +343,9 @@ class PlanInputs:
     @property
     def shard_size(self) -> int:
         """Ranks that shard each model (``strategy.shard`` on ``num_nodes`` nodes of equal size); the
-        model's bytes per rank are divided by this, not by the world, under hybrid sharding."""
+        model's bytes per rank are divided by this, not by the world, under hybrid sharding (FSDP2's
+        HSDP holds exactly that; DeepSpeed's hierarchical partitioning keeps masters and moments
+        partitioned over the world, so for it this over-estimates them)."""
         topology = Topology.regular(self.num_nodes, max(1, self.world_size // self.num_nodes))
         return topology.shard_size(self.strategy.shard_setting())
 
