@@ -32,6 +32,11 @@ def test_simulated_nodes_share_a_host_but_not_a_group_rank():
     assert Topology.from_ranks([(0, "h")] * 3).nodes == ((0, 1, 2),)
 
 
+def test_without_group_rank_each_host_is_a_node():
+    t = Topology.from_ranks([("b", "b"), ("b", "b"), ("a", "a"), ("a", "a")])
+    assert t.nodes == ((0, 1), (2, 3)) and t.hosts == ("b", "a")  # numbered by first rank, not by name
+
+
 def test_uneven_or_interleaved_nodes_are_refused():
     with pytest.raises(ValueError, match="same torchrun --nproc_per_node"):
         Topology.from_ranks([(0, "a"), (0, "a"), (0, "a"), (1, "b")])

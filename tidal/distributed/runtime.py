@@ -255,9 +255,11 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
 
 
 def gather_topology(world_size: int, cpu_group: dist.ProcessGroup | None) -> Topology:
-    """Every rank's node (torchrun's ``GROUP_RANK``) and host name, gathered once over ``cpu_group``
-    (collective; a world of one makes no call)."""
-    mine = (int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
+    """Every rank's node (torchrun's ``GROUP_RANK``; the host name where no launcher set it) and host
+    name, gathered once over ``cpu_group`` (collective; a world of one makes no call)."""
+    host = socket.gethostname()
+    group = os.environ.get("GROUP_RANK")
+    mine = (int(group) if group is not None else host, host)
     if world_size == 1:
         return Topology.from_ranks([mine])
     out: list = [None] * world_size

@@ -8,7 +8,8 @@ built once at start from what every rank says about itself (its ``GROUP_RANK`` a
     2 nodes x 4 ranks:  node 0 (host a) ranks 0-3, node 1 (host b) ranks 4-7
 
 Nodes are told apart by ``GROUP_RANK``, not by host name: two agents on one host (simulated
-nodes, or a fat host split in two) are two nodes. Every node runs the same number of ranks (the
+nodes, or a fat host split in two) are two nodes. A launcher that sets no ``GROUP_RANK`` (ranks
+started by ``srun`` or ``mpirun`` with ``RANK``/``WORLD_SIZE`` of their own) gets one node per host. Every node runs the same number of ranks (the
 2-D device mesh of hybrid sharding and the node-local rollout TP groups need it).
 
 What it decides: whether rollout TP groups (blocks of ``engine.tp_size`` consecutive ranks) stay
@@ -19,7 +20,7 @@ within a node (:meth:`Topology.check_tp`), and how many ranks shard a model (``s
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from tidal.config_base import ConfigError
 
@@ -43,15 +44,17 @@ class Topology:
                    hosts=("",) * num_nodes)
 
     @classmethod
-    def from_ranks(cls, per_rank: Sequence[tuple[int, str]]) -> "Topology":
-        """From ``(GROUP_RANK, host name)`` of every rank, in rank order. ValueError when a node's
-        ranks are not consecutive or the nodes run different numbers of ranks."""
-        nodes: dict[int, list[int]] = {}
-        hosts: dict[int, str] = {}
+    def from_ranks(cls, per_rank: Sequence[tuple[Hashable, str]]) -> "Topology":
+        """From ``(node key, host name)`` of every rank, in rank order (the key: torchrun's
+        ``GROUP_RANK``, or the host name under a launcher that sets none); nodes are numbered by
+        their first rank. ValueError when a node's ranks are not consecutive or the nodes run
+        different numbers of ranks."""
+        nodes: dict[Hashable, list[int]] = {}
+        hosts: dict[Hashable, str] = {}
         for rank, (node, host) in enumerate(per_rank):
             nodes.setdefault(node, []).append(rank)
             hosts.setdefault(node, host)
-        ordered = [nodes[g] for g in sorted(nodes)]
+        ordered = list(nodes.values())  # by first rank (dicts keep insertion order)
         for ranks in ordered:
             if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
                 raise ValueError(f"ranks {ranks} share a node (GROUP_RANK) but are not consecutive; launch with torchrun, "
@@ -60,7 +63,7 @@ class Topology:
         if len(sizes) > 1:
             raise ValueError(f"the nodes run different numbers of ranks ({', '.join(str(len(r)) for r in ordered)}); launch "
                              "every node with the same torchrun --nproc_per_node")
-        return cls(nodes=tuple(tuple(r) for r in ordered), hosts=tuple(hosts[g] for g in sorted(nodes)))
+        return cls(nodes=tuple(tuple(r) for r in ordered), hosts=tuple(hosts.values()))
 
     @property
     def world_size(self) -> int:
