@@ -9,7 +9,8 @@ same stages in the same order (SPMD), so ranks in step have equal positions.
 With several ranks, a daemon thread on every rank writes its position to
 ``<run_dir>/heartbeat/rank<R>.json`` whenever it changed (checked every ``flush_s`` <= 1 s, so the
 training thread never waits on the filesystem), and at least every ``beat_s`` with the time of writing
-(``beat``) even when it did not, so a rank whose process or node is gone shows as *silent*. Rank 0's
+(``beat``) even when it did not, so with several nodes a rank whose process or node is gone shows as
+*silent* (on one node torchrun's agent sees a dead rank and stops the others). Rank 0's
 thread reads every rank's file every ``poll_s``. When positions
 differ and the most advanced ranks have been at theirs for ``timeout_s`` (``run.collective_timeout_s``)
 less three polls -- they wait in a collective the others never entered -- it prints a
@@ -18,8 +19,8 @@ report naming every rank's step and stage and the ranks that are behind, writes 
 stops (or, with ``--max-restarts``, restarts) the job instead of it hanging until the backend's own
 timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
 length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
-An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note; for a
-collective's error (a plain ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a
+An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note; with
+several nodes, for a collective's error (a plain ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a
 collective raises when a peer's connection closes) the note waits ``4 * beat_s`` first, so that ranks
 that are gone show as silent in it.
 With several nodes (a :class:`~tidal.distributed.topology.Topology`) the report names each rank's
@@ -103,7 +104,7 @@ class Watchdog:
             yield
         except BaseException as e:
             if not getattr(e, "_tidal_stage_noted", False):
-                if type(e) is RuntimeError or isinstance(e, dist.DistError):  # a collective's (gloo's, NCCL's): a peer may be gone
+                if self.topology is not None and (type(e) is RuntimeError or isinstance(e, dist.DistError)):  # a peer's node may be gone
                     self._await_silence()
                 e.add_note(self.describe(f"rank {self.rank} failed in step {self.step}, stage '{name}'"))
                 e._tidal_stage_noted = True
@@ -194,7 +195,10 @@ class Watchdog:
         return self._report(beats, now, behind=behind, why=f"ranks {ahead} waited {waited:.1f} s for ranks {behind}")
 
     def _silent(self, beats: dict, now: float) -> list[int]:
-        """Ranks (not this one) whose heartbeat is older than three beats: their thread stopped."""
+        """Ranks (not this one) whose heartbeat is older than three beats: their thread stopped. Only
+        with several nodes: on one node torchrun's agent sees a dead rank itself and stops the rest."""
+        if self.topology is None:
+            return []
         return [r for r, b in beats.items()
                 if b is not None and r != self.rank and b.get("state") != "closed" and now - b.get("beat", now) > 3 * self.beat_s]
 
