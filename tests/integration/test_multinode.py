@@ -12,7 +12,6 @@
 import json
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -45,9 +44,11 @@ def launch(nproc: int, out: Path, overrides: list[str], timeout: int = 400) -> s
     return subprocess.run(cmd, cwd=out.parent, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def start_nodes(out: Path, overrides: list[str], *, nnodes: str = "2", rdzv: list[str] = (), conf: str = "") -> list[subprocess.Popen]:
+def start_nodes(out: Path, overrides: list[str], *, nnodes: str = "2", rdzv: list[str] = (), conf: str = "",
+                env_of: dict[int, dict] | None = None) -> list[subprocess.Popen]:
     """Two simulated nodes of 2 ranks each: ``tidal launch`` agents meeting at a c10d rendezvous on
-    127.0.0.1 (the first hosts the rendezvous store, ``is_host``). Output goes to ``node<i>.log``."""
+    127.0.0.1 (the first hosts the rendezvous store, ``is_host``); ``env_of[i]``: node i's extra
+    environment. Output goes to ``node<i>.log``."""
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
     for node in range(2):
@@ -56,7 +57,8 @@ def start_nodes(out: Path, overrides: list[str], *, nnodes: str = "2", rdzv: lis
                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}{conf}", *rdzv,
                "train", "quickstart", f"run.output_dir={out}", *overrides]
         log = open(out.parent / f"node{node}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=out.parent, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+        env = {**_env(), **(env_of or {}).get(node, {})}
+        procs.append(subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=log, stderr=subprocess.STDOUT))
         time.sleep(0.5 if node == 0 else 0)  # the store's host binds the port first (the other retries meanwhile)
     return procs
 
@@ -116,24 +118,28 @@ def _ppid(pid: int) -> int:
 def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_task_overrides):
     out = tmp_path / "run"
     overrides = tiny_task_overrides + ["checkpoint.every=1", "run.steps=4", "run.collective_timeout_s=300"]
-    # both nodes join the first round within its last call; the restart's round closes 10 s after
+    # node 1's ranks stop in step 2's reward stage (the fault hook's hang: a step takes less time than
+    # a heartbeat's lag, so the test kills them there, mid-step, rather than at a moment it guesses);
+    # both nodes join the first round within its last call, and the restart's round closes 10 s after
     # the survivor joins (the dead node never does)
-    procs = start_nodes(out, overrides, nnodes="1:2", rdzv=["--max-restarts", "1"], conf=",last_call_timeout=10")
+    procs = start_nodes(out, overrides, nnodes="1:2", rdzv=["--max-restarts", "1"], conf=",last_call_timeout=10",
+                        env_of={1: {"TIDAL_FAULT": "hang@stage/reward:step=2"}})
+    victim = procs[1]  # the node that does not host the rendezvous store dies: its agent and its workers
     try:
-        beats: dict[int, dict] = {}
         deadline = time.monotonic() + 300
-        while len(beats) < 4 or min(b["step"] for b in beats.values()) < 2:  # every rank in step 2: kill mid-step
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 2 never began"
-            time.sleep(0.05)
+        while True:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "node 1 never reached step 2"
+            time.sleep(0.1)
+            beats = {}
             for r in range(4):
                 try:
                     beats[r] = json.loads((out / "heartbeat" / f"rank{r}.json").read_text())
                 except (OSError, ValueError):
                     pass
-        victim = procs[1]  # the node that does not host the rendezvous store dies: its agent and its workers
-        killed = sorted(r for r, b in beats.items() if _ppid(b["pid"]) == victim.pid)
-        assert len(killed) == 2
-        for pid in [victim.pid] + [beats[r]["pid"] for r in killed]:
+            hung = sorted(r for r, b in beats.items() if _ppid(b["pid"]) == victim.pid and (b["step"], b["stage"]) == (2, "reward"))
+            if len(hung) == 2:
+                break
+        for pid in [victim.pid] + [beats[r]["pid"] for r in hung]:
             os.kill(pid, signal.SIGKILL)
         code = procs[0].wait(timeout=300)
     finally:
@@ -143,9 +149,9 @@ def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_
     log = (tmp_path / "node0.log").read_text()
     assert code == 0, log[-5000:]
     host = socket.gethostname()
-    node = 0 if killed == [0, 1] else 1
-    assert f"ranks {killed} on node {node} (host {host}) wrote no heartbeat for" in log, log[-5000:]
-    resumed = re.search(r"resuming step_(\d+), saved on 4 ranks \(2 node\(s\) x 2\), on 2 ranks \(1 node\(s\) x 2\)", log)
-    assert resumed and 1 <= int(resumed.group(1)) <= 3, log[-5000:]  # the newest complete checkpoint before the kill
+    node = 0 if hung == [0, 1] else 1
+    assert f"ranks {hung} on node {node} (host {host}) wrote no heartbeat for" in log, log[-5000:]
+    # back on the surviving node alone, from the checkpoint of step 1 (step 2 never finished)
+    assert "resuming step_000001, saved on 4 ranks (2 node(s) x 2), on 2 ranks (1 node(s) x 2)" in log, log[-5000:]
     m = metrics(out)
     assert sorted(m) == [1, 2, 3, 4] and all(math.isfinite(m[s]["actor/loss"]) for s in m)

@@ -31,7 +31,7 @@ from tidal.logging.timer import PhaseTimer
 from tidal.run import checkpoint as ckpt
 from tidal.run.resume import ResumePoint, world_record
 from tidal.run.stop import StopRequest, StopRun
-from tidal.run.watchdog import Watchdog
+from tidal.run.watchdog import Watchdog, is_collective_error
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -183,6 +183,10 @@ class JobLoop:
         with StopRequest() as stop:
             try:
                 return self._fit(stop)
+            except RuntimeError as e:  # a collective between two stages: the report, as a stage gives it
+                if is_collective_error(e):
+                    self.watchdog.note(e, f"rank {self.rt.rank} failed in step {self.watchdog.step}")
+                raise
             finally:
                 self.logger.close()
                 self.watchdog.close()

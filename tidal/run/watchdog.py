@@ -103,13 +103,20 @@ class Watchdog:
         try:
             yield
         except BaseException as e:
-            if not getattr(e, "_tidal_stage_noted", False):
-                if self.topology is not None and (type(e) is RuntimeError or isinstance(e, dist.DistError)):  # a peer's node may be gone
-                    self._await_silence()
-                e.add_note(self.describe(f"rank {self.rank} failed in step {self.step}, stage '{name}'"))
-                e._tidal_stage_noted = True
+            self.note(e, f"rank {self.rank} failed in step {self.step}, stage '{name}'")
             raise
         self._event(name, "done")
+
+    def note(self, e: BaseException, headline: str) -> None:
+        """Add the stage report (:meth:`describe`) to ``e`` as a note, once. With several nodes, for
+        a collective's error (a plain ``RuntimeError`` from gloo, a ``DistError``) it first waits for
+        ranks that are gone to show as silent (:meth:`_await_silence`)."""
+        if getattr(e, "_tidal_stage_noted", False):
+            return
+        if self.topology is not None and is_collective_error(e):  # a peer's node may be gone
+            self._await_silence()
+        e.add_note(self.describe(headline))
+        e._tidal_stage_noted = True
 
     # ---- heartbeat thread -------------------------------------------------------------------------
     def start(self, runtime: Runtime) -> "Watchdog":
@@ -247,6 +254,12 @@ class Watchdog:
         """Give ranks that are gone the time to show as silent (3 beats and one more), for a note."""
         if self._thread is not None:
             time.sleep(4 * self.beat_s)
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """What a collective raises when it fails (a peer gone, a timeout): gloo's plain ``RuntimeError``,
+    ``torch.distributed.DistError`` (NCCL's, the store's)."""
+    return type(e) is RuntimeError or isinstance(e, dist.DistError)
 
 
 def format_report(report: dict, title: str) -> str:
