@@ -113,7 +113,8 @@ def test_memory_plan_divides_by_the_shard_group():
     assert isinstance(hybrid, PlanInputs) and (world.shard_size, hybrid.shard_size) == (8, 4)
     a, b = _sizes(world, offload=False), _sizes(hybrid, offload=False)
     assert b.actor_weights == 2 * a.actor_weights and b.actor_optim_device == 2 * a.actor_optim_device
-    assert "8 rank(s) on 2 nodes, fsdp2 sharded over 4 (hybrid)" in format_plan(plan_memory(hybrid))
+    small = inputs("0.5b", world_size=8, local_world_size=4, num_nodes=2)
+    assert "8 rank(s) on 2 nodes, fsdp2 sharded over 4 (hybrid)" in format_plan(plan_memory(small))
 
 
 def test_watchdog_report_names_the_missing_ranks_node_and_host(tmp_path):
