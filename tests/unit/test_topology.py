@@ -160,3 +160,28 @@ def test_watchdog_names_silent_ranks_of_a_dead_node(tmp_path):
     assert "ranks [2, 3] on node 1 (host hostB) wrote no heartbeat for 9.0 s" in text
     assert "rank 3 (node 1, host hostB): step 0, in stage 'generate' for 10.0 s, no heartbeat for 9.0 s  <- behind" in text
     assert "rank 1 (node 0, host hostA): step 0, in stage 'generate' for 10.0 s\n" in text  # alive: beat 10 s ahead of now
+
+
+def test_resume_on_another_world_size(tmp_path, capsys):
+    """A checkpoint saved on 4 ranks (2 nodes) resumed on 1: FSDP2's reshards (the main rank says
+    so); DeepSpeed's per-rank ZeRO state is a ConfigError at checkpoint.resume; the same world and a
+    checkpoint without the record pass silently."""
+    import json
+
+    from tests.runtimes import lone_runtime
+    from tidal.run.resume import ResumePoint, check_world_change
+
+    point = ResumePoint(path=tmp_path / "step_000002", step=2)
+    point.path.mkdir()
+    (point.path / "trainer.json").write_text(json.dumps({"step": 2, "world": {"world_size": 4, "num_nodes": 2, "ranks_per_node": 2}}))
+    check_world_change(point, lone_runtime(), reshards=True)
+    assert capsys.readouterr().out == ("[tidal] resuming step_000002, saved on 4 ranks (2 node(s) x 2), on 1 ranks (1 node(s) x 1): "
+                                       "model and optimizer state resharded, the sampler's position re-split over the ranks "
+                                       "(same global batch)\n")
+    with pytest.raises(ConfigError) as e:
+        check_world_change(point, lone_runtime(), reshards=False)
+    assert e.value.key == "checkpoint.resume" and "loads only on the number of ranks it was saved on" in str(e.value)
+    (point.path / "trainer.json").write_text(json.dumps({"step": 2}))
+    check_world_change(point, lone_runtime(), reshards=False)
+    check_world_change(None, lone_runtime(), reshards=False)
+    assert capsys.readouterr().out == ""
