@@ -34,6 +34,7 @@ from tidal.data.check import sample_rows
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
+from tidal.distributed.topology import describe_sharding
 from tidal.dtypes import resolve_dtype
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
@@ -55,7 +56,7 @@ from tidal.trainer.ppo_trainer import EVAL_SEED_SALT, PPOTrainer, RunData, step_
 from tidal.trainer.experience_maker import ExperienceMaker
 from tidal.trainer.evaluate import CheckpointPolicy
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import compare_config, resolve_resume_point
+from tidal.run.resume import check_world_change, compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -262,7 +263,11 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     # the directory's lock, partial saves settled, writability, the resume point: before anything loads
     run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime)
     compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
-    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    shard = runtime.topology.shard_size(cfg.strategy.shard_setting())  # strategy.shard checked against the nodes
+    if runtime.is_main and runtime.world_size > 1:
+        print(f"[tidal] ranks: {runtime.topology.describe()}; {describe_sharding(shard, runtime.world_size)}", flush=True)
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s,
+                        topology=runtime.topology)
     watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
     paths = resolve_paths(cfg, runtime)
@@ -274,7 +279,8 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     # that cannot fit stops here, before any model loads
     teacher_path = cfg.model.teacher.path if algorithm.needs_teacher else ""
     memory = plan_run(
-        cfg, hf_config, device=runtime.device, world_size=runtime.world_size, is_main=runtime.is_main,
+        cfg, hf_config, device=runtime.device, world_size=runtime.world_size, num_nodes=runtime.topology.num_nodes,
+        is_main=runtime.is_main,
         needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic,
         teacher_hf_config=AutoConfig.from_pretrained(teacher_path) if teacher_path else None,
         all_reduce_max=runtime.all_reduce_max,
@@ -282,6 +288,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     run_cfg = memory.run_config(cfg)  # what every component below reads: no `auto` left for the plan's settings
 
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(run_dir.resume, runtime, reshards=strategy.reshards_checkpoints)
     with stage(f"loading and sharding the models ({paths.model})", enabled=runtime.is_main):
         models, hf_config = build_models(run_cfg, paths, strategy, algorithm, tokenizer)
     if checkpoints_enabled(cfg):
@@ -331,6 +338,7 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
     tokenizer = load_tokenizer(paths.tokenizer)
     run_cfg = settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(point, runtime, reshards=strategy.reshards_checkpoints)
     actor, hf_config = build_actor(run_cfg, paths, strategy)
     models = Models(tokenizer=tokenizer, actor=actor, positions=model_positions(hf_config))
     # a watchdog never started: it writes no heartbeat into the run directory

@@ -11,6 +11,10 @@ launcher itself (passed on to the ranks by torch's agent) ends it with 128 + the
 whose one-line message a rank has already printed (rank 0 prints a config error), nothing else is
 printed; for any other failure (a crash) torch's failure report is printed as torchrun prints it.
 
+Several nodes: one ``tidal launch`` per node with torchrun's rendezvous options (``--nnodes 2
+--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID``, ``--max-restarts`` for elastic
+restarts); see docs/multinode.md and tests/integration/test_multinode.py, which runs them on one machine.
+
 Under plain torchrun a config error also reaches torch's failure report: every rank writes it to
 its elastic error file (``TORCHELASTIC_ERROR_FILE``, torch's ``errors`` support), so the report's
 ``traceback`` says the config error instead of pointing at the docs; torchrun still exits 1.

@@ -97,3 +97,25 @@ def test_the_content_hash_sees_order_tokens_and_fields():
     assert base == content_hash(ids.copy(), offsets.copy(), np.array([0, 1]))
     assert len({base, content_hash(ids, offsets, np.array([1, 0])), content_hash(ids[::-1].copy(), offsets, np.array([0, 1])),
                 content_hash(ids, offsets, np.array([0, 1]), b"reference")}) == 4
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
+def test_resume_on_another_world_size_re_splits_the_position(before, after):
+    """A position saved on ``before`` ranks continues on ``after`` ranks (same global batch of 8):
+    the new ranks' next batches together are exactly the global batches the old ranks would have
+    taken next, across an epoch boundary too (20 prompts: 2 steps an epoch, 4 left over)."""
+    def samplers(world):
+        return [StatefulDistributedSampler(20, rank=r, world_size=world, batch_size_per_rank=8 // world, seed=3, shuffle=True)
+                for r in range(world)]
+
+    old = samplers(before)
+    for _ in range(3):  # into the second epoch
+        for s in old:
+            s.next_batch()
+    new = samplers(after)
+    for s in new:
+        s.load_state_dict(old[0].state_dict())
+    for _ in range(3):
+        expected = [i for s in old for i in s.next_batch()]
+        got = [i for s in new for i in s.next_batch()]
+        assert got == expected and len(set(got)) == 8

@@ -104,3 +104,13 @@ def test_get_strategy_builds_deepspeed_and_sets_local_rank(monkeypatch):
         strategy.clip_and_norm(None)
     with pytest.raises(ValueError, match="not prepared"):
         strategy.offload_model(torch.nn.Linear(2, 2))
+
+
+def test_hybrid_sharding_is_zero_hpz_at_stage_3_only():
+    cfg = deepspeed_config(stage=3, bf16=False, max_grad_norm=1.0, offload_optimizer=False, trainable=True, hpz_partition_size=8)
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert DeepSpeedConfig(cfg).zero_config.zero_hpz_partition_size == 8
+    assert "zero_hpz_partition_size" not in deepspeed_config(stage=3, bf16=False, max_grad_norm=1.0, offload_optimizer=False,
+                                                             trainable=True)["zero_optimization"]
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        deepspeed_config(stage=2, bf16=False, max_grad_norm=1.0, offload_optimizer=False, trainable=True, hpz_partition_size=8)

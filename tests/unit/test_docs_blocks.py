@@ -7,8 +7,9 @@
 - ``bash``: every command is parsed. ``tidal`` commands (also ``python -m tidal.cli`` and under
   ``torchrun``) go through the CLI's own parser, and train/eval/export load and validate their config
   with the overrides as written; ``pip install`` extras exist in pyproject.toml; scripts, test files and
-  modules named exist. A program this test does not know fails it, so a new kind of command gets a
-  check here.
+  modules named exist; an ``sbatch`` script's and a ``kubectl apply -f`` manifest's (Kubeflow
+  ``PyTorchJob``) ``tidal`` commands are checked as above, and a manifest's ``--nnodes`` is its pods.
+  A program this test does not know fails it, so a new kind of command gets a check here.
 - no language: text (diagrams, file listings); a block whose first word is a known program must be
   marked ``bash``.
 
@@ -40,7 +41,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # Placeholder config names in the docs ("your config") and the shipped config that stands for them.
 PLACEHOLDERS = {"my.yaml": "quickstart", "my_vl.yaml": "examples/squares/config.yaml"}
-KNOWN_PROGRAMS = ("tidal", "torchrun", "python", "python3", "pip", "pytest")
+KNOWN_PROGRAMS = ("tidal", "torchrun", "python", "python3", "pip", "pytest", "sbatch", "kubectl")
 
 
 def blocks() -> list[tuple[str, str, str]]:
@@ -148,8 +149,38 @@ def check_tidal(argv: list[str], where: str, files: dict[str, str]) -> None:
     load_config(config, args.overrides)
 
 
+def check_sbatch(script: Path, where: str) -> None:
+    """The ``tidal`` commands of a Slurm batch script (after ``srun`` and its options)."""
+    assert script.is_file(), f"{where}: {script} does not exist"
+    found = [words[words.index("tidal") + 1 :] for words in commands(script.read_text()) if "tidal" in words]
+    assert found, f"{where}: {script} runs no tidal command"
+    for argv in found:
+        check_tidal(argv, f"{where} ({script.name})", {})
+
+
+def check_pytorchjob(manifest: Path, where: str) -> None:
+    """A Kubeflow PyTorchJob: every pod runs ``tidal launch`` with ``--nnodes`` = the number of pods."""
+    assert manifest.is_file(), f"{where}: {manifest} does not exist"
+    for doc in yaml.safe_load_all(manifest.read_text()):
+        assert doc["kind"] == "PyTorchJob", f"{where}: {manifest} is a {doc['kind']}"
+        replicas = doc["spec"]["pytorchReplicaSpecs"].values()
+        pods = sum(r["replicas"] for r in replicas)
+        for replica in replicas:
+            for container in replica["template"]["spec"]["containers"]:
+                argv = tidal_argv(container["command"])
+                assert argv is not None and argv[0] == "launch", f"{where}: {manifest} runs {container['command'][:3]}"
+                check_tidal(argv, f"{where} ({manifest.name})", {})
+                from tidal.launch import parse_launch_args
+
+                assert parse_launch_args(argv[1:])[0].nnodes == str(pods), f"{where}: {manifest}'s --nnodes is not its {pods} pods"
+
+
 def check_other(words: list[str], where: str) -> None:
     program = Path(words[0]).name
+    if program == "sbatch":
+        return check_sbatch(ROOT / words[-1], where)
+    if program == "kubectl":
+        return check_pytorchjob(ROOT / words[words.index("-f") + 1], where)
     if program in ("pip", "pip3") or words[1:3] == ["-m", "pip"]:
         args = words[words.index("install") + 1 :] if "install" in words else []
         extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -15,7 +15,7 @@ from tidal.config_base import ConfigError
 from tidal.engine.base import Completion, SamplingParams, supports_incremental
 from tidal.trainer.config import PartialRolloutConfig
 from tidal.trainer.experience import STEP_GROUPS
-from tidal.trainer.partial import SAMPLE_SLOTS, LongTailRollout, in_flight_groups, per_rank_states
+from tidal.trainer.partial import SAMPLE_SLOTS, LongTailRollout, dropped_note, in_flight_groups, per_rank_states
 
 from tests.runtimes import lone_runtime
 
@@ -231,8 +231,11 @@ def test_checkpoint_from_another_shape_is_refused():
     b = rollout(mode="carry", oversample=0.5)
     with pytest.raises(ValueError, match="groups in flight"):
         b.load_state_dict(a.state_dict())
-    with pytest.raises(ValueError, match="same world size"):
-        per_rank_states([{}, {}], 0, 1)
+    saved = [{"groups": [{}, {}], "queue": [4]}, {"groups": [{}], "queue": []}]
+    assert per_rank_states(saved, 1, 2) == saved[1]
+    assert per_rank_states(saved, 0, 1) is None  # another number of ranks: dropped, with a warning
+    assert dropped_note(saved, 1).startswith("the checkpoint's partial rollout state is of 2 ranks and this run has 1: "
+                                             "its 3 group(s) in flight and 1 queued prompt(s) are dropped")
 
 
 def test_stale_tokens_get_the_mismatch_weight():

@@ -5,6 +5,9 @@ the orthogonal DP groups take one rank from each TP group:
 
     world 8, tp 2:  TP [0,1] [2,3] [4,5] [6,7]   DP [0,2,4,6] [1,3,5,7]
 
+With several nodes a TP group must lie within one node (its all-reduces run at every decoding
+step): :meth:`tidal.distributed.topology.Topology.check_tp`, on the topology gathered at start.
+
 Works as one plain process (a world of one, no torchrun needed) and under
 ``torchrun --nproc_per_node N`` (gloo on CPU, NCCL on CUDA).
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
 from tidal.config_base import ConfigError
+from tidal.distributed.topology import Topology
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,6 +52,11 @@ class Runtime:
     dp_group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
     tp_cpu_group: dist.ProcessGroup
+    topology: Topology | None = None
+
+    def __post_init__(self):
+        if self.topology is None:
+            self.topology = Topology.single_node(self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -224,6 +234,8 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
         if rank in ranks:
             dp_group = group
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    topology = gather_topology(world_size, cpu_group)
+    topology.check_tp(tp_size)
     return Runtime(
         rank=rank,
         world_size=world_size,
@@ -238,7 +250,21 @@ def init_runtime(tp_size: int, device: str = "auto", timeout_s: float = 1800.0) 
         dp_group=dp_group,
         cpu_group=cpu_group,
         tp_cpu_group=tp_cpu_group,
+        topology=topology,
     )
+
+
+def gather_topology(world_size: int, cpu_group: dist.ProcessGroup | None) -> Topology:
+    """Every rank's node (torchrun's ``GROUP_RANK``; the host name where no launcher set it) and host
+    name, gathered once over ``cpu_group`` (collective; a world of one makes no call)."""
+    host = socket.gethostname()
+    group = os.environ.get("GROUP_RANK")
+    mine = (int(group) if group is not None else host, host)
+    if world_size == 1:
+        return Topology.from_ranks([mine])
+    out: list = [None] * world_size
+    dist.all_gather_object(out, mine, group=cpu_group)
+    return Topology.from_ranks(out)
 
 
 def shutdown() -> None:

@@ -70,6 +70,7 @@ import types
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tidal.config_base import ConfigError
+from tidal.distributed.topology import Topology
 from tidal.engine import sizing as engine_sizing
 from tidal.strategy import memory_layout
 
@@ -312,6 +313,7 @@ class PlanInputs:
     max_prompt_len: int  # data.max_prompt_len
     world_size: int = 1
     local_world_size: int = 1
+    num_nodes: int = 1
     needs_reference: bool = False
     needs_critic: bool = False
     compiled: bool = True
@@ -338,6 +340,15 @@ class PlanInputs:
         return given(self.strategy.offload_optimizer)
 
     # derived numbers
+    @property
+    def shard_size(self) -> int:
+        """Ranks that shard each model (``strategy.shard`` on ``num_nodes`` nodes of equal size); the
+        model's bytes per rank are divided by this, not by the world, under hybrid sharding (FSDP2's
+        HSDP holds exactly that; DeepSpeed's hierarchical partitioning keeps masters and moments
+        partitioned over the world, so for it this over-estimates them)."""
+        topology = Topology.regular(self.num_nodes, max(1, self.world_size // self.num_nodes))
+        return topology.shard_size(self.strategy.shard_setting())
+
     @property
     def max_len(self) -> int:
         return self.max_prompt_len + self.rollout.max_new_tokens
@@ -375,7 +386,7 @@ class PlanInputs:
         return int(self.device.total * self.memory.device_fraction)
 
 
-def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int, device: DeviceMemory, host: HostMemory,
+def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int, num_nodes: int = 1, device: DeviceMemory, host: HostMemory,
                        needs_reference: bool, needs_critic: bool, compiled: bool, kv_outside_allocator: bool,
                        teacher_hf_config: Any = None) -> PlanInputs:
     """:class:`PlanInputs` of a :class:`~tidal.config.TidalConfig` (its sections as they are).
@@ -384,7 +395,7 @@ def inputs_from_config(cfg, hf_config, *, world_size: int, local_world_size: int
     return PlanInputs(
         shape=ModelShape.from_hf_config(hf_config), train=cfg.train, model=cfg.model, strategy=cfg.strategy, engine=cfg.engine,
         rollout=cfg.rollout, memory=cfg.memory, max_prompt_len=cfg.data.max_prompt_len, world_size=world_size,
-        local_world_size=local_world_size, needs_reference=needs_reference, needs_critic=needs_critic, compiled=compiled,
+        local_world_size=local_world_size, num_nodes=num_nodes, needs_reference=needs_reference, needs_critic=needs_critic, compiled=compiled,
         kv_outside_allocator=kv_outside_allocator,
         teacher=ModelShape.from_hf_config(teacher_hf_config) if teacher_hf_config is not None else None, device=device, host=host,
     )
@@ -513,7 +524,7 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
     """The resident pieces, each as its owner describes it: the trained and frozen models' bytes
     by the strategy backend's layout (:func:`tidal.strategy.memory_layout`), the engine's weights."""
     layout = memory_layout(inp.strategy.backend)
-    shape, world = inp.shape, inp.world_size
+    shape, world = inp.shape, inp.shard_size
     n_all, n_train = shape.params(), _trainable_params(inp)
     actor = layout.trained(inp.strategy, stored=n_all + (n_train if inp.lora else 0), trainable=n_train, world=world, offload=offload)
     n_critic = shape.critic_params() if inp.needs_critic else 0
@@ -527,7 +538,7 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
         reference=layout.frozen(inp.strategy, params=n_all, world=world) if inp.needs_reference and not inp.lora else 0,
         teacher=layout.frozen(inp.strategy, params=inp.teacher.params(), world=world) if inp.teacher is not None else 0,
         engine_weights=2 * n_all // inp.engine.tp_size,
-        overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if world > 1 else 0),
+        overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if inp.world_size > 1 else 0),
     )
 
 
@@ -987,7 +998,8 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
         f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.memory.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
         f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
         + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
-        + f"; {inp.world_size} rank(s), {inp.strategy.backend}",
+        + f"; {inp.world_size} rank(s)" + (f" on {inp.num_nodes} nodes" if inp.num_nodes > 1 else "")
+        + f", {inp.strategy.backend}" + (f" sharded over {inp.shard_size} (hybrid)" if inp.shard_size < inp.world_size else ""),
     ]
     chosen = plan.chosen()
     settings = [

@@ -75,10 +75,11 @@ def plans_on(device: torch.device, memory: MemoryConfig) -> bool:
 
 
 def make_plan(cfg, hf_config, *, device: torch.device, world_size: int, needs_reference: bool, needs_critic: bool,
-              teacher_hf_config: Any = None, all_reduce_max: ReduceMax | None = None) -> MemoryPlan:
+              teacher_hf_config: Any = None, all_reduce_max: ReduceMax | None = None, num_nodes: int = 1) -> MemoryPlan:
     """The plan of ``cfg`` (the root config) on ``device`` (CUDA, or any device with
     ``memory.device_memory_gib``). ``hf_config``: the actor's Hugging Face config;
-    ``teacher_hf_config``: the local distillation teacher's; ``needs_*``: the Algorithm's; with
+    ``teacher_hf_config``: the local distillation teacher's; ``needs_*``: the Algorithm's;
+    ``num_nodes``: the run's nodes (``world_size`` ranks spread evenly over them); with
     ``all_reduce_max`` the ranks agree on the machine's figures. Never raises for a plan that does
     not fit (``plan.problems``; :meth:`~tidal.memory.plan.MemoryPlan.table` prints it)."""
     total, source = host_memory(cfg.memory.host_memory_gib)
@@ -87,7 +88,7 @@ def make_plan(cfg, hf_config, *, device: torch.device, world_size: int, needs_re
     # fixed-address KV cache as a CUDA run would have them
     target = torch.device("cuda") if device.type != "cuda" else device
     inputs = inputs_from_config(
-        cfg, hf_config, world_size=world_size, local_world_size=local_world_size(), device=dev, host=host,
+        cfg, hf_config, world_size=world_size, local_world_size=local_world_size(), num_nodes=num_nodes, device=dev, host=host,
         needs_reference=needs_reference, needs_critic=needs_critic, compiled=cfg.strategy.compiles_on(target.type),
         kv_outside_allocator=kv_outside_allocator(cfg.engine.backend, device) if device.type == "cuda" else cfg.engine.backend != "hf",
         teacher_hf_config=teacher_hf_config,
@@ -96,7 +97,8 @@ def make_plan(cfg, hf_config, *, device: torch.device, world_size: int, needs_re
 
 
 def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: bool, needs_reference: bool,
-             needs_critic: bool, teacher_hf_config: Any = None, all_reduce_max: ReduceMax | None = None) -> MemorySettings:
+             needs_critic: bool, teacher_hf_config: Any = None, all_reduce_max: ReduceMax | None = None,
+             num_nodes: int = 1) -> MemorySettings:
     """The settings a run uses, before any model loads. Where a plan is made (:func:`plans_on`) it is
     the same on every rank, printed on the main rank and applied: a
     :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit.
@@ -110,7 +112,8 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
                                   "with memory.device_memory_gib set; set that too, or leave this at its default")
         return settings_without_plan(cfg, longest=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     plan = make_plan(cfg, hf_config, device=device, world_size=world_size, needs_reference=needs_reference,
-                     needs_critic=needs_critic, teacher_hf_config=teacher_hf_config, all_reduce_max=all_reduce_max)
+                     needs_critic=needs_critic, teacher_hf_config=teacher_hf_config, all_reduce_max=all_reduce_max,
+                     num_nodes=num_nodes)
     if is_main:
         print("[tidal] " + plan.table().replace("\n", "\n[tidal] "), flush=True)
     return apply_plan(plan)

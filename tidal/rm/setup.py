@@ -29,7 +29,7 @@ from tidal.rm.trainer import RM_STATE_KEYS, RewardModelTrainer
 from tidal.strategy import get_strategy
 from tidal.run import checkpoint as ckpt
 from tidal.memory.plan import settings_without_plan
-from tidal.run.resume import compare_config, resolve_resume_point
+from tidal.run.resume import check_world_change, compare_config, resolve_resume_point
 from tidal.run.run_dir import announce_run_dir, claim_run_dir
 from tidal.run.watchdog import StageTimer, Watchdog
 
@@ -104,7 +104,8 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
         run_dir = claim_run_dir(cfg.run.output_dir, cfg.checkpoint, runtime, required_keys=RM_STATE_KEYS)
         compare_config(run_dir, cfg.to_dict(), is_main=runtime.is_main)  # what a resume may not change: a ConfigError, before anything loads
         resume = run_dir.resume
-    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s)
+    watchdog = Watchdog(rank=runtime.rank, world_size=runtime.world_size, run_dir=cfg.run.output_dir, timeout_s=cfg.run.collective_timeout_s,
+                        topology=runtime.topology)
     if not read_only:  # a watchdog never started writes no heartbeat
         watchdog.start(runtime).mark("setup")
     seed_everything(cfg.run.seed)
@@ -114,6 +115,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     # without a memory plan takes them; every component below reads this resolved config
     run_cfg = settings_without_plan(cfg).run_config(cfg)
     strategy = get_strategy(run_cfg.strategy, runtime)
+    check_world_change(resume, runtime, reshards=strategy.reshards_checkpoints)
     tokenizer = load_tokenizer(paths.tokenizer)
     if isinstance(tokenizer, VisionProcessor):
         raise ConfigError("model.tokenizer_path", "has an image processor; reward-model training supports text models only")

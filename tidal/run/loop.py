@@ -29,9 +29,9 @@ from tidal.logging import MetricsLogger
 from tidal.logging.progress import stage
 from tidal.logging.timer import PhaseTimer
 from tidal.run import checkpoint as ckpt
-from tidal.run.resume import ResumePoint
+from tidal.run.resume import ResumePoint, world_record
 from tidal.run.stop import StopRequest, StopRun
-from tidal.run.watchdog import Watchdog
+from tidal.run.watchdog import Watchdog, is_collective_error
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -155,7 +155,7 @@ class JobLoop:
         states = self.job.model_states()
         self.check_finite(step, states)
         trainer_state = {"step": step, "job": self.job.name, "sampler": self.job.sampler.state_dict(), **self.job.job_state(),
-                         "trainer": dataclasses.asdict(self.job.state)}
+                         "trainer": dataclasses.asdict(self.job.state), "world": world_record(self.rt)}
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
             path = ckpt.save_checkpoint(self.ckpt_root, step, model_states=states, trainer_state=trainer_state,
                                         runtime=self.rt, keep=self.cfg.checkpoint.keep)
@@ -185,6 +185,10 @@ class JobLoop:
         with StopRequest() as stop:
             try:
                 return self._fit(stop)
+            except RuntimeError as e:  # a collective between two stages: the report, as a stage gives it
+                if is_collective_error(e):
+                    self.watchdog.note(e, f"rank {self.rt.rank} failed in step {self.watchdog.step}")
+                raise
             finally:
                 self.logger.close()
                 self.watchdog.close()

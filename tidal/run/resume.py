@@ -4,7 +4,8 @@
 checkpoint directory and its step) or None for a fresh run. What an interrupted save left is settled
 first (rank 0; the others wait), so a put-back ``step_N.old`` is the step that the logger keeps its
 records up to and the one the trainer loads. The config of the run is then compared with the one the
-checkpoint was trained with (:func:`check_config_change`).
+checkpoint was trained with (:func:`check_config_change`), and its number of ranks with this run's
+(:func:`check_world_change`: a checkpoint outlives the topology where the backend reshards it).
 """
 
 from __future__ import annotations
@@ -59,6 +60,41 @@ def earlier_run(output_dir: str) -> str | None:
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(f"{metrics.name}")
     return ", ".join(found) or None
+
+
+# ---- another number of ranks on resume ----------------------------------------------------------------
+
+
+def world_record(runtime: Runtime) -> dict[str, int]:
+    """The topology a checkpoint was saved on (``world`` in its trainer.json)."""
+    t = runtime.topology
+    return {"world_size": t.world_size, "num_nodes": t.num_nodes, "ranks_per_node": t.ranks_per_node}
+
+
+def check_world_change(point: ResumePoint | None, runtime: Runtime, *, reshards: bool) -> None:
+    """A resume on another number of ranks than the checkpoint was saved on. Where the backend's
+    checkpoints reshard (``reshards``: FSDP2's DCP state, any layout into any other) the main rank
+    says what changes: DCP reshards model and optimizer state, the sampler's position (stored in
+    global items, the global batch ``rollout.prompts_per_step`` unchanged) is re-split over the new
+    ranks, each rank present in both restores its RNG state and a new rank keeps its seeded one. Else
+    (DeepSpeed: each rank's ZeRO partition is its own) a ConfigError at ``checkpoint.resume``. A
+    checkpoint that recorded no topology (saved before it was recorded) is not checked."""
+    if point is None:
+        return
+    with open(point.path / ckpt.COMPLETE_MARKER) as f:
+        saved = json.load(f).get("world")
+    if not isinstance(saved, dict) or saved.get("world_size") == runtime.world_size:
+        return
+    was = (f"{saved['world_size']} ranks ({saved.get('num_nodes', 1)} node(s) x {saved.get('ranks_per_node', saved['world_size'])})")
+    now = f"{runtime.world_size} ranks ({runtime.topology.num_nodes} node(s) x {runtime.topology.ranks_per_node})"
+    if not reshards:
+        raise ConfigError("checkpoint.resume", f"{point.path} was saved on {was} and this run has {now}: a "
+                          "strategy.backend=deepspeed checkpoint loads only on the number of ranks it was saved on (each "
+                          f"rank's ZeRO partition is its own); resume on {saved['world_size']} ranks, or train with "
+                          "strategy.backend=fsdp2, whose checkpoints reshard")
+    if runtime.is_main:
+        print(f"[tidal] resuming {point.path.name}, saved on {was}, on {now}: model and optimizer state resharded, the "
+              "sampler's position re-split over the ranks (same global batch)", flush=True)
 
 
 # ---- a changed config on resume ----------------------------------------------------------------------

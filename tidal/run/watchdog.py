@@ -8,7 +8,10 @@ same stages in the same order (SPMD), so ranks in step have equal positions.
 
 With several ranks, a daemon thread on every rank writes its position to
 ``<run_dir>/heartbeat/rank<R>.json`` whenever it changed (checked every ``flush_s`` <= 1 s, so the
-training thread never waits on the filesystem), and rank 0's thread reads every rank's file every ``poll_s``. When positions
+training thread never waits on the filesystem), and at least every ``beat_s`` with the time of writing
+(``beat``) even when it did not, so with several nodes a rank whose process or node is gone shows as
+*silent* (on one node torchrun's agent sees a dead rank and stops the others). Rank 0's
+thread reads every rank's file every ``poll_s``. When positions
 differ and the most advanced ranks have been at theirs for ``timeout_s`` (``run.collective_timeout_s``)
 less three polls -- they wait in a collective the others never entered -- it prints a
 report naming every rank's step and stage and the ranks that are behind, writes it to
@@ -16,7 +19,13 @@ report naming every rank's step and stage and the ranks that are behind, writes 
 stops (or, with ``--max-restarts``, restarts) the job instead of it hanging until the backend's own
 timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
 length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
-An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note.
+An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note; with
+several nodes, for a collective's error (a plain ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a
+collective raises when a peer's connection closes) the note waits ``4 * beat_s`` first, so that ranks
+that are gone show as silent in it.
+With several nodes (a :class:`~tidal.distributed.topology.Topology`) the report names each rank's
+node and host, and the hosts of the ranks behind: a node that died shows as its ranks' missing or
+stalled heartbeats.
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
 none afterwards. ``<run_dir>`` must be visible to every rank (as checkpoints already require).
@@ -40,17 +49,20 @@ from tidal.run import faults
 dist = lazy_module("torch.distributed")
 if TYPE_CHECKING:
     from tidal.distributed.runtime import Runtime
+    from tidal.distributed.topology import Topology
 
 EXIT_CODE = 3
 
 
 class Watchdog:
-    def __init__(self, *, rank: int, world_size: int, run_dir: str | Path, timeout_s: float):
+    def __init__(self, *, rank: int, world_size: int, run_dir: str | Path, timeout_s: float, topology: Topology | None = None):
         self.rank = rank
         self.world_size = world_size
+        self.topology = topology if topology is not None and topology.num_nodes > 1 else None
         self.timeout_s = float(timeout_s)
         self.poll_s = min(10.0, max(0.05, self.timeout_s / 20))
         self.flush_s = min(1.0, self.poll_s)
+        self.beat_s = max(self.flush_s, min(2.0, self.poll_s))  # a rank silent for 3 beats is gone
         self.deadline_s = self.timeout_s - 3 * self.poll_s  # heartbeat lag + poll lag stay within timeout_s
         self.dir = Path(run_dir) / "heartbeat"
         self.session = ""
@@ -58,6 +70,7 @@ class Watchdog:
         self._k = 0
         self._state = self._make_state("start", "in")
         self._written: dict | None = None
+        self._beat = 0.0  # when this rank last wrote its heartbeat
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,11 +103,20 @@ class Watchdog:
         try:
             yield
         except BaseException as e:
-            if not getattr(e, "_tidal_stage_noted", False):
-                e.add_note(self.describe(f"rank {self.rank} failed in step {self.step}, stage '{name}'"))
-                e._tidal_stage_noted = True
+            self.note(e, f"rank {self.rank} failed in step {self.step}, stage '{name}'")
             raise
         self._event(name, "done")
+
+    def note(self, e: BaseException, headline: str) -> None:
+        """Add the stage report (:meth:`describe`) to ``e`` as a note, once. With several nodes, for
+        a collective's error (a plain ``RuntimeError`` from gloo, a ``DistError``) it first waits for
+        ranks that are gone to show as silent (:meth:`_await_silence`)."""
+        if getattr(e, "_tidal_stage_noted", False):
+            return
+        if self.topology is not None and is_collective_error(e):  # a peer's node may be gone
+            self._await_silence()
+        e.add_note(self.describe(headline))
+        e._tidal_stage_noted = True
 
     # ---- heartbeat thread -------------------------------------------------------------------------
     def start(self, runtime: Runtime) -> "Watchdog":
@@ -123,7 +145,7 @@ class Watchdog:
         last_check = time.monotonic()
         while not self._stop.wait(self.flush_s):
             state = self._state
-            if state is not self._written:
+            if state is not self._written or time.time() - self._beat >= self.beat_s:
                 with contextlib.suppress(OSError):  # a full disk must not end the watchdog
                     self._write(state)
             if self.rank == 0 and time.monotonic() - last_check >= self.poll_s:
@@ -137,7 +159,8 @@ class Watchdog:
 
     def _write(self, state: dict) -> None:
         tmp = self._path(self.rank).with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state))
+        self._beat = time.time()
+        tmp.write_text(json.dumps({**state, "beat": self._beat}))
         os.replace(tmp, self._path(self.rank))
         self._written = state
 
@@ -163,6 +186,10 @@ class Watchdog:
             if now - self._started <= self.deadline_s:
                 return None
             return self._report(beats, now, behind=missing, why=f"ranks {missing} wrote no heartbeat")
+        gone = [r for r in self._silent(beats, now) if now - beats[r]["beat"] > self.deadline_s]
+        if gone:
+            return self._report(beats, now, behind=gone, why=f"ranks {gone}{self._where(gone)} wrote no heartbeat for "
+                                f"{now - max(beats[r]['beat'] for r in gone):.1f} s (their processes or node are gone)")
         pos = {r: (b["step"], b["k"]) for r, b in beats.items()}
         top = max(pos.values())
         ahead = [r for r, p in pos.items() if p == top]
@@ -174,17 +201,34 @@ class Watchdog:
         behind = [r for r in pos if r not in ahead]
         return self._report(beats, now, behind=behind, why=f"ranks {ahead} waited {waited:.1f} s for ranks {behind}")
 
+    def _silent(self, beats: dict, now: float) -> list[int]:
+        """Ranks (not this one) whose heartbeat is older than three beats: their thread stopped. Only
+        with several nodes: on one node torchrun's agent sees a dead rank itself and stops the rest."""
+        if self.topology is None:
+            return []
+        return [r for r, b in beats.items()
+                if b is not None and r != self.rank and b.get("state") != "closed" and now - b.get("beat", now) > 3 * self.beat_s]
+
+    def _where(self, ranks: list[int]) -> str:
+        """`` on node 1 (host b)`` for ranks of known nodes, else empty."""
+        if self.topology is None:
+            return ""
+        nodes = sorted({self.topology.node_of(r) for r in ranks})
+        return " on " + ", ".join(f"node {g} (host {self.topology.hosts[g]})" for g in nodes)
+
     def _report(self, beats: dict, now: float, *, behind: list[int], why: str) -> dict:
         ranks = []
         for r, b in sorted(beats.items()):
+            where = {"node": self.topology.node_of(r), "host": self.topology.host_of(r)} if self.topology else {}
             if b is None:
-                ranks.append({"rank": r, "stage": None, "behind": True})
+                ranks.append({"rank": r, **where, "stage": None, "behind": True})
             else:
                 ranks.append({
-                    "rank": r, "step": b["step"], "stage": b["stage"], "state": b["state"],
+                    "rank": r, **where, "step": b["step"], "stage": b["stage"], "state": b["state"],
                     "seconds": round(now - b["entered"], 3), "behind": r in behind,
+                    "silent": round(now - b.get("beat", now), 3) if r != self.rank else 0.0,
                 })
-        return {"timeout_s": self.timeout_s, "why": why, "behind": behind, "ranks": ranks}
+        return {"timeout_s": self.timeout_s, "beat_s": self.beat_s, "why": why, "behind": behind, "ranks": ranks}
 
     def _fire(self, report: dict) -> None:
         text = format_report(report, "ranks diverged")
@@ -197,25 +241,45 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
     def describe(self, headline: str) -> str:
-        """Every rank's stage now (from the heartbeats), under ``headline``."""
+        """Every rank's stage now (from the heartbeats), under ``headline``; silent ranks are behind
+        and named with their node and host."""
+        now = time.time()
         beats = {r: self._read(r) for r in range(self.world_size)}
         pos = {r: (b["step"], b["k"]) for r, b in beats.items() if b is not None}
         top = max(pos.values())
-        behind = sorted(r for r in beats if r not in pos or pos[r] < top)
-        return format_report(self._report(beats, time.time(), behind=behind, why=headline), "stage report")
+        silent = self._silent(beats, now)
+        behind = sorted(r for r in beats if r not in pos or pos[r] < top or r in silent)
+        if silent:
+            headline += f"; ranks {silent}{self._where(silent)} wrote no heartbeat for {now - max(beats[r]['beat'] for r in silent):.1f} s"
+        return format_report(self._report(beats, now, behind=behind, why=headline), "stage report")
+
+    def _await_silence(self) -> None:
+        """Give ranks that are gone the time to show as silent (3 beats and one more), for a note."""
+        if self._thread is not None:
+            time.sleep(4 * self.beat_s)
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """What a collective raises when it fails (a peer gone, a timeout): gloo's plain ``RuntimeError``,
+    ``torch.distributed.DistError`` (NCCL's, the store's)."""
+    return type(e) is RuntimeError or isinstance(e, dist.DistError)
 
 
 def format_report(report: dict, title: str) -> str:
     lines = [f"[tidal.watchdog] {title}: {report['why']} (run.collective_timeout_s={report['timeout_s']:g})"]
     for r in report["ranks"]:
+        who = f"rank {r['rank']}" + (f" (node {r['node']}, host {r['host']})" if "node" in r else "")
         if r["stage"] is None:
-            lines.append(f"  rank {r['rank']}: no heartbeat  <- behind")
+            lines.append(f"  {who}: no heartbeat  <- behind")
             continue
         where = "in" if r["state"] == "in" else "after"
         mark = "  <- behind" if r["behind"] else ""
-        lines.append(f"  rank {r['rank']}: step {r['step']}, {where} stage '{r['stage']}' for {r['seconds']:.1f} s{mark}")
+        quiet = f", no heartbeat for {r['silent']:.1f} s" if r.get("silent", 0.0) > 3 * report.get("beat_s", 1e9) else ""
+        lines.append(f"  {who}: step {r['step']}, {where} stage '{r['stage']}' for {r['seconds']:.1f} s{quiet}{mark}")
     if report["behind"]:
-        lines.append(f"  diverged (behind): ranks {report['behind']}")
+        hosts = sorted({(r["node"], r["host"]) for r in report["ranks"] if r["behind"] and "node" in r})
+        on = f" on {', '.join(f'node {g} (host {h})' for g, h in hosts)}" if hosts else ""
+        lines.append(f"  diverged (behind): ranks {report['behind']}{on}")
     return "\n".join(lines)
 
 

@@ -79,6 +79,10 @@ def apply_optim_settings(state: TrainState, optim: OptimConfig, *, lr: float) ->
 
 
 class Strategy(abc.ABC):
+    reshards_checkpoints = True
+    """Whether :meth:`state_dict`'s checkpoints load on another number of ranks (DCP resharding);
+    a backend whose saved state is per rank says False (:func:`tidal.run.resume.check_world_change`)."""
+
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         if cfg.offload_optimizer == "auto":  # no memory plan decided it (a Strategy built directly): off
             cfg = dataclasses.replace(cfg, offload_optimizer=False)

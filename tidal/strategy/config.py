@@ -32,6 +32,16 @@ class StrategyConfig:
     offload_actor_during_rollout: move the actor's parameters to CPU while the engine generates.
     zero_stage: DeepSpeed ZeRO stage (1, 2 or 3); with fsdp2 it must stay at its default.
         Stage 1 partitions optimizer state, 2 also gradients, 3 also parameters (frozen models too).
+    shard: over how many ranks a model is sharded (hybrid sharding: the others hold replicas).
+        ``world``: all ranks (one 1-D mesh); ``node``: the ranks of one node, replicated across
+        nodes, so parameter all-gathers and gradient reduce-scatters stay on the node's fast links
+        and only one all-reduce of gradient shards per step crosses the network; an integer ``N``:
+        blocks of ``N`` consecutive ranks (it must divide the world); ``auto`` (default): ``node``
+        when the run has several nodes, else ``world``. With fsdp2 a shard size below the world
+        is HSDP (``fully_shard`` over a 2-D mesh ``(replicate, shard)``). With deepspeed it is
+        ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``: a secondary copy of the
+        stage-3 parameters partitioned within the group; gradients and optimizer state stay
+        partitioned over the world), so it needs ``zero_stage=3``; there ``auto`` means ``world``.
     compile: ``torch.compile`` the decoder layers of the trained and frozen models (each layer on
         its own, before sharding; parameter names are unchanged) and the LM-head logprob kernels:
         far fewer kernel launches per forward/backward. ``auto``: on with fsdp2 on CUDA, off on
@@ -54,8 +64,14 @@ class StrategyConfig:
     offload_critic: bool = False
     offload_actor_during_rollout: bool = False
     zero_stage: int = 3
+    shard: Literal["auto", "world", "node"] | int = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     compile_cache_dir: str = "auto"
+
+    def shard_setting(self) -> str | int:
+        """``shard`` as the backend applies it: deepspeed's ``auto`` is ``world`` (its hierarchical
+        partitioning holds an extra copy of the parameters: a trade the user makes)."""
+        return "world" if self.backend == "deepspeed" and self.shard == "auto" else self.shard
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether ``compile`` turns compilation on for a run on ``device_type`` (only fsdp2 compiles)."""
@@ -69,6 +85,10 @@ class StrategyConfig:
             self.backend != "deepspeed" or self.reshard_after_forward, "reshard_after_forward",
             "is an FSDP2 setting; with backend=deepspeed choose zero_stage instead (3 re-partitions after forward, 1-2 keep full parameters)",
         )
+        check(not isinstance(self.shard, int) or self.shard >= 1, "shard", "must be auto, world, node or a number of ranks >= 1")
+        check(self.backend != "deepspeed" or self.zero_stage == 3 or self.shard in ("auto", "world"), "shard",
+              f"{self.shard!r} needs zero_stage=3 with backend=deepspeed (ZeRO++ hierarchical partitioning splits "
+              "stage-3 parameters only); set strategy.shard=world or zero_stage=3")
         check(bool(self.compile_cache_dir.strip()), "compile_cache_dir", "must be auto, off or a directory")
         check(self.backend != "deepspeed" or self.compile != "on", "compile",
               "is on only with backend=fsdp2; with backend=deepspeed set it to auto or off")

@@ -74,12 +74,18 @@ _OPTIM_STATE = OffloadStateTypeEnum.optim_states
 
 
 def deepspeed_config(
-    *, stage: int, bf16: bool, max_grad_norm: float, offload_optimizer: bool, trainable: bool
+    *, stage: int, bf16: bool, max_grad_norm: float, offload_optimizer: bool, trainable: bool, hpz_partition_size: int = 1
 ) -> dict[str, Any]:
     """The DeepSpeed config of one engine. Accumulation and the LR schedule stay with Tidal:
     ``gradient_accumulation_steps`` is 1 (DeepSpeed never divides the loss) and no scheduler or
-    optimizer section is given (the client AdamW is passed in)."""
+    optimizer section is given (the client AdamW is passed in). ``hpz_partition_size`` > 1 (stage 3
+    only: ``strategy.shard`` below the world) is ZeRO++'s hierarchical partitioning over blocks of
+    that many consecutive ranks."""
     zero: dict[str, Any] = {"stage": stage, "elastic_checkpoint": False}
+    if hpz_partition_size > 1:
+        if stage != 3:
+            raise ValueError(f"zero_hpz_partition_size={hpz_partition_size} needs ZeRO stage 3, not {stage}")
+        zero["zero_hpz_partition_size"] = hpz_partition_size
     if stage == 3:
         # else the first ZeRO-3 engine replaces torch.nn.functional.linear process-wide (every
         # model, the rollout engine's too) with DeepSpeed's autograd function
@@ -118,7 +124,7 @@ class DeepSpeedLayout:
         every micro-batch), full bf16 gradients at stage 1. ZeRO-Offload (``offload``) keeps the
         masters, moments and fp32 gradient partitions on the host (bf16 gradient partitions stay)."""
         stage = cfg.zero_stage
-        lp = 2 * stored // (world if stage == 3 else 1)
+        lp = 2 * stored // (world if stage == 3 else 1)  # ``world`` here: the shard group (strategy.shard)
         masters, moments = 4 * trainable // world, 8 * trainable // world
         grads = 4 * trainable // world if stage >= 2 else 2 * trainable
         if offload:
@@ -287,6 +293,8 @@ def _materialize_optimizer_state(engine) -> None:
 
 
 class DeepSpeedStrategy(Strategy):
+    reshards_checkpoints = False  # each rank's ZeRO optimizer state is stored under its rank and world size
+
     def __init__(self, cfg: StrategyConfig, runtime: Runtime):
         super().__init__(cfg, runtime)
         accel = get_accelerator().device_name()
@@ -305,6 +313,10 @@ class DeepSpeedStrategy(Strategy):
         self._placed: dict[int, _Placed] = {}
         # CPU optimizer offload is meaningless on a CPU run (the state is there already).
         self._ds_offload = self.cfg.offload_optimizer and runtime.device.type != "cpu"
+        shard = runtime.topology.shard_size(self.cfg.shard_setting())
+        self._hpz = shard if shard < runtime.world_size else 1
+        """``zero_hpz_partition_size`` (1: none): ``strategy.shard`` below the world, stage 3 only
+        (:class:`~tidal.strategy.config.StrategyConfig` checks the stage)."""
 
     @property
     def zero_stage(self) -> int:
@@ -339,7 +351,7 @@ class DeepSpeedStrategy(Strategy):
             masters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         config = deepspeed_config(
             stage=self.zero_stage, bf16=bf16, max_grad_norm=optim.max_grad_norm,
-            offload_optimizer=self._ds_offload, trainable=True,
+            offload_optimizer=self._ds_offload, trainable=True, hpz_partition_size=self._hpz,
         )
         optimizer = self._client_optimizer(param_groups(model, optim.weight_decay), optim, lr)
         engine = self._initialize(model, optimizer, config)
@@ -362,7 +374,8 @@ class DeepSpeedStrategy(Strategy):
         model = model.to(dtype=self.param_dtype)
         if self.zero_stage == 3:
             config = deepspeed_config(
-                stage=3, bf16=self.param_dtype == torch.bfloat16, max_grad_norm=0.0, offload_optimizer=False, trainable=False
+                stage=3, bf16=self.param_dtype == torch.bfloat16, max_grad_norm=0.0, offload_optimizer=False, trainable=False,
+                hpz_partition_size=self._hpz,
             )
             engine = self._initialize(model, None, config)
             _prepare_logprob_method(engine, zero3=True, compile_head=self.compiles)

@@ -1,6 +1,11 @@
 """FSDP2 backend: ``torch.distributed.fsdp.fully_shard`` per decoder layer, then the root.
 
-Parameters are sharded over all ranks (a 1-D mesh of the world). Master weights are fp32; on CUDA
+Parameters are sharded over all ranks (a 1-D mesh of the world), or with ``strategy.shard`` below
+the world (hybrid sharding, HSDP) over a 2-D mesh ``(replicate, shard)``: blocks of ``shard``
+consecutive ranks (a node's, by default on several nodes) each hold one sharded copy, and the blocks
+replicate it (:func:`shard_mesh`). Gradients are reduce-scattered within a block and all-reduced
+across blocks; either way they are averaged over the whole world, so the gradient contract is the
+same. DCP checkpoints of either layout load into either (and into another world size). Master weights are fp32; on CUDA
 the compute (unsharded) dtype is bf16 with fp32 gradient reduction (MixedPrecisionPolicy). Frozen
 models (reference, reward model) have no master weights: their parameters are stored in the compute
 dtype (identical outputs, half the memory and offload traffic in bf16); buffers stay fp32. Names of
@@ -110,6 +115,17 @@ class FSDP2Layout:
         return 2 * root_params + 4 * layer_params + (6 * layer_params if backward else 0)
 
 
+def shard_mesh(device_type: str, world_size: int, shard_size: int):
+    """The device mesh FSDP2 shards over: 1-D ``(world,)`` when ``shard_size`` is the world, else
+    2-D ``(world / shard_size, shard_size)`` named ``("replicate", "shard")``, whose shard groups are
+    blocks of consecutive ranks (a node's ranks when ``shard_size`` is the ranks per node) and whose
+    replicate groups take one rank of each block (as torchtitan's ``dp_replicate`` x ``dp_shard``).
+    Collective: every rank builds it."""
+    if shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 class FSDP2Strategy(Strategy):
     @property
     def compiles(self) -> bool:
@@ -117,7 +133,8 @@ class FSDP2Strategy(Strategy):
 
     def _mesh(self):
         if not hasattr(self, "_mesh_cache"):
-            self._mesh_cache = init_device_mesh(self.device.type, (self.runtime.world_size,))
+            shard = self.runtime.topology.shard_size(self.cfg.shard_setting())
+            self._mesh_cache = shard_mesh(self.device.type, self.runtime.world_size, shard)
         return self._mesh_cache
 
     def _shard(self, model: torch.nn.Module, *, reshard_after_forward: bool) -> torch.nn.Module:

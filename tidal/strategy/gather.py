@@ -1,4 +1,4 @@
-"""Full tensors of dim-0-sharded DTensor parameters (FSDP2), gathered in buckets.
+"""Full tensors of dim-0-sharded DTensor parameters (FSDP2, and HSDP's 2-D layout), gathered in buckets.
 
 ``DTensor.full_tensor()`` per parameter costs one collective and a few hundred microseconds of
 host work each; a 0.5B model has ~300 parameters, so a weight sync spent most of its time there.
@@ -14,7 +14,9 @@ about two buckets of full tensors are alive at a time.
 
 Layout: a ``Shard(0)`` DTensor of global dim-0 size ``d`` on ``W`` ranks holds rows
 ``[r*c, min((r+1)*c, d))`` on rank ``r``, ``c = ceil(d / W)`` (``torch.chunk``); each shard is
-padded to ``c`` rows for the collective and the padding dropped after.
+padded to ``c`` rows for the collective and the padding dropped after. Under hybrid sharding (a 2-D
+mesh, placements ``(Replicate(), Shard(0))``) the same holds within the rank's shard group (the
+mesh's last dimension, ``W`` its size): the gather runs there, never across replicas.
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def _dim0_sharded(p: torch.Tensor) -> bool:
-    return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
+    """Sharded on dim 0 over the mesh's last dimension, replicated over any other (FSDP2, HSDP)."""
+    if not isinstance(p, DTensor):
+        return False
+    *outer, last = p.placements
+    return last == Shard(0) and all(isinstance(q, Replicate) for q in outer)
+
+
+def _shard_dim(p: DTensor) -> tuple[int, dist.ProcessGroup]:
+    """The size and process group of the mesh dimension ``p`` is sharded over (the last)."""
+    mesh = p.device_mesh
+    return mesh.size(mesh.ndim - 1), mesh.get_group(mesh.ndim - 1)
 
 
 class BucketedFullTensors:
@@ -46,7 +58,7 @@ class BucketedFullTensors:
             return self.cache.pop(key)
         if not _dim0_sharded(p):
             return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(self.device)
-        if p.device_mesh.size() == 1:  # the local shard is the whole tensor (not to_local(): an autograd call)
+        if _shard_dim(p)[0] == 1:  # the local shard is the whole tensor (not to_local(): an autograd call)
             return p._local_tensor.detach().to(self.device)
         bucket = self._bucket_from(p)
         for q, full in zip(bucket, self._gather(bucket)):
@@ -67,8 +79,7 @@ class BucketedFullTensors:
         return bucket
 
     def _gather(self, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
-        mesh = bucket[0].device_mesh
-        world = mesh.size()
+        world, group = _shard_dim(bucket[0])
         rows = [math.ceil(q.shape[0] / world) for q in bucket]
         inner = [math.prod(q.shape[1:]) for q in bucket]
         send = torch.zeros(sum(r * i for r, i in zip(rows, inner)), dtype=bucket[0].dtype, device=self.device)
@@ -78,7 +89,7 @@ class BucketedFullTensors:
             send[off : off + local.numel()] = local
             off += r * i
         recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+        dist.all_gather_into_tensor(recv, send, group=group)
         self.collectives += 1
         recv_WN = recv.view(world, send.numel())
         out, off = [], 0

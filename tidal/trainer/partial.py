@@ -340,9 +340,20 @@ class LongTailRollout:
         self.queue = [int(i) for i in state["queue"]]
 
 
-def per_rank_states(states: Sequence[dict], rank: int, world_size: int) -> dict:
-    """This rank's entry of the checkpoint's per-rank partial rollout states."""
+def per_rank_states(states: Sequence[dict], rank: int, world_size: int) -> dict | None:
+    """This rank's entry of the checkpoint's per-rank partial rollout states; None when they were
+    saved on another number of ranks (a resume on a new topology): each rank's groups in flight were
+    sized for its share of the batch and hold its own engine's sequences, so they are not dealt out
+    again but dropped (:func:`dropped_note` says what is lost)."""
     if len(states) != world_size:
-        raise ValueError(f"the checkpoint holds partial rollout state for {len(states)} ranks, this run has {world_size}: "
-                         f"resume partial rollout with the same world size")
+        return None
     return states[rank]
+
+
+def dropped_note(states: Sequence[dict], world_size: int) -> str:
+    """The warning for partial rollout state dropped on a resume on ``world_size`` ranks."""
+    groups = sum(len(s.get("groups", ())) for s in states)
+    queued = sum(len(s.get("queue", ())) for s in states)
+    return (f"the checkpoint's partial rollout state is of {len(states)} ranks and this run has {world_size}: its {groups} "
+            f"group(s) in flight and {queued} queued prompt(s) are dropped (those prompts are not trained in this epoch; "
+            f"resume on {len(states)} ranks to keep them)")

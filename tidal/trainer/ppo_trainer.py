@@ -35,7 +35,7 @@ from tidal.trainer.config import TrainerSections
 from tidal.trainer.evaluate import evaluate, shard_items
 from tidal.trainer.experience import Experience, concat_experiences, first_group_id
 from tidal.trainer.experience_maker import ExperienceMaker
-from tidal.trainer.partial import LongTailRollout, per_rank_states
+from tidal.trainer.partial import LongTailRollout, dropped_note, per_rank_states
 from tidal.trainer.perf import PerfMeter
 from tidal.run.loop import JobLoop, LoopState
 from tidal.run.run_dir import RunDir
@@ -298,7 +298,11 @@ class PPOTrainer:
             apply_optim_settings(m.critic, optim, lr=optim.critic_lr)
         self.algo.load_state_dict(st["algorithm"])
         if self.long_tail is not None and "partial" in st:
-            self.long_tail.load_state_dict(per_rank_states(st["partial"], self.rt.rank, self.rt.world_size))
+            mine = per_rank_states(st["partial"], self.rt.rank, self.rt.world_size)
+            if mine is not None:
+                self.long_tail.load_state_dict(mine)
+            else:
+                self._warn([dropped_note(st["partial"], self.rt.world_size)])
         self.colocation.sync_weights(version=int(st["step"]))
 
     # ---- the loop -------------------------------------------------------------------------------------
