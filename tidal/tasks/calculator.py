@@ -38,7 +38,7 @@ from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.config import CalculatorTaskConfig
 from tidal.tasks.model import build_model
-from tidal.tasks.sft import train_masked
+from tidal.tasks.sft import build_threads, train_masked, whole_build
 from tidal.tasks.tokenizer import save_tokenizer
 
 LABEL = "calculator"  # the rows' recipe label (CalculatorTaskConfig.name)
@@ -140,10 +140,11 @@ def evaluate(model, tokenizer, problems: list[Product], *, greedy: bool = True, 
     return {"accuracy": correct / len(trajs), "tool_call_rate": sum(t.counters.get("tool_calls", 0) > 0 for t in trajs) / len(trajs)}
 
 
-def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product], held_out: list[Product]) -> dict:
-    """The two SFT phases (see module docstring); returns their losses and held-out accuracies."""
+def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product], held_out: list[Product], whole) -> dict:
+    """The two SFT phases (see module docstring); returns their losses and held-out accuracies.
+    ``whole``: the build's progress (:func:`tidal.tasks.sft.whole_build`)."""
     renderer = ChatRenderer(tokenizer)
-    sft = dict(pad_id=tokenizer.pad_token_id, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
+    sft = dict(pad_id=tokenizer.pad_token_id, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, whole=whole)
     tool = train_masked(model, [transcript(renderer, p, use_tool=True) for p in train], steps=cfg.sft_steps, seed=cfg.seed, **sft)
     tool_eval = evaluate(model, tokenizer, held_out)
     rng = random.Random(cfg.seed + 1)
@@ -158,27 +159,25 @@ def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product
     }
 
 
-def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/tidal/tasks", threads: int = 2) -> TaskAssets:
+def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/tidal/tasks", threads: int = 0,
+                       run_threads: int = 0) -> TaskAssets:
     """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once under
-    ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads (``task.workdir`` and
-    ``task.sft_threads`` in a run)."""
-    return built(cfg, workdir, lambda c, out: _build(c, out, threads))
+    ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads, or when 0 the run's
+    (:func:`tidal.tasks.sft.build_threads`; ``task.workdir``, ``task.sft_threads`` and
+    ``run.cpu_threads`` in a run)."""
+    return built(cfg, workdir, lambda c, out: _build(c, out, threads, run_threads))
 
 
-def _build(cfg: CalculatorTaskConfig, out: Path, threads_to_use: int) -> None:
+def _build(cfg: CalculatorTaskConfig, out: Path, sft_threads: int, run_threads: int) -> None:
     start = time.perf_counter()
     train, held_out = split_products(cfg)
     write_jsonl(out / "train.jsonl", [p.row() for p in train])
     write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
     tokenizer = train_chatml_tokenizer(_corpus(train), template="qwen2_5")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads_to_use)
-    try:
+    with build_threads(sft_threads, run_threads), whole_build(cfg.name, cfg.sft_steps + cfg.sft_direct_steps) as whole:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, tokenizer, max_positions=MAX_POSITIONS)
-        report = _warm_start(cfg, model, tokenizer, train, held_out)
-    finally:
-        torch.set_num_threads(threads)
+        report = _warm_start(cfg, model, tokenizer, train, held_out, whole)
     model.save_pretrained(out / "model")
     save_tokenizer(tokenizer, str(out / "model"))
     report["build_seconds"] = time.perf_counter() - start

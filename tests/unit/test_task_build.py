@@ -1,0 +1,89 @@
+"""The task build follows the run's thread rule (issue 44 item 11): ``task.sft_threads: 0`` (the
+default) builds with ``run.cpu_threads``'s threads, and Tidal makes torch's OpenMP threads sleep
+rather than spin while they wait, so a second thread on a busy machine costs little instead of
+making each SFT step 6-9x slower. The timing itself is measured by ``bench/busy_threads.py``: on a
+machine shared with other work a steps/s ratio swings too much to assert in the suite."""
+
+import os
+import subprocess
+import time
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal.config import load_config
+from tidal.tasks import TaskConfig, prepare
+from tidal.tasks import assets as assets_module
+from tidal.tasks.sft import build_threads
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+
+@pytest.mark.parametrize(("sft_threads", "run_threads", "expected"), [(0, 0, 1), (0, 3, 3), (2, 0, 2), (2, 3, 2)])
+def test_build_threads_follow_the_run_rule_unless_set(two_cores, sft_threads, run_threads, expected):
+    before = torch.get_num_threads()
+    with build_threads(sft_threads, run_threads) as n:
+        assert n == expected and torch.get_num_threads() == expected
+    assert torch.get_num_threads() == before
+
+
+def test_build_threads_are_restored_on_error(two_cores):
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="boom"), build_threads(3):
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+
+
+def test_the_quickstart_builds_with_the_runs_threads(two_cores, tmp_path, monkeypatch):
+    """The shipped quickstart leaves task.sft_threads at 0; its build runs with run.cpu_threads's threads."""
+    cfg = load_config("quickstart", [f"task.workdir={tmp_path}"])
+    assert cfg.task.sft_threads == 0 and TaskConfig().sft_threads == 0
+    seen = []
+
+    def model_seen(task, tokenizer):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop after the thread count is known")
+
+    monkeypatch.setattr(assets_module, "build_model", model_seen)
+    small = TaskConfig(name="arithmetic", workdir=str(tmp_path), digits=1, num_train=8, num_eval=2)
+    for run_threads, expected in ((0, 1), (2, 2)):
+        with pytest.raises(RuntimeError, match="thread count"):
+            prepare(small, run_threads=run_threads)
+    assert seen == [1, 2]
+
+
+def test_importing_tidal_makes_waiting_openmp_threads_sleep():
+    """libgomp spins 300,000 times in every wait unless OMP_WAIT_POLICY says passive before torch loads;
+    Tidal sets it (an explicit setting wins)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    libgomp = next((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))  # what torch loads, without torch's import time
+    script = f"import ctypes, tidal; ctypes.CDLL({str(libgomp)!r})"
+    shown = subprocess.run([sys.executable, "-c", script], env=dict(env, OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=str(REPO)),
+                           capture_output=True, text=True, timeout=120).stderr
+    assert "GOMP_SPINCOUNT = '0'" in shown, shown[-2000:]
+
+
+def test_the_builds_progress_counts_every_phase(tmp_path, monkeypatch, capsys):
+    """The build's own line counts the SFT steps of both phases, so its remaining time is the
+    build's, not the current phase's (off a terminal: the plain lines)."""
+    from tidal.logging import progress
+    from tidal.tasks import sft
+
+    monkeypatch.setattr(progress, "PLAIN_FIRST_S", 0.0)
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.05)
+    monkeypatch.setattr(sft, "_sft_step", lambda *a, **kw: (time.sleep(0.06), 1.0)[1])
+    prepare(TaskConfig(name="arithmetic", workdir=str(tmp_path), digits=1, num_train=8, num_eval=2, hidden_size=16, num_layers=1,
+                       num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, sft_mistake_steps=2, sft_threads=1))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[tidal] building the 'arithmetic' task: ")]
+    counted = [line for line in lines if "/5 SFT steps" in line and "left" in line]
+    assert any(line.split(": ")[1].startswith(("1/5", "2/5", "3/5")) for line in counted), lines  # in phase 1, phase 2 still counted
+    assert lines[-1].startswith("[tidal] building the 'arithmetic' task: done in "), lines
