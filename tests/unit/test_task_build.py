@@ -4,6 +4,7 @@ rather than spin while they wait, so a second thread on a busy machine costs lit
 making each SFT step 6-9x slower. The timing itself is measured by ``bench/busy_threads.py``: on a
 machine shared with other work a steps/s ratio swings too much to assert in the suite."""
 
+import json
 import os
 import subprocess
 import time
@@ -87,3 +88,48 @@ def test_the_builds_progress_counts_every_phase(tmp_path, monkeypatch, capsys):
     counted = [line for line in lines if "/5 SFT steps" in line and "left" in line]
     assert any(line.split(": ")[1].startswith(("1/5", "2/5", "3/5")) for line in counted), lines  # in phase 1, phase 2 still counted
     assert lines[-1].startswith("[tidal] building the 'arithmetic' task: done in "), lines
+
+
+SMALL = dict(name="arithmetic", digits=1, num_train=20, num_eval=4, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+             intermediate_size=32, sft_steps=4, sft_mistake_steps=3, sft_batch_size=4, sft_threads=1)
+
+
+def test_a_build_stopped_in_phase_2_continues_from_phase_1_and_equals_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the second warm-start phase (issue 44 item 12): BuildStopped says what is kept; the
+    rerun trains phase 2 only and builds the same assets as a build never stopped."""
+    from safetensors.torch import load_file
+
+    from tidal.tasks import sft
+    from tidal.tasks.store import BuildStopped, asset_dir, phases_dir
+
+    reference = prepare(TaskConfig(**SMALL, workdir=str(tmp_path / "ref")))
+    cfg = TaskConfig(**SMALL, workdir=str(tmp_path / "stop"))
+    step, calls = sft._sft_step, []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 6 and stop_at_6:  # the second step of phase 2
+            raise KeyboardInterrupt
+        return step(*args, **kw)
+
+    monkeypatch.setattr(sft, "_sft_step", counted)
+    stop_at_6 = True
+    with pytest.raises(BuildStopped) as stopped:
+        prepare(cfg)
+    root = asset_dir(cfg, cfg.workdir)
+    assert str(stopped.value) == (f"stopped by SIGINT while building the task {root.name}; its finished phase(s) 1 are kept "
+                                  f"in {phases_dir(root)}: rerun the same command to continue")
+    assert not root.exists() and sorted(os.listdir(phases_dir(root))) == ["1"]
+    stop_at_6, calls[:] = False, []
+    capsys.readouterr()
+    assets = prepare(cfg)
+    assert len(calls) == 3 and f"continuing from phase 1 of a stopped build ({phases_dir(root) / '1'})" in capsys.readouterr().out
+    assert not phases_dir(root).exists() and sorted(os.listdir(tmp_path / "stop")) == [root.name]
+    assert assets.sft_accuracy == reference.sft_accuracy
+    ours, theirs = load_file(f"{assets.model_path}/model.safetensors"), load_file(f"{reference.model_path}/model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    def results(a):  # the marker's losses and accuracies (not where or how long)
+        return {k: v for k, v in json.loads(Path(a.model_path).parent.joinpath("task.json").read_text()).items()
+                if k not in ("settings", "build_seconds")}
+
+    assert results(assets) == results(reference) and "mistake_loss" in results(assets)

@@ -23,7 +23,7 @@ from tidal.tasks.arithmetic import sft_rows, split_problems
 from tidal.tasks.calculator import prepare_calculator
 from tidal.tasks.config import TaskConfig
 from tidal.tasks.model import build_model
-from tidal.tasks.sft import build_threads, evaluate_greedy, supervised_finetune, whole_build
+from tidal.tasks.sft import build_threads, evaluate_greedy, kept_phase, supervised_finetune, whole_build
 from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
@@ -35,10 +35,10 @@ def prepare(cfg: TaskConfig, *, run_threads: int = 0) -> TaskAssets:
     check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
     if cfg.name == "calculator":
         return prepare_calculator(cfg.calculator, workdir=cfg.workdir, threads=cfg.sft_threads, run_threads=run_threads)
-    return built(cfg, cfg.workdir, lambda c, out: _build(c, out, run_threads))
+    return built(cfg, cfg.workdir, lambda c, out, phases: _build(c, out, phases, run_threads))
 
 
-def _build(cfg: TaskConfig, out: Path, run_threads: int) -> None:
+def _build(cfg: TaskConfig, out: Path, phases: Path, run_threads: int) -> None:
     start = time.perf_counter()
     train, held_out = split_problems(
         digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval,
@@ -52,7 +52,7 @@ def _build(cfg: TaskConfig, out: Path, run_threads: int) -> None:
             tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
         with build_threads(cfg.sft_threads, run_threads):
             model = build_model(cfg, tokenizer)
-            report = _warm_start(cfg, model, tokenizer, train, eval_rows, whole)
+            report = _warm_start(cfg, model, tokenizer, train, eval_rows, whole, phases)
     model.save_pretrained(out / "model")
     save_tokenizer(tokenizer, str(out / "model"))
     report["build_seconds"] = time.perf_counter() - start
@@ -66,21 +66,25 @@ def _build(cfg: TaskConfig, out: Path, run_threads: int) -> None:
     (out / MARKER).write_text(json.dumps({"settings": to_dict(cfg), **report}, indent=2))
 
 
-def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[dict], whole: Step) -> dict:
-    """Phase 1 teaches the procedure on correct demonstrations; phase 2 teaches the slip habit on
-    demonstrations of which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
+def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[dict], whole: Step, phases: Path) -> dict:
+    """Phase 1 teaches the procedure on correct demonstrations (kept once finished, for a stopped
+    build: :func:`tidal.tasks.sft.kept_phase`); phase 2 teaches the slip habit on demonstrations of
+    which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
     sft = dict(lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, whole=whole)
-    clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps,
-                                seed=cfg.seed, description="warm start 1/2 (SFT on correct demonstrations)", **sft)
-    clean_accuracy = _held_out_accuracy(model, tokenizer, eval_rows)
+
+    def phase_1() -> dict:
+        clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps,
+                                    seed=cfg.seed, description="warm start 1/2 (SFT on correct demonstrations)", **sft)
+        return {"sft_loss": clean[-1] if clean else float("nan"), "clean_accuracy": _held_out_accuracy(model, tokenizer, eval_rows)}
+
+    first = kept_phase(phases, "1", model, phase_1, steps=cfg.sft_steps, whole=whole)
     mistake_rows = sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed + 1)
     slipped = supervised_finetune(model, tokenizer, mistake_rows, steps=cfg.sft_mistake_steps, seed=cfg.seed + 1,
                                   description=f"warm start 2/2 (SFT, {cfg.sft_mistake_rate:.0%} slipped demonstrations)", **sft)
     return {
-        "sft_loss": clean[-1] if clean else float("nan"),
-        "clean_accuracy": clean_accuracy,
+        **first,
         "mistake_loss": slipped[-1] if slipped else float("nan"),
-        "sft_accuracy": _held_out_accuracy(model, tokenizer, eval_rows) if slipped else clean_accuracy,
+        "sft_accuracy": _held_out_accuracy(model, tokenizer, eval_rows) if slipped else first["clean_accuracy"],
     }
 
 

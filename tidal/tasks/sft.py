@@ -9,18 +9,24 @@ loss covers the assistant's turns only (the calculator task).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from typing import Iterator
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from tidal.distributed.runtime import cpu_threads
 from tidal.logging.progress import Step
+from tidal.run import faults
 from tidal.tasks.arithmetic import is_correct
 from tidal.tasks.tokenizer import prompt_ids
 
 IGNORE = -100
+PHASE_MARKER = "phase.json"  # written last in a kept phase's folder: its results
 
 
 @contextlib.contextmanager
@@ -36,6 +42,34 @@ def build_threads(sft_threads: int, run_threads: int = 0) -> Iterator[int]:
         yield n
     finally:
         torch.set_num_threads(before)
+
+
+def kept_phase(phases: Path, name: str, model: PreTrainedModel, run: Callable[[], dict], *, steps: int, whole: Step) -> dict:
+    """One phase of a warm start (``steps`` SFT steps and what follows them) that a stopped build may
+    have finished already (:func:`tidal.tasks.store.phases_dir`): when ``phases/name`` holds it, its
+    weights are loaded into ``model``, its steps count as done in ``whole`` and its recorded results
+    are returned; else ``run()`` trains ``model`` in place and returns its results, and the phase is
+    kept there (written aside, renamed into place) for a build that stops later. The next phase
+    starts from the same weights either way (each phase has its own optimizer and schedule)."""
+    done = phases / name
+    if (done / PHASE_MARKER).is_file():
+        state = load_file(done / "model.safetensors")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"{done} does not hold this model's weights (missing {missing}, unexpected {unexpected}); remove it")
+        whole.advance(steps)
+        print(f"[tidal.tasks] continuing from phase {name} of a stopped build ({done})", flush=True)
+        return json.loads((done / PHASE_MARKER).read_text())
+    results = run()
+    writing = phases / f".{name}.writing"
+    shutil.rmtree(writing, ignore_errors=True)
+    writing.mkdir(parents=True)
+    model.save_pretrained(writing)
+    (writing / PHASE_MARKER).write_text(json.dumps(results))
+    shutil.rmtree(done, ignore_errors=True)
+    os.rename(writing, done)
+    return results
 
 
 def whole_build(name: str, sft_steps: int) -> Step:
@@ -108,6 +142,7 @@ def train_masked(
             shown.advance(info=f"loss {losses[-1]:.3f}")
             if whole is not None:
                 whole.advance()
+                faults.hit("sft", step=whole.completed)  # test-only (TIDAL_FAULT): e.g. Ctrl-C at the build's SFT step N
     model.eval()
     return losses
 
