@@ -223,6 +223,7 @@ def test_a_row_without_the_prompt_field_names_file_row_and_key(tmp_path, assets,
     err = _check_error(capsys, overrides, command)
     assert "'data.prompt_key'" in err and f"{tmp_path / 'train.jsonl'}:2:" in err, err
     assert "its fields: 'label', 'question', 'reference'" in err and "set data.prompt_key" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # a train stopped by a data error leaves no empty folder (issue 44 item 15)
 
 
 def test_a_label_that_is_no_recipe_is_found_before_loading(tmp_path, assets, tiny_task_overrides, capsys):
