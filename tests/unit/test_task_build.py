@@ -133,3 +133,32 @@ def test_a_build_stopped_in_phase_2_continues_from_phase_1_and_equals_an_uninter
                 if k not in ("settings", "build_seconds")}
 
     assert results(assets) == results(reference) and "mistake_loss" in results(assets)
+
+
+def test_the_calculator_builds_evaluation_uses_the_cache_name_of_its_transformers(monkeypatch):
+    """Issue 44 item 15: the calculator build's evaluation (HFEngine's decode loop) passed and read
+    `past_key_values`, which transformers 5 renamed: a deprecation warning on every build."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from tests.engine.helpers import tiny_hf
+    from tidal.engine.base import SamplingParams
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.hf import HFEngine
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = hf_logging.get_logger("transformers")
+    logger.addHandler(handler)
+    hf_logging.warning_once.cache_clear()  # a warning said earlier in this process is said again
+    try:
+        hf = tiny_hf("qwen2", seed=0)
+        engine = HFEngine(hf.config, EngineConfig(backend="hf"), device=torch.device("cpu"), dtype=torch.float32)
+        engine.load_weights([(n, p.detach().clone()) for n, p in hf.named_parameters()])
+        done = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+    finally:
+        logger.removeHandler(handler)
+    assert len(done[0].token_ids) == 3
+    assert not [m for m in said if "past_key_values" in m], said
