@@ -230,6 +230,7 @@ def build_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, runtime: Runti
     sampler = StatefulDistributedSampler(
         len(train), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.rollout.prompts_per_step // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+        data_hash=train.content_hash,
     )
     return RunData(train=train, sampler=sampler, eval_items=eval_items)
 

@@ -222,7 +222,8 @@ several ranks or GPUs: every rank runs the same command under torch's launcher, 
 (torchrun's options, then the command; plain `torchrun --nproc_per_node 8 -m tidal.cli train ...` works
 too, but torchrun ends every failure with exit code 1 and its own failure report)
 
-exit codes: 0 done, 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+exit codes: 0 done (only when the command finished: a process that ends early, even with code 0, is
+named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
 saved step (or by Ctrl-C before training, e.g. in a task build, which keeps its finished phases)."""
 
 
@@ -279,7 +280,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``tidal`` command. As a program (``argv`` None) a train/check/eval/export runs in a child
+    process that this one watches (:mod:`tidal.run.supervise`): whatever ends the child, the command
+    says so and never exits 0 unless the command finished."""
+    from tidal.run import supervise
+
+    if argv is None and supervise.wanted(sys.argv[1:]):
+        return supervise.run_supervised(sys.argv[1:])
+    supervise.start_child()
+    code = None
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        supervise.report_outcome(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] == "serve-reward":
         return cmd_serve_reward(argv[1:])
     if argv and argv[0] == "serve-teacher":
@@ -310,6 +327,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         _end_process_group()
         return STOP_EXIT_CODE
+    except Exception as e:
+        if not _export_failed(e):
+            raise
+        print(f"tidal: {e}", file=sys.stderr)  # e.g. a full disk: one line, the earlier export kept
+        _end_process_group()
+        return 1
+
+
+def _export_failed(exc: Exception) -> bool:
+    """Whether ``exc`` is an export's failure (``tidal export``, or the reward-model job's export at
+    the end), said in one line; without the export module loaded, it cannot be one."""
+    export = sys.modules.get("tidal.trainer.export")
+    return export is not None and isinstance(exc, export.ExportError)
 
 
 if __name__ == "__main__":

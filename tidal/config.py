@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 
 from tidal.algorithms.config import AlgorithmConfig
-from tidal.config_base import ConfigError, apply_overrides, build, check, decode_utf8, to_dict
+from tidal.config_base import ConfigError, apply_overrides, build, check, decode_utf8, load_yaml, to_dict
 from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
 from tidal.envs.base import check_engine_backend
@@ -189,7 +189,9 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalC
     path = resolve_config_path(name_or_path)
     try:
         text = decode_utf8(path.read_bytes(), str(path))
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(text, str(path)) or {}
+    except ConfigError:  # a repeated key, named with its lines
+        raise
     except ValueError as e:  # not UTF-8
         raise ConfigError("<config>", str(e)) from None
     except yaml.YAMLError as e:

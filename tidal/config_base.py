@@ -151,6 +151,52 @@ def decode_utf8(data: bytes, what: str) -> str:
                          f"(byte offset {e.start}): {e.reason}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a mapping that repeats a key is an error (plain YAML keeps the
+    last one silently: a whole section written twice lost its first copy)."""
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, "", self.name)
+        return self.construct_document(node)
+
+
+def _check_unique_keys(node: yaml.Node, prefix: str, what: str) -> None:
+    """ConfigError at the dotted key of the first key a mapping of ``node`` repeats, naming both lines
+    (``<<`` merges aside: a key given beside a merge overrides it, as YAML says)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, f"{prefix}[{i}]", what)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first: dict[Any, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        if key is None or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        line = key_node.start_mark.line + 1
+        if key in first:
+            raise ConfigError(dotted, f"{what}:{line}: duplicate key '{key}' (first at line {first[key]}); YAML would "
+                                      "silently keep only the last one: merge the two or remove one")
+        first[key] = line
+        _check_unique_keys(value_node, dotted, what)
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """``yaml.safe_load(text)``, but a repeated mapping key is a ConfigError at its dotted key naming
+    ``what`` (a file, or an override) and both lines. Every config Tidal reads goes through it."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = what
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``a.b.c=value`` (value parsed as YAML) into (["a","b","c"], value)."""
     if "=" not in text:
@@ -162,7 +208,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if raw == "":
         return key.split("."), ""
     try:
-        return key.split("."), yaml.safe_load(raw)
+        return key.split("."), load_yaml(raw, f"override {key}=")
+    except ConfigError as e:
+        raise ConfigError(f"{key}.{e.key}", e.message) from None
     except yaml.YAMLError as e:
         raise ConfigError(key, f"value {raw!r:.80} is not valid YAML: {str(e).splitlines()[0]}") from None
 

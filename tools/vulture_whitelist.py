@@ -61,3 +61,7 @@ _.base_lrs, _._last_lr  # torch's LRScheduler state, set after a resume (tidal/s
 
 # Public names re-exported by a package's lazy __init__ (tidal.lazy.lazy_exports names them as strings).
 gather_and_generate  # tidal.distributed: the rollout entry point of the public API
+
+# Overrides of pebble's pool manager, called by pebble's own threads (tidal/rewards/pool.py).
+_.inspect_workers  # _WorkerManager: every worker that ended, exit code 0 included
+_.live_pids  # WorkerPool: the live workers' pids (tests check a hung worker is replaced)

@@ -183,3 +183,44 @@ def forks_a_child(sample) -> float:
     child.start()
     child.join(30)
     return float(child.exitcode == 0)
+
+
+# ---- ways out of a process that no exception handler sees (issue 44 item 3) ----
+from os import _exit as _bound_exit  # noqa: E402 -- bound at import, as a user's module may: patching os._exit misses it
+
+
+def posix_exits(sample) -> float:
+    """posix._exit(0) on 'bye' (the function os._exit is bound to)."""
+    import posix
+
+    if sample.response == "bye":
+        posix._exit(0)
+    return 1.0
+
+
+def bound_exits(sample) -> float:
+    """An ``_exit`` bound at import, called with 0 on 'bye'."""
+    if sample.response == "bye":
+        _bound_exit(0)
+    return 1.0
+
+
+def ctypes_exits(sample) -> float:
+    """libc's _exit(0) through ctypes on 'bye' (no Python function involved)."""
+    import ctypes
+
+    if sample.response == "bye":
+        ctypes.CDLL(None)._exit(0)
+    return 1.0
+
+
+def posix_exits_at_step_2(sample) -> float:
+    """posix._exit(0) while scoring the second step (a world of one: the second call with sample
+    index 0): a trainer that ends mid-run with exit code 0 and no message."""
+    import posix
+
+    if sample.index == 0:
+        CALLS["n"] += 1
+        if CALLS["n"] == 2:
+            posix._exit(0)
+    return text_hash_reward(sample)

@@ -126,6 +126,9 @@ def test_tokenizer_without_pad_and_eos_tokens(tmp_path, assets, tiny_task_overri
     ('{"prompt": "1+1=", "reference": 2', r"train.jsonl:3: invalid JSON"),
     ('{"question": "1+1="}', r"train.jsonl:3: a row needs exactly one of 'prompt' or 'messages', it has neither"),
     ('[1, 2]', r"train.jsonl:3: a row must be a JSON object, got list"),
+    # issue 44 item 1: under isolation: process such a row stalled a step for 125 s, then a raw RuntimeError
+    ('{"prompt": "1+1=", "reference": 2, "meta": ' + '[' * 150 + ']' * 150 + '}',
+     r"train.jsonl:3: a field nests lists/objects deeper than 100 levels"),
 ])
 def test_malformed_row_names_file_and_line(tmp_path, assets, tiny_task_overrides, bad_line, message):
     overrides = _no_task(tiny_task_overrides) + [f"run.output_dir={tmp_path / 'run'}"] + _own_paths(assets, tmp_path)

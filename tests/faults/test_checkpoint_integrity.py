@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.run import checkpoint as ckpt
+from tests.faults.old_checkpoints import as_saved_before_checksums
 
 from tests.faults.disks import tmpfs
 
@@ -148,7 +149,7 @@ def test_checkpoint_that_fails_to_load_is_skipped_under_auto(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     _save_steps(root, [1, 2])
     _spoil_bytes_item(root / "step_000002")
-    (root / "step_000002" / ckpt.CHECKSUMS).unlink()  # as saved before checksums: only loading finds it
+    as_saved_before_checksums(root / "step_000002")  # only loading finds it
     assert ckpt.checkpoint_problems(root / "step_000002") == []  # looks fine ...
     path, states, st = ckpt.load_resume("auto", root, model_states=_fresh, rank=0)  # ... but does not load
     assert path == root / "step_000001" and st["step"] == 1 and states["m"]["hp"]["lr"] == 1.0

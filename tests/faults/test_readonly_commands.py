@@ -42,3 +42,11 @@ def test_eval_and_export_leave_the_run_directory_as_it_was(tmp_path, capsys, tin
         assert "run directory" not in said and "watch:" not in said and "training prompts" not in said
     assert f"exported the actor of checkpoint {ckpt} (step 1) to {(tmp_path / 'hf').resolve()}" in exported
     assert not (run / "heartbeat").exists() and not os.path.exists(run / ".tidal.lock")
+    from tests.faults.disks import tmpfs
+
+    with tmpfs(tmp_path / "disk", "16k") as disk:  # issue 44 item 10: a full disk was a raw SafetensorError traceback
+        capsys.readouterr()
+        assert main(["export", "--checkpoint", str(ckpt), "--out", str(disk / "hf")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"tidal: writing the export {disk / 'hf'} failed: ") and "the disk is full" in err, err
+        assert err.count("\n") == 1 and sorted(p.name for p in disk.iterdir()) == []  # its partial copy removed

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tidal.cli import main
@@ -98,7 +99,10 @@ def test_rl_resume_applies_a_changed_lr_and_kl_coef_and_refuses_a_changed_seed(t
 
 
 @pytest.mark.slow  # about 30 s: two short RL runs on a copy of the tiny task's data
-def test_rl_resume_with_a_training_set_of_another_size_names_data_train(tmp_path, tiny_task_overrides, capsys):
+@pytest.mark.parametrize("change", ["fewer rows", "rows reordered"])
+def test_rl_resume_with_other_training_data_names_data_train(tmp_path, tiny_task_overrides, capsys, change):
+    """A training set of another size, or (issue 44 item 8) the same rows reordered, under the same
+    config: a config error at ``data.train``; the reordered one went on silently on other prompts."""
     from tidal.config import load_config
     from tidal.tasks.assets import prepare
 
@@ -110,11 +114,13 @@ def test_rl_resume_with_a_training_set_of_another_size_names_data_train(tmp_path
               f"run.output_dir={out}", "checkpoint.every=2"]
     common = [o for o in common if not o.startswith("task.") or o == "task.name="]
     assert main(["train", *common, "run.steps=2"]) == 0
-    train.write_text("".join(train.read_text().splitlines(keepends=True)[:-8]))  # 8 prompts fewer, same config
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(lines[:-8] if change == "fewer rows" else lines[1:] + lines[:1]))  # same config
     capsys.readouterr()
     assert main(["train", *common, "run.steps=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("tidal: config error at 'data.train'") and "num_items" in err[-1], err
+    assert err[-1].startswith("tidal: config error at 'data.train'"), err
+    assert ("num_items" if change == "fewer rows" else "rows were changed or reordered") in err[-1], err
 
 
 def _trained(optim, total_steps: int, steps: int):
@@ -183,3 +189,35 @@ def test_two_ranks_refuse_a_changed_seed_and_apply_a_changed_lr(tmp_path, tiny_r
                     "run.steps 2 -> 3"], resumed.stdout[-3000:]
     metrics = _metrics(out)
     assert metrics[2]["train/lr"] == pytest.approx(3e-3) and metrics[3]["train/lr"] == pytest.approx(6e-3), metrics
+
+
+@pytest.mark.parametrize("left", ["checkpoint", "metrics"])
+def test_resume_never_in_a_directory_holding_an_earlier_run_is_refused(tmp_path, left):
+    """Issue 44 item 2: ``resume: never`` over a finished run deleted its metrics, then rotated the
+    new run's checkpoints away (the older run's higher steps were kept), and a later ``auto``
+    continued the old run. A config error naming the directory and the choices; nothing touched."""
+    from tidal.distributed import shutdown
+    from tidal.distributed.runtime import init_runtime
+    from tidal.run.config import CheckpointConfig
+    from tidal.run.run_dir import claim_run_dir
+
+    run = tmp_path / "run"
+    rt = init_runtime(1, "cpu")
+    try:
+        if left == "checkpoint":
+            ckpt.save_checkpoint(ckpt.checkpoint_root(str(run)), 9, model_states={"m": {"w": torch.ones(4)}}, runtime=rt, keep=2,
+                                 trainer_state={"step": 9, "sampler": {}, "algorithm": {}, "trainer": {}})
+        else:
+            run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        files = lambda: sorted(p.relative_to(run) for p in run.rglob("*") if p.is_file())  # noqa: E731
+        before = files()
+        with pytest.raises(ConfigError) as info:
+            claim_run_dir(str(run), CheckpointConfig(resume="never"), rt)
+        assert info.value.key == "checkpoint.resume" and f"{run} holds an earlier run" in info.value.message
+        assert ("step_000009" in info.value.message) == (left == "checkpoint")
+        assert "checkpoint.resume=auto" in info.value.message and "another run.output_dir" in info.value.message
+        assert files() == before and (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+        claim_run_dir(str(tmp_path / "fresh"), CheckpointConfig(resume="never"), rt).lock.release()  # an empty directory: fine
+    finally:
+        shutdown()

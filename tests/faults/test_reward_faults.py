@@ -60,7 +60,7 @@ def test_hanging_function_meets_its_limit_and_is_counted(isolation):
 
 
 def _worker_pids(eng) -> set[int]:
-    return set(eng.components["f"]._pool._pool_manager.worker_manager.workers)  # pebble's live workers
+    return eng.components["f"]._pool.live_pids()
 
 
 def test_process_isolation_kills_the_hung_worker_and_replaces_it():

@@ -167,6 +167,9 @@ MALFORMED = {
     b'{"samples": [{"prompt": "p", "response": "r", "response_ids": [-1]}]}': "response_ids must be a list of token ids",
     b'{"samples": [{"prompt": "p", "response": NaN}]}': "non-finite number NaN",
     b'[]': "'samples' list",
+    # issue 44 item 1: 600 levels (3.6 KB) broke the worker pool for good (500 on every later request)
+    b'{"samples": [{"prompt": "p", "response": "r", "metadata": ' + b'{"a": ' * 600 + b"{}" + b"}" * 600 + b"}]}":
+        "samples[0].metadata nests lists/objects deeper than 100 levels",
 }
 
 
@@ -175,6 +178,7 @@ def test_every_malformed_body_gets_400_with_the_reason(server):
     for body, reason in MALFORMED.items():
         status, reply, _ = post(srv.url, body)
         assert status == 400 and reason in reply["error"], (body[:60], status, reply)
+    assert post(srv.url, samples("a"))[0] == 200  # and the next request is served
     assert srv.alive()
 
 
@@ -184,6 +188,7 @@ def test_every_malformed_body_gets_400_with_the_reason(server):
     ("kills_itself", "die", "worker process died"),
     ("dies", "die", "raised SystemExit: os._exit(7) called by a reward function"),
     ("exits_cleanly", "bye", "raised SystemExit: os._exit(0) called by a reward function"),
+    ("posix_exits", "bye", "worker process died (Abnormal termination (exit code 0 while running a call); exit code 0)"),
     ("hangs_forever", "hang", "timed out after 1 s"),
     ("huge", "huge", "beyond float32's range"),
 ])

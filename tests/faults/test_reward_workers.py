@@ -101,3 +101,48 @@ def test_os_exit_0_in_a_worker_is_that_samples_error_at_once():
             eng.score([S("bye")])
         assert time.monotonic() - t0 < 10  # not its whole limit of 30 s
         assert eng.score([S("a")]).total_B.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("fn", ["posix_exits", "bound_exits", "ctypes_exits"])
+def test_a_worker_that_ends_with_code_0_is_that_samples_error_at_once(fn):
+    """Issue 44 item 3: ``posix._exit(0)``, an ``_exit`` bound at import and ctypes' ``_exit(0)``
+    bypass the ``os._exit`` guard; the pool noticed no death (exit code 0 looks clean to pebble) and
+    the sample waited out its whole limit. Any worker that ends mid-call is its call's error at once."""
+    from tidal.rewards import RewardError
+
+    with engine(fn, on_error="raise", isolation="process", timeout_s=30, concurrency=1) as eng:
+        assert eng.score([S("a")]).total_B.tolist() == [1.0]  # the worker is up
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match=r"worker process died \(Abnormal termination .*exit code 0\)"):
+            eng.score([S("bye")])
+        assert time.monotonic() - t0 < 10  # not its whole limit of 30 s
+        assert eng.score([S("a"), S("b")]).total_B.tolist() == [1.0, 1.0]  # a new worker answers
+
+
+def _deep(levels: int) -> dict:
+    out: dict = {}
+    for _ in range(levels):
+        out = {"a": out}
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # pebble's thread dies, as it did
+def test_a_sample_too_deep_to_pickle_is_its_error_and_a_broken_pool_is_replaced(capsys):
+    """Issue 44 item 1: metadata nested 600 levels deep made pebble's scheduler thread die of a
+    RecursionError while pickling the task: the call never returned and every later call failed
+    ("Unexpected error within the Pool"). The argument is pickled before it is scheduled (that
+    sample's error), and a pool that broke anyway is replaced."""
+    from tidal.rewards.worker import call_in_worker
+
+    with engine("text_hash_reward", isolation="process", timeout_s=30, concurrency=1) as eng:
+        deep = RewardSample(prompt="p", response="a", prompt_ids=[1], response_ids=[2], metadata=_deep(600))
+        t0 = time.monotonic()
+        out = eng.score([deep, S("a", 1)])
+        assert out.valid_B.tolist() == [False, True] and time.monotonic() - t0 < 20
+        pool = eng.components["f"]._pool
+        broken = pool._pool
+        lost = broken.schedule(call_in_worker, args=("x", deep, False))  # break pebble's own pool as the deep sample did
+        with pytest.raises(TimeoutError):
+            lost.result(timeout=1)  # never answered: its scheduler thread died pickling it
+        assert eng.score([S("b")]).valid_B.tolist() == [True] and pool._pool is not broken
+        assert "is broken (Unexpected error within the Pool); starting a new one" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from tidal.config import load_config
 from tidal.distributed import shutdown
 from tidal.rm.setup import build_reward_model_trainer
 from tidal.run import checkpoint as ckpt
+from tests.faults.old_checkpoints import as_saved_before_checksums
 
 TINY = ["reward_model.task.num_train=16", "reward_model.task.num_eval=8", "reward_model.task.max_digits=2",
         "reward_model.task.hidden_size=32", "reward_model.task.num_layers=1", "reward_model.task.num_heads=2",
@@ -40,7 +41,7 @@ def test_rm_resume_falls_back_past_a_newest_checkpoint_that_fails_to_load(tmp_pa
     assert main(["train", *common, "run.steps=2"]) == 0
     newest = run / "checkpoints" / "step_000002"
     spoil_a_bytes_item(newest)
-    (newest / ckpt.CHECKSUMS).unlink()  # as saved before checksums: only loading finds it
+    as_saved_before_checksums(newest)  # only loading finds it
     assert ckpt.checkpoint_problems(newest) == []
     capsys.readouterr()
     assert main(["train", *common, "run.steps=3"]) == 0

@@ -83,3 +83,61 @@ def test_both_ranks_stop_when_the_run_directory_is_removed(tmp_path):
     for r in (0, 1):
         assert f"INTACT rank {r}" in proc.stdout
         assert f"LOST rank {r}: the run directory {run} was removed or replaced during the run" in proc.stdout, proc.stdout
+
+
+# ---- issue 44 item 3: a run never ends with exit code 0 unless it finished ----
+def _tidal(*args: str, env: dict | None = None, timeout: float = 600):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    full_env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "tidal.cli", *args], cwd=repo, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_supervising_command_keeps_what_the_child_said_and_names_what_it_did_not(capsys):
+    from tidal.run.supervise import _outcome
+
+    assert _outcome("train", 11, 2, "2") == 2 and _outcome("train", 11, 1, "raised") == 1  # said: no second word
+    assert capsys.readouterr().err == ""
+    assert _outcome("train", 11, 0, "") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tidal: the train process (pid 11) ended with exit code 0 before the command finished") and \
+        "rerun the same command to resume" in err and err.count("\n") == 1, err
+    assert _outcome("eval", 12, 7, "") == 7 and "eval process (pid 12) ended with exit code 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [9, 15])
+def test_a_child_ended_by_a_signal_ends_the_command_by_the_same_signal(signum):
+    """SIGKILL (a crash, the kernel's OOM killer, a fault test's kill) is named; a SIGTERM the command
+    passed on is not said twice. Either way the command ends by that signal (torchrun sees it)."""
+    import subprocess
+    import sys
+
+    code = f"from tidal.run.supervise import _outcome; _outcome('train', 5, -{signum}, '')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signum, proc.stderr
+    said = "tidal: the train process (pid 5) was ended by signal SIGKILL before the command finished\n"
+    assert proc.stderr == (said if signum == 9 else ""), proc.stderr
+
+
+def test_a_supervised_config_error_is_one_line_with_its_exit_code():
+    proc = _tidal("check", "/no/such/config.yaml", timeout=120)
+    assert proc.returncode == 2 and proc.stderr == "tidal: config error at '<config>': config file '/no/such/config.yaml' not found\n", proc.stderr
+
+
+@pytest.mark.slow  # a tiny run that ends itself in step 2
+@pytest.mark.parametrize("fn", ["posix_exits_at_step_2"])
+def test_a_reward_that_ends_the_trainer_with_exit_code_0_fails_the_command(tmp_path, tiny_task_overrides, fn):
+    """``posix._exit(0)`` in a reward under thread isolation (the ``os._exit`` guard does not see it)
+    ended ``tidal train`` with exit code 0, an empty metrics.jsonl and no message."""
+    run = tmp_path / "run"
+    proc = _tidal("train", "quickstart", *tiny_task_overrides, f"run.output_dir={run}", "run.steps=3",
+                  f"reward.components.correct.path={F}:{fn}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tidal: the train process (pid ") and "ended with exit code 0 before the command finished" in last, last
+    assert "next steps" not in proc.stdout

@@ -56,6 +56,24 @@ def test_flipped_bytes_fail_their_checksum_and_auto_falls_back(tmp_path, capsys)
         ckpt.load_resume(str(newest), root, model_states=_fresh, rank=0)
 
 
+def test_a_checkpoint_this_version_wrote_without_checksums_is_incomplete(tmp_path, capsys):
+    """Issue 44 item 4: with ``checksums.json`` removed, flipped bytes loaded silently (a misleading
+    ``WeightSyncError`` later, no fall-back). This version writes it before ``trainer.json``: a
+    checkpoint without it is incomplete, skipped by the cheap checks like a corrupt one."""
+    root = tmp_path / "checkpoints"
+    _save(root, {1: 1.0, 2: 2.0})
+    newest = root / "step_000002"
+    _flip_a_weight_byte(newest)
+    (newest / ckpt.CHECKSUMS).unlink()
+    why = "no checksums.json (the save that wrote trainer.json writes it first: the checkpoint is incomplete or was altered)"
+    assert ckpt.checkpoint_problems(newest) == [why]
+    path, states, st = ckpt.load_resume("auto", root, model_states=_fresh, rank=0)
+    assert path == root / "step_000001" and st["step"] == 1 and torch.equal(states["m"]["w"], torch.full((64,), 1.0))
+    assert f"checkpoint.resume=auto skips {newest}: {why}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"step_000002' cannot be loaded: no checksums.json"):
+        ckpt.load_resume(str(newest), root, model_states=_fresh, rank=0)
+
+
 def test_nan_weights_in_a_checkpoint_are_skipped_under_auto(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     _save(root, {1: 1.0, 2: float("nan")})
@@ -102,6 +120,39 @@ def test_nan_weights_stop_the_run_before_the_save_and_keep_the_last_good_checkpo
     assert "hold NaN/Inf after step 3 (actor." in str(info.value), info.value
     assert f"no checkpoint of them is written and the newest complete checkpoint, {kept}, is kept" in str(info.value)
     assert ckpt.complete_checkpoints(out / "checkpoints") == [kept]
+
+
+@pytest.mark.slow  # a 2-step RL run on the tiny task, twice
+@pytest.mark.parametrize("verify", ["true", "false"])
+def test_an_update_that_leaves_nan_weights_is_named_before_the_engine_gets_them(tmp_path, tiny_task_overrides, verify):
+    """Issue 44 item 7: weights an update left NaN surfaced as ``WeightSyncError ... stale weights``
+    (``sync.verify``) or as ``index -1024 is out of bounds`` in the sampler (without it): the
+    :class:`NonFiniteWeightsError` built for it names the step and the first such parameter."""
+    from tidal.build import build_trainer
+    from tidal.config import load_config
+
+    cfg = load_config("quickstart", tiny_task_overrides + [f"run.output_dir={tmp_path / 'run'}", f"sync.verify={verify}",
+                                                           "run.steps=3", "checkpoint.every=0"])  # no save finds them first
+    try:
+        trainer = build_trainer(cfg)
+        train, calls = trainer.updater.train, []
+
+        def nan_at_2(exp, **kw):  # the second update leaves NaN weights (what an overflowing update gives)
+            result = train(exp, **kw)
+            calls.append(1)
+            if len(calls) == 2:
+                with torch.no_grad():
+                    dict(trainer.models.actor.model.named_parameters())["model.norm.weight"].fill_(float("nan"))
+            return result
+
+        trainer.updater.train = nan_at_2
+        with pytest.raises(ckpt.NonFiniteWeightsError) as info:
+            trainer.fit()
+    finally:
+        shutdown()
+    message = str(info.value)
+    assert message.startswith("the trained weights hold NaN/Inf after step 2 (actor.model.norm.weight on rank 0)"), message
+    assert "no checkpoint of them is written and no earlier checkpoint exists" in message
 
 
 @pytest.mark.slow  # about 20 s: two ranks under torchrun

@@ -138,3 +138,25 @@ def test_the_same_settings_are_taken_where_they_are_read():
         "eval.n_samples=4", "eval.temperature=0.7", "algorithm.mismatch.mode=token_truncate", "algorithm.mismatch.cap=3.0",
     ]))
     assert cfg.algorithm.lam == 0.9 and cfg.eval.temperature == 0.7
+
+
+def test_a_repeated_yaml_key_is_a_config_error_naming_the_key_and_both_lines(tmp_path, capsys):
+    """Issue 44 item 9: YAML keeps the last of two equal keys silently (a whole ``rollout:`` block was
+    dropped and ``tidal check`` passed): a config error naming the key and both lines, in a config
+    file, nested, in a list, and in an override's value."""
+    from tidal.cli import main
+    from tidal.config_base import load_yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  steps: 3\nrollout:\n  n_samples: 4\ndata:\n  shuffle: true\nrollout:\n  temperature: 0.5\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"tidal: config error at 'rollout': {path}:7: duplicate key 'rollout' (first at line 3); YAML would "
+                   "silently keep only the last one: merge the two or remove one"), err
+    with pytest.raises(ConfigError) as info:
+        load_yaml("a:\n  - b: 1\n    c: 2\n    b: 3\n", "x.yaml")
+    assert info.value.key == "a[0].b" and "x.yaml:4: duplicate key 'b' (first at line 2)" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        load_config("quickstart", ["rollout={temperature: 1.0, temperature: 0.5}"])
+    assert info.value.key == "rollout.temperature" and "(first at line 1)" in info.value.message
+    assert load_yaml("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  x: 3\n", "m.yaml") == {"base": {"x": 1, "y": 2}, "use": {"x": 3, "y": 2}}

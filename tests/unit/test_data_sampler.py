@@ -72,3 +72,28 @@ def test_bad_arguments():
         StatefulDistributedSampler(3, rank=0, world_size=2, batch_size_per_rank=2, seed=0, shuffle=True)
     with pytest.raises(ValueError, match="rank 2 is not in"):
         StatefulDistributedSampler(8, rank=2, world_size=2, batch_size_per_rank=2, seed=0, shuffle=True)
+
+
+def test_a_resume_onto_data_of_other_content_is_refused_and_older_states_still_load():
+    """Issue 44 item 8: the same number of rows, reordered, resumed silently on other prompts."""
+    s = StatefulDistributedSampler(8, rank=0, world_size=1, batch_size_per_rank=2, seed=0, shuffle=True, data_hash="aaaa")
+    s.next_batch()
+    state = s.state_dict()
+    other = StatefulDistributedSampler(8, rank=0, world_size=1, batch_size_per_rank=2, seed=0, shuffle=True, data_hash="bbbb")
+    with pytest.raises(ValueError, match="content hash was aaaa and is bbbb now, with the same 8 items: rows were changed or reordered"):
+        other.load_state_dict(state)
+    del state["data_hash"]  # a checkpoint saved before the hash was recorded
+    other.load_state_dict(state)
+    assert other.next_batch() == s.next_batch()
+
+
+def test_the_content_hash_sees_order_tokens_and_fields():
+    import numpy as np
+
+    from tidal.data.dataset import content_hash
+
+    ids, offsets = np.array([1, 2, 3, 4], np.int32), np.array([0, 2, 4])
+    base = content_hash(ids, offsets, np.array([0, 1]))
+    assert base == content_hash(ids.copy(), offsets.copy(), np.array([0, 1]))
+    assert len({base, content_hash(ids, offsets, np.array([1, 0])), content_hash(ids[::-1].copy(), offsets, np.array([0, 1])),
+                content_hash(ids, offsets, np.array([0, 1]), b"reference")}) == 4

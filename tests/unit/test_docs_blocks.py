@@ -30,11 +30,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tidal.cli import parse_args
 from tidal.config import TidalConfig, load_config
-from tidal.config_base import build
+from tidal.config_base import build, load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -81,12 +80,12 @@ def test_every_block_has_a_known_kind():
 
 @pytest.mark.parametrize("where,text", of("yaml"), ids=[w for w, _ in of("yaml")])
 def test_yaml_blocks_are_valid_configs(where, text):
-    data = yaml.safe_load(text)
+    data = load_yaml(text, where)  # as Tidal reads a config: a key written twice is an error
     assert isinstance(data, dict), where
     if {"run", "model"} <= data.keys():
         build(TidalConfig, data)
         return
-    whole = [d for d in (yaml.safe_load(t) for w, t in of("yaml") if w.startswith("README")) if {"run", "model"} <= d.keys()]
+    whole = [d for d in (load_yaml(t, w) for w, t in of("yaml") if w.startswith("README")) if {"run", "model"} <= d.keys()]
     build(TidalConfig, {**whole[0], **data})
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -111,6 +113,14 @@ class PromptDataset:
     def num_rows(self) -> int:
         return len(self._kept)
 
+    @property
+    def content_hash(self) -> str:
+        """What this dataset serves, in order (:func:`content_hash`: every prompt's token ids, the
+        blend, and each row's reference, label and metadata): a resume compares it with the
+        checkpoint's, so rows changed or reordered under the same count are found."""
+        fields = json.dumps([[k.parsed.reference, k.parsed.label, k.parsed.metadata] for k in self._kept], sort_keys=True, default=str)
+        return content_hash(self._ids, self._offsets, self._index, fields.encode())
+
     def __len__(self) -> int:
         return len(self._index)
 
@@ -174,6 +184,17 @@ class PromptDataset:
             return None
         self.num_truncated += 1
         return ids[-limit:]
+
+
+def content_hash(ids: np.ndarray, offsets: np.ndarray, index: np.ndarray, extra: bytes = b"") -> str:
+    """A sha256 (16 hex digits) of a tokenized dataset's content in the order it serves it: the flat
+    token ids, the offsets that cut them into items, the (blended) index, and ``extra`` bytes."""
+    h = hashlib.sha256()
+    for part in (ids, offsets, index):
+        h.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
+        h.update(b"|")
+    h.update(extra)
+    return h.hexdigest()[:16]
 
 
 def blend_index(sources: Sequence[DataSource], per_source: list[np.ndarray], seed: int) -> np.ndarray:

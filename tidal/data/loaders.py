@@ -3,8 +3,9 @@
 Contract: :func:`load_rows` returns every row of the source in file order as ``(where, row)`` pairs,
 ``where`` being the human-readable location used in error messages (``file.jsonl:12`` for the
 12th line of a JSONL file, ``file.parquet row 3`` (0-based) for the others). A row that is not a
-JSON object, a line that is not valid JSON, or text that is not UTF-8 raises ``ValueError`` naming
-file and line (and the column of the first invalid byte).
+JSON object, a line that is not valid JSON, text that is not UTF-8, or a row nesting lists/objects
+deeper than :data:`~tidal.rewards.types.MAX_NESTING` levels (a reward worker process could not be
+handed it) raises ``ValueError`` naming file and line (and the column of the first invalid byte).
 This module knows nothing about prompts, tokenizers or field mapping.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from tidal.config_base import decode_utf8
 from tidal.data.config import DataSource
+from tidal.rewards.types import MAX_NESTING, nesting_depth
 
 Row = dict[str, Any]
 
@@ -43,14 +45,20 @@ def load_rows(source: DataSource) -> list[tuple[str, Row]]:
         raise FileNotFoundError(f"data source not found: {source.path}")
     fmt = resolve_format(source)
     if fmt == "jsonl":
-        return _load_jsonl(path)
-    if fmt == "json":
-        return _check_objects(path, _load_json(path))
-    if fmt == "parquet":
+        rows = _load_jsonl(path)
+    elif fmt == "json":
+        rows = _check_objects(path, _load_json(path))
+    elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return _check_objects(path, pq.read_table(path).to_pylist())
-    return _check_objects(path, _load_hf_disk(path))
+        rows = _check_objects(path, pq.read_table(path).to_pylist())
+    else:
+        rows = _check_objects(path, _load_hf_disk(path))
+    for where, row in rows:
+        if nesting_depth(row, MAX_NESTING + 1) > MAX_NESTING + 1:  # the row's own object + its fields' values
+            raise ValueError(f"{where}: a field nests lists/objects deeper than {MAX_NESTING} levels (a reward "
+                             "worker process could not be handed it); flatten it")
+    return rows
 
 
 def _load_jsonl(path: Path) -> list[tuple[str, Row]]:

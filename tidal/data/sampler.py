@@ -35,6 +35,7 @@ class StatefulDistributedSampler:
         seed: int,
         shuffle: bool,
         drop_last: bool = True,
+        data_hash: str = "",
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -47,6 +48,7 @@ class StatefulDistributedSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.data_hash = data_hash  # the content of the data it indexes (a dataset's content_hash), checked on resume
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"{num_items} prompts cannot fill one global batch of {self.global_batch_size} "
@@ -98,13 +100,19 @@ class StatefulDistributedSampler:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "data_hash": self.data_hash,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a position saved by :meth:`state_dict`; raises ValueError if the data or batching differ."""
+        """Restore a position saved by :meth:`state_dict`; raises ValueError if the data (its size, or
+        its content by ``data_hash`` when both sides have one) or batching differ."""
         for key in ("num_items", "global_batch_size", "seed", "shuffle", "drop_last"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this run has {getattr(self, key)!r}; cannot resume exactly")
+        saved = state.get("data_hash", "")  # none in checkpoints saved before it was recorded
+        if saved and self.data_hash and saved != self.data_hash:
+            raise ValueError(f"the data's content hash was {saved} and is {self.data_hash} now, with the same {self.num_items} "
+                             "items: rows were changed or reordered; cannot resume exactly")
         step, rest = divmod(int(state["items_consumed"]), self.global_batch_size)
         if rest or not 0 <= step <= self.steps_per_epoch:
             raise ValueError(f"sampler state position {state['items_consumed']} is not a step boundary of this run")

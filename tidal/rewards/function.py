@@ -15,10 +15,12 @@ or the end of the caller. Every call has a time limit (``timeout_s``), counted i
   ``concurrency`` of them still run, no new call is started (each sample is an error saying why),
   so a function that hangs on every call cannot pile up threads until memory runs out.
   ``os._exit`` called by the function raises ``SystemExit`` in it (:func:`~tidal.rewards.worker.user_call`).
-- ``process``: calls run in a pool of ``concurrency`` worker processes (``pebble``, started with
-  ``spawn``); a call past its limit is killed with its worker, which is replaced. Arguments and
-  results cross a process boundary (each call pays a pickling round trip; the function's module is
-  imported once per worker). ``tidal serve-reward --function`` always uses it.
+- ``process``: calls run in a pool of ``concurrency`` worker processes (:class:`~tidal.rewards.pool.WorkerPool`,
+  ``pebble`` started with ``spawn``); a call past its limit is killed with its worker, which is
+  replaced; a worker that ends mid-call (any exit code) is that sample's error at once; a broken
+  pool is replaced. Arguments and results cross a process boundary (each call pays a pickling
+  round trip; the function's module is imported once per worker). ``tidal serve-reward --function``
+  always uses it.
 """
 
 from __future__ import annotations
@@ -26,21 +28,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
-import multiprocessing
 import threading
 from typing import Any, Callable
 
 from tidal.rewards.base import AsyncComponent, ComponentResult
 from tidal.rewards.config import FunctionRewardConfig
+from tidal.rewards.pool import WORKER_START_S, WorkerPool
 from tidal.rewards.types import RewardSample
-from tidal.rewards.worker import (UserBaseException, call_in_worker, checked_value, describe, guarded, is_async, load_function,
-                                  user_call)
+from tidal.rewards.worker import UserBaseException, checked_value, describe, guarded, is_async, load_function, user_call
 
 __all__ = ["FunctionReward", "load_function"]
 
-# What a worker needs beyond its limit to start (spawn + importing the function's module): part of
-# the bound deadline_s() gives, never of the limit of a call.
-_WORKER_START_S = 60.0
 
 
 def _start_daemon_call(fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future:
@@ -87,24 +85,17 @@ class FunctionReward(AsyncComponent):
 
     # -- where a call runs ---------------------------------------------------------------------------
 
-    def _get_pool(self):
+    def _get_pool(self) -> WorkerPool:
         with self._pool_lock:
             if self._pool is None:
-                import pebble
-
-                self._pool = pebble.ProcessPool(max_workers=self.cfg.concurrency, context=multiprocessing.get_context("spawn"))
+                self._pool = WorkerPool(self.cfg.concurrency, label=self.label)
             return self._pool
 
     async def _call_in_process(self, arg: Any) -> tuple[str, Any]:
-        import pebble
-
-        fut = self._get_pool().schedule(call_in_worker, args=(self.cfg.path, arg, self.batched), timeout=self.cfg.timeout_s)
-        try:
-            return await asyncio.wrap_future(fut)  # cancelling this cancels fut: pebble ends its worker
-        except concurrent.futures.TimeoutError:
-            raise _TimedOut() from None
-        except pebble.ProcessExpired as e:
-            return "error", f"worker process died ({e}; exit code {e.exitcode})"
+        status, value = await self._get_pool().call(self.cfg.path, arg, self.batched, self.cfg.timeout_s)
+        if status == "timeout":
+            raise _TimedOut()
+        return status, value
 
     async def _call_in_thread(self, arg: Any) -> Any:
         try:
@@ -148,7 +139,7 @@ class FunctionReward(AsyncComponent):
     def deadline_s(self, n: int) -> float:
         """The longest ``score_async`` of n samples can take under this function's own limits."""
         waves = 1 if self.batched else math.ceil(n / self.cfg.concurrency)
-        return waves * self.cfg.timeout_s + (_WORKER_START_S if self.cfg.isolation == "process" else 0.0)
+        return waves * self.cfg.timeout_s + (WORKER_START_S if self.cfg.isolation == "process" else 0.0)
 
     async def score_async(self, samples: list[RewardSample]) -> ComponentResult:
         if not samples:
@@ -199,5 +190,4 @@ class FunctionReward(AsyncComponent):
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.stop()
-            await asyncio.to_thread(pool.join, 10)
+            await pool.aclose()

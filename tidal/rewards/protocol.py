@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from tidal.rewards.base import score_problem
-from tidal.rewards.types import RewardSample
+from tidal.rewards.types import MAX_NESTING, RewardSample, nesting_depth
 
 API_VERSION = 1
 SCORE_PATH = "/v1/score"
@@ -105,6 +105,9 @@ def sample_from_json(obj: Any, i: int) -> RewardSample:
     for k, m in enumerate(obj.get("messages", [])):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ProtocolError(f"samples[{i}].messages[{k}] must be an object with a string 'role'")
+    for name in ("reference", "metadata", "messages"):  # what a worker process is handed, pickled
+        if nesting_depth(obj.get(name)) > MAX_NESTING:
+            raise ProtocolError(f"samples[{i}].{name} nests lists/objects deeper than {MAX_NESTING} levels")
     return RewardSample(index=i, **{"prompt_ids": [], "response_ids": [], **obj})
 
 

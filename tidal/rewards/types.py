@@ -9,6 +9,28 @@ if TYPE_CHECKING:  # torch is not imported at run time: reward worker processes 
     import torch
 
 
+# How deep lists and objects may nest in a sample's JSON values (reference, metadata, messages): a
+# sample crosses process boundaries pickled, and pickling recurses once per level (600 levels broke
+# a worker pool for good). Checked where samples enter: data rows and reward-service requests.
+MAX_NESTING = 100
+
+
+def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
+    """How deep dicts, lists and tuples nest in ``value`` (a scalar: 0; ``{"a": [1]}``: 2), counted
+    without recursion and only up to ``limit + 1`` (deeper values stop the count there)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
 @dataclasses.dataclass(kw_only=True)
 class RewardSample:
     """One generated sample to score.

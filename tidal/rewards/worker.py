@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import inspect
 import os
+import pickle
 import threading
 from typing import Any, Callable, Iterator
 
@@ -110,9 +111,12 @@ def _run(fn: Callable[..., Any], arg: Any) -> Any:
     return out
 
 
-def call_in_worker(path: str, arg: Any, batched: bool) -> tuple[str, Any]:
-    """Run the function at ``path`` on ``arg`` (see the module docstring for the result)."""
+def call_in_worker(path: str, payload: bytes, batched: bool) -> tuple[str, Any]:
+    """Run the function at ``path`` on the argument pickled in ``payload`` (pickled by the caller,
+    so that an argument that cannot be pickled is the caller's error, not the pool's; see the
+    module docstring for the result)."""
     try:
+        arg = pickle.loads(payload)
         fn = _LOADED.get(path)
         if fn is None:
             fn = _LOADED[path] = load_function(path, "function")

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tidal.data.config import DataConfig, DataSource
-from tidal.data.dataset import blend_index
+from tidal.data.dataset import blend_index, content_hash
 from tidal.data.loaders import load_rows
 from tidal.data.prompts import require_chat_template
 from tidal.rewards.model import encode_for_reward
@@ -79,6 +79,11 @@ class PreferenceDataset:
     @property
     def num_pairs(self) -> int:
         return len(self._where)
+
+    @property
+    def content_hash(self) -> str:
+        """Every pair's token ids in the order served (:func:`~tidal.data.dataset.content_hash`)."""
+        return content_hash(self._ids, self._offsets, self._index)
 
     def __len__(self) -> int:
         return len(self._index)

@@ -129,6 +129,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     sampler = StatefulDistributedSampler(
         len(train_data), rank=runtime.rank, world_size=runtime.world_size,
         batch_size_per_rank=cfg.reward_model.batch_pairs // runtime.world_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+        data_hash=train_data.content_hash,
     )
     # read-only: a logger that writes nothing (as on ranks other than the main one)
     logger = MetricsLogger(cfg.logging, Path(cfg.run.output_dir), is_main=runtime.is_main and not read_only, total_steps=cfg.run.steps,

@@ -20,7 +20,9 @@ shard file present and long enough, RNG files). ``auto`` skips (with a warning) 
 that do not, newest first; an explicit path that does not is a ConfigError at ``checkpoint.resume``
 naming the problem. :func:`load_resume` also falls back to the next older one when loading itself
 fails under ``auto``, when a file fails its checksum (``checksums.json``: the crc32 of every shard and
-RNG file, written by :func:`save_checkpoint` before the marker; flipped bytes) or when the loaded
+RNG file, written by :func:`save_checkpoint` before the marker; flipped bytes; a checkpoint whose
+``trainer.json`` says this version wrote it but that lacks ``checksums.json`` is incomplete, found
+by the cheap checks) or when the loaded
 weights hold NaN/Inf (:func:`nonfinite_names`). With a ``runtime`` (its host collectives, over gloo)
 rank 0 decides and the ranks agree on the outcome of each load attempt; without one this process
 decides alone.
@@ -38,7 +40,7 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -55,6 +57,9 @@ from tidal.run import faults
 
 COMPLETE_MARKER = "trainer.json"
 CHECKSUMS = "checksums.json"  # {file relative to the checkpoint: crc32}, of every file but the marker
+# trainer.json's record of the checkpoint layout: 2 (this version) writes CHECKSUMS before the marker, so
+# a checkpoint of format 2 without it is incomplete; checkpoints without the key predate checksums
+FORMAT_KEY, FORMAT = "checkpoint_format", 2
 CONFIG_RECORD = "config.yaml"  # the run's config as written (in its run directory), copied into each checkpoint
 REQUIRED_KEYS = ("step",)  # what every job's trainer.json holds; a job passes the keys it reads
 TRAINER_STATE_KEYS = ("step", "sampler", "algorithm", "trainer")  # what the RL trainer reads
@@ -76,7 +81,7 @@ class NonFiniteWeightsError(RuntimeError):
     """The trained weights (or their optimizer state) hold NaN/Inf: no checkpoint is written of them."""
 
 
-def _summary(exc: BaseException) -> str:
+def error_summary(exc: BaseException) -> str:
     """One line per failing rank of a DCP CheckpointException (its str() holds whole tracebacks)."""
     failures = getattr(exc, "failures", None)
     if not failures:
@@ -86,7 +91,7 @@ def _summary(exc: BaseException) -> str:
     parts = []
     for r, pair in sorted(failures.items()):
         inner = pair[0] if isinstance(pair, tuple) else pair
-        parts.append(f"rank {r}: {_summary(inner)}")
+        parts.append(f"rank {r}: {error_summary(inner)}")
     return "; ".join(parts)
 
 
@@ -100,6 +105,26 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and (p / COMPLETE_MARKER).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint (a ``step_N`` directory holding ``trainer.json``) that ``path`` is or
+    lies inside, symlinks resolved; None when there is none."""
+    target = Path(path).expanduser().resolve()
+    for p in (target, *target.parents):
+        if _STEP_RE.match(p.name) and (p / COMPLETE_MARKER).is_file():
+            return p
+    return None
+
+
+def check_outside_checkpoints(path: str | os.PathLike, *, key: str) -> None:
+    """ConfigError at ``key`` when ``path`` is, or lies inside, a checkpoint (:func:`enclosing_checkpoint`):
+    whatever is written there (a run's ``config.yaml``, an export) changes the checkpoint, which then
+    fails its checksums. ``run.output_dir`` and ``tidal export --out`` are both checked here."""
+    found = enclosing_checkpoint(path)
+    if found is not None:
+        raise ConfigError(key, f"{path} is inside the checkpoint {found} (a run's checkpoint must stay as it was saved): "
+                               "choose a folder outside it")
 
 
 def clean_partial(root: Path) -> list[str]:
@@ -342,6 +367,8 @@ def _trainer_state_problem(path: Path, required_keys: tuple[str, ...]) -> str | 
         return f"{COMPLETE_MARKER} lacks {missing}"
     if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
         return f"{COMPLETE_MARKER} has step={state['step']!r}, not a step number"
+    if state.get(FORMAT_KEY, 1) >= FORMAT and not (path / CHECKSUMS).is_file():
+        return f"no {CHECKSUMS} (the save that wrote {COMPLETE_MARKER} writes it first: the checkpoint is incomplete or was altered)"
     return None
 
 
@@ -381,7 +408,8 @@ def _rng_problems(path: Path) -> list[str]:
 
 def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED_KEYS) -> list[str]:
     """What would keep ``path`` from loading, found without loading a tensor (empty: it looks
-    loadable): ``trainer.json`` is a JSON object with ``required_keys`` (``step`` by default; the RL
+    loadable): ``trainer.json`` is a JSON object with ``required_keys`` and, when this version wrote
+    it (``checkpoint_format`` 2), ``checksums.json`` is there (``step`` by default; the RL
     trainer's are ``TRAINER_STATE_KEYS``); ``models/.metadata``
     unpickles under the allow-list; every shard file it references exists and is at least as long
     as the byte ranges it holds there; every ``rng_rank<R>.pt`` loads with ``weights_only=True``."""
@@ -396,7 +424,7 @@ def checkpoint_problems(path: Path, *, required_keys: tuple[str, ...] = REQUIRED
 # ---- checksums and non-finite values -----------------------------------------------------------------
 
 
-def _crc32(path: Path) -> str:
+def file_crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -408,7 +436,7 @@ def write_checksums(directory: Path) -> None:
     """Write ``CHECKSUMS`` into ``directory`` (a checkpoint being saved, every rank's files written):
     the crc32 of each file under it, the marker aside (rank 0; one read of the checkpoint)."""
     files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name not in (COMPLETE_MARKER, CHECKSUMS))
-    sums = {str(f.relative_to(directory)): _crc32(f) for f in files}
+    sums = {str(f.relative_to(directory)): file_crc32(f) for f in files}
     with open(directory / CHECKSUMS, "w", encoding="utf-8") as f:
         json.dump(sums, f)
         f.flush()
@@ -417,7 +445,8 @@ def write_checksums(directory: Path) -> None:
 
 def checksum_problems(path: Path) -> list[str]:
     """The files of checkpoint ``path`` whose bytes differ from what was saved (``CHECKSUMS``; a
-    checkpoint saved before checksums were written has nothing to compare: [])."""
+    checkpoint saved before checksums were written has nothing to compare: []; one saved since
+    without them is found incomplete earlier, by :func:`checkpoint_problems`)."""
     try:
         with open(path / CHECKSUMS, encoding="utf-8") as f:
             sums = json.load(f)
@@ -430,27 +459,37 @@ def checksum_problems(path: Path) -> list[str]:
         f = path / rel
         if not f.is_file():
             problems.append(f"missing {rel}")
-        elif _crc32(f) != crc:
+        elif file_crc32(f) != crc:
             problems.append(f"{rel} fails its checksum (its bytes changed since the save)")
     return problems
 
 
-def nonfinite_names(states: Any, prefix: str = "", limit: int = 3) -> list[str]:
-    """The names (``a.b.c``) of up to ``limit`` floating-point tensors of the nested ``states`` that
-    hold NaN or Inf, this rank's local shards only (a DTensor's local tensor)."""
-    found: list[str] = []
+def _float_tensors(states: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, local tensor)`` of every non-empty floating-point tensor of the nested ``states``
+    (a DTensor's local shard)."""
     items = states.items() if isinstance(states, dict) else enumerate(states) if isinstance(states, (list, tuple)) else ()
     for key, value in items:
-        if len(found) >= limit:
-            break
         name = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
-            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-                found.append(name)
+            if local.is_floating_point() and local.numel():
+                yield name, local
         else:
-            found += nonfinite_names(value, name, limit - len(found))
-    return found
+            yield from _float_tensors(value, name)
+
+
+@torch.no_grad()
+def nonfinite_names(states: Any, limit: int = 3) -> list[str]:
+    """The names (``a.b.c``) of up to ``limit`` floating-point tensors of the nested ``states`` that
+    hold NaN or Inf, this rank's local shards only (a DTensor's local tensor). One host sync per
+    device when every tensor is finite (the common case: it runs after every update)."""
+    named = list(_float_tensors(states))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in named:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return []
+    return [name for name, t in named if not bool(torch.isfinite(t).all())][:limit]
 
 
 def _warn(message: str, runtime: Runtime | None = None) -> None:
@@ -540,7 +579,7 @@ def _load_problem(path: Path, states: dict[str, Any], rank: int) -> str | None:
     try:
         load_checkpoint(path, model_states=states, rank=rank)
     except Exception as e:  # noqa: BLE001 -- reported and decided on by the caller, the same on every rank
-        return f"loading failed: {_summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)}"
+        return f"loading failed: {error_summary(e.__cause__ if isinstance(e, CheckpointLoadError) and e.__cause__ else e)}"
     bad = nonfinite_names(states)
     return f"its weights hold NaN/Inf ({', '.join(bad)})" if bad else None
 
@@ -559,18 +598,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def free_space_note(directory: Path) -> str:
+    """How much space ``directory``'s filesystem has left, for the message of a failed write
+    (``0.00 GiB were free on its filesystem -- the disk is full``: a full disk often shows only as
+    a zip or safetensors writer's error)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "free space unknown"
+    full = " -- the disk is full" if free < _FULL_DISK_BYTES else ""
+    return f"{free / 2**30:.2f} GiB were free on its filesystem{full}"
+
+
 def _save_failed(exc: BaseException, tmp: Path, *, step: int, rank: int) -> CheckpointSaveError:
     """The error to raise for a failed write; rank 0 removes the partial ``tmp`` at once, so a full
     disk gets its space back (DCP reports a shard failure on every rank after all have written)."""
-    try:
-        free = shutil.disk_usage(tmp.parent).free
-    except OSError:
-        free = -1
+    where = free_space_note(tmp.parent)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    full = " -- the disk is full" if 0 <= free < _FULL_DISK_BYTES else ""
-    where = f"{free / 2**30:.2f} GiB were free on its filesystem{full}" if free >= 0 else "free space unknown"
-    return CheckpointSaveError(f"saving checkpoint step {step} into {tmp} failed: {_summary(exc)} ({where}); the previous checkpoint is intact")
+    return CheckpointSaveError(f"saving checkpoint step {step} into {tmp} failed: {error_summary(exc)} ({where}); the previous checkpoint is intact")
 
 
 def save_checkpoint(
@@ -601,7 +647,7 @@ def save_checkpoint(
             shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
         write_checksums(tmp)
         with open(tmp / COMPLETE_MARKER, "w") as f:
-            json.dump(trainer_state, f)
+            json.dump({**trainer_state, FORMAT_KEY: FORMAT}, f)
             f.flush()
             os.fsync(f.fileno())
         faults.hit("checkpoint/marker", step=step, rank=rank)
@@ -628,7 +674,7 @@ def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> d
     try:
         dcp.load(model_states, storage_reader=SafeFileSystemReader(models), planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:
-        raise CheckpointLoadError(f"cannot load {models}: {_summary(e)}") from e
+        raise CheckpointLoadError(f"cannot load {models}: {error_summary(e)}") from e
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_rng_file(rng_file))

@@ -11,7 +11,8 @@ from tidal.config_base import check
 class CheckpointConfig:
     """every: save every N steps (0: only at the end if at_end). keep: newest checkpoints kept.
     resume: ``auto`` (continue from the newest complete checkpoint in output_dir, if any),
-    ``never``, or a checkpoint directory path.
+    ``never`` (a fresh run; refused in a run directory holding an earlier run's checkpoints or metrics:
+    it would delete them or rotate its own checkpoints away), or a checkpoint directory path.
     """
 
     every: int = 0

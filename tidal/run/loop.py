@@ -153,7 +153,7 @@ class JobLoop:
         """A checkpoint of ``step`` (a collective), rotated down to ``checkpoint.keep``; never one
         of non-finite weights (:meth:`_check_finite` stops the run first, keeping the last good one)."""
         states = self.job.model_states()
-        self._check_finite(step, states)
+        self.check_finite(step, states)
         trainer_state = {"step": step, "job": self.job.name, "sampler": self.job.sampler.state_dict(), **self.job.job_state(),
                          "trainer": dataclasses.asdict(self.job.state)}
         with stage(f"saving the checkpoint of step {step}", enabled=self.rt.is_main) as shown, self.timer.phase("checkpoint"):
@@ -161,10 +161,12 @@ class JobLoop:
                                         runtime=self.rt, keep=self.cfg.checkpoint.keep)
             shown.done(f"in {path}")
 
-    def _check_finite(self, step: int, states: dict[str, Any]) -> None:
+    def check_finite(self, step: int, states: dict[str, Any]) -> None:
         """Raise :class:`~tidal.run.checkpoint.NonFiniteWeightsError` on every rank when the trained
-        state holds NaN/Inf on any rank (a collective): a checkpoint of it would rotate the last good
-        one away, and a resume from it would train on nothing."""
+        state holds NaN/Inf on any rank (a collective), naming the step and the first such tensors:
+        a checkpoint of it would rotate the last good one away, a resume from it would train on
+        nothing, and an engine given such weights samples garbage. Called before every save, and by
+        a job after its update, before the weights reach its engine."""
         bad = ckpt.nonfinite_names(states)
         if self.rt.all_agree(not bad):
             return
@@ -243,7 +245,7 @@ class JobLoop:
         metrics[f"{key}_total"] = float(state.skipped_total)
         limit = self.cfg.train.max_skipped_steps_in_a_row
         if state.skipped_in_a_row >= limit:
-            self._check_finite(step, self.job.model_states())
+            self.check_finite(step, self.job.model_states())
             raise RuntimeError(
                 f"{state.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
                 f"(train.max_skipped_steps_in_a_row={limit}); {self.job.skip_hint}"

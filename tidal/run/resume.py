@@ -14,9 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tidal.config_base import ConfigError
+from tidal.config_base import ConfigError, load_yaml
 from tidal.distributed.runtime import Runtime
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
@@ -35,11 +33,32 @@ def resolve_resume_point(cfg: CheckpointConfig, output_dir: str, runtime: Runtim
     cheap checks (:func:`tidal.run.checkpoint.checkpoint_problems`) is taken, every rank agreeing;
     a bad explicit ``checkpoint.resume`` is a ConfigError naming what is wrong."""
     root = ckpt.checkpoint_root(output_dir)
+    if cfg.resume == "never":
+        earlier = runtime.broadcast_object(earlier_run(output_dir) if runtime.is_main else None)
+        if earlier is not None:
+            raise ConfigError("checkpoint.resume", f"is 'never' but {output_dir} holds an earlier run ({earlier}); a fresh "
+                              "run there would delete its metrics and its checkpoints would be rotated away by the older, "
+                              "higher steps. Choose: checkpoint.resume=auto to continue it, checkpoint.resume=<one of its "
+                              "checkpoints> to start from that one, or another run.output_dir (or remove the directory) "
+                              "for a fresh run")
+        return None
     path = ckpt.resolve_resume(cfg.resume, root, runtime=runtime, required_keys=required_keys)
     if path is None:
         return None
     with open(path / ckpt.COMPLETE_MARKER) as f:
         return ResumePoint(path=path, step=int(json.load(f)["step"]))
+
+
+def earlier_run(output_dir: str) -> str | None:
+    """What an earlier run left in ``output_dir`` (its complete checkpoints, its metrics), or None."""
+    found = []
+    saved = ckpt.complete_checkpoints(ckpt.checkpoint_root(output_dir))
+    if saved:
+        found.append(f"{len(saved)} checkpoint(s) up to {saved[-1].name}")
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(f"{metrics.name}")
+    return ", ".join(found) or None
 
 
 # ---- a changed config on resume ----------------------------------------------------------------------
@@ -89,7 +108,8 @@ def check_config_change(point: ResumePoint | None, config: dict[str, Any], *, is
     step and is said in one line (main rank). Returns the changes."""
     if point is None or not (point.path / ckpt.CONFIG_RECORD).is_file():
         return {}
-    saved = yaml.safe_load((point.path / ckpt.CONFIG_RECORD).read_text(encoding="utf-8")) or {}
+    record = point.path / ckpt.CONFIG_RECORD
+    saved = load_yaml(record.read_text(encoding="utf-8"), str(record)) or {}
     changes = config_changes(saved, config)
     for key, (old, new) in changes.items():
         if _is_fixed(key):

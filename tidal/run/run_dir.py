@@ -66,7 +66,8 @@ def claim_run_dir(output_dir: str, checkpoint: CheckpointConfig, runtime: Runtim
 
 def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> RunLock:
     """Claim the run directory for this run, before anything is written into it (a collective):
-    rank 0 takes its exclusive lock (partial saves settled first when no live run holds it: a save
+    a directory inside another run's checkpoint is refused (its ``config.yaml`` would change the
+    checkpoint); rank 0 takes its exclusive lock (partial saves settled first when no live run holds it: a save
     that filled the disk leaves no room for the lock's file; a second run in the same directory
     gets a ConfigError naming the first; every rank raises it), then partial saves are settled and
     the directory (and the checkpoint directory when ``checkpoints``) probed for writing. The caller releases the lock
@@ -74,6 +75,7 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
     lock, error = None, None
     if runtime.is_main:
         try:
+            ckpt.check_outside_checkpoints(output_dir, key="run.output_dir")
             if not held_by_another_run(output_dir):  # a save that filled the disk leaves no room for the lock file
                 ckpt.clean_partial(ckpt.checkpoint_root(output_dir))
             lock = acquire_run_lock(output_dir, runtime.rank)

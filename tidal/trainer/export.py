@@ -9,6 +9,8 @@ into place (:func:`write_export`), so a failed export leaves ``out`` as it was.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -21,8 +23,14 @@ import torch
 
 from tidal.config_base import ConfigError
 from tidal.models.lora import save_hf
+from tidal.run.checkpoint import check_outside_checkpoints, error_summary, file_crc32, free_space_note
 
-EXPORT_MARKER = ".tidal-export"  # in every folder an export wrote: a later export may replace it
+EXPORT_MARKER = ".tidal-export"  # an export's manifest: {"source", "written", "files": {path: crc32}}
+
+
+class ExportError(RuntimeError):
+    """Writing an export failed; the message says why in one line (the cause, the free space left, a
+    full disk named as such) and that ``out`` is as it was."""
 
 
 def _within(path: Path, folder: Path) -> bool:
@@ -33,10 +41,13 @@ def check_export_target(out: str | os.PathLike, *, run_dir: str | os.PathLike | 
                         protected: dict[str, str | os.PathLike] | None = None, key: str = "--out") -> Path:
     """``out`` resolved, or a ConfigError at ``key`` saying why an export may not write there:
     it is an existing file, a folder holding files that no export wrote (no :data:`EXPORT_MARKER`),
-    the run directory ``run_dir`` (or a folder holding it; a new folder inside it is fine), or
+    inside any checkpoint (:func:`~tidal.run.checkpoint.check_outside_checkpoints`, the check
+    ``run.output_dir`` gets too), the run directory ``run_dir`` (or a folder holding it; a new
+    folder inside it is fine), or
     one of ``protected`` (``{what: path}``: a checkpoint, ``model.path``; neither inside one, nor
     a folder holding one)."""
     target = Path(out).expanduser().resolve()
+    check_outside_checkpoints(out, key=key)
     if run_dir is not None and _within(Path(run_dir).resolve(), target):
         raise ConfigError(key, f"{out} is the run directory {run_dir} (or holds it): export into a new folder")
     for what, path in (protected or {}).items():
@@ -52,29 +63,111 @@ def check_export_target(out: str | os.PathLike, *, run_dir: str | os.PathLike | 
 
 
 def write_export(out: Path, write: Callable[[Path], None], *, source: str, key: str = "--out") -> Path:
-    """Call ``write(folder)`` on a fresh folder beside ``out``, mark it (:data:`EXPORT_MARKER`,
-    recording ``source``), make its files readable like any other (``umask``, not the 0600 of
-    a temporary file), then put it in the place of ``out``: a folder ``out`` that was there (empty,
-    or an earlier export: checked again here) is removed only after the new one is in place.
+    """Call ``write(folder)`` on a fresh hidden folder beside ``out``, make its files readable like
+    any other (``umask``, not the 0600 of a temporary file), then put them in ``out`` with their
+    manifest (:data:`EXPORT_MARKER`: ``source``, when, and the crc32 of each file written).
+
+    ``out`` new or empty: the folder is renamed into place. ``out`` an earlier export: only what
+    that export wrote is replaced -- the files its manifest lists whose bytes still match -- and
+    every other file stays (a model card, a ``gguf/`` the user added). A file the new export writes
+    that is there but not such a file (added by hand, or a copied or planted marker that lists
+    nothing of it) is refused before anything in ``out`` changes (:class:`ExportError`). The
+    manifest is written to cover old and new files before any is swapped, so an export killed
+    midway leaves a folder the next export can replace. What a killed export left beside ``out``
+    (its hidden ``.<name>.writing-*`` copy, a ``.<name>.replaced-*`` folder) is removed first.
     Call :func:`check_export_target` first, on every rank (this runs on one)."""
     check_export_target(out, key=key)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
     try:
         write(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"source": source, "written": time.strftime("%Y-%m-%d %H:%M:%S %z")}) + "\n")
         _chmod_like_umask(tmp)
-        aside = None
-        if out.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
-            os.replace(out, aside / out.name)
-        os.replace(tmp, out)
+        written = _sums(tmp)
+        if out.is_dir() and any(out.iterdir()):
+            _replace_in(out, tmp, written, source)
+        else:
+            _write_manifest(tmp, written, source)
+            if out.exists():
+                out.rmdir()  # empty
+            os.replace(tmp, out)
+    except Exception as e:
+        free = free_space_note(out.parent)  # before the partial copy gives its space back
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ExportError):
+            raise
+        raise ExportError(f"writing the export {out} failed: {error_summary(e)} ({free}); "
+                          f"{'the earlier export in it is' if out.exists() else 'it is'} as it was") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _sums(folder: Path) -> dict[str, str]:
+    """``{path relative to folder: crc32}`` of every file under ``folder``, the manifest aside."""
+    return {str(f.relative_to(folder)): file_crc32(f) for f in sorted(folder.rglob("*")) if f.is_file() and f.name != EXPORT_MARKER}
+
+
+def _write_manifest(folder: Path, files: dict[str, str], source: str) -> None:
+    tmp = folder / f"{EXPORT_MARKER}.tmp"
+    tmp.write_text(json.dumps({"source": source, "written": time.strftime("%Y-%m-%d %H:%M:%S %z"), "files": files}) + "\n")
+    _chmod_like_umask_file(tmp)
+    os.replace(tmp, folder / EXPORT_MARKER)
+
+
+def exported_files(out: Path) -> dict[str, str]:
+    """The files of ``out`` an earlier export wrote and that are as it wrote them: those its manifest
+    lists whose crc32 still matches (a marker without a list, or an unreadable one, names none)."""
+    try:
+        listed = json.loads((out / EXPORT_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(listed, dict):
+        return {}
+    found = {}
+    for rel, crc in listed.items():
+        path = out / rel
+        if isinstance(rel, str) and _within(path.resolve(), out.resolve()) and path.is_file() and not path.is_symlink() \
+                and file_crc32(path) == crc:
+            found[rel] = crc
+    return found
+
+
+def _replace_in(out: Path, tmp: Path, written: dict[str, str], source: str) -> None:
+    """Put the files of ``tmp`` (``written``) into the earlier export ``out`` (see :func:`write_export`)."""
+    old = exported_files(out)
+    clash = sorted(rel for rel in written if (out / rel).exists() and rel not in old)
+    if clash:
+        shown = ", ".join(clash[:5]) + (", ..." if len(clash) > 5 else "")
+        raise ExportError(f"{out} holds {shown}, which no earlier export wrote (or was changed since; a marker that "
+                          "does not list it proves nothing): nothing was changed; move it away or export into a new folder")
+    _write_manifest(out, {**old, **written}, source)  # covers both: an export killed below leaves a replaceable folder
+    for rel in old.keys() - written.keys():
+        (out / rel).unlink()
+    for rel in written:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / rel, out / rel)
+    for rel in sorted({str(Path(r).parent) for r in old} - {"."}, key=len, reverse=True):
+        with contextlib.suppress(OSError):  # a folder of the earlier export left empty (not one holding the user's files)
+            (out / rel).rmdir()
+    _write_manifest(out, written, source)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove what a killed export left beside ``out``: its hidden copies (``.<name>.writing-*``,
+    ``.<name>.replaced-*``; a whole model each)."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind = p.name[len(out.name) + 2:].split("-", 1)[0]
+        if kind in ("writing", "replaced") and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _chmod_like_umask_file(path: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _chmod_like_umask(folder: Path) -> None:

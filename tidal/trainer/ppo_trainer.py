@@ -189,6 +189,10 @@ class PPOTrainer:
         with self.timer.phase("train"):
             update = self.updater.train(exp, generator=gen)
         metrics.update(update.flat())
+        # weights an update left NaN/Inf are named here: given to the engine, a read-back calls them
+        # stale (sync.verify) and, without it, the sampler fails on garbage
+        actor = {n: getattr(p, "ds_tensor", p) for n, p in self.models.actor.model.named_parameters()}  # ZeRO-3: its partition
+        self.loop.check_finite(step, {"actor": actor})
         self.colocation.sync_weights(version=step)
         self.algo.update_after_step(update.actor)
         self._mismatch_alarm(metrics)

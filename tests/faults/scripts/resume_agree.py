@@ -9,6 +9,7 @@ import torch
 
 from tidal.distributed.runtime import init_runtime, shutdown
 from tidal.run import checkpoint as ckpt
+from tests.faults.old_checkpoints import as_saved_before_checksums
 
 root = Path(sys.argv[1])
 rt = init_runtime(1, "cpu")
@@ -30,7 +31,7 @@ if r == 1:  # zero rank 1's bytes item in step 2 (same size: the cheap checks pa
     data = bytearray(shard.read_bytes())
     data[info.offset : info.offset + info.length] = b"\0" * info.length
     shard.write_bytes(bytes(data))
-    (root / "step_000002" / ckpt.CHECKSUMS).unlink()  # as saved before checksums: only loading finds it
+    as_saved_before_checksums(root / "step_000002")  # only loading finds it
 torch.distributed.barrier()
 got = ckpt.load_resume("auto", root, model_states=lambda: states(0.0), rank=r, runtime=rt)
 assert got is not None

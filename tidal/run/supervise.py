@@ -1,0 +1,129 @@
+"""The ``tidal`` command watches the process that runs it: a run never ends with exit code 0 unless
+it finished.
+
+Anything in the process that trains can end it without an exception: ``os._exit`` (or ``posix._exit``,
+an ``_exit`` bound at import, ctypes' ``_exit``) in a reward function or a library, with exit code 0
+and no message. No guard inside that process can stop all of them, so the command started from a
+shell (``tidal train ...``, ``python -m tidal.cli ...``, each rank under torchrun) runs its work in
+a child process (:func:`run_supervised`) and takes the child's exit code only when the child said,
+through a pipe, that it came to the end of the command (:func:`report_outcome`, called by
+:func:`tidal.cli.main` whether the command returned or raised). A child that ended without saying
+so is reported in one line naming its exit code, and the command exits with that code, or 1 where it
+was 0. A child ended by a signal ends the command by the same signal (torchrun reports it as such).
+
+Signals: the child runs in its own process group, so a Ctrl-C at the terminal (or torchrun's signal
+to its worker's group) reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on to
+the child once: Tidal's graceful stop counts signals, and a second one aborts at once. The child
+dies with this process (``PR_SET_PDEATHSIG``) if this one is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+OUTCOME_FD_ENV = "TIDAL_OUTCOME_FD"  # set in the child: the pipe it reports its exit code into
+SUPERVISED_COMMANDS = ("train", "check", "eval", "export")
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether ``tidal ARGV`` as a program runs its work in a supervised child (not in the child itself)."""
+    return bool(argv) and argv[0] in SUPERVISED_COMMANDS and OUTCOME_FD_ENV not in os.environ
+
+
+_outcome_fd: int | None = None  # in a supervised child: the pipe's write end (set once, by start_child)
+
+
+def start_child() -> None:
+    """In a supervised child (a no-op elsewhere): take the pipe from the environment (no process
+    this one starts inherits it), and be killed when the supervisor dies (Linux)."""
+    global _outcome_fd
+    fd = os.environ.pop(OUTCOME_FD_ENV, None)
+    if fd is None:
+        return
+    _outcome_fd = int(fd)
+    os.set_inheritable(_outcome_fd, False)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() == 1:  # the supervisor died before the call
+            os._exit(1)
+
+
+def report_outcome(code: int | None) -> None:
+    """In a supervised child: say that the command came to its end (``code``: its exit code, None
+    when it raised); a no-op elsewhere, and after the first call."""
+    global _outcome_fd
+    fd, _outcome_fd = _outcome_fd, None
+    if fd is None:
+        return
+    try:
+        os.write(fd, f"{'raised' if code is None else code}\n".encode())
+        os.close(fd)
+    except OSError:  # the supervisor is gone: nobody to tell
+        pass
+
+
+def run_supervised(argv: list[str]) -> int:
+    """Run ``tidal ARGV`` as a supervised child; its exit code, checked (module docstring)."""
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd)})
+    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd,), process_group=0)
+    os.close(write_fd)
+
+    def forward(signum, _frame):
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there
+    try:
+        said = os.read(read_fd, 64).decode(errors="replace").strip()
+    except BlockingIOError:
+        said = ""
+    finally:
+        os.close(read_fd)
+    return _outcome(argv[0], child.pid, code, said)
+
+
+def _child_code() -> str:
+    """The child's program: this process's ``tidal`` package (not one a different working directory
+    would put first on the path) and ``argv[0]`` (the run lock records the command line)."""
+    import tidal
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tidal.__file__)))
+    return (f"import sys; sys.argv[0] = {sys.argv[0]!r}; sys.path.insert(0, {root!r}); "
+            "from tidal.cli import main; sys.exit(main())")
+
+
+def _outcome(command: str, pid: int, code: int, said: str) -> int:
+    if code < 0:  # ended by a signal: end the same way, so whoever started the command sees it
+        if not said and -code not in _FORWARDED:  # a SIGINT/SIGTERM came through us: the user knows of it
+            print(f"tidal: the {command} process (pid {pid}) was ended by signal {signal.Signals(-code).name} before the "
+                  "command finished", file=sys.stderr, flush=True)
+        if -code != signal.SIGKILL:  # SIGKILL's handler cannot be set (nor caught)
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    if said:
+        return code
+    print(f"tidal: the {command} process (pid {pid}) ended with exit code {code} before the command finished, without an "
+          "error of its own: something it ran ended the process (a reward function or a library calling _exit?). The "
+          f"{command} did not finish{'; rerun the same command to resume from its last checkpoint' if command == 'train' else ''}",
+          file=sys.stderr, flush=True)
+    return code or 1
