@@ -95,7 +95,7 @@ def resolve_paths(cfg: TidalConfig, runtime: Runtime) -> ResolvedPaths:
     from tidal.tasks import prepare
 
     if runtime.is_main:
-        prepare(cfg.task)
+        prepare(cfg.task, run_threads=cfg.run.cpu_threads)
     runtime.barrier()
     assets = prepare(cfg.task)  # idempotent: returns the paths of what rank 0 built
     if not cfg.data.train:  # the task's prompts (with reasoning-gym sources the task gives the model only)

@@ -24,6 +24,7 @@ from tidal.config_base import ConfigError
 from tidal.run.stop import EXIT_CODE as STOP_EXIT_CODE
 from tidal.run.stop import StopRun
 from tidal.run.run_lock import RunDirLost
+from tidal.tasks.store import BuildStopped
 
 
 def _load(args):
@@ -225,7 +226,7 @@ too, but torchrun ends every failure with exit code 1 and its own failure report
 
 exit codes: 0 done (only when the command finished: a process that ends early, even with code 0, is
 named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
-saved step."""
+saved step (or by Ctrl-C before training, e.g. in a task build, which keeps its finished phases)."""
 
 
 CHECKPOINT_CONFIG_HELP = ("read only for a checkpoint without its run's config.yaml beside it: a checkpoint "
@@ -322,6 +323,11 @@ def _run(argv: list[str]) -> int:
         return 1
     except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
+        return STOP_EXIT_CODE
+    except (BuildStopped, KeyboardInterrupt) as e:  # Ctrl-C outside the training steps (a task build keeps its finished phases)
+        print(f"tidal: {e if isinstance(e, BuildStopped) else 'stopped by SIGINT; rerun the same command to continue'}",
+              file=sys.stderr)
+        _end_process_group()
         return STOP_EXIT_CODE
     except Exception as e:
         if not _export_failed(e):

@@ -18,9 +18,10 @@ learning rates, other values), so one axis never mixes a count of 200 with accur
 with TFLOP/s or a length with a reward; values without a unit are split further by scale
 (:data:`SCALE_RATIO`: a gradient norm near 10 is not drawn on the axis of a loss near 0.01). Each
 group is one panel (split into several when it has more than ``MAX_LINES`` keys). A series that
-never changes gets no curve of its own: the HTML lists it with its value. A series equal to another
-at every step is drawn dashed over it and labelled ``(= other)`` (:func:`identical_keys`), so
-neither hides the other. Groups are ordered reward, eval, kl, entropy, response/length, loss,
+never changes gets no curve of its own (the HTML lists it with its value), unless it is a reward or
+eval series: a reward flat at 0 is what the report is for (drawn dashed). A changing series equal to
+another at every step is drawn dashed over it and labelled ``(= other)`` (:func:`identical_keys`),
+so neither hides the other. Groups are ordered reward, eval, kl, entropy, response/length, loss,
 time, memory, then the rest alphabetically. Non-numeric and null values are skipped. Panel titles
 are distinct and laid out without overlap (constrained layout). The HTML page leads with the
 reward and eval accuracy at the start and the end, embeds the PNG (base64, its ``alt`` naming the
@@ -107,12 +108,22 @@ def constant_keys(series: Series) -> list[str]:
     return sorted(k for k, (_, values) in series.items() if len(values) > 1 and min(values) == max(values))
 
 
+def _unplotted_constants(series: Series) -> list[str]:
+    """The constant keys drawn as no curve: all but the reward and eval ones (:data:`HEADLINE`)."""
+    return [k for k in constant_keys(series) if k.partition("/")[0] not in HEADLINE]
+
+
 def identical_keys(series: Series) -> dict[str, str]:
-    """``{key: earlier key}`` for each series equal to an earlier one (in key order) at every step."""
+    """``{key: earlier key}`` for each changing series equal to an earlier one (in key order) at every
+    step: the same data under two names. A series with fewer than two distinct values is never
+    called equal to another: two metrics at 0 all run (a reward and a KL) are equal by accident,
+    and :func:`constant_keys` lists them with their value."""
     first: dict[tuple, str] = {}
     out = {}
     for key in sorted(series):
         steps, values = series[key]
+        if len(set(values)) < 2:
+            continue
         sig = (tuple(steps), tuple(values))
         if sig in first:
             out[key] = first[sig]
@@ -188,7 +199,7 @@ def layout(series: Series) -> list[tuple[str, str, list[str]]]:
         special.append(("phases", "phase time per step [s]", phases))
     if memory := memory_keys(series):
         special.append(("memory", "memory timeline [GiB]", memory))
-    skip = {k for _, _, keys in special for k in keys} | set(constant_keys(series))
+    skip = {k for _, _, keys in special for k in keys} | set(_unplotted_constants(series))
     if phases and "time/step" in series:
         skip.add("time/step")  # the line over the stacked bars
     lines = [("lines", title, keys) for title, keys in panels([k for k in series if k not in skip], scales_of(series))]
@@ -281,7 +292,7 @@ def render_html(series: Series, png: bytes, title: str, config_text: str | None 
     """The page: the headline (start -> end), the figure, each key's start and end values (a key
     equal to another says so), the constant keys, and the resolved config when given."""
     same = identical_keys(series)
-    constant = constant_keys(series)
+    constant = _unplotted_constants(series)
     listed = "".join(f"<tr><td>{html.escape(k)}</td><td>{series[k][1][0]:.6g}</td></tr>" for k in constant)
     rows = []
     for _, keys in panels(list(series)):

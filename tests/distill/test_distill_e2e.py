@@ -23,12 +23,12 @@ def _task_overrides(workdir, **kw) -> list[str]:
 
 
 @pytest.mark.slow
-def test_student_moves_towards_a_better_teacher(tmp_path):
-    teacher = prepare(TaskConfig(**TASK, workdir=str(tmp_path / "teacher"), sft_steps=600, sft_mistake_steps=0))
+def test_student_moves_towards_a_better_teacher(tmp_path, task_workdir):
+    teacher = prepare(TaskConfig(**TASK, workdir=str(task_workdir), sft_steps=600, sft_mistake_steps=0))
     student_task = dict(sft_steps=300, sft_mistake_steps=200, sft_mistake_rate=0.75)
-    student = prepare(TaskConfig(**TASK, workdir=str(tmp_path / "student"), **student_task))
+    student = prepare(TaskConfig(**TASK, workdir=str(task_workdir), **student_task))
     assert teacher.sft_accuracy > student.sft_accuracy + 0.2, (teacher.sft_accuracy, student.sft_accuracy)
-    cfg = load_config("quickstart", _task_overrides(tmp_path / "student", **student_task) + [
+    cfg = load_config("quickstart", _task_overrides(task_workdir, **student_task) + [
         f"run.output_dir={tmp_path / 'run'}", "run.steps=120", "rollout.prompts_per_step=16", "rollout.n_samples=4",
         "rollout.max_new_tokens=4", "engine.kv_cache_max_tokens=2048", "optim.lr=5e-4",
         f"model.teacher.path={teacher.model_path}", "algorithm.distill_coef=1.0",

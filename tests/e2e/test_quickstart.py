@@ -10,9 +10,9 @@ import pytest
 
 
 @pytest.mark.slow
-def test_quickstart_improves_heldout_accuracy(tmp_path):
+def test_quickstart_improves_heldout_accuracy(tmp_path, task_workdir):
     cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={tmp_path / 'run'}",
-           f"task.workdir={tmp_path / 'tasks'}", "logging.backends=[jsonl]"]
+           f"task.workdir={task_workdir}", "logging.backends=[jsonl]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "eval at start" in proc.stdout and "eval at end" in proc.stdout

@@ -42,9 +42,9 @@ def rl_samples(export, eval_file, reply_key):
 
 
 @pytest.mark.slow
-def test_accuracy_rises_and_the_export_scores_as_trained_in_a_reward_engine(tmp_path):
+def test_accuracy_rises_and_the_export_scores_as_trained_in_a_reward_engine(tmp_path, task_workdir):
     run = tmp_path / "run"
-    cfg = load_config("rm_quickstart", LEARNING + [f"run.output_dir={run}", f"reward_model.task.workdir={tmp_path / 'tasks'}",
+    cfg = load_config("rm_quickstart", LEARNING + [f"run.output_dir={run}", f"reward_model.task.workdir={task_workdir}",
                                                    "reward_model.separator=' '"])
     trainer = build_reward_model_trainer(cfg)
     try:
@@ -80,9 +80,9 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_shipped_rm_quickstart_with_report_eval_and_export(tmp_path):
+def test_shipped_rm_quickstart_with_report_eval_and_export(tmp_path, task_workdir):
     run = tmp_path / "run"
-    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={tmp_path / 'tasks'}", "logging.backends=[jsonl]"]
+    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={task_workdir}", "logging.backends=[jsonl]"]
     out = _cli("train", *common)
     start = float(out.split("eval at start: accuracy=")[1].split(",")[0])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

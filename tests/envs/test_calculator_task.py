@@ -125,17 +125,17 @@ def test_saved_tokenizer_keeps_the_tags_and_template(tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_warm_start_learns_the_procedure_and_the_habit(tmp_path):
+def test_warm_start_learns_the_procedure_and_the_habit(tmp_path, task_workdir):
     """Phase 1 learns to call the tool and copy its result; phase 2 adds the habit of answering
     alone, which wins greedily (wrong), while sampling still calls the tool and is then right."""
     cfg = CalculatorTaskConfig(num_train=1500, num_eval=50)
-    assets = prepare_calculator(cfg, workdir=str(tmp_path))
-    report = json.loads((tmp_path / f"calculator-{settings_hash(cfg)}" / "task.json").read_text())
+    assets = prepare_calculator(cfg, workdir=str(task_workdir))
+    report = json.loads((task_workdir / f"calculator-{settings_hash(cfg)}" / "task.json").read_text())
     assert report["tool_accuracy"] >= 0.8, report
     assert report["sft_accuracy"] <= 0.2 and report["tool_call_rate"] <= 0.2, report
     assert 0.1 <= report["sampled_tool_call_rate"] <= 0.7 and report["sampled_accuracy"] >= 0.1, report
-    assert prepare_calculator(cfg, workdir=str(tmp_path)) == assets  # built once
-    assert prepare(TaskConfig(name="calculator", workdir=str(tmp_path), calculator=cfg)) == assets  # task.name=calculator
+    assert prepare_calculator(cfg, workdir=str(task_workdir)) == assets  # built once
+    assert prepare(TaskConfig(name="calculator", workdir=str(task_workdir), calculator=cfg)) == assets  # task.name=calculator
     assert AutoTokenizer.from_pretrained(assets.model_path).chat_template
     other = CalculatorTaskConfig(num_train=1500, num_eval=50, seed=1)
     (tmp_path / f"calculator-{settings_hash(other)}").mkdir()

@@ -226,6 +226,7 @@ def test_a_row_without_the_prompt_field_names_file_row_and_key(tmp_path, assets,
     err = _check_error(capsys, overrides, command)
     assert "'data.prompt_key'" in err and f"{tmp_path / 'train.jsonl'}:2:" in err, err
     assert "its fields: 'label', 'question', 'reference'" in err and "set data.prompt_key" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # a train stopped by a data error leaves no empty folder (issue 44 item 15)
 
 
 def test_a_label_that_is_no_recipe_is_found_before_loading(tmp_path, assets, tiny_task_overrides, capsys):
@@ -236,9 +237,26 @@ def test_a_label_that_is_no_recipe_is_found_before_loading(tmp_path, assets, tin
     assert "label 'arithmetic', which is not a recipe; recipes: ['gsm8k']" in err and "rename the recipe" in err, err
 
 
-def test_an_overlong_prompt_names_the_row(tmp_path, assets, tiny_task_overrides, capsys):
-    err = _check_error(capsys, _own(tmp_path, assets, tiny_task_overrides, "data.max_prompt_len=4"))
-    assert "'data.max_prompt_len'" in err and f"{tmp_path / 'train.jsonl'}:1: the prompt has" in err and "> data.max_prompt_len=4" in err, err
+def test_overlong_prompts_are_counted_with_the_longest_and_the_length_that_fits(tmp_path, assets, tiny_task_overrides, capsys):
+    """Issue 44 item 14: not only the first overlong row, but how many, the longest and what fits."""
+    overrides = _own(tmp_path, assets, tiny_task_overrides)
+    train = tmp_path / "train.jsonl"
+
+    def longest() -> int:  # what `tidal check` reports of the training data
+        assert cli.main(["check", "quickstart", *overrides]) == 0
+        return int(capsys.readouterr().out.split(f"data: {train}: ")[1].split("longest prompt ")[1].split()[0])
+
+    usual = longest()
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    rows[5]["prompt"] += " and then add 1 + 2 + 3 + 4"  # the longest, and two more over the usual length
+    rows[9]["prompt"] += " and 1"
+    rows[20]["prompt"] += " and 1"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    most = longest()
+    err = _check_error(capsys, overrides + [f"data.max_prompt_len={usual}"])
+    assert "'data.max_prompt_len'" in err and f"{train}: 3 of the {len(rows)} rows checked have a prompt longer than " \
+        f"data.max_prompt_len={usual} tokens; the longest, {train}:6, has {most}: set data.max_prompt_len={most} to fit them" in err, err
+    assert cli.main(["check", "quickstart", *overrides, f"data.max_prompt_len={most}"]) == 0  # the value named fits
 
 
 def test_max_new_tokens_beyond_the_model_is_named_before_the_micro_batches(tmp_path, assets, tiny_task_overrides, capsys):

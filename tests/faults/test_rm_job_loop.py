@@ -34,9 +34,9 @@ def spoil_a_bytes_item(path: Path) -> None:
 
 
 @pytest.mark.slow  # about 10 s: the task's assets and two short runs
-def test_rm_resume_falls_back_past_a_newest_checkpoint_that_fails_to_load(tmp_path, capsys):
+def test_rm_resume_falls_back_past_a_newest_checkpoint_that_fails_to_load(tmp_path, task_workdir, capsys):
     run = tmp_path / "run"
-    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={tmp_path / 'tasks'}", *TINY,
+    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={task_workdir}", *TINY,
               "checkpoint.every=1", "checkpoint.keep=5"]
     assert main(["train", *common, "run.steps=2"]) == 0
     newest = run / "checkpoints" / "step_000002"
@@ -52,8 +52,8 @@ def test_rm_resume_falls_back_past_a_newest_checkpoint_that_fails_to_load(tmp_pa
     assert steps == [1, 2, 3], steps
 
 
-def test_an_exception_in_the_rm_update_leaves_the_optimizer_state_offloaded(tmp_path):
-    cfg = load_config("rm_quickstart", [f"run.output_dir={tmp_path / 'run'}", f"reward_model.task.workdir={tmp_path / 'tasks'}",
+def test_an_exception_in_the_rm_update_leaves_the_optimizer_state_offloaded(tmp_path, task_workdir):
+    cfg = load_config("rm_quickstart", [f"run.output_dir={tmp_path / 'run'}", f"reward_model.task.workdir={task_workdir}",
                                         *TINY, "checkpoint.every=0", "checkpoint.at_end=false", "run.steps=2",
                                         "strategy.offload_optimizer=true"])
     try:

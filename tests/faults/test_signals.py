@@ -61,3 +61,18 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny
     resumed, _ = torchrun(out, tiny_task_overrides + COMMON)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert sorted(metrics(out)) == [1, 2, 3, 4]
+
+
+def test_ctrl_c_in_the_task_build_says_one_line_exits_75_and_keeps_the_finished_phase(tmp_path):
+    """Ctrl-C in the warm start's phase 2 (issue 44 item 12): one line, no traceback, the stop's exit
+    code; phase 1 is kept for the rerun (which continues from it: tests/unit/test_task_build.py)."""
+    task = ["task.name=arithmetic", "task.digits=1", "task.num_train=20", "task.num_eval=4", "task.hidden_size=16",
+            "task.num_layers=1", "task.num_heads=2", "task.num_kv_heads=1", "task.intermediate_size=32", "task.sft_steps=4",
+            "task.sft_mistake_steps=4", "task.sft_batch_size=4", f"task.workdir={tmp_path / 'tasks'}"]
+    proc = tidal_train(tmp_path / "run", task, fault="sigint@sft:step=6")
+    assert proc.returncode == EXIT_CODE, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("[tidal] warning:")]
+    assert len(said) == 1 and said[0].startswith("tidal: stopped by SIGINT while building the task arithmetic-"), proc.stderr[-3000:]
+    assert said[0].endswith(": rerun the same command to continue") and "its finished phase(s) 1 are kept" in said[0]
+    phases = [p for p in (tmp_path / "tasks").iterdir()]
+    assert len(phases) == 1 and phases[0].name.endswith(".phases") and [p.name for p in phases[0].iterdir()] == ["1"]

@@ -16,9 +16,9 @@ TINY = ["reward_model.task.num_train=16", "reward_model.task.num_eval=8", "rewar
 
 
 @pytest.mark.slow  # about 15 s: the task's assets, a 2-step run, eval, two exports
-def test_rm_eval_and_export_say_what_they_loaded_and_wrote(tmp_path, capsys):
+def test_rm_eval_and_export_say_what_they_loaded_and_wrote(tmp_path, task_workdir, capsys):
     run = tmp_path / "run"
-    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={tmp_path / 'tasks'}", *TINY]
+    common = ["rm_quickstart", f"run.output_dir={run}", f"reward_model.task.workdir={task_workdir}", *TINY]
     assert main(["train", *common, "run.steps=2"]) == 0
     out = capsys.readouterr().out
     assert "resumed" not in out

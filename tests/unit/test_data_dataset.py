@@ -125,7 +125,8 @@ def _overlong(tmp_path, mode, limit):
 
 def test_overlong_error_names_line(tmp_path):
     path, cfg = _overlong(tmp_path, "error", 20)
-    with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + r"prompt has \d+ tokens > data\.max_prompt_len=20"):
+    with pytest.raises(ValueError, match=re.escape(f"{path}: 1 of its 3 rows have a prompt longer than data.max_prompt_len=20 tokens; "
+                                                   f"the longest, {path}:2, has ") + r"(\d+): set data\.max_prompt_len=\1 to fit them"):
         PromptDataset(cfg.train, make_tokenizer(), cfg, seed=0)
 
 

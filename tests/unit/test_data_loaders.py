@@ -43,6 +43,26 @@ def test_jsonl_bad_line(tmp_path, line, message):
         load_rows(DataSource(path=str(p)))
 
 
+OPEN = '{"prompt": "What is the sum of 12 and 30 in digits", "reference": "42"'  # 70 characters, '}' missing
+
+
+@pytest.mark.parametrize("line, column, hint", [
+    (OPEN, 71, "the text ends before the JSON value does (an object or list left open: a '}' or ']' missing at the end?)"),
+    ('{"prompt": "x", "reference": "4",}', 34, "a trailing comma before '}', or a key not in double quotes?"),
+    ('{"prompt": "x" "reference": "4"}', 16, "a comma missing between two items, or an unescaped '\"' inside a string?"),
+    ("{'prompt': 'x'}", 2, "a trailing comma before '}', or a key not in double quotes?"),
+])
+def test_malformed_json_is_named_at_its_column_with_a_hint(tmp_path, line, column, hint):
+    """Issue 44 item 15: an object left open at column 71 was reported at `column 1` (of the next
+    line, as json saw the line's newline), without a hint."""
+    assert len(OPEN) == 70
+    p = tmp_path / "a.jsonl"
+    p.write_text(json.dumps(ROWS[0]) + "\n" + line + "\n")
+    with pytest.raises(ValueError) as info:
+        load_rows(DataSource(path=str(p)))
+    assert str(info.value).startswith(f"{p}:2: invalid JSON (") and f" at column {column}): {hint}" in str(info.value), info.value
+
+
 def test_json_list(tmp_path):
     p = tmp_path / "a.json"
     p.write_text(json.dumps(ROWS))

@@ -57,6 +57,30 @@ def test_deprecations_only_on_rank_0(monkeypatch):
         assert len(seen) == shown + 1 and str(seen[-1].message) == "a real problem"
 
 
+def test_transformers_load_report_reaches_a_log_without_colour_codes(tmp_path):
+    """Issue 44 item 15: rm_quickstart's log held the load report's raw ANSI codes (a causal LM
+    loaded as a sequence classifier: its new score head)."""
+    import logging
+
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.engine.helpers import tiny_hf
+
+    tiny_hf("qwen2").save_pretrained(tmp_path / "lm")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        quiet_third_party(0)
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=1)
+    finally:
+        root.removeHandler(handler)
+    report = [m for m in said if "LOAD REPORT" in m]
+    assert report and "score.weight" in report[0] and not [m for m in said if "\x1b[" in m], said
+
+
 def test_a_config_error_ends_the_process_group(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -115,6 +115,30 @@ def test_identical_series_both_show(tmp_path):
     assert "<td>reward/total (= reward/mean)</td>" in (run / "report.html").read_text()
 
 
+def test_a_flat_reward_is_drawn_and_never_called_equal_to_another_flat_series(tmp_path):
+    """Issue 44 item 15: report.png dropped a constant reward curve, and the HTML labelled it
+    `reward/mean (= actor/approx_kl)` (both 0 all run: equal by accident, not the same data)."""
+    import matplotlib.pyplot as plt
+
+    from tidal.report import build_figure, identical_keys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.0, "actor/approx_kl": 0.0, "loss": 1 / s,
+                                                           "time/update": 0.5}) + "\n" for s in range(1, 5)))
+    series = load_series(run / "metrics.jsonl")
+    assert identical_keys(series) == {}
+    fig = build_figure(series, "t")
+    lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    assert lines["reward/mean"].get_linestyle() == "--" and list(lines["reward/mean"].get_ydata()) == [0.0] * 4
+    assert "actor/approx_kl" not in lines  # a flat series of no headline group is listed, not drawn
+    plt.close(fig)
+    assert main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "(= " not in page and "<td>reward/mean</td>" in page
+    assert "<tr><td>actor/approx_kl</td><td>0</td></tr>" in page and "<tr><td>reward/mean</td><td>0</td></tr>" not in page
+
+
 def test_html_leads_with_reward_and_eval_and_shows_the_config(tmp_path):
     run = fake_run(tmp_path)
     (run / "config.yaml").write_text("run:\n  steps: 30\nmodel:\n  path: <m>\n")

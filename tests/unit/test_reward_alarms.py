@@ -53,7 +53,7 @@ def test_alarms_fire_at_the_1st_2nd_4th_8th_step_and_track_the_whole_run():
     alarms = RewardAlarms()
     zero = {"reward/trajectory_min": 0.0, "reward/trajectory_max": 0.0, "reward/a/unparsed_frac": 1.0}
     printed = [len(alarms.step(zero)) for _ in range(9)]
-    assert printed == [2, 2, 0, 2, 0, 0, 0, 2, 0]  # unparsed and all-equal, each at steps 1, 2, 4, 8
+    assert printed == [1, 1, 0, 2, 0, 0, 0, 2, 0]  # unparsed at steps 1, 2, 4, 8; all-equal at 4 and 8 (evidence)
     alarms.step({"reward/trajectory_min": 0.0, "reward/trajectory_max": 1.0, "reward/a/unparsed_frac": 0.1})
     later = RewardAlarms()
     later.step({"reward/trajectory_min": 0.0, "reward/trajectory_max": 1.0})
@@ -61,7 +61,20 @@ def test_alarms_fire_at_the_1st_2nd_4th_8th_step_and_track_the_whole_run():
     quiet = RewardAlarms(all_equal=False)  # a run that learns from a distillation teacher
     assert quiet.step({"reward/trajectory_min": 0.0, "reward/trajectory_max": 0.0}) == []
     start = RewardAlarms().start_eval({"eval/greedy_reward_min": 0.0, "eval/greedy_reward_max": 0.0, "eval/reward/a/unparsed_frac": 1.0})
-    assert len(start) == 2 and "start-of-run evaluation" in start[1]
+    assert len(start) == 1 and "'a' found no answer it can read" in start[0]
+
+
+def test_a_task_that_starts_at_zero_by_design_is_not_warned_until_the_evidence_is_there():
+    """The shipped calculator starts at greedy accuracy 0 and learns from rare sampled successes
+    (issue 44 item 13): no warning at the start-of-run evaluation or in the first steps; a run that
+    stays at 0 is warned from its 4th step."""
+    alarms = RewardAlarms()
+    assert alarms.start_eval({"eval/greedy_reward_min": 0.0, "eval/greedy_reward_max": 0.0}) == []
+    zero = {"reward/trajectory_min": 0.0, "reward/trajectory_max": 0.0}
+    assert [alarms.step(zero) for _ in range(3)] == [[], [], []]
+    assert alarms.step(zero) == [all_equal_warning(0.0, 0.0, "of the run so far (4 steps)")]
+    learns = RewardAlarms()
+    assert [learns.step(m) for m in (zero, zero, {"reward/trajectory_min": 0.0, "reward/trajectory_max": 1.0}, zero)] == [[]] * 4
 
 
 def test_the_headline_reward_is_the_trained_reward():
@@ -76,7 +89,7 @@ def test_a_run_whose_reward_reads_no_answer_warns(tmp_path, tiny_task_overrides,
 
     out = tmp_path / "run"
     cfg = load_config("quickstart", tiny_task_overrides + [
-        f"run.output_dir={out}", "run.steps=2", "reward.components.correct={type: math_answer}", "eval.at_start=true",
+        f"run.output_dir={out}", "run.steps=4", "reward.components.correct={type: math_answer}", "eval.at_start=true",
         "checkpoint.every=0", "checkpoint.at_end=false"])
     try:
         trainer = build_trainer(cfg)
@@ -86,8 +99,9 @@ def test_a_run_whose_reward_reads_no_answer_warns(tmp_path, tiny_task_overrides,
         shutdown()
     text = capsys.readouterr().out
     assert text.count("reward component 'correct' found no answer it can read in 100% of the responses (eval/reward/correct/unparsed_frac)") == 1
-    assert text.count("reward component 'correct' found no answer it can read in 100% of the responses (reward/correct/unparsed_frac)") == 2
-    assert "every reward of the start-of-run evaluation (greedy) is 0" in text and "every reward of the run so far (2 steps) is 0" in text
+    assert text.count("reward component 'correct' found no answer it can read in 100% of the responses (reward/correct/unparsed_frac)") == 3
+    assert "start-of-run evaluation (greedy)" not in text and "every reward of the run so far (4 steps) is 0" in text
+    assert "run so far (2 steps)" not in text
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["reward/correct/unparsed_frac"] for r in rows if r["step"] > 0] == [1.0, 1.0]
+    assert [r["reward/correct/unparsed_frac"] for r in rows if r["step"] > 0] == [1.0] * 4
     assert rows[0]["eval/reward/correct/unparsed_frac"] == 1.0

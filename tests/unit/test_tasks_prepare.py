@@ -50,7 +50,7 @@ def test_prepare_builds_loadable_assets(tmp_path):
 
 def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, monkeypatch):
     first = prepare(_cfg(tmp_path))
-    monkeypatch.setattr(prepare_module, "_build", lambda cfg, out: pytest.fail("rebuilt complete assets"))
+    monkeypatch.setattr(prepare_module, "_build", lambda cfg, out, phases, run_threads: pytest.fail("rebuilt complete assets"))
     assert prepare(_cfg(tmp_path, sft_threads=2)) == first  # build speed is not a setting
     monkeypatch.undo()
     other = prepare(_cfg(tmp_path, seed=1))
@@ -59,7 +59,7 @@ def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, monkeypatch):
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
-    def broken(cfg, out):
+    def broken(cfg, out, phases, run_threads):
         (out / "train.jsonl").write_text("partial")
         raise RuntimeError("boom")
 

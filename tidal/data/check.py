@@ -2,8 +2,9 @@
 
 ``tidal check`` and ``tidal train`` run the same check (:func:`tidal.build.check_data` calls
 :func:`sample_rows` for every source): each sampled row is parsed with the run's field names
-(:func:`~tidal.data.prompts.parse_row`), rendered with its chat template and tokenized, and a prompt
-longer than ``data.max_prompt_len`` is an error when ``data.overlong_prompt`` is ``error``. Every
+(:func:`~tidal.data.prompts.parse_row`), rendered with its chat template and tokenized, and prompts
+longer than ``data.max_prompt_len`` are an error when ``data.overlong_prompt`` is ``error`` (one,
+after the whole sample: how many rows are over, the longest, and the value that fits). Every
 failure is a :class:`~tidal.config_base.ConfigError` naming the file and row, the key and the fix.
 The sample is the first :data:`HEAD_ROWS` rows and :data:`SPREAD_ROWS` more spread evenly over the
 rest, so a check takes about as long on a large source as on a small one; the whole data is read
@@ -58,18 +59,28 @@ def sample_rows(source: DataSource, cfg: DataConfig, tokenizer: Any, *, key: str
         parsed = parse_row(where, row, cfg)
         tokens = None if parsed.images else _prompt_tokens(where, parsed, cfg, tokenizer)
         out.append(SampledRow(where=where, parsed=parsed, prompt_tokens=tokens))
+    if cfg.overlong_prompt == "error":
+        check_prompt_lengths(source.path, [(r.where, r.prompt_tokens) for r in out if r.prompt_tokens is not None],
+                             cfg.max_prompt_len, of=f"the {len(out)} rows checked" + ("" if len(out) == len(rows) else f" (of {len(rows)})"))
     return out
 
 
+def check_prompt_lengths(path: str, lengths: list[tuple[str, int]], limit: int, *, of: str) -> None:
+    """ConfigError at ``data.max_prompt_len`` when any prompt of ``lengths`` ((where, tokens) of
+    ``of``, e.g. ``the 128 rows checked``) is longer than ``limit``: how many, the longest, and the
+    value that fits them all."""
+    over = [(where, n) for where, n in lengths if n > limit]
+    if over:
+        where, n = max(over, key=lambda item: item[1])
+        raise ConfigError("data.max_prompt_len", f"{path}: {len(over)} of {of} have a prompt longer than data.max_prompt_len={limit} "
+                          f"tokens; the longest, {where}, has {n}: set data.max_prompt_len={n} to fit them, or data.overlong_prompt "
+                          "to drop or left_truncate")
+
+
 def _prompt_tokens(where: str, parsed: ParsedRow, cfg: DataConfig, tokenizer: Any) -> int:
-    """Tokens of the rendered prompt, as the dataset counts them; ConfigError when it is too long
-    and ``data.overlong_prompt`` is ``error``."""
+    """Tokens of the rendered prompt, as the dataset counts them."""
     try:
         text = render(parsed, tokenizer)
     except Exception as e:  # noqa: BLE001 -- jinja raises anything the row's values provoke
         raise ConfigError("data.messages_key", f"{where}: the chat template cannot render this row ({type(e).__name__}: {e})") from None
-    n = len(text_tokenizer(tokenizer)(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"])
-    if n > cfg.max_prompt_len and cfg.overlong_prompt == "error":
-        raise ConfigError("data.max_prompt_len", f"{where}: the prompt has {n} tokens > data.max_prompt_len={cfg.max_prompt_len}; "
-                          "raise data.max_prompt_len, or set data.overlong_prompt to drop or left_truncate")
-    return n
+    return len(text_tokenizer(tokenizer)(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"])

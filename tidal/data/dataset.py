@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tidal.config_base import ConfigError
+from tidal.data.check import check_prompt_lengths
 from tidal.data.config import DataConfig, DataSource
 from tidal.data.loaders import load_rows
 from tidal.data.prompts import ParsedRow, generation_prompt_len, parse_row, render, require_chat_template, text_tokenizer
@@ -149,6 +150,9 @@ class PromptDataset:
         texts = [_render(where, p, self._tokenizer) for (where, _row), p in zip(rows, parsed)]
         ids_list = self._tokenize(texts)
         ids_list = expand_image_rows(self._tokenizer, self._cfg, source.path, [w for w, _ in rows], parsed, texts, ids_list)
+        if self._cfg.overlong_prompt == "error":  # every row over the limit, counted, before any is kept
+            check_prompt_lengths(source.path, [(where, len(ids)) for (where, _row), ids in zip(rows, ids_list)],
+                                 self._cfg.max_prompt_len, of=f"its {len(rows)} rows")
         out = []
         for row_index, ((where, _row), p, text, ids) in enumerate(zip(rows, parsed, texts, ids_list)):
             fitted = self._fit(where, ids)
@@ -173,13 +177,8 @@ class PromptDataset:
     def _fit(self, where: str, ids: np.ndarray) -> np.ndarray | None:
         """Apply ``overlong_prompt``: the ids to keep, or None when the row is dropped."""
         limit = self._cfg.max_prompt_len
-        if len(ids) <= limit:
+        if len(ids) <= limit:  # overlong_prompt: error has raised for every overlong row (_load_source)
             return ids
-        if self._cfg.overlong_prompt == "error":
-            raise ValueError(
-                f"{where}: prompt has {len(ids)} tokens > data.max_prompt_len={limit} "
-                f"(set data.overlong_prompt to drop or left_truncate)"
-            )
         if self._cfg.overlong_prompt == "drop":
             self.num_dropped += 1
             return None

@@ -72,10 +72,11 @@ def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
                 raise ValueError(f"{where}: not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1}: {e.reason}") from None
             if not line.strip():
                 continue
+            line = line.rstrip("\r\n")  # else a line that ends too early is reported at column 1 of the next
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}){json_hint(e)}") from None
             except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
                 raise ValueError(f"{where}: invalid JSON ({type(e).__name__}: {str(e) or 'nested too deeply'})") from None
             if not isinstance(row, dict):
@@ -84,12 +85,33 @@ def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
     return rows
 
 
+_JSON_HINTS = (  # (the start of json's message, the likely cause)
+    ("Expecting property name", "a trailing comma before '}', or a key not in double quotes?"),
+    ("Expecting ',' delimiter", "a comma missing between two items, or an unescaped '\"' inside a string?"),
+    ("Expecting ':' delimiter", "a key without its ':' and value?"),
+    ("Unterminated string", "a string not closed, or a '\"' inside it not escaped as \\\"?"),
+    ("Invalid control character", "a raw tab or line break inside a string: write it as \\t or \\n"),
+    ("Invalid \\escape", "a backslash not escaped: write it as \\\\"),
+    ("Extra data", "more than one JSON value where one is expected (JSONL: one object per line)"),
+    ("Expecting value", "a missing value, or one JSON does not have (single quotes, NaN, a trailing comma)?"),
+)
+
+
+def json_hint(e: json.JSONDecodeError) -> str:
+    """``: <the likely cause>`` of a JSON error, for the message (empty when none is known). Text that
+    ends before its value does is an object or list left open, whatever json's message says."""
+    if e.pos >= len(e.doc.rstrip()):
+        return ": the text ends before the JSON value does (an object or list left open: a '}' or ']' missing at the end?)"
+    hint = next((h for start, h in _JSON_HINTS if e.msg.startswith(start)), "")
+    return f": {hint}" if hint else ""
+
+
 def _load_json(path: Path) -> list[Any]:
     text = decode_utf8(path.read_bytes(), str(path))
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}){json_hint(e)}") from None
     except (ValueError, RecursionError) as e:  # an integer too long to convert, nesting too deep
         raise ValueError(f"{path}: invalid JSON ({type(e).__name__}: {str(e) or 'nested too deeply'})") from None
     if not isinstance(data, list):

@@ -105,7 +105,8 @@ class HFEngine:
             inputs = dict(input_ids=ids_BL, attention_mask=mask_BL, position_ids=(mask_BL.cumsum(-1) - 1).clamp_min(0))
         pos = inputs["position_ids"]
         out = self.model(**inputs, use_cache=True)
-        past, logits_BV = out.past_key_values, out.logits[:, -1]
+        cache_key = "cache" if "cache" in out else "past_key_values"  # transformers 5 renamed it (the old name warns)
+        past, logits_BV = out[cache_key], out.logits[:, -1]
         next_pos_B = pos.reshape(-1, B, L).amax(0)[:, -1] + 1
         for _ in range(params.max_new_tokens):
             tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, gen)
@@ -120,8 +121,9 @@ class HFEngine:
             if all(done):
                 break
             mask_BL = torch.cat([mask_BL, torch.ones((B, 1), dtype=mask_BL.dtype, device=self.device)], dim=1)
-            out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None], past_key_values=past, use_cache=True)
-            past, logits_BV = out.past_key_values, out.logits[:, -1]
+            out = self.model(input_ids=tok_B[:, None], attention_mask=mask_BL, position_ids=next_pos_B[:, None], use_cache=True,
+                             **{cache_key: past})
+            past, logits_BV = out[cache_key], out.logits[:, -1]
             next_pos_B = next_pos_B + 1
         return [
             Completion(prompt_ids=list(p), token_ids=tokens[b], logprobs=logps[b], finish_reason=reasons[b])

@@ -7,10 +7,14 @@ Read from metrics already combined over ranks, so every rank decides the same an
   half the responses scored hold no answer the component can read; it scores them as wrong);
 - **all equal**: every reward of the run so far is the same number (``reward/trajectory_min`` ==
   ``reward/trajectory_max`` over all steps): the reward carries no signal (group-relative
-  advantages are 0). Not warned when the run learns from a distillation teacher.
+  advantages are 0). Warned on evidence only: from the :data:`EQUAL_ALARM_STEPS`-th step of such a
+  run on (a task may start at reward 0 by design, as the calculator does, and learn from its
+  first rare successes), never from the start-of-run evaluation (its greedy answers are one per
+  prompt; training samples many). Not warned when the run learns from a distillation teacher.
 
-At the start-of-run evaluation the same is read from its ``eval/`` metrics (the greedy rewards).
-A condition that persists is printed at its 1st, 2nd, 4th, 8th... step, not at every step.
+At the start-of-run evaluation the unparsed answers are read from its ``eval/`` metrics. A
+condition that persists is printed at its 1st, 2nd, 4th, 8th... step (all equal: at the 4th, 8th,
+16th... step of the run), not at every step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 
 UNPARSED_ALARM = 0.5
+EQUAL_ALARM_STEPS = 4  # steps whose rewards are all one number before that says the reward carries no signal
 DOCS = "docs/rewards.md#rewards-that-teach-nothing"
 
 
@@ -54,11 +59,10 @@ class RewardAlarms:
         self.fired: dict[str, int] = {}
 
     def start_eval(self, metrics: dict[str, float]) -> list[str]:
-        """Warnings of the start-of-run evaluation (its ``eval/`` metrics, combined over ranks)."""
-        lines = list(unparsed_warnings(metrics, prefix="eval/").values())
-        equal = all_equal_warning(metrics.get("eval/greedy_reward_min", math.nan), metrics.get("eval/greedy_reward_max", math.nan),
-                                  "of the start-of-run evaluation (greedy)")
-        return lines + ([equal] if equal and self.all_equal else [])
+        """Warnings of the start-of-run evaluation (its ``eval/`` metrics, combined over ranks):
+        components that cannot read the answers. Equal greedy rewards are no evidence (see the module
+        docstring)."""
+        return list(unparsed_warnings(metrics, prefix="eval/").values())
 
     def step(self, metrics: dict[str, float]) -> list[str]:
         """Warnings after a training step (its metrics, combined over ranks)."""
@@ -66,10 +70,10 @@ class RewardAlarms:
         self.low = min(self.low, metrics.get("reward/trajectory_min", math.inf))
         self.high = max(self.high, metrics.get("reward/trajectory_max", -math.inf))
         found = dict(unparsed_warnings(metrics))
+        lines = [message for key, message in found.items() if self._due(key)]
         equal = all_equal_warning(self.low, self.high, f"of the run so far ({self.steps} steps)")
-        if equal and self.all_equal:
-            found[" all equal"] = equal
-        return [message for key, message in found.items() if self._due(key)]
+        due = self.steps >= EQUAL_ALARM_STEPS and self.steps & (self.steps - 1) == 0  # the 4th, 8th, 16th... step
+        return lines + ([equal] if equal and self.all_equal and due else [])
 
     def _due(self, key: str) -> bool:
         """The 1st, 2nd, 4th, 8th... time ``key`` fires."""

@@ -176,15 +176,17 @@ def settle_and_probe(output_dir: str, *, rank: int, checkpoints: bool, barrier: 
     1. rank 0 settles what an interrupted save left (:func:`clean_partial`), the others wait: a
        partial ``step_N.tmp`` of a save that hit ENOSPC is removed *before* anything else is
        written, so its space is free again for the probes and the next save;
-    2. every rank probes ``output_dir`` (and the checkpoint directory when ``checkpoints``) with
-       :func:`check_writable`.
+    2. every rank probes ``output_dir`` (and the checkpoint directory when ``checkpoints`` and it
+       exists already, e.g. as a read-only folder or a file) with :func:`check_writable`. A
+       checkpoint directory not there yet is made by the first save: a run stopped before it (a
+       data error) leaves no empty ``checkpoints/``.
 
     Returns what rank 0 removed or put back (empty on the other ranks)."""
     root = checkpoint_root(output_dir)
     settled = clean_partial(root) if rank == 0 else []
     barrier()
     check_writable(Path(output_dir), rank=rank)
-    if checkpoints:
+    if checkpoints and (root.exists() or root.is_symlink()):
         check_writable(root, rank=rank)
     return settled
 
@@ -211,7 +213,7 @@ def check_free_space(directory: Path, need_bytes: int, *, keep: int = 1, key: st
     per_checkpoint = max(need_bytes, _tree_bytes(existing[-1])) if existing else need_bytes
     new_ones = max(keep - len(existing), 0) + 1
     need = new_ones * per_checkpoint
-    free = shutil.disk_usage(directory).free
+    free = shutil.disk_usage(directory if directory.exists() else directory.parent).free  # made by the first save
     if free < need:
         have = f" beside the {len(existing)} already there" if existing else ""
         raise ConfigError(

@@ -21,7 +21,8 @@ POINT
     ``swapped``, ``renamed``, ``rotating``); ``policy_logp``: the actor's logprobs in the update (for ``nan``);
     ``sampled``: the prompt (or, in the reward-model job, pair) indices a rank takes for a step
     (for ``record``); ``rm_scores``: the reward model's scores of the chosen replies in its
-    training step (for ``nan``).
+    training step (for ``nan``); ``sft``: after SFT step ``step`` of a task build, counted over all
+    its phases (:func:`tidal.tasks.sft.train_masked`).
 keys
     ``rank=R`` (default: every rank), ``step=S`` / ``S-`` / ``S-E`` (default: every step),
     ``attempt=A`` or ``any``: torchrun's restart count ``TORCHELASTIC_RESTART_COUNT`` (default 0,

@@ -16,28 +16,29 @@ import json
 import time
 from pathlib import Path
 
-import torch
 
 from tidal.config_base import check, to_dict
-from tidal.logging.progress import stage
+from tidal.logging.progress import Step, stage
 from tidal.tasks.arithmetic import sft_rows, split_problems
 from tidal.tasks.calculator import prepare_calculator
 from tidal.tasks.config import TaskConfig
 from tidal.tasks.model import build_model
-from tidal.tasks.sft import evaluate_greedy, supervised_finetune
+from tidal.tasks.sft import build_threads, evaluate_greedy, kept_phase, supervised_finetune, whole_build
 from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 
-def prepare(cfg: TaskConfig) -> TaskAssets:
-    """Return the task's assets, building them first unless a complete build exists."""
+def prepare(cfg: TaskConfig, *, run_threads: int = 0) -> TaskAssets:
+    """Return the task's assets, building them first unless a complete build exists, with
+    ``task.sft_threads`` torch threads or, when 0, the run's (``run_threads``: ``run.cpu_threads``;
+    :func:`tidal.tasks.sft.build_threads`)."""
     check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
     if cfg.name == "calculator":
-        return prepare_calculator(cfg.calculator, workdir=cfg.workdir, threads=cfg.sft_threads)
-    return built(cfg, cfg.workdir, lambda c, out: _build(c, out))
+        return prepare_calculator(cfg.calculator, workdir=cfg.workdir, threads=cfg.sft_threads, run_threads=run_threads)
+    return built(cfg, cfg.workdir, lambda c, out, phases: _build(c, out, phases, run_threads))
 
 
-def _build(cfg: TaskConfig, out: Path) -> None:
+def _build(cfg: TaskConfig, out: Path, phases: Path, run_threads: int) -> None:
     start = time.perf_counter()
     train, held_out = split_problems(
         digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval,
@@ -46,15 +47,12 @@ def _build(cfg: TaskConfig, out: Path) -> None:
     eval_rows = [p.row() for p in held_out]
     write_jsonl(out / "train.jsonl", [p.row() for p in train])
     write_jsonl(out / "eval.jsonl", eval_rows)
-    with stage(f"training the '{cfg.name}' task's tokenizer"):
-        tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.sft_threads)
-    try:
-        model = build_model(cfg, tokenizer)
-        report = _warm_start(cfg, model, tokenizer, train, eval_rows)
-    finally:
-        torch.set_num_threads(threads)
+    with whole_build(cfg.name, cfg.sft_steps + cfg.sft_mistake_steps) as whole:
+        with stage(f"training the '{cfg.name}' task's tokenizer"):
+            tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
+        with build_threads(cfg.sft_threads, run_threads):
+            model = build_model(cfg, tokenizer)
+            report = _warm_start(cfg, model, tokenizer, train, eval_rows, whole, phases)
     model.save_pretrained(out / "model")
     save_tokenizer(tokenizer, str(out / "model"))
     report["build_seconds"] = time.perf_counter() - start
@@ -68,21 +66,25 @@ def _build(cfg: TaskConfig, out: Path) -> None:
     (out / MARKER).write_text(json.dumps({"settings": to_dict(cfg), **report}, indent=2))
 
 
-def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[dict]) -> dict:
-    """Phase 1 teaches the procedure on correct demonstrations; phase 2 teaches the slip habit on
-    demonstrations of which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
-    sft = dict(lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
-    clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps,
-                                seed=cfg.seed, description="warm start 1/2 (SFT on correct demonstrations)", **sft)
-    clean_accuracy = _held_out_accuracy(model, tokenizer, eval_rows)
+def _warm_start(cfg: TaskConfig, model, tokenizer, train: list, eval_rows: list[dict], whole: Step, phases: Path) -> dict:
+    """Phase 1 teaches the procedure on correct demonstrations (kept once finished, for a stopped
+    build: :func:`tidal.tasks.sft.kept_phase`); phase 2 teaches the slip habit on demonstrations of
+    which ``sft_mistake_rate`` are slipped. Returns losses and accuracies."""
+    sft = dict(lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, whole=whole)
+
+    def phase_1() -> dict:
+        clean = supervised_finetune(model, tokenizer, sft_rows(train, mistake_rate=0.0, seed=cfg.seed), steps=cfg.sft_steps,
+                                    seed=cfg.seed, description="warm start 1/2 (SFT on correct demonstrations)", **sft)
+        return {"sft_loss": clean[-1] if clean else float("nan"), "clean_accuracy": _held_out_accuracy(model, tokenizer, eval_rows)}
+
+    first = kept_phase(phases, "1", model, phase_1, steps=cfg.sft_steps, whole=whole)
     mistake_rows = sft_rows(train, mistake_rate=cfg.sft_mistake_rate, seed=cfg.seed + 1)
     slipped = supervised_finetune(model, tokenizer, mistake_rows, steps=cfg.sft_mistake_steps, seed=cfg.seed + 1,
                                   description=f"warm start 2/2 (SFT, {cfg.sft_mistake_rate:.0%} slipped demonstrations)", **sft)
     return {
-        "sft_loss": clean[-1] if clean else float("nan"),
-        "clean_accuracy": clean_accuracy,
+        **first,
         "mistake_loss": slipped[-1] if slipped else float("nan"),
-        "sft_accuracy": _held_out_accuracy(model, tokenizer, eval_rows) if slipped else clean_accuracy,
+        "sft_accuracy": _held_out_accuracy(model, tokenizer, eval_rows) if slipped else first["clean_accuracy"],
     }
 
 

@@ -38,7 +38,7 @@ from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.config import CalculatorTaskConfig
 from tidal.tasks.model import build_model
-from tidal.tasks.sft import train_masked
+from tidal.tasks.sft import build_threads, kept_phase, train_masked, whole_build
 from tidal.tasks.tokenizer import save_tokenizer
 
 LABEL = "calculator"  # the rows' recipe label (CalculatorTaskConfig.name)
@@ -140,45 +140,50 @@ def evaluate(model, tokenizer, problems: list[Product], *, greedy: bool = True, 
     return {"accuracy": correct / len(trajs), "tool_call_rate": sum(t.counters.get("tool_calls", 0) > 0 for t in trajs) / len(trajs)}
 
 
-def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product], held_out: list[Product]) -> dict:
-    """The two SFT phases (see module docstring); returns their losses and held-out accuracies."""
+def _warm_start(cfg: CalculatorTaskConfig, model, tokenizer, train: list[Product], held_out: list[Product], whole,
+                phases: Path) -> dict:
+    """The two SFT phases (see module docstring; phase 1 kept once finished, for a stopped build:
+    :func:`tidal.tasks.sft.kept_phase`); returns their losses and held-out accuracies. ``whole``:
+    the build's progress (:func:`tidal.tasks.sft.whole_build`)."""
     renderer = ChatRenderer(tokenizer)
-    sft = dict(pad_id=tokenizer.pad_token_id, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size)
-    tool = train_masked(model, [transcript(renderer, p, use_tool=True) for p in train], steps=cfg.sft_steps, seed=cfg.seed, **sft)
-    tool_eval = evaluate(model, tokenizer, held_out)
+    sft = dict(pad_id=tokenizer.pad_token_id, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, whole=whole)
+
+    def phase_1() -> dict:
+        tool = train_masked(model, [transcript(renderer, p, use_tool=True) for p in train], steps=cfg.sft_steps, seed=cfg.seed, **sft)
+        return {"sft_loss": tool[-1] if tool else float("nan"), "tool_accuracy": evaluate(model, tokenizer, held_out)["accuracy"]}
+
+    first = kept_phase(phases, "1", model, phase_1, steps=cfg.sft_steps, whole=whole)
     rng = random.Random(cfg.seed + 1)
     mixed = [transcript(renderer, p, use_tool=rng.random() >= cfg.direct_rate) for p in train]
     direct = train_masked(model, mixed, steps=cfg.sft_direct_steps, seed=cfg.seed + 1, **sft)
     greedy, sampled = evaluate(model, tokenizer, held_out), evaluate(model, tokenizer, held_out, greedy=False, seed=cfg.seed)
     return {
-        "sft_loss": tool[-1] if tool else float("nan"), "tool_accuracy": tool_eval["accuracy"],
+        **first,
         "direct_loss": direct[-1] if direct else float("nan"), "sft_accuracy": greedy["accuracy"],
         "tool_call_rate": greedy["tool_call_rate"], "sampled_accuracy": sampled["accuracy"],
         "sampled_tool_call_rate": sampled["tool_call_rate"],
     }
 
 
-def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/tidal/tasks", threads: int = 2) -> TaskAssets:
+def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/tidal/tasks", threads: int = 0,
+                       run_threads: int = 0) -> TaskAssets:
     """The task's assets (train/eval JSONL, tokenizer + warm-started model), built once under
-    ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads (``task.workdir`` and
-    ``task.sft_threads`` in a run)."""
-    return built(cfg, workdir, lambda c, out: _build(c, out, threads))
+    ``workdir/calculator-<hash of cfg>`` with ``threads`` torch CPU threads, or when 0 the run's
+    (:func:`tidal.tasks.sft.build_threads`; ``task.workdir``, ``task.sft_threads`` and
+    ``run.cpu_threads`` in a run)."""
+    return built(cfg, workdir, lambda c, out, phases: _build(c, out, phases, threads, run_threads))
 
 
-def _build(cfg: CalculatorTaskConfig, out: Path, threads_to_use: int) -> None:
+def _build(cfg: CalculatorTaskConfig, out: Path, phases: Path, sft_threads: int, run_threads: int) -> None:
     start = time.perf_counter()
     train, held_out = split_products(cfg)
     write_jsonl(out / "train.jsonl", [p.row() for p in train])
     write_jsonl(out / "eval.jsonl", [p.row() for p in held_out])
     tokenizer = train_chatml_tokenizer(_corpus(train), template="qwen2_5")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads_to_use)
-    try:
+    with build_threads(sft_threads, run_threads), whole_build(cfg.name, cfg.sft_steps + cfg.sft_direct_steps) as whole:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, tokenizer, max_positions=MAX_POSITIONS)
-        report = _warm_start(cfg, model, tokenizer, train, held_out)
-    finally:
-        torch.set_num_threads(threads)
+        report = _warm_start(cfg, model, tokenizer, train, held_out, whole, phases)
     model.save_pretrained(out / "model")
     save_tokenizer(tokenizer, str(out / "model"))
     report["build_seconds"] = time.perf_counter() - start

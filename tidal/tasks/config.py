@@ -96,7 +96,9 @@ class TaskConfig:
         slips greedily yet still samples the right answer now and then: an exact-match reward
         removes the habit quickly. ``sft_mistake_steps = 0`` skips it (a plain SFT model). The
         RL data always has the right answer.
-    sft_threads: torch CPU threads used while building either task (restored afterwards).
+    sft_threads: torch CPU threads used while building either task (restored afterwards). 0
+        (default): the run's threads, by the rule of ``run.cpu_threads``
+        (:func:`tidal.distributed.runtime.cpu_threads`: half the cores on an idle machine's share).
     seed: seeds data sampling, model initialisation and SFT batching.
     calculator: the calculator task's settings (:class:`CalculatorTaskConfig`).
     """
@@ -118,7 +120,7 @@ class TaskConfig:
     sft_batch_size: int = 128
     sft_mistake_steps: int = 500
     sft_mistake_rate: float = 0.75
-    sft_threads: int = 2
+    sft_threads: int = 0
     seed: int = 0
     calculator: CalculatorTaskConfig = dataclasses.field(default_factory=CalculatorTaskConfig)
 
@@ -150,7 +152,7 @@ class TaskConfig:
         check(self.sft_lr > 0, "sft_lr", "must be > 0")
         check(self.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
         check(0.0 <= self.sft_mistake_rate <= 1.0, "sft_mistake_rate", "must be in [0, 1]")
-        check(self.sft_threads >= 1, "sft_threads", "must be >= 1")
+        check(self.sft_threads >= 0, "sft_threads", "must be >= 0 (0: the run's threads, run.cpu_threads)")
 
     def _check_other_task_untouched(self) -> None:
         """A setting of the task not chosen would do nothing: refuse it, naming the key."""

@@ -8,14 +8,74 @@ loss covers the assistant's turns only (the calculator task).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
 import torch
+from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from tidal.distributed.runtime import cpu_threads
 from tidal.logging.progress import Step
+from tidal.run import faults
 from tidal.tasks.arithmetic import is_correct
 from tidal.tasks.tokenizer import prompt_ids
 
 IGNORE = -100
+PHASE_MARKER = "phase.json"  # written last in a kept phase's folder: its results
+
+
+@contextlib.contextmanager
+def build_threads(sft_threads: int, run_threads: int = 0) -> Iterator[int]:
+    """torch's intra-op threads while a task builds, restored on exit (also on error): ``sft_threads``
+    (``task.sft_threads``) when above 0, else the run's own, by the rule of ``run.cpu_threads``
+    (``run_threads``; :func:`tidal.distributed.runtime.cpu_threads`: 1 on a 2-core machine, whose
+    other work would stall a second thread at every op). Yields the number used."""
+    n = sft_threads or cpu_threads(run_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+def kept_phase(phases: Path, name: str, model: PreTrainedModel, run: Callable[[], dict], *, steps: int, whole: Step) -> dict:
+    """One phase of a warm start (``steps`` SFT steps and what follows them) that a stopped build may
+    have finished already (:func:`tidal.tasks.store.phases_dir`): when ``phases/name`` holds it, its
+    weights are loaded into ``model``, its steps count as done in ``whole`` and its recorded results
+    are returned; else ``run()`` trains ``model`` in place and returns its results, and the phase is
+    kept there (written aside, renamed into place) for a build that stops later. The next phase
+    starts from the same weights either way (each phase has its own optimizer and schedule)."""
+    done = phases / name
+    if (done / PHASE_MARKER).is_file():
+        state = load_file(done / "model.safetensors")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"{done} does not hold this model's weights (missing {missing}, unexpected {unexpected}); remove it")
+        whole.advance(steps)
+        print(f"[tidal.tasks] continuing from phase {name} of a stopped build ({done})", flush=True)
+        return json.loads((done / PHASE_MARKER).read_text())
+    results = run()
+    writing = phases / f".{name}.writing"
+    shutil.rmtree(writing, ignore_errors=True)
+    writing.mkdir(parents=True)
+    model.save_pretrained(writing)
+    (writing / PHASE_MARKER).write_text(json.dumps(results))
+    shutil.rmtree(done, ignore_errors=True)
+    os.rename(writing, done)
+    return results
+
+
+def whole_build(name: str, sft_steps: int) -> Step:
+    """The progress of a whole task build, counted in the SFT steps of all its phases (the bulk of
+    its time), so its remaining time is the build's, not the current phase's."""
+    return Step(f"building the '{name}' task", total=sft_steps, unit="SFT steps")
 
 
 def encode_sft_rows(tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> list[tuple[list[int], int]]:
@@ -53,23 +113,24 @@ def _lr_factor(step: int, total: int) -> float:
 
 def supervised_finetune(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, rows: list[dict], *, steps: int, lr: float, batch_size: int, seed: int,
-    description: str = "warm start (SFT)",
+    description: str = "warm start (SFT)", whole: Step | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps on batches drawn (seeded) from ``rows``.
     Returns the loss of every step (mean cross-entropy per answer token)."""
     examples = [(ids, [0] * n + [1] * (len(ids) - n)) for ids, n in encode_sft_rows(tokenizer, rows)]
     return train_masked(model, examples, pad_id=tokenizer.pad_token_id, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                        description=description)
+                        description=description, whole=whole)
 
 
 def train_masked(
     model: PreTrainedModel, examples: list[tuple[list[int], list[int]]], *, pad_id: int, steps: int, lr: float, batch_size: int, seed: int,
-    description: str = "warm start (SFT)",
+    description: str = "warm start (SFT)", whole: Step | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps (linear warmup over 10%, then linear decay
     to zero) on batches drawn (seeded) from (ids, loss_mask) ``examples``; the loss is the mean
     cross-entropy over the tokens whose mask is 1. Returns the loss of every step. Its progress is
-    shown as ``description`` (:mod:`tidal.logging.progress`)."""
+    shown as ``description`` (:mod:`tidal.logging.progress`); each step also advances ``whole``,
+    the progress of the whole build (:func:`whole_build`), whose remaining time covers every phase."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
@@ -79,6 +140,9 @@ def train_masked(
         for _ in range(steps):
             losses.append(_sft_step(model, examples, gen, opt, sched, pad_id=pad_id, batch_size=batch_size))
             shown.advance(info=f"loss {losses[-1]:.3f}")
+            if whole is not None:
+                whole.advance()
+                faults.hit("sft", step=whole.completed)  # test-only (TIDAL_FAULT): e.g. Ctrl-C at the build's SFT step N
     model.eval()
     return losses
 

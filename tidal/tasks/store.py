@@ -4,7 +4,9 @@ A task's assets are a folder ``{workdir}/{name}-{hash of the settings}/`` holdin
 marker (``task.json``, written last) beside what the task builds. Each task says how to build its
 folder; this module owns the folder's name, the marker and the atomic build. Assets are built in a
 sibling temporary directory and renamed into place, so a directory that exists is complete.
-Concurrent builders (e.g. every rank of a torchrun job) each build and the first rename wins; call
+A build of several phases keeps each finished phase in ``{workdir}/.{name}-{hash}.phases/`` until
+the folder is complete, so a build stopped by Ctrl-C (:class:`BuildStopped`) continues from its
+last finished phase when rerun. Concurrent builders (e.g. every rank of a torchrun job) each build and the first rename wins; call
 it on one rank and barrier to avoid duplicate work.
 """
 
@@ -25,6 +27,15 @@ MARKER = "task.json"
 BUILD_VERSION = 3  # part of the asset hash: bump whenever the same settings would build different assets
 # Where and how fast to build do not change the assets; the other task's section is not this task's.
 _NOT_SETTINGS = ("workdir", "sft_threads", "calculator")
+
+
+class BuildStopped(Exception):
+    """A task build stopped by SIGINT (Ctrl-C); its finished phases are kept for the next build."""
+
+    def __init__(self, root: Path):
+        kept = sorted(p.name for p in phases_dir(root).glob("*") if not p.name.startswith("."))
+        what = f"its finished phase(s) {', '.join(kept)} are kept in {phases_dir(root)}" if kept else "no phase had finished"
+        super().__init__(f"stopped by SIGINT while building the task {root.name}; {what}: rerun the same command to continue")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -49,6 +60,11 @@ def asset_dir(cfg: Any, workdir: str) -> Path:
     return Path(workdir).expanduser() / f"{cfg.name}-{settings_hash(cfg)}"
 
 
+def phases_dir(root: Path) -> Path:
+    """Where the build of ``root`` keeps its finished phases until ``root`` is complete (then removed)."""
+    return root.parent / f".{root.name}.phases"
+
+
 def ensure_built(cfg: Any, root: Path, build: Callable[[Any, Path], None], *, key: str = "workdir") -> Path:
     """``root``, built first by ``build(cfg, tmp_dir)`` (atomically) unless a complete build is
     there; a folder of that name without the marker is a config error at ``key``."""
@@ -59,9 +75,11 @@ def ensure_built(cfg: Any, root: Path, build: Callable[[Any, Path], None], *, ke
     return root
 
 
-def built(cfg: Any, workdir: str, build: Callable[[Any, Path], None]) -> TaskAssets:
-    """The assets of ``cfg`` under ``workdir`` (:func:`ensure_built`)."""
-    root = ensure_built(cfg, asset_dir(cfg, workdir), build)
+def built(cfg: Any, workdir: str, build: Callable[[Any, Path, Path], None]) -> TaskAssets:
+    """The assets of ``cfg`` under ``workdir`` (:func:`ensure_built`); ``build(cfg, out, phases)``
+    keeps its finished phases under ``phases`` (:func:`phases_dir`)."""
+    root = asset_dir(cfg, workdir)
+    root = ensure_built(cfg, root, lambda c, out: build(c, out, phases_dir(root)))
     marker = json.loads((root / MARKER).read_text())
     return TaskAssets(
         model_path=str(root / "model"),
@@ -82,8 +100,11 @@ def _build_atomically(cfg, root: Path, build: Callable[[Any, Path], None]) -> No
     except OSError:
         if not (root / MARKER).is_file():  # not a lost race with another builder
             raise
+    except KeyboardInterrupt:
+        raise BuildStopped(root) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(phases_dir(root), ignore_errors=True)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

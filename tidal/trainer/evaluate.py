@@ -102,8 +102,8 @@ def eval_metrics(tot: EvalSums, cfg: EvalConfig, *, accuracy: bool) -> dict[str,
 def readable_rewards(maker: ExperienceMaker, scores: Scores | None) -> dict[str, float]:
     """Over all ranks' greedy rewards (``scores``: this rank's, None without prompts): the lowest and
     highest (``eval/greedy_reward_min`` / ``_max``) and, for each component that reads answers, the
-    fraction of responses it could not read (``eval/reward/<name>/unparsed_frac``): what
-    :class:`~tidal.rewards.alarms.RewardAlarms` warns about at the start of a run."""
+    fraction of responses it could not read (``eval/reward/<name>/unparsed_frac``, what
+    :class:`~tidal.rewards.alarms.RewardAlarms` warns about at the start of a run); all are logged."""
     rt = maker.runtime
     total = scores.total_N[scores.valid_N] if scores is not None else None
     high, neg_low = rt.all_reduce_max([float(total.max()) if total is not None and total.numel() else -math.inf,
