@@ -27,7 +27,7 @@ def test_train_help_lists_configs_overrides_and_torchrun(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
-    assert shipped_configs() == ["calculator", "quickstart", "rm_quickstart"]
+    assert shipped_configs() == ["calculator", "quickstart", "reasoning_gym", "rm_quickstart"]
     assert all(name in out for name in shipped_configs())
     assert "key.sub=value" in out and "tidal launch --nproc_per_node" in out and "2 config error" in out
     examples = out.split("values are YAML: ")[1].split(". Every key")[0].split()
