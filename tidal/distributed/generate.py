@@ -34,6 +34,7 @@ token before the cut depends on the ones after it).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, supports_incremental
@@ -43,6 +44,9 @@ from tidal.engine.stepping import run_steps
 # it joins the next round: rounds are a gloo all-gather, so this bounds how long a peer that has
 # turns ready waits for it, at the price of a few rounds per second while the whole group waits.
 TP_POLL_S = 0.005
+
+# GroupGenerator.round's hook: (batch index, sequence index in the batch, completion)
+OnFinished = Callable[[int, int, "Completion"], None]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,31 +117,50 @@ class GroupGenerator:
         parts = self.runtime.tp_gather_objects((work, busy, failure))
         return parts, [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None,
+              on_finished: OnFinished | None = None) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
         has work after this round's completions are in (trajectories decoding or waiting).
         ``failure``: this rank is failing (it then brings no batch, and raises after the round); the
-        others find the message in their round's ``failures`` and no engine call is made."""
+        others find the message in their round's ``failures`` and no engine call is made.
+        ``on_finished(j, k, completion)``: called once for each of this rank's completions (batch
+        ``j``, sequence ``k`` in it) with the completion the round returns: the moment it finishes
+        on an engine with incremental requests (between engine steps, through
+        :func:`~tidal.engine.stepping.run_steps`, so work on it overlaps the decode of the rest),
+        when its call returns otherwise."""
         for b in batches:
             if b.max_new_tokens is not None:
                 check_budgets(b.max_new_tokens, len(b.prompts) * b.params.n, b.params.max_new_tokens)
         if self.group_size == 1:
-            return Round(completions=[_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches],
-                         group_busy=busy)
+            out = []
+            for j, b in enumerate(batches):
+                hook = None if on_finished is None else (lambda k, c, j=j: on_finished(j, k, c))
+                out.append(_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens, hook))
+            return Round(completions=out, group_busy=busy)
         parts, failures = self._gather([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches], busy, failure)
         if failures:
             return Round(completions=[[] for _ in batches], group_busy=False, failures=failures)
         mine: list[list[Completion]] = [[] for _ in batches]
         for params, owners in merge_batches([p[0] for p in parts]):
             prompts = [p for _, _, ps, _, _ in owners for p in ps]
-            outputs = _generate(self.engine, prompts, params, _merged_mm(owners), _merged_budgets(owners, params))
-            start = 0
+            spans, start = [], 0  # (rank, batch, first index in the merged call, end)
             for rank, j, ps, _, _ in owners:
-                end = start + len(ps) * params.n
+                spans.append((rank, j, start, start + len(ps) * params.n))
+                start += len(ps) * params.n
+            hook = None if on_finished is None else self._mine(spans, on_finished)
+            outputs = _generate(self.engine, prompts, params, _merged_mm(owners), _merged_budgets(owners, params), hook)
+            for rank, j, lo, hi in spans:
                 if rank == self.runtime.tp_rank:
-                    mine[j] = outputs[start:end]
-                start = end
+                    mine[j] = outputs[lo:hi]
         return Round(completions=mine, group_busy=any(p[1] for p in parts))
+
+    def _mine(self, spans: list[tuple[int, int, int, int]], on_finished: OnFinished):
+        """A merged call's per-completion hook: ``on_finished(j, k, c)`` for this rank's completions only."""
+        def hook(i: int, c: Completion) -> None:
+            for rank, j, lo, hi in spans:
+                if lo <= i < hi and rank == self.runtime.tp_rank:
+                    on_finished(j, i - lo, c)
+        return hook
 
 
 def merge_batches(per_rank: list[list[tuple]]) -> list[tuple[SamplingParams, list[tuple]]]:
@@ -191,30 +214,43 @@ def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
 
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
-              budgets: list[int] | None = None) -> list[Completion]:
-    if budgets is not None and supports_incremental(engine):  # one request per sequence, each its own budget
-        return _generate_with_budgets(engine, prompts, params, mm_inputs, budgets)
+              budgets: list[int] | None = None, on_finished: Callable[[int, Completion], None] | None = None
+              ) -> list[Completion]:
+    """The call's completions, prompt-major; ``on_finished(i, completion)`` once for each (see
+    :meth:`GroupGenerator.round`)."""
+    if (budgets is not None or on_finished is not None) and supports_incremental(engine):
+        return _generate_requests(engine, prompts, params, mm_inputs, budgets, on_finished)
     if budgets is not None:  # one call at the longest budget, each completion cut at its own
         longest = dataclasses.replace(params, max_new_tokens=max(budgets))
-        return [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
-    if mm_inputs is not None and any(m is not None for m in mm_inputs):
-        return engine.generate(prompts, params, mm_inputs=mm_inputs)
-    return engine.generate(prompts, params)  # text: the plain protocol call every engine has
+        out = [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
+    elif mm_inputs is not None and any(m is not None for m in mm_inputs):
+        out = engine.generate(prompts, params, mm_inputs=mm_inputs)
+    else:
+        out = engine.generate(prompts, params)  # text: the plain protocol call every engine has
+    for i, c in enumerate(out if on_finished is not None else ()):
+        on_finished(i, c)
+    return out
 
 
-def _generate_with_budgets(engine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
-                           budgets: list[int]) -> list[Completion]:
-    """Prompt-major completions, sequence i generated with ``max_new_tokens=budgets[i]`` through the
-    engine's request API (no step is spent past a sequence's budget)."""
+def _generate_requests(engine, prompts: list[list[int]], params: SamplingParams, mm_inputs, budgets: list[int] | None,
+                       on_finished: Callable[[int, Completion], None] | None) -> list[Completion]:
+    """Prompt-major completions through the engine's request API, as its ``generate`` numbers them
+    (request ``i``: sequence ``i``, group ``i // n``; so the same keyed draws, the same completions),
+    sequence i with ``max_new_tokens=budgets[i]`` when given (no step is spent past a sequence's
+    budget); ``on_finished(i, completion)`` as each finishes."""
     n = params.n
+    budgets = budgets if budgets is not None else [params.max_new_tokens] * (len(prompts) * n)
+    # one dict per prompt, as generate makes them: the engine shares image features among the requests sharing a dict
+    mm = [dict(m) if m is not None else None for m in mm_inputs] if mm_inputs is not None else None
     requests = [
         Request(request_id=i, prompt_ids=prompts[i // n], group_id=i // n,
                 params=dataclasses.replace(params, n=1, max_new_tokens=b),
-                mm_inputs=mm_inputs[i // n] if mm_inputs is not None else None)
+                mm_inputs=mm[i // n] if mm is not None else None)
         for i, b in enumerate(budgets)
     ]
+    hook = None if on_finished is None else (lambda c: on_finished(c.request_id, c))
     out: list[Completion | None] = [None] * len(requests)
-    for c in run_steps(engine, requests).finished:
+    for c in run_steps(engine, requests, on_finished=hook).finished:
         out[c.request_id] = c
     return out
 
