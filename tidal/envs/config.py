@@ -76,7 +76,8 @@ class EnvConfig:
         error observation instead of running.
     workers: threads that run environment steps (and so tool calls) while the engine decodes.
     lockstep: each round of turns waits for every environment step before any next turn is
-        decoded (the engine idles while the slowest step of a round runs). Reproducibility does not
+        decoded (the engine idles while the slowest step of a round runs; in a rollout TP group,
+        each rank's round waits for that rank's steps). Reproducibility does not
         need it on the native engine: each token's random number is keyed by (seed, trajectory,
         position), so two runs with the same ``run.seed`` sample the same trajectories whatever the
         tools' timing, lockstep or not. Engines without incremental requests (``hf``, vLLM, SGLang)
