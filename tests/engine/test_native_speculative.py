@@ -370,7 +370,7 @@ def test_an_off_engine_keeps_no_index():
 
 
 # ---- TP lockstep ------------------------------------------------------------------------------------
-# seed 8: a stream under which the sampled round accepts some of its drafts (2 of 32)
+# seed 8: a stream under which the sampled round accepts some of its drafts (1 of 23)
 TP_PARAMS = [GREEDY, SamplingParams(temperature=0.9, top_k=20, max_new_tokens=20, n=2, seed=8, ignore_eos=True)]
 
 

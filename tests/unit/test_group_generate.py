@@ -12,13 +12,13 @@ def test_batches_that_differ_only_in_their_seed_share_one_call_in_rank_order():
     a, a_other_seed = SamplingParams(max_new_tokens=8, n=4, seed=1), SamplingParams(max_new_tokens=8, n=4, seed=2)
     short, one = SamplingParams(max_new_tokens=3, n=1, seed=7), SamplingParams(max_new_tokens=8, n=1, seed=9)
     per_rank = [
-        [([[1]], a, None, None), ([[2], [3]], short, None, None)],   # rank 0
-        [],                                                        # rank 1: nothing ready this round
-        [([[4]], one, None, None), ([[5]], a_other_seed, [{"pix": 1}], [2, 8, 8, 8])],  # rank 2
+        [([[1]], a, None, None, None), ([[2], [3]], short, None, None, None)],   # rank 0
+        [],                                                                    # rank 1: nothing ready this round
+        [([[4]], one, None, None, None), ([[5]], a_other_seed, [{"pix": 1}], [2, 8, 8, 8], None)],  # rank 2
     ]
     calls = merge_batches(per_rank)
     assert [params for params, _ in calls] == [a, short, one]  # first appearance; the first batch's seed
-    assert [[(r, j, p) for r, j, p, _, _ in owners] for _, owners in calls] == [
+    assert [[(r, j, p) for r, j, p, *_ in owners] for _, owners in calls] == [
         [(0, 0, [[1]]), (2, 1, [[5]])], [(0, 1, [[2], [3]])], [(2, 0, [[4]])]]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from tidal.engine.base import Completion, SamplingParams, eos_ids
+from tidal.engine.base import Completion, SamplingParams, eos_ids, sequence_key
 from tidal.engine.config import EngineConfig
 from tidal.engine.sampler import keyed_uniforms, sample
 from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_body_inputs
@@ -85,9 +85,9 @@ class HFEngine:
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, stream: tuple[int, int],
                         mm_rows: list) -> list[Completion]:
-        """``stream``: (seed, the first row's index in the call): row b's token at index i is drawn
-        with the keyed uniform of (seed, first + b, i), as the native engine draws for request ids
-        ``0..`` of a ``generate`` call."""
+        """``stream``: (seed, the first row's index in the call): row b (sample ``(first + b) % n``
+        of prompt ``(first + b) // n``) draws its token at index i with the keyed uniform of (seed,
+        its :func:`~tidal.engine.base.sequence_key`, i), as the native engine's ``generate`` does."""
         B = len(prompts)
         L = max(len(p) for p in prompts)
         pad = 0
@@ -111,7 +111,9 @@ class HFEngine:
         past, logits_BV = out.past_key_values, out.logits[:, -1]
         next_pos_B = pos.reshape(-1, B, L).amax(0)[:, -1] + 1
         seed, first = stream
-        keys_B, index_B = np.arange(first, first + B), np.array([len(p) for p in prompts])
+        n = params.n
+        keys_B = np.array([sequence_key((first + b) // n, (first + b) % n) for b in range(B)], dtype=np.uint64)
+        index_B = np.array([len(p) for p in prompts])
         for t in range(params.max_new_tokens):
             u_B = None
             if params.temperature > 0:

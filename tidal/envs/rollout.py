@@ -70,7 +70,7 @@ from collections import Counter, defaultdict
 from typing import Any, Callable, Protocol
 
 from tidal.distributed.generate import Exchange, GenerateBatch, OnFinished, Round, check_budgets, force_end
-from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, supports_incremental
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, sequence_key, supports_incremental
 from tidal.engine.stepping import run_steps
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
@@ -139,6 +139,7 @@ class _Episode:
     env: Environment
     row: EnvRow
     group_id: int
+    sample: int  # its index among its row's n trajectories: with group_id, the key of its random stream
     builder: TrajectoryBuilder | None = None
     tools: list[dict] | None = None  # tool schemas of the first observation (history: template)
     last_turn: ModelTurn | None = None
@@ -195,8 +196,8 @@ class EnvRollout:
         if budgets is not None and self.cfg.name != "single_turn":
             raise ValueError(f"per-sequence budgets (ExperienceMaker.completion_budget) apply to single-turn rollouts; "
                              f"env.name is {self.cfg.name!r}: bound its trajectories with env.max_total_tokens instead")
-        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i)
-                    for i, row in enumerate(rows) for _ in range(params.n)]
+        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i, sample=j)
+                    for i, row in enumerate(rows) for j in range(params.n)]
         if budgets is not None:
             check_budgets(budgets, len(episodes), params.max_new_tokens)
             for ep, b in zip(episodes, budgets):
@@ -426,7 +427,8 @@ class _Run:
             budgets = [min(limit, self.episodes[i].budget or limit) for i in idx]  # prompt-major: idx runs n per prompt
             batches.append(GenerateBatch(prompts=[contexts[j] for j in reps], params=params,
                                          mm_inputs=mm if any(m is not None for m in mm) else None,
-                                         max_new_tokens=budgets if budgets != [limit] * len(idx) else None))
+                                         max_new_tokens=budgets if budgets != [limit] * len(idx) else None,
+                                         keys=[sequence_key(self.episodes[i].group_id, self.episodes[i].sample) for i in idx]))
             members.append(idx)
         t0 = time.perf_counter()
         rnd = self.gen.round(batches, busy=bool(batches) or len(self.pool) > 0,
@@ -523,10 +525,11 @@ class _Run:
         """The next turn of every ready trajectory, one request each (episode order, so the n
         samples of a row are adjacent and share their prompt's prefill); ``max_new_tokens`` is the
         turn's limit; the id ``episode * size + rank`` is unique over the TP group (one turn per
-        trajectory is in flight at a time) and is the trajectory's for all its turns, as is the
-        seed (the rollout's): the engine draws the token at index ``i`` of the trajectory's context
-        with the keyed uniform of (seed, id, i) (:func:`~tidal.engine.sampler.keyed_uniforms`),
-        so its tokens do not depend on which turns share its steps, nor so on the tools' timing."""
+        trajectory is in flight at a time); the stream key is the trajectory's (its group and sample
+        index, :func:`~tidal.engine.base.sequence_key`) for all its turns, as is the seed (the
+        rollout's): the engine draws the token at index ``i`` of the trajectory's context with the
+        keyed uniform of (seed, key, i) (:func:`~tidal.engine.sampler.keyed_uniforms`), so its
+        tokens do not depend on which turns share its steps, nor so on the tools' timing."""
         if not self.ready:
             return []
         ready, self.ready = sorted(self.ready), []
@@ -536,7 +539,7 @@ class _Run:
             ep = self.episodes[i]
             params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep))
             out.append(Request(request_id=i * size + rank, prompt_ids=ep.builder.context_ids, params=params,
-                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs))
+                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs, key=sequence_key(ep.group_id, ep.sample)))
         return out
 
     # ---- metrics -----------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine import sizing
-from tidal.engine.base import Completion, Request, SamplingParams, eos_ids
+from tidal.engine.base import Completion, Request, SamplingParams, eos_ids, sequence_key
 from tidal.engine.config import EngineConfig
 from tidal.engine.native.block_manager import BlockManager
 from tidal.engine.native.kernels import get_ops
@@ -264,7 +264,8 @@ class NativeEngine:
         temperature, top-k and top-p; a request with another distribution is refused until they
         finish. Its ``max_new_tokens``, stop tokens, ``ignore_eos`` and random stream are its own:
         the token at index ``i`` of its sequence is drawn with the uniform
-        :func:`~tidal.engine.sampler.keyed_uniforms` of ``(params.seed, request_key(request_id), i)``
+        :func:`~tidal.engine.sampler.keyed_uniforms` of ``(params.seed, key, i)`` (``key``: the
+        request's :attr:`~tidal.engine.base.Request.key`, else its id; see :func:`request_key`)
         (a seed drawn from torch's default generator when ``params.seed`` is None), whatever else is
         in flight. Nothing is added when any request is invalid."""
         mm = {}  # id(mm_inputs) -> MultimodalPrompt, shared by the requests that share the dict
@@ -303,7 +304,7 @@ class NativeEngine:
             seq = Sequence(next(self._seq_ids), r.request_id, r.group_id, list(r.prompt_ids),
                            stop_set=self.scheduler.stop_set(stop), mm=m, old_logprobs=list(r.logprobs),
                            old_versions=list(r.versions), version=self._policy_version,
-                           seed=self._seed(r.params.seed), key=request_key(r.request_id))
+                           seed=self._seed(r.params.seed), key=request_key(r.request_id if r.key is None else r.key))
             slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
             self.scheduler.add(slot)
             self.spec.add(seq)
@@ -433,7 +434,8 @@ class NativeEngine:
         ``mm_inputs[i]``: the pixel inputs of prompt i's images (None for a text prompt; see
         :mod:`tidal.models.vision`), its ids already holding the placeholders. Vision-language models
         only (Qwen2-VL / Qwen2.5-VL); the images' features are computed once per prompt. Refused
-        while incremental requests are in flight."""
+        while incremental requests are in flight. Sample ``j`` of prompt ``i`` is request
+        ``i * n + j`` of group ``i``, drawing from stream key ``sequence_key(i, j)``."""
         if self.sleep_level:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
         self._require_idle("generate()")
@@ -448,7 +450,8 @@ class NativeEngine:
                 mm[i] = dict(m)  # one dict per prompt: add() shares its image features among its n samples only
         one = dataclasses.replace(params, n=1)
         n = params.n
-        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i])
+        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i],
+                            key=sequence_key(i, j))
                     for i, p in enumerate(prompts) for j in range(n)]
         out: list[Completion | None] = [None] * len(requests)
         for c in run_steps(self, requests).finished:
