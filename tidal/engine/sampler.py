@@ -16,8 +16,9 @@ the step or in which order they were added. So a sequence samples the same token
 batch (given the same logits: batched matmuls may round logits differently, which moves a draw only
 when its uniform falls within that rounding of an interval's edge), a preempted or resumed sequence
 draws again what it drew, and a request that continues a sequence under the same key and seed (a
-multi-turn trajectory's next turn: its positions go on) continues its stream. The engines' request
-key is :func:`request_key` of the request id.
+multi-turn trajectory's next turn: its positions go on) continues its stream. An engine's request
+key is :func:`request_key` of the request's ``key`` (by default its id; callers give a sequence's
+:func:`tidal.engine.base.sequence_key`).
 
 :func:`process_logits` is the one definition of the processed (target) distribution: speculative
 decoding's acceptance test reads the same function.
