@@ -10,8 +10,8 @@ Two kinds of graph, keyed by (bucket, temperature): with a temperature, the step
 fused sampling (no top-k/top-p: :func:`tidal.engine.sampler.fused_applies`) are in the graph too,
 which then yields ``[2, B]`` float64 (token ids, logprobs; zeros on TP ranks other than the first)
 and reads each row's uniform from a device buffer filled with the caller's keyed uniforms
-(:func:`tidal.engine.sampler.keyed_uniforms`) before each replay, the draw the eager path makes. Without (temperature None), it yields the final
-hidden states and the caller samples.
+(:func:`tidal.engine.sampler.keyed_uniforms`) before each replay, the draw the eager path makes.
+Without (temperature None), it yields the final hidden states and the caller samples.
 """
 
 from __future__ import annotations
