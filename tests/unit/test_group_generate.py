@@ -2,6 +2,8 @@
 same gathered list) and its lone-rank round; the 2-rank lockstep run is
 tests/integration/test_env_tp_lockstep.py."""
 
+import pytest
+
 from tidal.distributed.generate import GenerateBatch, GroupGenerator, merge_batches
 from tidal.engine.base import Completion, SamplingParams
 
@@ -37,3 +39,13 @@ def test_a_lone_rank_calls_the_engine_once_per_batch():
     assert [len(c) for c in out.completions] == [4, 1] and out.group_busy
     assert seen == [([[1], [2]], 2, False), ([[3]], 1, True)]
     assert not gen.round([], busy=False).group_busy and len(seen) == 2  # no batch, no engine call
+
+
+def test_a_merged_call_keeps_each_ranks_stream_keys_in_rank_order():
+    from tidal.distributed.generate import _merged_keys
+
+    owners = [(0, 0, [[1]], None, None, [5, 6]), (1, 0, [[2], [3]], None, None, [7, 8, 9, 10])]
+    assert _merged_keys(owners) == [5, 6, 7, 8, 9, 10]
+    assert _merged_keys([o[:5] + (None,) for o in owners]) is None
+    with pytest.raises(ValueError, match="stream keys"):  # positions in the merged call could meet another's keys
+        _merged_keys([owners[0], owners[1][:5] + (None,)])
