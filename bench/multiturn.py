@@ -30,9 +30,25 @@ without incremental requests decode in rounds of batch ``generate`` calls (a rou
 its tools' waits do not overlap): measured that way at commit 38a90a1 on an H200 (4 turns, 50 ms):
 ``gpu_idle_frac`` 0.24, ``vs_single_turn`` 1.54.
 
+Tool latencies relative to the engine (issue 40, item 5): ``--latency-steps 5,20,100`` gives each
+multi-turn case a fixed latency of that many times the median engine step, measured in the
+single-turn baseline case of the same shape (``step_ms``: the median wall time of one engine
+``step`` there); ``--lognormal-steps 20`` adds a heavy-tailed case: each tool call sleeps a
+lognormal latency of median 20 steps and p99 about 10x the median (sigma = ln 10 / 2.326), drawn
+from the row and the turn (the same draws in every run). Such a figure also reports
+``engine_idle_frac``, the share of the rollout's wall time spent outside engine steps (waiting for
+tools, and the loop's host work between steps), ``wait_frac`` (``env/wait_s`` over the rollout
+time, the same as ``gpu_idle_frac``), ``trajectories_per_s`` (trajectories over the rollout's
+seconds), ``step_ms`` and ``latency_steps``. Trajectories never span iterations in a multi-turn
+rollout here (the long-tail policy is single-turn), so every trained token lags its weights by 0:
+no staleness histogram is reported.
+
 Usage (GPU):
     python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/matrix.jsonl]
+    python bench/multiturn.py --latency-steps 5,20,100 --lognormal-steps 20
     python bench/multiturn.py --tiny    # CPU smoke run: tiny model, 2 prompts x 2, 2 turns of 4 tokens
+    python bench/multiturn.py --cpu --latency-steps 5,20,100 --lognormal-steps 20 --out bench/results/multiturn.jsonl
+                                        # CPU run: tiny model, 16 prompts x 4 = 64 trajectories, 4 turns
 A matrix runner calls :func:`run_case` with a case's config (:func:`case_config`) and its :class:`Case`.
 """
 
@@ -41,7 +57,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -61,24 +79,39 @@ TINY_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, nu
                   vocab_size=512)
 
 
+LOGNORMAL_SIGMA = math.log(10.0) / 2.3263  # p99 / median = exp(2.3263 sigma) = 10
+
+
 class SyntheticToolEnv(Environment):
-    """``turns`` model turns; between two of them a tool call that sleeps ``latency_ms`` and answers
-    ``observation_tokens`` copies of token ``observation_id``. The prompt is the row's ids."""
+    """``turns`` model turns; between two of them a tool call that sleeps ``latency_ms`` (with
+    ``sigma > 0``: a lognormal latency of median ``latency_ms`` and log-scale ``sigma``, drawn from
+    the row's prompt and the turn) and answers ``observation_tokens`` copies of token
+    ``observation_id``. The prompt is the row's ids."""
 
     counter_names = ("tool_calls",)
 
-    def __init__(self, cfg, *, turns: int, latency_ms: float, observation_tokens: int, observation_id: int):
+    def __init__(self, cfg, *, turns: int, latency_ms: float, observation_tokens: int, observation_id: int,
+                 sigma: float = 0.0):
         super().__init__(cfg)
-        self.turns, self.latency_s = int(turns), float(latency_ms) / 1e3
+        self.turns, self.latency_s, self.sigma = int(turns), float(latency_ms) / 1e3, float(sigma)
         self.observation = [int(observation_id)] * int(observation_tokens)
+        self.prompt: tuple[int, ...] = ()
 
     def reset(self, row):
+        self.prompt = tuple(row.prompt_ids)
         return Observation(token_ids=list(row.prompt_ids))
+
+    def latency(self, turn_index: int) -> float:
+        """Seconds the tool call after turn ``turn_index`` sleeps."""
+        if self.sigma <= 0:
+            return self.latency_s
+        rng = random.Random(hash((self.prompt, turn_index)))  # ints and tuples of ints hash alike in every run
+        return self.latency_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))
 
     def step(self, turn):
         if turn.index + 1 >= self.turns:
             return StepResult(done=True, counters={"tool_calls": 0.0})
-        time.sleep(self.latency_s)
+        time.sleep(self.latency(turn.index))
         return StepResult(observation=Observation(token_ids=self.observation), counters={"tool_calls": 1.0})
 
 
@@ -87,7 +120,9 @@ class Case:
     """One benchmark case. ``turns == 1`` is the single-turn baseline (no tool)."""
 
     turns: int
-    tool_latency_ms: float
+    tool_latency_ms: float  # the median with lognormal latencies
+    latency_sigma: float = 0.0  # lognormal log-scale (0: a fixed latency)
+    latency_steps: float | None = None  # tool_latency_ms in median engine steps (when given that way)
     prompts: int = 16
     samples: int = 8
     prompt_len: int = 128
@@ -110,7 +145,7 @@ def case_config(case: Case, *, model_dir: str, tokenizer_dir: str, data: str, vo
     if case.turns > 1:
         env = {"name": ENV_PATH, "max_turns": case.turns, "max_tokens_per_turn": per_turn, "workers": seqs,
                "kwargs": {"turns": case.turns, "latency_ms": case.tool_latency_ms, "observation_tokens": case.observation_tokens,
-                          "observation_id": 1}}
+                          "observation_id": 1, "sigma": case.latency_sigma}}
     return {
         "run": {"output_dir": run_dir, "steps": case.warmup + case.steps, "seed": case.seed, "device": device},
         "model": {"path": model_dir, "tokenizer_path": tokenizer_dir},
@@ -136,11 +171,15 @@ def run_case(config: dict, case: Case) -> dict:
     from tidal.config_base import build
 
     trainer = build_trainer(build(TidalConfig, config))
-    steps = []
+    step_s = _time_engine_steps(trainer.colocation.engine)
+    steps, timed_steps, step_time = [], [], []
     for step in range(1, case.warmup + case.steps + 1):
+        step_s.clear()
         m = trainer.train_step(step)
         if step > case.warmup:
             steps.append(m)
+            timed_steps += step_s
+            step_time.append(sum(step_s))
 
     def med(key):
         values = [m[key] for m in steps if key in m]
@@ -150,16 +189,42 @@ def run_case(config: dict, case: Case) -> dict:
     seqs = case.prompts * case.samples
     latency = case.tool_latency_ms if case.turns > 1 else 0.0
     phases = {k[len("time/"):]: med(k) for k in sorted({k for m in steps for k in m}) if k.startswith("time/") and k != "time/step"}
+    in_steps = statistics.median(step_time) if step_time else None
+    relative = {  # issue 40 item 5: the engine's share of the rollout, and the rate of trajectories
+        "step_ms": statistics.median(timed_steps) * 1e3 if timed_steps else None, "engine_steps": len(timed_steps) / max(1, len(steps)),
+        "engine_idle_frac": 1.0 - in_steps / generate_s if generate_s and in_steps is not None else None,
+        "wait_frac": wait_s / generate_s if generate_s else None,
+        "trajectories_per_s": seqs / generate_s if generate_s else None,
+        "latency_dist": "lognormal" if case.latency_sigma > 0 else "fixed", "latency_sigma": case.latency_sigma,
+        "latency_steps": case.latency_steps,
+    }
     return {  # the workload matrix's keys (bench/results/matrix.jsonl), then this benchmark's own
-        "figure": "case", "case": f"{case.size}-{seqs}x{case.new_tokens}-forced-t{case.turns}-l{latency:g}", "size": case.size,
+        "figure": "case", "case": f"{case.size}-{seqs}x{case.new_tokens}-forced-t{case.turns}-l{latency:.4g}"
+        + (f"-s{case.latency_steps:g}" if case.latency_steps is not None else "") + ("-lognormal" if case.latency_sigma else ""), "size": case.size,
         "seqs": seqs, "prompts": case.prompts, "samples": case.samples, "prompt_len": case.prompt_len,
         "max_new_tokens": case.new_tokens, "lengths": "forced", "partial_rollout": False, "kl": False,
         "iteration_s": med("time/step"), "phases": phases, "turns": case.turns, "tool_latency_ms": latency,
         "observation_tokens": case.observation_tokens if case.turns > 1 else 0, "iterations": len(steps),
         "generate_s": generate_s, "wait_s": wait_s, "gpu_idle_frac": wait_s / generate_s if generate_s else None,
         "engine_calls": med("env/generate_calls"), "turns_mean": med("env/turns_mean"),
-        "sampled_tokens_mean": med("response/length_mean"), "error": None,
+        "sampled_tokens_mean": med("response/length_mean"), **relative, "error": None,
     }
+
+
+def _time_engine_steps(engine) -> list[float]:
+    """Record the wall seconds of every ``engine.step`` call (the list returned, appended to)."""
+    seconds: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    engine.step = timed_step
+    return seconds
 
 
 def _assets(work_dir: str, tiny: bool, prompt_len: int, device: str) -> dict:
@@ -196,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed iterations per case (after one warm-up)")
     p.add_argument("--work-dir", default="/tmp/tidal_bench_multiturn")
     p.add_argument("--out", default="", help="append the figures to this JSONL file")
+    p.add_argument("--latency-steps", default="", help="comma-separated tool latencies in median engine steps "
+                   "(measured in the single-turn case), instead of --latency-ms")
+    p.add_argument("--lognormal-steps", type=float, default=0.0,
+                   help="add a case of lognormal tool latencies of this median (in engine steps), p99 10x the median")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    p.add_argument("--cpu", action="store_true", help="CPU run with the tiny model: 16 prompts x 4, 4 turns of 16 tokens")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -204,38 +274,58 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1, size="tiny") if args.tiny else {"steps": args.steps}
+    tiny = args.tiny or args.cpu
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    sizes = {"steps": args.steps}
+    if args.tiny:
+        sizes = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8, observation_tokens=2, steps=1, size="tiny")
+    elif args.cpu:
+        sizes = dict(prompts=16, samples=4, prompt_len=16, new_tokens=64, observation_tokens=4, steps=args.steps, size="tiny")
     os.makedirs(args.work_dir, exist_ok=True)
-    assets = _assets(args.work_dir, args.tiny, sizes.get("prompt_len", 128), device)
+    assets = _assets(args.work_dir, tiny, sizes.get("prompt_len", 128), device)
     meta = {"commit": git_commit(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "bench": "multiturn"}
     failed = 0
     for turns in [int(t) for t in args.turns.split(",")]:
         turns = 2 if args.tiny else turns
-        cases = [Case(turns=1, tool_latency_ms=0.0, **sizes)]
-        cases += [Case(turns=turns, tool_latency_ms=float(ms), **sizes) for ms in args.latency_ms.split(",")]
-        baseline = None
+        baseline = _record(Case(turns=1, tool_latency_ms=0.0, **sizes), device, assets, args, meta, None)
+        failed += baseline.get("error") is not None
+        if args.latency_steps or args.lognormal_steps:  # in median engine steps of the baseline
+            step_ms = baseline.get("step_ms")
+            if not step_ms:
+                return 1
+            cases = [Case(turns=turns, tool_latency_ms=float(k) * step_ms, latency_steps=float(k), **sizes)
+                     for k in args.latency_steps.split(",") if k]
+            if args.lognormal_steps:
+                cases.append(Case(turns=turns, tool_latency_ms=args.lognormal_steps * step_ms, latency_sigma=LOGNORMAL_SIGMA,
+                                  latency_steps=args.lognormal_steps, **sizes))
+        else:
+            cases = [Case(turns=turns, tool_latency_ms=float(ms), **sizes) for ms in args.latency_ms.split(",")]
         for case in cases:
-            spec = {"case": dataclasses.asdict(case), "device": device, "assets": assets,
-                    "run_dir": os.path.join(args.work_dir, f"run-{case.turns}-{case.tool_latency_ms:g}")}
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                                  capture_output=True, text=True)
-            figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode != 0 or not figures:
-                failed += 1
-                record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
-                          "error": (proc.stderr or proc.stdout)[-2000:]}
-            else:
-                record = figures[-1]
-                baseline = record if case.turns == 1 else baseline
-                if case.turns > 1 and baseline and baseline.get("iteration_s"):
-                    record["vs_single_turn"] = record["iteration_s"] / baseline["iteration_s"]
-            record.update(meta)
-            print(json.dumps(record), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            failed += _record(case, device, assets, args, meta, baseline).get("error") is not None
     return 1 if failed else 0
+
+
+def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: dict | None) -> dict:
+    """Run ``case`` in a fresh process; print (and append to ``--out``) its figure, with
+    ``vs_single_turn`` (and ``trajectories_per_s_vs_single_turn``) against ``baseline``. Returns the figure."""
+    name = f"run-{case.turns}-{case.tool_latency_ms:g}" + ("-lognormal" if case.latency_sigma else "")
+    spec = {"case": dataclasses.asdict(case), "device": device, "assets": assets, "run_dir": os.path.join(args.work_dir, name)}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True)
+    figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not figures:
+        record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
+                  "error": (proc.stderr or proc.stdout)[-2000:]}
+    else:
+        record = figures[-1]
+        if case.turns > 1 and baseline and baseline.get("iteration_s"):
+            record["vs_single_turn"] = record["iteration_s"] / baseline["iteration_s"]
+    record.update(meta)
+    print(json.dumps(record), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
 
 
 if __name__ == "__main__":

@@ -217,11 +217,12 @@ def step_breakdown(engine, bs: int, sink, settings) -> None:
     fwd = timed(g.replay)
     head = timed(lambda: engine.model.compute_logits(hidden))
     logits = engine.model.compute_logits(hidden)
-    samp = timed(lambda: sample(logits, 1.0))
+    u = torch.rand(bs, device=logits.device)
+    samp = timed(lambda: sample(logits, 1.0, u_B=u))
 
     def device_step():  # what a step costs with no scheduling: replay, head, sample, read back
         g.replay()
-        tok, logp = sample(engine.model.compute_logits(hidden), 1.0)
+        tok, logp = sample(engine.model.compute_logits(hidden), 1.0, u_B=u)
         torch.stack([tok.double(), logp.double()]).cpu()
 
     device_step()

@@ -1,6 +1,7 @@
 """The single_turn environment is today's rollout: the trainer's rollout, now through the
 environment path, gives bit for bit the Experience and metrics that the plain path gave
-(tests/e2e/plain_rollout.py), for the same engine call."""
+(tests/e2e/plain_rollout.py), for the same engine call (each sequence drawing from its group's and
+sample's stream)."""
 
 import dataclasses
 
@@ -10,6 +11,8 @@ import torch
 from tidal.build import build_trainer
 from tidal.config import load_config
 from tidal.distributed import shutdown
+from tidal.distributed.generate import GenerateBatch, GroupGenerator
+from tidal.engine.base import sequence_key
 
 from tests.e2e import plain_rollout
 
@@ -32,8 +35,11 @@ def test_single_turn_experience_equals_the_plain_rollout(name, tmp_path, tiny_ta
         params = trainer.sampling_params(1)
         rollout = maker.generate(items, params, first_group_id=7)
         exp, metrics, samples = maker.make(rollout)
-        with trainer.colocation.rollout() as engine:  # the plain call: every prompt, the sampler's params
-            comps = engine.generate([it.prompt_ids for it in items], params)
+        # the plain call: every prompt, the sampler's params, each sequence keyed by its group and sample
+        keys = [sequence_key(7 + i, j) for i in range(len(items)) for j in range(params.n)]
+        with trainer.colocation.rollout() as engine:
+            batch = GenerateBatch(prompts=[it.prompt_ids for it in items], params=params, keys=keys)
+            comps = GroupGenerator(engine, trainer.rt).round([batch], busy=False).completions[0]
         assert [t.rows[0].token_ids for t in rollout.trajectories] == [c.token_ids for c in comps]
         group_ids = [7 + i for i in range(len(items)) for _ in range(params.n)]
         ref_exp, ref_metrics = plain_rollout.make(maker, items, comps, group_ids)

@@ -72,6 +72,36 @@ def test_abort_and_resume_equals_an_uninterrupted_generation(overlap):
         assert r.token_ids[:k] == p.token_ids and r.versions == [0] * 12
 
 
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=12, ignore_eos=True, seed=3)
+
+
+def test_a_sequence_sampled_alone_equals_it_sampled_in_a_batch_with_others():
+    """Each token's uniform is keyed by (seed, request id, position): request 7 samples the same
+    tokens alone, in a batch with other requests (added before and after it, joining mid-way), and
+    after a preemption-free abort and resume; another id or seed samples others."""
+    hf = tiny_hf("llama")
+    engine = engine_for(hf)
+    mine = Request(request_id=7, prompt_ids=PROMPTS[0], params=SAMPLED)
+    engine.add([mine])
+    alone = _run(engine)[7]
+    others = [Request(request_id=100 + i, prompt_ids=p, params=dataclasses.replace(SAMPLED, seed=50 + i))
+              for i, p in enumerate(PROMPTS)]
+    engine.add(others[:2] + [mine])
+    got = _run(engine, steps=3)
+    engine.add(others[2:])  # join while request 7 decodes
+    got.update(_run(engine))
+    assert got[7].token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(got[7].logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
+    engine.add(others + [mine])
+    _run(engine, steps=4)
+    partial = {c.request_id: c for c in engine.abort()}
+    engine.add([Request.resume(partial[7], SAMPLED)])
+    assert _run(engine)[7].token_ids == alone.token_ids  # resumed: its stream goes on at its positions
+    for other in (dataclasses.replace(mine, request_id=8), dataclasses.replace(mine, params=dataclasses.replace(SAMPLED, seed=4))):
+        engine.add([other])
+        assert _run(engine)[other.request_id].token_ids != alone.token_ids
+
+
 def test_resumed_tokens_are_prefilled_under_the_new_weights_and_keep_their_logprobs_and_versions():
     hf_a, hf_b = tiny_hf("qwen2", seed=0), tiny_hf("qwen2", seed=1)
     engine = engine_for(hf_a)

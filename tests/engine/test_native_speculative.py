@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tidal.engine.base import Request, SamplingParams
+from tidal.engine.native import model_runner
 from tidal.engine.native.speculative import acceptance
 from tidal.engine.native.speculative.draft_index import DraftIndex
 from tidal.engine.native.speculative.policy import MAX_DRAFT, SeqDraftState, SpecPolicy
-from tidal.engine.sampler import process_logits
+from tidal.engine.sampler import process_logits, sample
 
 from .helpers import PROMPTS, OracleDrafter, engine_for, tiny_hf
 
@@ -141,11 +142,35 @@ def test_sampled_distribution_equals_the_plain_one_and_a_biased_rule_fails(param
     # the returned logprob is the target's conditional of that token, also for accepted drafts
     for c in out[:200]:
         assert abs(c.logprobs[1] - logp1[c.token_ids[0], c.token_ids[1]]) < 1e-4
-    # a biased rule (on rejection, resample from the whole target instead of the target without the
-    # draft) over-samples the draft: the same test rejects it
-    monkeypatch.setattr(acceptance, "residual_scores", lambda scores_TV, d_T, has_T: scores_TV)
+    # a biased rule (accept the draft on an independent coin of probability p(d), else emit the
+    # target's own draw, which may be the draft again) over-samples the draft: the same test rejects it
+    monkeypatch.setattr(model_runner, "accept", _independent_coin_accept)
     biased = np.array([c.token_ids[1] for c in _second_tokens(hf, params, [d, d])])
     assert _chi2_pvalue(np.bincount(biased, minlength=16), marginal) < 1e-6
+
+
+def _independent_coin_accept(logits_TV, draft_T, group_T, u_T, *, temperature, top_k, top_p):
+    token_T, logp_T = sample(logits_TV, temperature, top_k, top_p, u_T)
+    p_d_T = process_logits(logits_TV, temperature, top_k, top_p).exp().gather(-1, draft_T.clamp_min(0)[:, None])[:, 0]
+    coin_T = (draft_T >= 0) & (torch.rand(len(draft_T)) < p_d_T)
+    token_T = torch.where(coin_T, draft_T, token_T)
+    logp_T = process_logits(logits_TV, temperature, top_k, top_p).gather(-1, token_T[:, None])[:, 0]
+    ok_T = (draft_T >= 0) & (token_T == draft_T)
+    return torch.where(acceptance.emitted(ok_T, group_T), token_T, acceptance.VOID), logp_T
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["t1", "topk", "topp"])
+def test_sampled_tokens_equal_the_plain_path_with_the_same_seed(params):
+    """Each verify row draws with the plain path's keyed uniform: speculation changes no token."""
+    hf = tiny_hf("qwen2")
+    sp = SamplingParams(max_new_tokens=30, n=3, seed=11, ignore_eos=True, **params)
+    plain = engine_for(hf, speculative="off").generate(REPEATING, sp)
+    eng = engine_for(hf, speculative="on")
+    eng.spec.index = OracleDrafter({tuple(p): plain[3 * i].token_ids for i, p in enumerate(REPEATING)}, "partly", 128)
+    got = eng.generate(REPEATING, sp)
+    assert 0 < eng.stats["spec_accepted"] < eng.stats["spec_drafted"]
+    assert _tokens(got) == _tokens(plain)
+    _assert_logprobs_close(got, plain)
 
 
 def test_sampled_logprobs_equal_a_plain_forward():
@@ -322,7 +347,7 @@ def test_acceptance_keeps_the_accepted_prefix_and_the_first_rejected_rows_token(
         logits[r, tok] = 10.0
     draft = torch.tensor([5, 6, -1, -1])
     group = torch.tensor([0, 0, 0, 1])
-    tok, logp = acceptance.accept(logits, draft, group, temperature=0, top_k=0, top_p=1.0, generator=None)
+    tok, logp = acceptance.accept(logits, draft, group, None, temperature=0, top_k=0, top_p=1.0)
     assert tok.tolist() == [5, 1, -1, 3]
     assert torch.allclose(logp[[0, 1, 3]], torch.log_softmax(logits, -1)[[0, 1, 3], [5, 1, 3]])
 
@@ -345,7 +370,8 @@ def test_an_off_engine_keeps_no_index():
 
 
 # ---- TP lockstep ------------------------------------------------------------------------------------
-TP_PARAMS = [GREEDY, SamplingParams(temperature=0.9, top_k=20, max_new_tokens=20, n=2, seed=4, ignore_eos=True)]
+# seed 8: a stream under which the sampled round accepts some of its drafts (1 of 23)
+TP_PARAMS = [GREEDY, SamplingParams(temperature=0.9, top_k=20, max_new_tokens=20, n=2, seed=8, ignore_eos=True)]
 
 
 def _tp_worker(rank: int, store_path: str, out_dir: str):

@@ -1,15 +1,20 @@
 """The sampler's draw: one uniform per row inverted through a two-level CDF (chunk sums, then the
-tokens of the chosen chunk). Its frequencies over many seeded draws match the processed
-distribution (:func:`process_logits`) by a chi-square test that the biased variants below fail:
-a search off by one and a draw that ignores the last chunk."""
+tokens of the chosen chunk). Its frequencies over many keyed draws match the processed distribution
+as ``transformers``' own warpers define it, by a chi-square test that the biased variants below
+fail (a search off by one, a draw that ignores the last chunk, a top-p that keeps too much); the
+CDF positions of its draws are uniform by a smooth test that a 2% tilt of the uniform fails; and
+the keyed uniforms depend on (seed, request, position) only."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from tidal.engine import sampler
-from tidal.engine.sampler import inverse_cdf, monotone_cdf, process_logits, sample, search
+from tidal.engine.sampler import inverse_cdf, keyed_uniforms, monotone_cdf, process_logits, request_key, sample, search
 
 
 def _chi2_exceeds(counts_K: torch.Tensor, p_K: torch.Tensor, z: float = 3.09) -> bool:
@@ -105,28 +110,130 @@ def test_search_guards_non_monotone_sums_and_the_top_end():
     assert inverse_cdf(torch.tensor([[0.0, 2.0, 0.0]]), torch.tensor([1.0 - 2**-24]), chunk=2).item() == 1
 
 
+def _hf_reference_logp(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The processed distribution as ``transformers`` defines it: its own warpers, in the order its
+    ``generate`` applies them (temperature, top-k, top-p), then a softmax."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers(None, logits_BV.float()).log_softmax(-1)
+
+
+def _uniforms(seed: int, rows: int, first_key: int = 0, pos: int = 7) -> torch.Tensor:
+    """One keyed uniform per row: requests ``first_key..``, the token at index ``pos``."""
+    return torch.from_numpy(keyed_uniforms(np.full(rows, seed), np.arange(first_key, first_key + rows), np.full(rows, pos)))
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.0, 40, 1.0), (1.0, 0, 0.8), (0.7, 50, 0.9)])
-def test_sample_draws_the_processed_distribution_with_its_logprobs(temperature, top_k, top_p):
-    """End to end over a vocabulary of three chunks of 1024 (the last one partial)."""
+def test_sample_draws_the_transformers_processed_distribution_with_its_logprobs(temperature, top_k, top_p):
+    """End to end over a vocabulary of three chunks of 1024 (the last one partial), against the
+    distribution ``transformers``' warpers define (not Tidal's :func:`process_logits`)."""
     g = torch.Generator().manual_seed(3)
     V = 2100
     logits_V = torch.randn(V, generator=g) * 0.5
     hot = torch.tensor([5, 700, 1100, 1500, 2050, 2099])  # mass in every chunk, the last one included
     logits_V[hot] = torch.tensor([4.0, 3.5, 3.0, 4.5, 3.8, 3.2])
-    logp_V = process_logits(logits_V[None], temperature, top_k, top_p)[0]
-    gen = torch.Generator().manual_seed(0)
+    ref_V = _hf_reference_logp(logits_V[None], temperature, top_k, top_p)[0]
     counts = torch.zeros(V, dtype=torch.long)
     rows = 2000
-    for _ in range(20):
-        tok_B, lp_B = sample(logits_V.expand(rows, -1), temperature, top_k, top_p, gen)
-        assert torch.equal(lp_B, logp_V[tok_B])  # the logprob of the processed distribution
+    for k in range(20):
+        tok_B, lp_B = sample(logits_V.expand(rows, -1), temperature, top_k, top_p, _uniforms(0, rows, k * rows))
+        torch.testing.assert_close(lp_B, ref_V[tok_B], rtol=0, atol=1e-5)  # the logprob of that distribution
         counts += torch.bincount(tok_B, minlength=V)
-    assert counts[logp_V == float("-inf")].sum() == 0
-    assert not _chi2_exceeds(counts, logp_V.exp())
-    # one uniform per row from the generator: the same seed, the same draws
-    again = sample(logits_V.expand(rows, -1), temperature, top_k, top_p, torch.Generator().manual_seed(0))
-    first = sample(logits_V.expand(rows, -1), temperature, top_k, top_p, torch.Generator().manual_seed(0))
-    assert torch.equal(again[0], first[0])
+    assert counts[ref_V == float("-inf")].sum() == 0
+    assert not _chi2_exceeds(counts, ref_V.exp())
+    # a top-p that keeps one token too many (the token that crosses top_p, and the next) fails the same test
+    if top_p < 1.0:
+        def one_too_many(logits_BV, t, k, p):
+            keep_BV = _hf_reference_logp(logits_BV, t, k, p) > float("-inf")
+            extra_BV = _hf_reference_logp(logits_BV, t, k, min(1.0, p + 0.02)) > float("-inf")
+            return process_logits(logits_BV, t, k, 1.0).masked_fill(~(keep_BV | extra_BV), float("-inf")).log_softmax(-1)
+
+        wide = one_too_many(logits_V[None], temperature, top_k, top_p)[0].exp()
+        counts = torch.bincount(inverse_cdf(wide.expand(20_000, -1), _uniforms(1, 20_000)), minlength=V)
+        assert _chi2_exceeds(counts, ref_V.exp())
+
+
+def test_the_same_uniform_draws_the_same_token_alone_or_in_any_batch():
+    """Row b's draw depends on its logits and its uniform only: a row sampled alone, or in a batch
+    with other rows in any order, takes the same token and logprob."""
+    g = torch.Generator().manual_seed(5)
+    logits_BV = torch.randn(9, 3000, generator=g) * 2
+    u_B = _uniforms(4, 9)
+    for top_k, top_p in ((0, 1.0), (30, 1.0), (0, 0.9)):
+        tok_B, lp_B = sample(logits_BV, 0.8, top_k, top_p, u_B)
+        perm = torch.randperm(9, generator=g)
+        tok_P, lp_P = sample(logits_BV[perm], 0.8, top_k, top_p, u_B[perm])
+        assert torch.equal(tok_P, tok_B[perm]) and torch.equal(lp_P, lp_B[perm])
+        for b in range(9):
+            tok, lp = sample(logits_BV[b : b + 1], 0.8, top_k, top_p, u_B[b : b + 1])
+            assert tok.item() == tok_B[b].item() and lp.item() == lp_B[b].item()
+    with pytest.raises(ValueError, match="one uniform per row"):
+        sample(logits_BV, 0.8)
+
+
+def test_keyed_uniforms_depend_on_seed_key_and_position_only():
+    seed, key, pos = np.array([3, 3, 3, 4]), np.array([10, 11, 10, 10]), np.array([5, 5, 6, 5])
+    u = keyed_uniforms(seed, key, pos)
+    assert len(set(u.tolist())) == 4  # each of the three changes the draw
+    assert np.array_equal(u[::-1], keyed_uniforms(seed[::-1], key[::-1], pos[::-1]))  # order does not matter
+    assert u[1] == keyed_uniforms(3, 11, 5) and u.dtype == np.float32
+    assert ((u >= 0) & (u < 1)).all() and (keyed_uniforms(2**64 - 1, 2**64 - 1, 0) < 1)
+    assert request_key("a") == request_key("a") != request_key("b") and request_key(-1) == 2**64 - 1
+
+
+def test_keyed_uniforms_are_uniform_and_independent_over_keys_and_positions():
+    """200k uniforms of consecutive keys and positions (the engine's pattern): 64 equal bins pass a
+    chi-square test, and so do the pairs of consecutive positions of one key (an 8 x 8 grid)."""
+    keys, pos = np.meshgrid(np.arange(2000), np.arange(100), indexing="ij")
+    u_KP = keyed_uniforms(np.full(keys.shape, 17), keys, pos)
+    counts = torch.from_numpy(np.bincount((u_KP * 64).astype(np.int64).ravel(), minlength=64))
+    assert not _chi2_exceeds(counts, torch.full((64,), 1 / 64))
+    pairs = (u_KP[:, :-1:2] * 8).astype(np.int64) * 8 + (u_KP[:, 1::2] * 8).astype(np.int64)
+    assert not _chi2_exceeds(torch.from_numpy(np.bincount(pairs.ravel(), minlength=64)), torch.full((64,), 1 / 64))
+    # a generator keyed without the position (one uniform per request) fails the pair test at once
+    flat = np.repeat(u_KP[:, :1], 100, axis=1)
+    pairs = (flat[:, :-1:2] * 8).astype(np.int64) * 8 + (flat[:, 1::2] * 8).astype(np.int64)
+    assert _chi2_exceeds(torch.from_numpy(np.bincount(pairs.ravel(), minlength=64)), torch.full((64,), 1 / 64))
+
+
+def _pit_smooth_stat(pit: np.ndarray) -> float:
+    """Neyman's smooth test statistic of order 2 for uniformity on [0, 1] (chi-square with 2 degrees
+    of freedom under uniformity): the squared sums of the first two Legendre polynomials."""
+    x = 2 * pit - 1
+    n = len(pit)
+    z1 = math.sqrt(3) * x.sum() / math.sqrt(n)
+    z2 = math.sqrt(5) * (1.5 * x**2 - 0.5).sum() / math.sqrt(n)
+    return z1 * z1 + z2 * z2
+
+
+def _cdf_positions(draw, n: int = 400_000, V: int = 32, rows: int = 100_000) -> np.ndarray:
+    """The randomised CDF position ``F(tok - 1) + w p(tok)`` (``w`` an independent uniform) of ``n``
+    draws ``draw(p_BV, u_B)`` from a fixed distribution over ``V`` tokens with keyed uniforms;
+    uniform on [0, 1] iff the draws follow the distribution."""
+    p_V = torch.randn(V, generator=torch.Generator().manual_seed(9)).softmax(-1)
+    before_V = (torch.cumsum(p_V.double(), 0) - p_V.double()).numpy()
+    jitter = np.random.default_rng(0)
+    out = []
+    for k in range(n // rows):
+        tok_B = draw(p_V.expand(rows, -1), _uniforms(21, rows, k * rows)).numpy()
+        out.append(before_V[tok_B] + p_V.double().numpy()[tok_B] * jitter.random(rows))
+    return np.concatenate(out)
+
+
+def test_cdf_position_of_draws_is_uniform_and_a_two_percent_tilt_fails():
+    """The two-level inversion's draws (over 4 chunks) with keyed uniforms put the sampled tokens'
+    CDF positions uniformly on [0, 1] (Neyman's smooth test below its 0.999 quantile, 13.8);
+    drawing with the uniform tilted smoothly by 2% (``u + 0.02 u (1 - u)``: the density off by at
+    most 2%) is rejected."""
+    draw = lambda p_BV, u_B: inverse_cdf(p_BV, u_B, chunk=8)  # noqa: E731
+    assert _pit_smooth_stat(_cdf_positions(draw)) < 13.8
+    tilted = lambda p_BV, u_B: draw(p_BV, u_B + 0.02 * u_B * (1 - u_B))  # noqa: E731
+    assert _pit_smooth_stat(_cdf_positions(tilted)) > 13.8
 
 
 def test_greedy_takes_the_argmax_with_the_untempered_logprob():

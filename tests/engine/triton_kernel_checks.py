@@ -192,16 +192,29 @@ def test_decode_batches_above_the_graph_limit_run_eagerly_with_the_same_tokens()
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
-def test_fused_sampler_seed_buffer_draws_like_generator():
-    # a graph reads its seed from a buffer filled by draw_seed: the same draws as the generator path
-    from tidal.engine.native.kernels.triton_sampling import draw_seed, fused_sample
+def _u(rows: int, seed: int) -> torch.Tensor:
+    """Keyed uniforms (requests 0..rows-1, index 5) on the device, as the engine draws them."""
+    import numpy as np
 
-    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    tok, logp = fused_sample(logits, 0.9, torch.Generator(DEVICE).manual_seed(4))
-    seed = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    draw_seed(torch.Generator(DEVICE).manual_seed(4), DEVICE, out=seed)
-    tok2, logp2 = fused_sample(logits, 0.9, seed=seed)
-    assert torch.equal(tok, tok2) and torch.equal(logp, logp2)
+    from tidal.engine.sampler import keyed_uniforms
+
+    return torch.from_numpy(keyed_uniforms(np.full(rows, seed), np.arange(rows), np.full(rows, 5))).to(DEVICE)
+
+
+def test_fused_sampler_draws_the_torch_paths_token_for_the_same_uniform():
+    # the kernel mirrors inverse_cdf: the same uniform, the same token (a graph's buffer of uniforms
+    # is read the same way), alone or in a batch
+    from tidal.engine.native.kernels.triton_sampling import fused_sample
+    from tidal.engine.sampler import inverse_cdf, process_logits
+
+    g = torch.Generator().manual_seed(3)
+    for logits in ((torch.randn(8, 300, generator=g) * 2).to(DEVICE), (torch.randn(4, 20000, generator=g) * 2).to(DEVICE)):
+        u = _u(len(logits), 4)
+        tok, logp = fused_sample(logits, 0.9, u)
+        want = inverse_cdf(process_logits(logits, 0.9, 0, 1.0).exp(), u)
+        assert torch.equal(tok, want)
+        alone = torch.cat([fused_sample(logits[b : b + 1], 0.9, u[b : b + 1])[0] for b in range(len(logits))])
+        assert torch.equal(alone, tok)
 
 
 def test_fused_sampler_logprobs_and_distribution():
@@ -214,7 +227,7 @@ def test_fused_sampler_logprobs_and_distribution():
         _check_fused_rows(fused_sample, process_logits, logits)
     # 800 draws from one 5-way distribution: frequencies match softmax(logits / T) (3.5 sigma)
     row = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]], device=DEVICE).expand(800, 5)
-    tok, _ = fused_sample(row, 0.8, torch.Generator(DEVICE).manual_seed(1))
+    tok, _ = fused_sample(row, 0.8, _u(800, 1))
     freq = torch.bincount(tok.cpu(), minlength=5).double() / 800
     assert torch.allclose(freq, torch.softmax(row[0].cpu().double() / 0.8, -1), atol=0.06)
     # a wide vocabulary (16 chunks), mass on four neighbours and on two tokens in other chunks (the
@@ -223,17 +236,17 @@ def test_fused_sampler_logprobs_and_distribution():
     hot = torch.tensor([0, 1, 2, 3, 5000, 19999])
     wide[0, hot] = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.5, 0.5])
     rows = 2000 if DEVICE.type == "cuda" else 200  # the interpreter takes ~0.4 s a row
-    tok, _ = fused_sample(wide.to(DEVICE).expand(rows, 20000), 1.0, torch.Generator(DEVICE).manual_seed(2))
+    tok, _ = fused_sample(wide.to(DEVICE).expand(rows, 20000), 1.0, _u(rows, 2))
     freq = torch.bincount(tok.cpu(), minlength=20000)[hot].double() / rows
     assert torch.allclose(freq, torch.softmax(wide[0, hot].double(), -1), atol=3.5 * (0.25 / rows) ** 0.5), freq
 
 
 def _check_fused_rows(fused_sample, process_logits, logits):
     for temperature in (0.0, 0.7, 1.0):
-        tok, logp = fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))
+        tok, logp = fused_sample(logits, temperature, _u(len(logits), 0) if temperature else None)
         ref = process_logits(logits, temperature, 0, 1.0)
         assert torch.allclose(logp, ref.gather(-1, tok[:, None]).squeeze(-1), atol=1e-5)
         if temperature == 0:
             assert torch.equal(tok, logits.argmax(-1))
-        else:  # the same seed gives the same draws
-            assert torch.equal(tok, fused_sample(logits, temperature, torch.Generator(DEVICE).manual_seed(0))[0])
+        else:  # the same uniforms give the same draws
+            assert torch.equal(tok, fused_sample(logits, temperature, _u(len(logits), 0))[0])

@@ -309,3 +309,42 @@ def test_which_engines_run_continuously(model):
     out = EnvRollout(EnvConfig(), _rollout(EnvConfig()).renderer.tokenizer).run(
         native.generate, rows, SamplingParams(temperature=0.0, max_new_tokens=4, n=2))
     assert spy.adds == 0 and spy.generate_calls == 1 and len(out.trajectories) == 4
+
+
+# ---- single turn: rewards while decoding ----------------------------------------------------------
+def test_single_turn_reports_each_sequence_as_it_finishes_and_scores_as_at_the_end(model):
+    """Through a GroupGenerator over the native engine, a single-turn rollout hands each sequence to
+    its trajectory as it finishes (``run_steps``' ``on_finished``): some groups are reported, and
+    scored by the reward stream, while the batch's last sequence still decodes; the trajectories are
+    those of the plain ``generate`` call (the same request numbering, the same keyed draws) and the
+    streamed rewards equal one scoring call at the end."""
+    from tidal.rewards import RewardConfig, RewardEngine
+    from tidal.rewards.stream import RewardStream
+    from tidal.trainer.experience_maker import GroupScoring
+
+    cfg = EnvConfig(name="single_turn")
+    rows = _rows([1] * 6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=5)
+    engine = engine_for(model, kv_cache_max_tokens=4096)
+    engine.eos_token_ids = {3, 4, 5, 6}  # sequences end at different steps
+    plain = _rollout(cfg).run(LocalGenerator(engine.generate), rows, params)
+    lengths = [t.num_sampled_tokens for t in plain.trajectories]
+    assert min(lengths) < max(lengths) == 24  # some finish early, one runs to the end
+    reward_cfg = RewardConfig(components={"len": {"type": "length_penalty", "max_tokens": 8}}, recipes={"default": [["len", 1.0]]})
+    with RewardEngine(reward_cfg, device=torch.device("cpu")) as rewards:
+        stream = RewardStream(rewards)
+        feed = GroupScoring(stream, n=2)
+        decoding_at_report = []
+
+        def on_trajectory(i, traj):
+            decoding_at_report.append(engine.has_unfinished())
+            feed(i, traj)
+
+        result = _rollout(cfg).run(GroupGenerator(engine, lone_runtime()), rows, params, on_trajectory=on_trajectory)
+        samples = [t.reward_sample(i) for i, t in enumerate(result.trajectories)]
+        got, want = stream.results(samples), rewards.score(samples)
+    assert sum(decoding_at_report) >= 4 and not decoding_at_report[-1]  # most reported while the batch decoded
+    assert _key(result) == _key(plain)
+    for a, b in zip(result.trajectories, plain.trajectories):  # the prefix cache now serves the prompts: rounding differs
+        torch.testing.assert_close(torch.tensor(a.rows[0].logprobs), torch.tensor(b.rows[0].logprobs), rtol=0, atol=1e-5)
+    assert torch.equal(got.total_B, want.total_B) and torch.equal(got.valid_B, want.valid_B)

@@ -1,15 +1,19 @@
 """rollout.partial end to end on the tiny arithmetic task (native engine on CPU): with nothing cut it
-is the plain rollout; with carry, stale tokens are trained and corrected; a carry run stopped after
-step 2 and resumed gives the same steps 3-4 as one that never stopped (the carried sequences are in
-the checkpoint)."""
+is the plain rollout; with carry, stale tokens are trained and corrected, the correction's value
+equal to its recomputation from the trained tokens' sampling and trainer logprobs; a carry run
+stopped after step 3 and resumed gives the same step 4 as one that never stopped (the carried
+sequences are in the checkpoint)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tidal.algorithms.config import MismatchConfig
 
 DETERMINISTIC = ("reward/", "actor/", "response/", "advantage/", "mismatch/", "partial/")
 CARRY = ["rollout.partial.mode=carry", "algorithm.mismatch.mode=token_truncate", "rollout.partial.oversample=1.0"]
@@ -49,22 +53,50 @@ def test_nothing_cut_equals_plain_rollout(tmp_path, tiny_task_overrides):
     _same(plain, partial, (1, 2, 3))
 
 
+def _recomputed_correction(out: Path, step: int) -> tuple[float, float, float, float]:
+    """From the step's trained rows (``logging.trajectories_every``: per token the engine's sampling
+    logprob and the trainer's old logprob), over the tokens in the loss: the mean truncated
+    importance weight ``min(exp(old - rollout), cap)`` (token_truncate), the same with the ratio
+    inverted, the mean ``|old - rollout|``, and the largest ``|old - rollout|``."""
+    cap = MismatchConfig(mode="token_truncate").cap
+    w = inv = absd = worst = n = 0.0
+    for line in (out / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines():
+        row = json.loads(line)["trained"]
+        for a, old, lp in zip(row["action_mask"], row["old_logprobs"], row["rollout_logprobs"]):
+            if a * row["loss_mask"]:
+                d = old - lp
+                w, inv, absd, worst, n = w + min(math.exp(d), cap), inv + min(math.exp(-d), cap), absd + abs(d), max(worst, abs(d)), n + 1
+    return w / n, inv / n, absd / n, worst
+
+
 @pytest.mark.slow
 def test_carry_trains_corrected_stale_tokens_and_resumes_exactly(tmp_path, tiny_task_overrides):
-    common = tiny_task_overrides + CARRY + ["checkpoint.every=2", "checkpoint.keep=3", "optim.lr=1e-3"]
+    # the old-logprob pass runs (recompute), so each step's rows hold both logprobs of every token
+    common = tiny_task_overrides + CARRY + ["checkpoint.every=2", "checkpoint.keep=3", "optim.lr=3e-3",
+                                            "train.old_logprobs=recompute", "logging.trajectories_every=1"]
     _train(tmp_path / "a", common + ["run.steps=4"])
     a = _metrics(tmp_path / "a")
-    # partial rollout happened: sequences carried, resumed under new weights, and trained stale
-    assert all(a[s]["partial/carried"] > 0 for s in (1, 2, 3, 4))
+    # partial rollout happened: groups carried, sequences resumed under new weights, and trained stale
+    assert all(a[s]["partial/carried_groups"] > 0 for s in (1, 2, 3, 4))
     assert sum(a[s]["partial/resumed"] for s in (2, 3, 4)) > 0
     stale = [s for s in (2, 3, 4) if a[s]["partial/stale_token_frac"] > 0]
     assert stale and all(a[s]["partial/staleness_max"] >= 1 and a[s]["partial/span_max"] >= 2 for s in stale)
-    # ... and the correction saw them: the trainer's logprobs differ from the stale sampling ones
-    assert all(a[s]["actor/mismatch_abs_logp_diff"] > 1e-4 for s in stale)
-    assert a[1]["actor/mismatch_abs_logp_diff"] < 1e-4  # step 1: nothing stale, the engine matches the trainer
-    # exact resume: stop after step 2 (checkpoint with the carried sequences), resume to 4
-    _train(tmp_path / "b", common + ["run.steps=2"])
-    ckpt = json.loads((tmp_path / "b" / "checkpoints" / "step_000002" / "trainer.json").read_text())
+    # the correction's value is the one recomputed from the trained tokens' two logprobs, every step
+    # (an inverted ratio, or logprobs misaligned with their tokens, give other values)
+    moved = 0
+    for s in (1, 2, 3, 4):
+        w, inverted, absd, worst = _recomputed_correction(tmp_path / "a", s)
+        assert a[s]["actor/mismatch_is_weight"] == pytest.approx(w, rel=1e-5), s
+        assert a[s]["actor/mismatch_abs_logp_diff"] == pytest.approx(absd, rel=1e-4, abs=1e-9), s
+        if s not in stale:  # every token sampled by the trained weights: the two logprobs agree token by token
+            assert worst < 1e-4, s
+        elif absd > 1e-3:  # stale tokens whose weights have moved since: the check tells a ratio from its inverse
+            moved += 1
+            assert abs(w - inverted) > 100 * 1e-5 * w, s
+    assert moved  # some stale step trained tokens the weights had moved away from
+    # exact resume: stop after step 3 (its checkpoint holds carried sequences with their tokens), resume to 4
+    _train(tmp_path / "b", common + ["run.steps=3"])
+    ckpt = json.loads((tmp_path / "b" / "checkpoints" / "step_000003" / "trainer.json").read_text())
     assert any(s["token_ids"] and s["finish_reason"] is None for g in ckpt["partial"][0]["groups"] for s in g["seqs"])
     _train(tmp_path / "b", common + ["run.steps=4"])
     b = _metrics(tmp_path / "b")

@@ -10,7 +10,7 @@ import pytest
 
 from tidal.config import TidalConfig
 from tidal.config_base import build
-from tidal.envs import EnvConfig, ModelTurn
+from tidal.envs import EnvConfig, EnvRow, ModelTurn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -23,6 +23,20 @@ def test_synthetic_tool_answers_after_its_latency_until_the_last_turn():
     first = env.step(ModelTurn(token_ids=[1], text="", finish_reason="length", index=0))
     assert not first.done and first.observation.token_ids == [7, 7, 7] and first.counters == {"tool_calls": 1.0}
     assert env.step(ModelTurn(token_ids=[1], text="", finish_reason="length", index=1)).done
+
+
+def test_lognormal_tool_latencies_have_a_ten_fold_p99_and_repeat_per_row_and_turn():
+    env = multiturn.SyntheticToolEnv(EnvConfig(), turns=4, latency_ms=10, observation_tokens=1, observation_id=7,
+                                     sigma=multiturn.LOGNORMAL_SIGMA)
+    draws = []
+    for row in range(2000):
+        env.reset(EnvRow(prompt_ids=[row, 5], prompt_text=""))
+        draws += [env.latency(t) for t in range(3)]
+    env.reset(EnvRow(prompt_ids=[0, 5], prompt_text=""))
+    assert [env.latency(t) for t in range(3)] == draws[:3]  # the same row and turn, the same latency
+    draws.sort()
+    median, p99 = draws[len(draws) // 2], draws[int(0.99 * len(draws))]
+    assert 0.009 < median < 0.011 and 8 < p99 / median < 12.5
 
 
 def test_case_config_samples_the_same_tokens_in_one_or_many_turns(tmp_path):

@@ -138,17 +138,17 @@ def test_tp_group_gathers_budgets_with_their_prompts():
     """Rank 1 of a TP group of 2 (the runtime's TP gather answers with what rank 0 brings): one call
     for the group's prompts at the group's longest budget; a rank without budgets gets ``max_new_tokens``."""
     params = SamplingParams(max_new_tokens=6, n=2)
-    rank0 = ([([[1]], params, None, [2, 3])], False, None)  # (batches, busy, failure)
+    rank0 = ([([[1]], params, None, [2, 3], None)], False, None)  # (batches, busy, failure)
     tp2 = lone_runtime(tp_size=2, tp_rank=1)
     tp2.tp_gather_objects = lambda obj: [rank0, obj]
     engine = RecordingEngine()
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 4)]
     assert [(c.prompt_ids[0], len(c.token_ids)) for c in comps] == [(2, 1), (2, 1), (3, 4), (3, 2)]
-    owners = [(0, 0, [[1]], None, None), (1, 0, [[2], [3]], None, [1, 1, 4, 2])]
+    owners = [(0, 0, [[1]], None, None, None), (1, 0, [[2], [3]], None, [1, 1, 4, 2], None)]
     assert _merged_budgets(owners, params) == [6, 6, 1, 1, 4, 2]
-    assert _merged_budgets([o[:4] + (None,) for o in owners], params) is None
-    rank0 = ([([[1]], params, None, None)], False, None)  # no rank 0 budgets: one call at max_new_tokens; rank 1's are still cut
+    assert _merged_budgets([o[:4] + (None, None) for o in owners], params) is None
+    rank0 = ([([[1]], params, None, None, None)], False, None)  # no rank 0 budgets: one call at max_new_tokens; rank 1's are still cut
     engine = RecordingEngine()
     comps = gather_and_generate(engine, [[2], [3]], params, tp2, max_new_tokens=[1, 1, 4, 2])
     assert [(n, p.max_new_tokens) for n, p in engine.calls] == [(3, 6)] and [len(c.token_ids) for c in comps] == [1, 1, 4, 2]

@@ -57,8 +57,8 @@ def test_sample_greedy_and_logprob_of_sampled():
     tok, lp = sample(logits, 0.0)
     assert tok.tolist() == [1, 0]
     assert torch.allclose(lp, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1))
-    g = torch.Generator().manual_seed(0)
-    tok, lp = sample(logits.repeat(2000, 1), 1.0, top_k=1, generator=g)
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(0))
+    tok, lp = sample(logits.repeat(2000, 1), 1.0, top_k=1, u_B=u)
     assert (tok.view(-1, 2) == torch.tensor([1, 0])).all() and torch.allclose(lp, torch.zeros_like(lp))
 
 

@@ -35,8 +35,9 @@ class Item:
 
 class ScriptedEngine:
     """An incremental engine where sequence j of dataset row i is ``lengths[(i, j)]`` tokens long
-    (it stops there; 1 when not listed), sampling token ``10 + its position`` with logprob ``-(policy_version + 1)``.
-    The prompt's first id is the row index."""
+    (it stops there; 1 when not listed), sampling token ``10 + its position + 100 * policy_version``
+    with logprob ``-(policy_version + 1)``: a token shows which weights sampled it. The prompt's
+    first id is the row index."""
 
     def __init__(self, lengths: dict):
         self.lengths = lengths
@@ -60,7 +61,7 @@ class ScriptedEngine:
     def step(self):
         done = []
         for rid, (r, t, lp, v) in list(self.live.items()):
-            t.append(10 + len(t))
+            t.append(10 + len(t) + 100 * self.policy_version)
             lp.append(-(self.policy_version + 1.0))
             v.append(self.policy_version)
             if len(t) >= self.lengths.get((r.prompt_ids[0], rid % SAMPLE_SLOTS), 1):
@@ -124,6 +125,7 @@ def test_carry_trains_first_complete_groups_and_resumes_the_rest():
     eng.policy_version = 2
     trained, m, version = lt.collect(eng, 3, PARAMS)  # row 0 (4 tokens: 3 of v0, 1 of v1) finishes 1 step later
     assert trained[0].index == 0 and trained[0].seqs[1].versions == [0, 0, 0, 1, 2]
+    assert trained[0].seqs[1].token_ids == [10, 11, 12, 113, 214]  # each token from the weights that sampled it
     assert trained[0].seqs[1].logprobs == [-1.0, -1.0, -1.0, -2.0, -3.0]
     # trained tokens: row 0's 1 + 5, and row 5's or 6's tokens (all fresh); lags of row 0: 2 2 (seq 0: 1 token at v0) ...
     lags = [2 - v for g in trained for s in g.seqs for v in s.versions]
@@ -298,18 +300,24 @@ def test_auto_carry_cuts_a_heavy_tail_and_trains_whole_groups(max_staleness):
     eng = ScriptedEngine(lengths)
     lt = rollout(mode="carry", G=G, n=n, rows=len(lengths) // n, max_staleness=max_staleness)
     params = SamplingParams(max_new_tokens=cap, n=n, seed=1)
-    engine_steps, restarted = [], []
+    engine_steps, restarted, mixed = [], [], 0
     for step in range(1, steps + 1):
         eng.policy_version = step - 1
         trained, m, version = lt.collect(eng, step, params)
         assert len(trained) == G and all(g.complete and len(g.seqs) == n for g in trained)
         assert m["partial/staleness_max"] <= max_staleness
         restarted.append(m["partial/restarted"])
-        for g in trained:  # exactly the sequences a plain rollout samples: same tokens, so same rewards and advantages
+        for g in trained:
             plain = [lengths[(g.index, j)] for j in range(n)]
-            assert [s.token_ids for s in g.seqs] == [[10 + t for t in range(k)] for k in plain]
+            for s in g.seqs:  # each token (and logprob) is the one its stamped version sampled, in order
+                assert s.token_ids == [10 + t + 100 * v for t, v in enumerate(s.versions)]
+                assert s.logprobs == [-(v + 1.0) for v in s.versions] and s.versions == sorted(s.versions)
+                assert step - 1 - s.versions[0] <= max_staleness
+                mixed += len(set(s.versions)) > 1
+            # the lengths (the reward here) are the plain rollout's, so the advantages are too
             assert _grpo_advantages([len(s.token_ids) for s in g.seqs]) == _grpo_advantages(plain)
         engine_steps.append(m["partial/engine_steps"])
+    assert mixed > 0  # carried sequences were trained, sampled by several versions
     steady = engine_steps[steps // 2:]
     # each rollout runs about cap / (max_staleness + 1) steps instead of the cap
     assert sum(steady) / len(steady) <= 1.5 * cap / (max_staleness + 1) + 2, engine_steps

@@ -34,9 +34,10 @@ token before the cut depends on the ones after it).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from tidal.distributed.runtime import Runtime
-from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, supports_incremental
+from tidal.engine.base import Completion, Request, RolloutEngine, SamplingParams, sequence_key, supports_incremental
 from tidal.engine.stepping import run_steps
 
 # How long a rank of a TP group (size > 1) with nothing to decode waits for its environments before
@@ -44,18 +45,25 @@ from tidal.engine.stepping import run_steps
 # turns ready waits for it, at the price of a few rounds per second while the whole group waits.
 TP_POLL_S = 0.005
 
+# GroupGenerator.round's hook: (batch index, sequence index in the batch, completion)
+OnFinished = Callable[[int, int, "Completion"], None]
+
 
 @dataclasses.dataclass(kw_only=True)
 class GenerateBatch:
     """One engine call's worth of a rank's prompts: ``len(prompts) * params.n`` completions come back,
     prompt-major. ``mm_inputs``: one pixel-input dict (or None) per prompt, or None for all text.
     ``max_new_tokens``: None (every sequence gets ``params.max_new_tokens``) or one budget per
-    sequence, prompt-major, each in ``1..params.max_new_tokens`` (:func:`check_budgets`)."""
+    sequence, prompt-major, each in ``1..params.max_new_tokens`` (:func:`check_budgets`).
+    ``keys``: None, or one random-stream key per sequence, prompt-major (:attr:`Request.key`, e.g.
+    the trajectory's :func:`~tidal.engine.base.sequence_key`); honoured by engines with incremental
+    requests (the others key by the position in the call, as ``generate`` does)."""
 
     prompts: list[list[int]]
     params: SamplingParams
     mm_inputs: list[dict | None] | None = None
     max_new_tokens: list[int] | None = None
+    keys: list[int] | None = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,59 +121,90 @@ class GroupGenerator:
         parts = self.runtime.tp_gather_objects((work, busy, failure))
         return parts, [f"rank {self.runtime.tp_ranks[r]}: {p[2]}" for r, p in enumerate(parts) if p[2] is not None]
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None,
+              on_finished: OnFinished | None = None) -> Round:
         """Run this rank's ``batches`` (with every other rank's of the group). ``busy``: this rank
         has work after this round's completions are in (trajectories decoding or waiting).
         ``failure``: this rank is failing (it then brings no batch, and raises after the round); the
-        others find the message in their round's ``failures`` and no engine call is made."""
+        others find the message in their round's ``failures`` and no engine call is made.
+        ``on_finished(j, k, completion)``: called once for each of this rank's completions (batch
+        ``j``, sequence ``k`` in it) with the completion the round returns: the moment it finishes
+        on an engine with incremental requests (between engine steps, through
+        :func:`~tidal.engine.stepping.run_steps`, so work on it overlaps the decode of the rest),
+        when its call returns otherwise."""
         for b in batches:
             if b.max_new_tokens is not None:
                 check_budgets(b.max_new_tokens, len(b.prompts) * b.params.n, b.params.max_new_tokens)
         if self.group_size == 1:
-            return Round(completions=[_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches],
-                         group_busy=busy)
-        parts, failures = self._gather([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens) for b in batches], busy, failure)
+            out = []
+            for j, b in enumerate(batches):
+                hook = None if on_finished is None else (lambda k, c, j=j: on_finished(j, k, c))
+                out.append(_generate(self.engine, b.prompts, b.params, b.mm_inputs, b.max_new_tokens, hook, b.keys))
+            return Round(completions=out, group_busy=busy)
+        parts, failures = self._gather([(b.prompts, b.params, b.mm_inputs, b.max_new_tokens, b.keys) for b in batches],
+                                       busy, failure)
         if failures:
             return Round(completions=[[] for _ in batches], group_busy=False, failures=failures)
         mine: list[list[Completion]] = [[] for _ in batches]
         for params, owners in merge_batches([p[0] for p in parts]):
-            prompts = [p for _, _, ps, _, _ in owners for p in ps]
-            outputs = _generate(self.engine, prompts, params, _merged_mm(owners), _merged_budgets(owners, params))
-            start = 0
-            for rank, j, ps, _, _ in owners:
-                end = start + len(ps) * params.n
+            prompts = [p for _, _, ps, *_ in owners for p in ps]
+            spans, start = [], 0  # (rank, batch, first index in the merged call, end)
+            for rank, j, ps, *_ in owners:
+                spans.append((rank, j, start, start + len(ps) * params.n))
+                start += len(ps) * params.n
+            hook = None if on_finished is None else self._mine(spans, on_finished)
+            outputs = _generate(self.engine, prompts, params, _merged_mm(owners), _merged_budgets(owners, params), hook,
+                                _merged_keys(owners))
+            for rank, j, lo, hi in spans:
                 if rank == self.runtime.tp_rank:
-                    mine[j] = outputs[start:end]
-                start = end
+                    mine[j] = outputs[lo:hi]
         return Round(completions=mine, group_busy=any(p[1] for p in parts))
+
+    def _mine(self, spans: list[tuple[int, int, int, int]], on_finished: OnFinished):
+        """A merged call's per-completion hook: ``on_finished(j, k, c)`` for this rank's completions only."""
+        def hook(i: int, c: Completion) -> None:
+            for rank, j, lo, hi in spans:
+                if lo <= i < hi and rank == self.runtime.tp_rank:
+                    on_finished(j, i - lo, c)
+        return hook
 
 
 def merge_batches(per_rank: list[list[tuple]]) -> list[tuple[SamplingParams, list[tuple]]]:
-    """The engine calls of a round: batches (``(prompts, params, mm_inputs, budgets)``, listed per
-    rank) that differ at most in their seed share one call, in order of first appearance (rank,
+    """The engine calls of a round: batches (``(prompts, params, mm_inputs, budgets, keys)``, listed
+    per rank) that differ at most in their seed share one call, in order of first appearance (rank,
     then batch); the call uses the first batch's parameters (its seed: only TP rank 0 samples).
-    Returns ``[(params, [(rank, batch index, prompts, mm_inputs, budgets), ...]), ...]``;
+    Returns ``[(params, [(rank, batch index, prompts, mm_inputs, budgets, keys), ...]), ...]``;
     deterministic, so every rank derives the same calls from the same gathered list."""
     calls: dict[SamplingParams, tuple[SamplingParams, list[tuple]]] = {}
     for rank, batches in enumerate(per_rank):
-        for j, (prompts, params, mm, budgets) in enumerate(batches):
+        for j, (prompts, params, mm, budgets, keys) in enumerate(batches):
             key = dataclasses.replace(params, seed=None)
-            calls.setdefault(key, (params, []))[1].append((rank, j, prompts, mm, budgets))
+            calls.setdefault(key, (params, []))[1].append((rank, j, prompts, mm, budgets, keys))
     return list(calls.values())
 
 
 def _merged_mm(owners: list[tuple]) -> list[dict | None] | None:
-    if all(mm is None for _, _, _, mm, _ in owners):
+    if all(mm is None for _, _, _, mm, _, _ in owners):
         return None
-    return [m for _, _, ps, mm, _ in owners for m in (mm if mm is not None else [None] * len(ps))]
+    return [m for _, _, ps, mm, _, _ in owners for m in (mm if mm is not None else [None] * len(ps))]
 
 
 def _merged_budgets(owners: list[tuple], params: SamplingParams) -> list[int] | None:
     """The merged call's budgets: None when no batch has any, else each batch's own
     (``params.max_new_tokens`` for a batch without)."""
-    if all(b is None for *_, b in owners):
+    if all(b is None for *_, b, _ in owners):
         return None
-    return [x for _, _, ps, _, b in owners for x in (b if b is not None else [params.max_new_tokens] * (len(ps) * params.n))]
+    return [x for _, _, ps, _, b, _ in owners for x in (b if b is not None else [params.max_new_tokens] * (len(ps) * params.n))]
+
+
+def _merged_keys(owners: list[tuple]) -> list[int] | None:
+    """The merged call's stream keys: None when no batch has any; else every batch must bring its
+    own (a batch without would key by its position in the merged call and could meet another's)."""
+    if all(k is None for *_, k in owners):
+        return None
+    if any(k is None for *_, k in owners):
+        raise ValueError("a round merges batches with and without stream keys: give every batch its keys")
+    return [x for *_, k in owners for x in k]
 
 
 def gather_and_generate(
@@ -191,30 +230,47 @@ def check_budgets(budgets: list[int], n_seqs: int, limit: int) -> None:
 
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
-              budgets: list[int] | None = None) -> list[Completion]:
-    if budgets is not None and supports_incremental(engine):  # one request per sequence, each its own budget
-        return _generate_with_budgets(engine, prompts, params, mm_inputs, budgets)
+              budgets: list[int] | None = None, on_finished: Callable[[int, Completion], None] | None = None,
+              keys: list[int] | None = None) -> list[Completion]:
+    """The call's completions, prompt-major; ``on_finished(i, completion)`` once for each (see
+    :meth:`GroupGenerator.round`); ``keys``: each sequence's stream key (engines with incremental
+    requests)."""
+    if (budgets is not None or on_finished is not None or keys is not None) and supports_incremental(engine):
+        return _generate_requests(engine, prompts, params, mm_inputs, budgets, on_finished, keys)
     if budgets is not None:  # one call at the longest budget, each completion cut at its own
         longest = dataclasses.replace(params, max_new_tokens=max(budgets))
-        return [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
-    if mm_inputs is not None and any(m is not None for m in mm_inputs):
-        return engine.generate(prompts, params, mm_inputs=mm_inputs)
-    return engine.generate(prompts, params)  # text: the plain protocol call every engine has
+        out = [cut_to_budget(c, b) for c, b in zip(_generate(engine, prompts, longest, mm_inputs), budgets, strict=True)]
+    elif mm_inputs is not None and any(m is not None for m in mm_inputs):
+        out = engine.generate(prompts, params, mm_inputs=mm_inputs)
+    else:
+        out = engine.generate(prompts, params)  # text: the plain protocol call every engine has
+    for i, c in enumerate(out if on_finished is not None else ()):
+        on_finished(i, c)
+    return out
 
 
-def _generate_with_budgets(engine, prompts: list[list[int]], params: SamplingParams, mm_inputs,
-                           budgets: list[int]) -> list[Completion]:
-    """Prompt-major completions, sequence i generated with ``max_new_tokens=budgets[i]`` through the
-    engine's request API (no step is spent past a sequence's budget)."""
+def _generate_requests(engine, prompts: list[list[int]], params: SamplingParams, mm_inputs, budgets: list[int] | None,
+                       on_finished: Callable[[int, Completion], None] | None, keys: list[int] | None = None
+                       ) -> list[Completion]:
+    """Prompt-major completions through the engine's request API, as its ``generate`` numbers them
+    (request ``i``: sequence ``i``, group ``i // n``, stream key ``keys[i]`` or, as ``generate``
+    keys it, ``sequence_key(i // n, i % n)``: then the same draws, the same completions), sequence
+    i with ``max_new_tokens=budgets[i]`` when given (no step is spent past a sequence's budget);
+    ``on_finished(i, completion)`` as each finishes."""
     n = params.n
+    budgets = budgets if budgets is not None else [params.max_new_tokens] * (len(prompts) * n)
+    # one dict per prompt, as generate makes them: the engine shares image features among the requests sharing a dict
+    mm = [dict(m) if m is not None else None for m in mm_inputs] if mm_inputs is not None else None
     requests = [
         Request(request_id=i, prompt_ids=prompts[i // n], group_id=i // n,
                 params=dataclasses.replace(params, n=1, max_new_tokens=b),
-                mm_inputs=mm_inputs[i // n] if mm_inputs is not None else None)
+                mm_inputs=mm[i // n] if mm is not None else None,
+                key=keys[i] if keys is not None else sequence_key(i // n, i % n))
         for i, b in enumerate(budgets)
     ]
+    hook = None if on_finished is None else (lambda c: on_finished(c.request_id, c))
     out: list[Completion | None] = [None] * len(requests)
-    for c in run_steps(engine, requests).finished:
+    for c in run_steps(engine, requests, on_finished=hook).finished:
         out[c.request_id] = c
     return out
 

@@ -110,6 +110,18 @@ class Completion:
         return self.finish_reason != "abort"
 
 
+SAMPLES_PER_KEY_GROUP = 1 << 20  # sample indices a group's stream keys tell apart
+
+
+def sequence_key(group_id: int, sample: int) -> int:
+    """The stream key of sample ``sample`` of group ``group_id`` (:attr:`Request.key`): a sequence's
+    random draws belong to its group and sample index, whatever the request carrying it (a
+    multi-turn trajectory's turns, a partial rollout's carried sequence, a plain rollout's sample)."""
+    if not 0 <= sample < SAMPLES_PER_KEY_GROUP:
+        raise ValueError(f"sample index {sample} outside 0..{SAMPLES_PER_KEY_GROUP - 1}")
+    return int(group_id) * SAMPLES_PER_KEY_GROUP + int(sample)
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class Request:
     """One sequence to generate (a prompt with ``n`` samples is ``n`` requests sharing a group).
@@ -122,6 +134,10 @@ class Request:
     token_ids / logprobs / versions: tokens generated earlier (a partial completion): prefilled again
         under the current weights, kept as they are in the completion (with their logprobs and
         versions), and generation continues after them. Empty for a fresh request.
+    key: the key of its random stream: with ``params.seed``, the token at index ``i`` of its
+        sequence is drawn with the uniform of (seed, key, i) (:func:`tidal.engine.sampler.keyed_uniforms`),
+        whatever else is in flight. None: derived from ``request_id``. Callers give a sequence's
+        :func:`sequence_key` so that every request continuing it draws from one stream.
     """
 
     request_id: int | str
@@ -132,6 +148,7 @@ class Request:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    key: int | None = None
 
     def __post_init__(self):
         where = f"request {self.request_id!r}"
@@ -147,8 +164,10 @@ class Request:
                              f"max_new_tokens={self.params.max_new_tokens}")
 
     @classmethod
-    def resume(cls, completion: Completion, params: SamplingParams, mm_inputs: dict | None = None) -> "Request":
-        """The request that continues an unfinished ``completion`` (``finish_reason == "abort"``)."""
+    def resume(cls, completion: Completion, params: SamplingParams, mm_inputs: dict | None = None,
+               key: int | None = None) -> "Request":
+        """The request that continues an unfinished ``completion`` (``finish_reason == "abort"``);
+        ``key``: its stream key (that of the request it continues, when that one had one)."""
         if completion.finished:
             raise ValueError(f"request {completion.request_id!r} finished ({completion.finish_reason}); only an aborted "
                              f"completion resumes")
@@ -156,7 +175,7 @@ class Request:
             raise ValueError("Request.resume needs a completion with request_id and versions (from an incremental engine)")
         return cls(request_id=completion.request_id, prompt_ids=completion.prompt_ids, params=params,
                    group_id=completion.group_id, mm_inputs=mm_inputs, token_ids=list(completion.token_ids),
-                   logprobs=list(completion.logprobs), versions=list(completion.versions))
+                   logprobs=list(completion.logprobs), versions=list(completion.versions), key=key)
 
 
 @runtime_checkable

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from tidal.engine.base import Completion, SamplingParams, eos_ids
+from tidal.engine.base import Completion, SamplingParams, eos_ids, sequence_key
 from tidal.engine.config import EngineConfig
-from tidal.engine.sampler import sample
+from tidal.engine.sampler import keyed_uniforms, sample
 from tidal.models.vision import auto_model_class, collate_mm_inputs, multimodal_body_inputs
 
 
@@ -77,14 +78,16 @@ class HFEngine:
         mm_expanded = [m for m in (mm_inputs or [None] * len(prompts)) for _ in range(params.n)]
         out: list[Completion] = []
         step = max(1, len(expanded)) if self.cfg.max_num_seqs == "auto" else self.cfg.max_num_seqs
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         for s in range(0, len(expanded), step):
-            out.extend(self._generate_batch(expanded[s : s + step], params, gen, mm_expanded[s : s + step]))
+            out.extend(self._generate_batch(expanded[s : s + step], params, (seed, s), mm_expanded[s : s + step]))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gen, mm_rows: list) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, stream: tuple[int, int],
+                        mm_rows: list) -> list[Completion]:
+        """``stream``: (seed, the first row's index in the call): row b (sample ``(first + b) % n``
+        of prompt ``(first + b) // n``) draws its token at index i with the keyed uniform of (seed,
+        its :func:`~tidal.engine.base.sequence_key`, i), as the native engine's ``generate`` does."""
         B = len(prompts)
         L = max(len(p) for p in prompts)
         pad = 0
@@ -108,8 +111,16 @@ class HFEngine:
         cache_key = "cache" if "cache" in out else "past_key_values"  # transformers 5 renamed it (the old name warns)
         past, logits_BV = out[cache_key], out.logits[:, -1]
         next_pos_B = pos.reshape(-1, B, L).amax(0)[:, -1] + 1
-        for _ in range(params.max_new_tokens):
-            tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, gen)
+        seed, first = stream
+        n = params.n
+        keys_B = np.array([sequence_key((first + b) // n, (first + b) % n) for b in range(B)], dtype=np.uint64)
+        index_B = np.array([len(p) for p in prompts])
+        for t in range(params.max_new_tokens):
+            u_B = None
+            if params.temperature > 0:
+                u_B = torch.from_numpy(keyed_uniforms(np.full(B, seed & (2**64 - 1), dtype=np.uint64), keys_B,
+                                                      index_B + t)).to(self.device)
+            tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, u_B)
             for b in range(B):
                 if done[b]:
                     continue

@@ -6,8 +6,19 @@ uniform per row and inverts the row's CDF in two levels (:func:`inverse_cdf`): t
 cumulative mass first exceeds ``u * total``, then the token inside that chunk. On CUDA, when no
 top-k/top-p filter is set, :func:`sample` runs the same two-level inversion as one fused Triton pass
 over the logits (:mod:`tidal.engine.native.kernels.triton_sampling`) instead of materialising the
-fp32 distribution; the distribution and the returned logprobs are the same, only the random stream
-differs from the PyTorch path.
+fp32 distribution; it reads the same uniforms, so the distribution, the returned logprobs and the
+draws are the same (up to the float rounding of the sums at an interval's edge).
+
+Batch-invariant randomness (:func:`keyed_uniforms`): the uniform of a sampled token is a function of
+(seed, request key, position) only, a counter-based generator (SplitMix64: the request's stream
+state from its seed and key, the token's position as the counter), never of which sequences share
+the step or in which order they were added. So a sequence samples the same tokens alone or in any
+batch (given the same logits: batched matmuls may round logits differently, which moves a draw only
+when its uniform falls within that rounding of an interval's edge), a preempted or resumed sequence
+draws again what it drew, and a request that continues a sequence under the same key and seed (a
+multi-turn trajectory's next turn: its positions go on) continues its stream. An engine's request
+key is :func:`request_key` of the request's ``key`` (by default its id; callers give a sequence's
+:func:`tidal.engine.base.sequence_key`).
 
 :func:`process_logits` is the one definition of the processed (target) distribution: speculative
 decoding's acceptance test reads the same function.
@@ -15,6 +26,9 @@ decoding's acceptance test reads the same function.
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 
 CHUNK = 1024  # tokens per chunk of the two-level CDF (the fused kernel splits a row into 16 chunks)
@@ -46,20 +60,56 @@ def sample(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    u_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. Returns (token_B int64, logp_B fp32)."""
+    """Sample one token per row: row b takes the token whose CDF interval holds ``u_B[b]`` (fp32
+    uniforms in [0, 1) on the logits' device, e.g. :func:`keyed_uniforms`; unused, and may be None,
+    when ``temperature == 0``: the argmax). Returns (token_B int64, logp_B fp32)."""
+    if temperature > 0 and (u_B is None or u_B.shape != logits_BV.shape[:1]):
+        raise ValueError(f"sample: temperature {temperature} needs one uniform per row ({logits_BV.shape[0]}), got "
+                         f"{None if u_B is None else tuple(u_B.shape)}")
     if fused_applies(logits_BV.device, top_k, top_p):
         from tidal.engine.native.kernels.triton_sampling import fused_sample
 
-        return fused_sample(logits_BV, temperature, generator)
+        return fused_sample(logits_BV, temperature, u_B)
     logp_BV = process_logits(logits_BV, temperature, top_k, top_p)
     if temperature == 0:
         token_B = logp_BV.argmax(-1)
     else:
-        u_B = torch.rand(logp_BV.shape[0], device=logp_BV.device, generator=generator)
         token_B = inverse_cdf(logp_BV.exp(), u_B)
     return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2**64 / golden ratio, odd)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (Stafford's Mix13): a bijection of uint64 with full avalanche."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_uniforms(seed_B, key_B, pos_B) -> np.ndarray:
+    """The uniform (fp32 in [0, 1), a multiple of 2**-24) of the token at position ``pos_B`` (its
+    index in the sequence, prompt included) of the request ``key_B`` sampled with ``seed_B``; all
+    three uint64-like arrays (or scalars) of one shape. Counter-based: SplitMix64 (Steele, Lea and
+    Flood, 2014) with stream state ``mix(mix(seed + golden) ^ key)`` and counter ``pos + 1``, so the
+    value depends on nothing else (not the batch, not the order of calls)."""
+    seed_B, key_B, pos_B = (np.asarray(a).astype(np.uint64) for a in (seed_B, key_B, pos_B))
+    with np.errstate(over="ignore"):
+        state_B = _mix64(_mix64(seed_B + _GOLDEN) ^ key_B)
+        z_B = _mix64(state_B + (pos_B + np.uint64(1)) * _GOLDEN)
+    return (z_B >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def request_key(request_id: int | str) -> int:
+    """The key of a request's random stream (:func:`keyed_uniforms`): an int id itself (mod 2**64),
+    a str id its BLAKE2b digest (stable across processes, unlike ``hash``)."""
+    if isinstance(request_id, str):
+        return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+    return int(request_id) & _MASK64
 
 
 def inverse_cdf(p_BV: torch.Tensor, u_B: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:

@@ -75,12 +75,14 @@ class EnvConfig:
     max_tool_calls_per_turn: tool calls executed per turn; further calls in the same turn get an
         error observation instead of running.
     workers: threads that run environment steps (and so tool calls) while the engine decodes.
-    lockstep: multi-turn rollouts reproducible for a fixed ``run.seed``: each round of turns waits
-        for every environment step before decoding (batch ``generate`` calls, never the continuous
-        loop), so which trajectories share an engine call, and so the random numbers each one
-        draws, no longer depend on how fast tools answer. Costs the overlap of tools with decoding
-        (the engine idles while the slowest step of a round runs). Off: turns are decoded as their
-        observations arrive, and two runs with the same seed may sample different trajectories.
+    lockstep: each round of turns waits for every environment step before any next turn is
+        decoded (the engine idles while the slowest step of a round runs; in a rollout TP group,
+        each rank's round waits for that rank's steps). Reproducibility does not
+        need it on the native engine: each token's random number is keyed by (seed, trajectory,
+        position), so two runs with the same ``run.seed`` sample the same trajectories whatever the
+        tools' timing, lockstep or not. Engines without incremental requests (``hf``, vLLM, SGLang)
+        decode in rounds of batch ``generate`` calls whose draws depend on the round's batch: there
+        lockstep is what makes rollouts reproducible.
     on_error: an environment whose ``reset``/``step`` raises or times out: ``raise`` stops the run
         with an error naming the environment, the row and the turn; ``drop`` ends that trajectory,
         counts it (``env/errors``) and leaves it out of the loss.

@@ -31,15 +31,24 @@ in it do not overlap: a trajectory whose tool answered waits for the next round.
 Both loops share the builders, the renderer, the pool, the limits and the error handling, and give
 the same trajectories under greedy decoding.
 
-Reproducibility (``env.lockstep``): which trajectories share an engine call depends on when their
-tools answer, and an engine call draws its random numbers for its batch as a whole, so with
-sampling two runs with the same seed may differ. With ``env.lockstep`` the rollout runs in rounds
-and each round first waits for every environment step: its batches, and so its samples, depend only
-on the seed, the weights and what the environments return.
+Reproducibility: on an engine with incremental requests every token of a trajectory is drawn with
+a uniform keyed by (the rollout's seed, the trajectory's request id, the token's index in it)
+(:func:`~tidal.engine.sampler.keyed_uniforms`), so with sampling two runs with the same seed give
+the same trajectories whatever the tools' timing and whichever turns share an engine step (given
+environments that answer the same). ``env.lockstep`` only makes each round of turns wait for every
+environment step (continuous loop: a trajectory's next turn is added once the engine is idle and
+every step has answered); it is what makes rollouts reproducible on engines without incremental
+requests (rounds: a batch ``generate`` call keys its draws by the sequence's index in the call, so
+there it is the round's composition that must not depend on timing).
 
-Single turn: with ``env.name: single_turn`` this makes exactly one ``generate(prompts, params)``
-call on every engine (rounds), with the same prompts (each row's ids) and the same sampling
-parameters (``n`` included) as a plain rollout, so the completions are those of a plain rollout.
+Single turn: with ``env.name: single_turn`` this makes exactly one engine call on every engine
+(rounds), with the same prompts (each row's ids) and the same sampling parameters (``n`` included)
+as a plain rollout, so the completions are those of a plain rollout. Through a
+:class:`~tidal.distributed.generate.GroupGenerator` over an engine with incremental requests that
+call is the engine's requests numbered as its ``generate`` numbers them (the same keyed draws, the
+same completions), stepped by :func:`~tidal.engine.stepping.run_steps`, whose ``on_finished``
+hands each sequence to its trajectory the moment it finishes: the trajectory ends and is reported
+to ``on_trajectory`` (the trainer scores its group then) while the rest of the batch decodes.
 
 Limits (``env.*``): ``max_turns``; ``max_tokens_per_turn`` (each turn's ``max_new_tokens``: it, or
 the sampler's when it is 0, and never more than what is left of ``max_total_tokens``); ``max_total_tokens``
@@ -60,8 +69,8 @@ import time
 from collections import Counter, defaultdict
 from typing import Any, Callable, Protocol
 
-from tidal.distributed.generate import Exchange, GenerateBatch, Round, check_budgets, force_end
-from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, supports_incremental
+from tidal.distributed.generate import Exchange, GenerateBatch, OnFinished, Round, check_budgets, force_end
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, sequence_key, supports_incremental
 from tidal.engine.stepping import run_steps
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
 from tidal.envs.chat import ChatRenderer
@@ -83,7 +92,8 @@ class Generator(Protocol):
     group_size: int  # ranks of the TP group
     rank: int  # this rank's index in it
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round: ...
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None,
+              on_finished: OnFinished | None = None) -> Round: ...
 
     def exchange(self, requests: list[Request], *, busy: bool, failure: str | None = None) -> Exchange: ...
 
@@ -100,11 +110,14 @@ class LocalGenerator:
     def __init__(self, generate: Generate):
         self.generate = generate
 
-    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None) -> Round:
+    def round(self, batches: list[GenerateBatch], *, busy: bool, failure: str | None = None,
+              on_finished: OnFinished | None = None) -> Round:
         out = []
-        for b in batches:  # mm_inputs only when a prompt has images: engines without them never see it
+        for j, b in enumerate(batches):  # mm_inputs only when a prompt has images: engines without them never see it
             extra = {"mm_inputs": b.mm_inputs} if b.mm_inputs is not None else {}
             out.append(self.generate(b.prompts, b.params, **extra))
+            for k, c in enumerate(out[-1] if on_finished is not None else ()):  # once the call returns
+                on_finished(j, k, c)
         return Round(completions=out, group_busy=busy)
 
 
@@ -126,6 +139,7 @@ class _Episode:
     env: Environment
     row: EnvRow
     group_id: int
+    sample: int  # its index among its row's n trajectories: with group_id, the key of its random stream
     builder: TrajectoryBuilder | None = None
     tools: list[dict] | None = None  # tool schemas of the first observation (history: template)
     last_turn: ModelTurn | None = None
@@ -182,14 +196,14 @@ class EnvRollout:
         if budgets is not None and self.cfg.name != "single_turn":
             raise ValueError(f"per-sequence budgets (ExperienceMaker.completion_budget) apply to single-turn rollouts; "
                              f"env.name is {self.cfg.name!r}: bound its trajectories with env.max_total_tokens instead")
-        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i)
-                    for i, row in enumerate(rows) for _ in range(params.n)]
+        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i, sample=j)
+                    for i, row in enumerate(rows) for j in range(params.n)]
         if budgets is not None:
             check_budgets(budgets, len(episodes), params.max_new_tokens)
             for ep, b in zip(episodes, budgets):
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
-        engine = None if self.single_turn or budgets is not None or self.cfg.lockstep else incremental_engine(generate)
+        engine = None if self.single_turn or budgets is not None else incremental_engine(generate)
         run = _Run(self, episodes, gen, params, end_token_id, on_trajectory)
         try:
             run.loop() if engine is None else run.loop_continuous(engine)
@@ -413,21 +427,38 @@ class _Run:
             budgets = [min(limit, self.episodes[i].budget or limit) for i in idx]  # prompt-major: idx runs n per prompt
             batches.append(GenerateBatch(prompts=[contexts[j] for j in reps], params=params,
                                          mm_inputs=mm if any(m is not None for m in mm) else None,
-                                         max_new_tokens=budgets if budgets != [limit] * len(idx) else None))
+                                         max_new_tokens=budgets if budgets != [limit] * len(idx) else None,
+                                         keys=[sequence_key(self.episodes[i].group_id, self.episodes[i].sample) for i in idx]))
             members.append(idx)
         t0 = time.perf_counter()
-        rnd = self.gen.round(batches, busy=bool(batches) or len(self.pool) > 0)
+        rnd = self.gen.round(batches, busy=bool(batches) or len(self.pool) > 0,
+                             on_finished=lambda j, k, c: self._turn_finished(members[j][k], c))
         self.timing["generate_s"] += time.perf_counter() - t0
         if rnd.failures:
             raise EnvError(f"another rank of the rollout TP group failed: {rnd.failures[0]}")
         for idx, completions in zip(members, rnd.completions):
             if len(completions) != len(idx):
                 raise RuntimeError(f"the engine returned {len(completions)} completions for {len(idx)} trajectories")
-            if self.end_token_id is not None:
-                completions = [force_end(c, self.episodes[i].budget, self.end_token_id) if self.episodes[i].budget else c
-                               for i, c in zip(idx, completions)]
-            self._take_turns(idx, completions)
+        if self.failure is not None:  # an environment error met while the round decoded
+            with self._failing_together():
+                raise self.failure
         return rnd.group_busy
+
+    def _turn_finished(self, i: int, c: Completion) -> None:
+        """A round's completion for trajectory ``i``, the moment it finishes (engines with
+        incremental requests: while the rest of the round decodes): its turn is taken and handed to
+        the pool, and the answers in by now are taken too, so a trajectory that ends here (a single
+        turn's) is reported to ``on_trajectory`` (and scored) while the others decode. An error
+        in them is raised after the round (:meth:`_decode`), so every rank's round completes."""
+        ep = self.episodes[i]
+        if self.end_token_id is not None and ep.budget:
+            c = force_end(c, ep.budget, self.end_token_id)
+        self._take_turns([i], [c])
+        if self.failure is None:
+            try:
+                self._collect(block=False)
+            except Exception as e:
+                self.failure = e
 
     def _take_turns(self, idx: list[int], completions: list[Completion]) -> None:
         """Append each completion to its trajectory exactly as sampled and hand the turn to the pool."""
@@ -471,14 +502,17 @@ class _Run:
             self.timing["generate_s"] += time.perf_counter() - self.stepped_at
         mine, self.turns_done = self.turns_done, []
         self._take_turns([int(c.request_id) // size for c in mine], mine)
+        decoding = engine.has_unfinished()
         if self.failure is None:
-            try:
-                idle = not engine.has_unfinished() and not self.ready
+            try:  # lockstep: with the engine idle, wait for every environment step (a round's barrier)
+                idle = not decoding and (self.cfg.lockstep or not self.ready)
                 self._collect(block=idle, timeout=self.gen.poll_s)
             except Exception as e:
                 self.failure = e
         failure = self.failure
-        ex = self.gen.exchange(self._requests(size, rank) if failure is None else [], busy=len(self.pool) > 0,
+        hold = self.cfg.lockstep and (decoding or len(self.pool) > 0)  # lockstep: the next turns wait for the round
+        mine = self._requests(size, rank) if failure is None and not hold else []
+        ex = self.gen.exchange(mine, busy=len(self.pool) > 0 or bool(self.ready),
                                failure=None if failure is None else f"{type(failure).__name__}: {failure}")
         if failure is not None:
             raise failure
@@ -491,18 +525,21 @@ class _Run:
         """The next turn of every ready trajectory, one request each (episode order, so the n
         samples of a row are adjacent and share their prompt's prefill); ``max_new_tokens`` is the
         turn's limit; the id ``episode * size + rank`` is unique over the TP group (one turn per
-        trajectory is in flight at a time)."""
+        trajectory is in flight at a time); the stream key is the trajectory's (its group and sample
+        index, :func:`~tidal.engine.base.sequence_key`) for all its turns, as is the seed (the
+        rollout's): the engine draws the token at index ``i`` of the trajectory's context with the
+        keyed uniform of (seed, key, i) (:func:`~tidal.engine.sampler.keyed_uniforms`), so its
+        tokens do not depend on which turns share its steps, nor so on the tools' timing."""
         if not self.ready:
             return []
         ready, self.ready = sorted(self.ready), []
-        seed = None if self.params.seed is None else self.params.seed + self.calls  # an idle engine reseeds
         self.calls += 1
         out = []
         for i in ready:
             ep = self.episodes[i]
-            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep), seed=seed)
+            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep))
             out.append(Request(request_id=i * size + rank, prompt_ids=ep.builder.context_ids, params=params,
-                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs))
+                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs, key=sequence_key(ep.group_id, ep.sample)))
         return out
 
     # ---- metrics -----------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ trained later: so a sequence spans at most ``max_staleness + 1`` rollouts and is
 The G groups trained are, in ``carry``, the complete groups with the oldest tokens first, in
 ``drop`` the first to complete; they enter the batch ordered by group id (oldest prompts first), so
 a rollout that cuts nothing (``oversample: 0``) is exactly a plain rollout: the same requests in the
-same order, the same seed, the same group ids.
+same order, the same seed, the same group ids, the same stream keys (a sequence draws from its group
+and sample index, :func:`~tidal.engine.base.sequence_key`, in a plain rollout as here, so a carried
+sequence keeps its stream across rollouts).
 
 ``carry``: what is left (unfinished sequences with their tokens, sampling logprobs and per-token
 policy versions, finished members of incomplete groups, complete groups beyond G) is kept by
@@ -48,7 +50,7 @@ from collections import Counter
 from typing import Any, Callable, Sequence
 
 from tidal.distributed.generate import force_end
-from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental
+from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental, sequence_key
 from tidal.engine.stepping import EngineRun, GroupsComplete, run_steps
 from tidal.envs.base import EnvRow
 from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
@@ -269,7 +271,7 @@ class LongTailRollout:
                 out.append(Request(request_id=g.gid * SAMPLE_SLOTS + j, prompt_ids=list(item.prompt_ids), group_id=g.gid,
                                    params=dataclasses.replace(params, n=1, max_new_tokens=s.budget),
                                    mm_inputs=item.mm_inputs, token_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                                   versions=list(s.versions)))
+                                   versions=list(s.versions), key=sequence_key(g.gid, j)))
         return out
 
     def _run(self, engine: IncrementalEngine, groups: list[GroupState], requests: list[Request], version: int

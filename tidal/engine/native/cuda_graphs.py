@@ -9,9 +9,9 @@ attention reads the context lengths from device memory (``ops.graph_safe``).
 Two kinds of graph, keyed by (bucket, temperature): with a temperature, the step's logits and its
 fused sampling (no top-k/top-p: :func:`tidal.engine.sampler.fused_applies`) are in the graph too,
 which then yields ``[2, B]`` float64 (token ids, logprobs; zeros on TP ranks other than the first)
-and reads its Philox seed from a device buffer filled from the caller's generator before each
-replay, the same draw the eager path makes. Without (temperature None), it yields the final
-hidden states and the caller samples.
+and reads each row's uniform from a device buffer filled with the caller's keyed uniforms
+(:func:`tidal.engine.sampler.keyed_uniforms`) before each replay, the draw the eager path makes.
+Without (temperature None), it yields the final hidden states and the caller samples.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ class DecodeGraphs:
         self.bufs = {
             "inputs": z(4, n, dt=torch.int64),  # ids, positions, slots, context lengths
             "bt": z(n, self.max_blocks, dt=torch.int32),
-            "seed": z(1, dt=torch.int64),
+            "u": z(n, dt=torch.float32),  # each row's uniform (padded rows: 0)
         }
         self.host = [(torch.zeros(4 * n, dtype=torch.int64, pin_memory=True),
-                      torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True)) for _ in range(2)]
+                      torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True),
+                      torch.zeros(n, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
 
     def _meta(self, bs: int) -> AttnMetadata:
         inputs = self.bufs["inputs"]
@@ -88,7 +89,7 @@ class DecodeGraphs:
         out_2B = torch.zeros(2, bs, dtype=torch.float64, device=self.device)
         logits_BV = self.model.compute_logits(hidden_BH)
         if logits_BV is not None:  # TP rank 0
-            token_B, logp_B = fused_sample(logits_BV, temperature, seed=self.bufs["seed"])
+            token_B, logp_B = fused_sample(logits_BV, temperature, self.bufs["u"][:bs])
             out_2B[0], out_2B[1] = token_B, logp_B
         return out_2B
 
@@ -117,20 +118,20 @@ class DecodeGraphs:
         return graph
 
     def run(self, inputs: np.ndarray, bt: np.ndarray, scratch_block: int, ids_dev=None,
-            temperature: float | None = None, generator: torch.Generator | None = None,
-            draws: bool = True) -> torch.Tensor:
+            temperature: float | None = None, uniforms: np.ndarray | None = None) -> torch.Tensor:
         """Replay the bucket for ``B`` rows: ``inputs`` ``[4, B]`` (input token, position, cache slot,
         context length), ``bt`` the block tables ``[B, width]``; input tokens from ``ids_dev`` on the
         device if given. Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples
-        ``[2, B]`` (a view of the graph's output, valid until the next replay); ``draws``: this rank
-        draws the seed from ``generator`` (TP rank 0; the others' graphs do not sample)."""
+        ``[2, B]`` (a view of the graph's output, valid until the next replay), the row's token drawn
+        with ``uniforms[b]`` (fp32 ``[B]``; None on TP ranks other than the first: their graphs do
+        not sample)."""
         n = inputs.shape[1]
         bs = next(b for b in self.buckets if b >= n)
         if self.bufs is None:
             before = torch.cuda.memory_reserved(self.device)
             self._alloc_buffers()
             self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
-        host_flat, host_bt = self.host[self.parity]
+        host_flat, host_bt, host_u = self.host[self.parity]
         self.parity ^= 1
         host = host_flat[: 4 * bs].view(4, bs)  # contiguous, so the copy below stays asynchronous
         staged = host.numpy()
@@ -150,10 +151,11 @@ class DecodeGraphs:
         key = (bs, temperature)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
-        if temperature is not None and draws:
-            from tidal.engine.native.kernels.triton_sampling import draw_seed
-
-            draw_seed(generator, self.device, out=self.bufs["seed"])
+        if temperature is not None and uniforms is not None:
+            staged_u = host_u[:bs]
+            staged_u.numpy()[:n] = uniforms
+            staged_u.numpy()[n:] = 0.0
+            self.bufs["u"][:bs].copy_(staged_u, non_blocking=True)
         self.graphs[key].replay()
         out = self.outs[key]
         return out[:n] if temperature is None else out[:, :n]

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine import sizing
-from tidal.engine.base import Completion, Request, SamplingParams, eos_ids
+from tidal.engine.base import Completion, Request, SamplingParams, eos_ids, sequence_key
 from tidal.engine.config import EngineConfig
 from tidal.engine.native.block_manager import BlockManager
 from tidal.engine.native.kernels import get_ops
@@ -48,6 +48,7 @@ from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
 from tidal.engine.native.speculative import Speculator
+from tidal.engine.sampler import request_key
 from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
 
@@ -260,9 +261,13 @@ class NativeEngine:
     def add(self, requests: Seq[Request]) -> None:
         """Queue ``requests`` (see :class:`~tidal.engine.base.IncrementalEngine`). All requests in
         flight sample from one distribution: the first request added to an idle engine sets its
-        temperature, top-k and top-p (and seeds the random stream with its ``seed``); a request with
-        another distribution is refused until they finish. Its ``max_new_tokens``, stop tokens and
-        ``ignore_eos`` are its own. Nothing is added when any request is invalid."""
+        temperature, top-k and top-p; a request with another distribution is refused until they
+        finish. Its ``max_new_tokens``, stop tokens, ``ignore_eos`` and random stream are its own:
+        the token at index ``i`` of its sequence is drawn with the uniform
+        :func:`~tidal.engine.sampler.keyed_uniforms` of ``(params.seed, key, i)`` (``key``: the
+        request's :attr:`~tidal.engine.base.Request.key`, else its id; see :func:`request_key`)
+        (a seed drawn from torch's default generator when ``params.seed`` is None), whatever else is
+        in flight. Nothing is added when any request is invalid."""
         mm = {}  # id(mm_inputs) -> MultimodalPrompt, shared by the requests that share the dict
         for r in requests:
             if r.mm_inputs is not None and id(r.mm_inputs) not in mm:
@@ -298,7 +303,8 @@ class NativeEngine:
             stop = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else frozenset(self.eos_token_ids))
             seq = Sequence(next(self._seq_ids), r.request_id, r.group_id, list(r.prompt_ids),
                            stop_set=self.scheduler.stop_set(stop), mm=m, old_logprobs=list(r.logprobs),
-                           old_versions=list(r.versions), version=self._policy_version)
+                           old_versions=list(r.versions), version=self._policy_version,
+                           seed=self._seed(r.params.seed), key=request_key(r.request_id if r.key is None else r.key))
             slot = self.table.add(seq, list(r.prompt_ids) + list(r.token_ids), max_len)
             self.scheduler.add(slot)
             self.spec.add(seq)
@@ -318,7 +324,7 @@ class NativeEngine:
                 raise ValueError(f"requests sampling with temperature/top_k/top_p {key} while others in flight sample "
                                  f"with {cur}: requests in flight share one distribution (finish or abort them first)")
             return self._sampling
-        return SamplingState(first.temperature, first.top_k, first.top_p, self._generator(first.seed))
+        return SamplingState(first.temperature, first.top_k, first.top_p)
 
     def step(self) -> list[Completion]:
         """Run one step (and schedule the next decode step ahead); returns the completions that
@@ -428,7 +434,8 @@ class NativeEngine:
         ``mm_inputs[i]``: the pixel inputs of prompt i's images (None for a text prompt; see
         :mod:`tidal.models.vision`), its ids already holding the placeholders. Vision-language models
         only (Qwen2-VL / Qwen2.5-VL); the images' features are computed once per prompt. Refused
-        while incremental requests are in flight."""
+        while incremental requests are in flight. Sample ``j`` of prompt ``i`` is request
+        ``i * n + j`` of group ``i``, drawing from stream key ``sequence_key(i, j)``."""
         if self.sleep_level:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
         self._require_idle("generate()")
@@ -443,7 +450,8 @@ class NativeEngine:
                 mm[i] = dict(m)  # one dict per prompt: add() shares its image features among its n samples only
         one = dataclasses.replace(params, n=1)
         n = params.n
-        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i])
+        requests = [Request(request_id=i * n + j, prompt_ids=p, params=one, group_id=i, mm_inputs=mm[i],
+                            key=sequence_key(i, j))
                     for i, p in enumerate(prompts) for j in range(n)]
         out: list[Completion | None] = [None] * len(requests)
         for c in run_steps(self, requests).finished:
@@ -457,9 +465,9 @@ class NativeEngine:
             self.spec.step += 1
         self.stats["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
 
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None or not self.tp.is_first:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
+    def _seed(self, seed: int | None) -> int:
+        """A request's stream seed (uint64): its own, or one drawn from torch's default generator
+        (only TP rank 0 samples: the other ranks' draws are unused)."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        return int(seed) & (2**64 - 1)

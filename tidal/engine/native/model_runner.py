@@ -29,17 +29,17 @@ from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
 from tidal.engine.native.sequence import SequenceTable
 from tidal.engine.native.speculative.acceptance import VOID, accept
-from tidal.engine.sampler import fused_applies, sample
+from tidal.engine.sampler import fused_applies, keyed_uniforms, sample
 
 
 @dataclasses.dataclass
 class SamplingState:
-    """The processed distribution of one generate call, and its random stream (TP rank 0 only)."""
+    """The processed distribution the requests in flight share (their random streams are their own:
+    the table's ``rng_seed``/``rng_key``)."""
 
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator | None
 
     def fused_on(self, device: torch.device) -> bool:
         """Whether decode CUDA graphs sample in the graph (the fused sampler's distributions)."""
@@ -174,7 +174,8 @@ class ModelRunner:
         )
         sample_rows = (cu[1:] - 1)[batch.sampling]
         extra = self._multimodal_inputs(batch, table, start, flat_dev[0]) if self.model.multimodal else {}
-        return flat_dev[0], flat_dev[1], meta, sample_rows, extra
+        draws = (rows[batch.sampling], ctxs[batch.sampling])  # each sampled token's slot and index
+        return flat_dev[0], flat_dev[1], meta, sample_rows, extra, draws
 
     def _multimodal_inputs(self, batch: Batch, table: SequenceTable, start: np.ndarray, ids_T: torch.Tensor) -> dict:
         """For a prefill batch holding image prompts: the embeddings with the image features in the
@@ -264,7 +265,8 @@ class ModelRunner:
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         verify = batch.draft_lens is not None  # a decode step verifying drafts
         if batch.is_prefill:
-            ids, pos, meta, rows, extra = self._prefill_inputs(batch, table)
+            ids, pos, meta, rows, extra, (slots, index) = self._prefill_inputs(batch, table)
+            u = self._uniforms(table, slots, index, sampling)
             t1 = time.perf_counter()
             hidden = self.model(ids, pos, meta, **extra)
             n = len(rows)
@@ -274,15 +276,17 @@ class ModelRunner:
                 inputs, bt, draft_T, group_T = self._verify_inputs(batch, table)
             else:
                 inputs, bt = self._decode_inputs(batch, table)
+                group_T = None
             n = inputs.shape[1]
+            # row t samples the token at index inputs[3, t] (its context length) of its sequence
+            u = self._uniforms(table, batch.rows if group_T is None else batch.rows[group_T], inputs[3], sampling)
             ids_dev = self._ahead_ids(batch.src_rows, prev, inputs[0]) if batch.src_rows is not None else None
             t1 = time.perf_counter()
             if self.graphs is not None and self.graphs.fits(n):
                 # the logits and the draw are in the graph too (not for a verify step: it accepts)
                 in_graph = sampling.fused_on(self.device) and not verify
                 res = self.graphs.run(inputs, bt, self.num_blocks, ids_dev,
-                                      temperature=sampling.temperature if in_graph else None,
-                                      generator=sampling.generator, draws=self.tp.is_first)
+                                      temperature=sampling.temperature if in_graph else None, uniforms=u)
                 if in_graph:
                     samples = res.contiguous()
                 else:
@@ -303,9 +307,9 @@ class ModelRunner:
         if samples is not None:
             handle = self._publish(samples)
         elif verify:
-            handle = self._verify(logits, draft_T, group_T, sampling)
+            handle = self._verify(logits, draft_T, group_T, u, sampling)
         else:
-            handle = self._sample(logits, n, sampling)
+            handle = self._sample(logits, n, u, sampling)
         self.timings["submit_s"] += time.perf_counter() - t1
         return handle
 
@@ -321,23 +325,33 @@ class ModelRunner:
         idx = self._tensor(np.stack([np.maximum(src_rows, 0), src_rows >= 0, host_ids]), torch.int64)
         return torch.where(idx[1].bool(), out[idx[0]].long(), idx[2])
 
-    def _sample(self, logits_BV, n: int, sampling: SamplingState) -> StepHandle:
+    def _uniforms(self, table: SequenceTable, slots: np.ndarray, index: np.ndarray, sampling: SamplingState
+                  ) -> np.ndarray | None:
+        """The keyed uniform of each sampled token (``slots``: its sequence's slot, ``index``: its
+        index in the sequence); None where nothing is drawn (greedy, or a TP rank but the first)."""
+        if sampling.temperature == 0 or not self.tp.is_first:
+            return None
+        return keyed_uniforms(table.rng_seed[slots], table.rng_key[slots], index)
+
+    def _sample(self, logits_BV, n: int, u: np.ndarray | None, sampling: SamplingState) -> StepHandle:
         out = torch.empty(2, n, dtype=torch.float64, device=self.device)
         if n == 0:
             return StepHandle(out, out.cpu(), None)
         if self.tp.is_first:
-            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, sampling.generator)
+            u_B = None if u is None else self._tensor(u, torch.float32)
+            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, u_B)
             out[0], out[1] = token_B, logp_B
         return self._publish(out)
 
-    def _verify(self, logits_TV, draft_T: np.ndarray, group_T: np.ndarray, sampling: SamplingState) -> StepHandle:
+    def _verify(self, logits_TV, draft_T: np.ndarray, group_T: np.ndarray, u: np.ndarray | None,
+                sampling: SamplingState) -> StepHandle:
         """Accept the drafts on TP rank 0 (:func:`~tidal.engine.native.speculative.acceptance.accept`)
         and share the emitted tokens: ``[2, T]`` (token or ``VOID``, logprob) per computed position."""
         out = torch.empty(2, len(draft_T), dtype=torch.float64, device=self.device)
         if self.tp.is_first:
             token_T, logp_T = accept(logits_TV, self._tensor(draft_T, torch.int64), self._tensor(group_T, torch.int64),
-                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                     generator=sampling.generator)
+                                     None if u is None else self._tensor(u, torch.float32),
+                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
             out[0], out[1] = token_T, logp_T
         return self._publish(out)
 

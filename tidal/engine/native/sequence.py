@@ -19,6 +19,8 @@ Per slot ``s`` (``N = num_tokens[s]``, ``P = num_prompt[s]``):
 - ``gen[s]`` counts the slot's owners: a batch scheduled ahead tells a live row from a row whose
   sequence finished meanwhile by comparing it.
 - ``order[s]``: when it was last admitted to run (the most recent is preempted first).
+- ``rng_seed[s]``, ``rng_key[s]``: the seed and key of its random stream; the token at index ``i``
+  is drawn with :func:`tidal.engine.sampler.keyed_uniforms` of ``(rng_seed, rng_key, i)``.
 """
 
 from __future__ import annotations
@@ -49,14 +51,15 @@ STOP, LENGTH, ABORT = 1, 2, 3
 class Sequence:
     """What a sequence's steps never change. ``old_logprobs``/``old_versions``: those of the resumed
     tokens (``num_resumed`` of them, right after the prompt). ``mm``: the prompt's images (shared by
-    the sequences of one prompt, read-only here)."""
+    the sequences of one prompt, read-only here). ``seed``/``key``: its random stream (uint64 values;
+    see ``rng_seed`` in the module docstring)."""
 
     __slots__ = ("seq_id", "request_id", "group_id", "prompt_ids", "slot", "stop_set", "mm",
-                 "old_logprobs", "old_versions", "version")
+                 "old_logprobs", "old_versions", "version", "seed", "key")
 
     def __init__(self, seq_id: int, request_id, group_id, prompt_ids: list[int], *, stop_set: int,
                  mm: "MultimodalPrompt | None" = None, old_logprobs: list[float] | None = None,
-                 old_versions: list[int] | None = None, version: int = 0):
+                 old_versions: list[int] | None = None, version: int = 0, seed: int = 0, key: int = 0):
         self.seq_id = seq_id
         self.request_id = request_id
         self.group_id = group_id
@@ -67,6 +70,8 @@ class Sequence:
         self.old_logprobs = old_logprobs or []
         self.old_versions = old_versions or []
         self.version = version
+        self.seed = seed
+        self.key = key
 
     @property
     def num_resumed(self) -> int:
@@ -99,6 +104,7 @@ class SequenceTable:
         "status": np.int8, "finish": np.int8, "gen": np.int64, "num_tokens": np.int64, "num_prompt": np.int64,
         "max_len": np.int64, "num_cached": np.int64, "num_blocks": np.int64, "num_hashed": np.int64,
         "last_hash": np.uint64, "rope_delta": np.int64, "stop_set": np.int64, "order": np.int64,
+        "rng_seed": np.uint64, "rng_key": np.uint64,
     }
 
     def __init__(self, block_size: int, capacity: int = 64):
@@ -130,6 +136,7 @@ class SequenceTable:
         self.num_tokens[s], self.num_prompt[s], self.max_len[s] = n, len(seq.prompt_ids), max_len
         self.num_cached[s] = self.num_blocks[s] = self.num_hashed[s] = 0
         self.rope_delta[s], self.stop_set[s] = seq.rope_delta, seq.stop_set
+        self.rng_seed[s], self.rng_key[s] = seq.seed, seq.key
         self.seqs[s] = seq
         seq.slot = s
         return s

@@ -7,11 +7,13 @@ kernel per row merges them and draws: one uniform ``u`` per row, the chunk whose
 first exceeds ``u * total`` (the chunk sums' prefix made monotone and flat over empty chunks, as in
 :func:`tidal.engine.sampler.monotone_cdf`), then a scan of that chunk alone for the token whose
 cumulative mass first exceeds the rest, falling back to the chunk's last token of positive mass.
-So a draw costs one Philox call per row and one extra read of a sixteenth of the row, the same
-two-level inversion as :func:`tidal.engine.sampler.inverse_cdf`. ``temperature == 0`` takes the
-argmax and returns the untempered logprob, like :func:`tidal.engine.sampler.process_logits`. The
-uniform comes from Triton's Philox stream keyed by a seed drawn from the caller's generator, so
-seeded runs are reproducible.
+So a draw costs one load of its row's uniform and one extra read of a sixteenth of the row, the
+same two-level inversion as :func:`tidal.engine.sampler.inverse_cdf`. ``temperature == 0`` takes
+the argmax and returns the untempered logprob, like :func:`tidal.engine.sampler.process_logits`.
+The uniforms are the caller's (``u_B``, one fp32 per row: the engine's keyed uniforms,
+:func:`tidal.engine.sampler.keyed_uniforms`), the ones the PyTorch path reads, so both paths draw
+the same token for a row whatever the batch (up to the float rounding of the sums at an interval's
+edge).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _monotone_prefix(w):
 
 
 @triton.jit
-def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, part_ptr, tok_ptr, logp_ptr,
+def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, u_ptr, part_ptr, tok_ptr, logp_ptr,
                            GREEDY: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, NCHUNK)
@@ -86,7 +88,7 @@ def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, par
         tok = tl.sum(tl.where(c == win, tl.load(base + 3), 0.0), axis=0).to(tl.int32)
     else:
         cdf = _monotone_prefix(mass)
-        target = tl.rand(tl.load(seed_ptr), row) * tl.max(cdf, axis=0)
+        target = tl.load(u_ptr + row).to(tl.float32) * tl.max(cdf, axis=0)  # as inverse_cdf: u * total
         last = tl.max(tl.where(mass > 0, c, -1), axis=0)
         ch = tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), last)  # first prefix above the target
         rest = target - tl.sum(tl.where(c == ch - 1, cdf, 0.0), axis=0)
@@ -119,23 +121,21 @@ def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, seed_ptr, par
     tl.store(logp_ptr + row, x_tok - m_all - tl.log(l_all))
 
 
-def draw_seed(generator: torch.Generator | None, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Philox seed of one draw, ``int64 [1]`` on the device, from ``generator`` (the default CUDA
-    generator when None); written into ``out`` when given (a captured graph's seed buffer)."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64, out=out)
-
-
-def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-                 *, seed: torch.Tensor | None = None):
-    """(token_B int64, logp_B fp32) drawn from ``softmax(logits / temperature)`` (argmax when 0).
-    The uniforms are keyed by ``seed`` (``int64 [1]`` on the device, read by the kernel: a CUDA graph
-    can capture this call) or, when None, by a seed drawn from ``generator``."""
+def fused_sample(logits_BV: torch.Tensor, temperature: float, u_B: torch.Tensor | None = None):
+    """(token_B int64, logp_B fp32) drawn from ``softmax(logits / temperature)`` (argmax when 0):
+    row b takes the token whose CDF interval holds ``u_B[b]`` (fp32 ``[B]`` on the device, read by
+    the kernel, so a CUDA graph can capture this call over a buffer of uniforms; unused, and may be
+    None, when greedy)."""
     B, V = logits_BV.shape
     if logits_BV.stride(1) != 1:
         logits_BV = logits_BV.contiguous()
     dev = logits_BV.device
-    if seed is None:
-        seed = draw_seed(generator, dev)
+    greedy = temperature == 0
+    if u_B is None:
+        if not greedy:
+            raise ValueError("fused_sample: sampling (temperature > 0) needs one uniform per row")
+        u_B = torch.zeros(B, dtype=torch.float32, device=dev)  # not read
+    u_B = u_B.to(torch.float32).contiguous()
     nchunk = 16 if V >= 16 * 1024 else 1
     block = max(16, min(2048, triton.next_power_of_2(triton.cdiv(V, nchunk))))
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block
@@ -143,9 +143,8 @@ def fused_sample(logits_BV: torch.Tensor, temperature: float, generator: torch.G
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    greedy = temperature == 0
     _sample_partial_kernel[(B, nchunk)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, part,
                                         GREEDY=greedy, BLOCK=block, NCHUNK=nchunk, num_warps=4)
-    _sample_combine_kernel[(B,)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, seed, part, tok, logp,
+    _sample_combine_kernel[(B,)](logits_BV, logits_BV.stride(0), V, chunk, inv_temp, u_B, part, tok, logp,
                                  GREEDY=greedy, BLOCK=block, NCHUNK=nchunk, num_warps=4)
     return tok, logp
