@@ -191,3 +191,25 @@ def test_gemma3_conditional_generation_runs_its_text_tower():
     assert not engine.model.verify_weights(vl.state_dict().items())
     (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     assert c.token_ids == hf_greedy(text, PROMPTS[0], 12)
+
+
+def test_gemma3_conditional_generation_trains_its_text_tower(tmp_path):
+    """The trainer loads a Gemma3ForConditionalGeneration folder (saved in transformers' on-disk
+    layout, ``language_model.model.*``) as its text decoder (text-only RL): the text weights are the
+    checkpoint's, the vision tower is not loaded, and its logits are the full model's on text (HF's
+    ForConditionalGeneration applies no final_logit_softcapping: none is set here)."""
+    from tidal.models.loading import load_causal_lm
+
+    text = dict(tiny("gemma3").config.to_dict(), final_logit_softcapping=None)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4)
+    vl = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    vl.save_pretrained(tmp_path)
+    actor = load_causal_lm(str(tmp_path)).eval()
+    assert type(actor).__name__ == "Gemma3ForCausalLM" and not any("vision" in n for n, _ in actor.named_parameters())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert_logits_close(actor(ids).logits[0], vl(input_ids=ids).logits[0])
+    engine = NativeEngine.from_pretrained(str(tmp_path), EngineConfig(block_size=4), device=torch.device("cpu"),
+                                          dtype=torch.float32)  # reads the same on-disk names
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert c.token_ids == hf_greedy(actor, PROMPTS[0], 8)
