@@ -25,7 +25,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.native import NativeEngine
 from tidal.engine.sampler import process_logits
 
-from .helpers import engine_for, hf_greedy
+from .helpers import OracleDrafter, engine_for, hf_greedy
 
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
               vocab_size=128, max_position_embeddings=256, initializer_range=0.02, head_dim=16)
@@ -154,6 +154,22 @@ def test_multi_turn_continuation_matches_hf(family):
     assert engine.stats["prefix_hit_tokens"] - hits == 3 * 4  # the full blocks of turn 1's 14 computed tokens (its last was never fed)
     want = hf_logits(hf, prompt2 + t2.token_ids)[len(prompt2) - 1 : -1]
     assert_logits_close(torch.cat(steps), want)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_speculative_verify_keeps_windowed_outputs_exact(family):
+    """Verify rows attend within their own window (each drafted position is a decode row of its own
+    length): drafts that partly match change neither the greedy tokens nor their logprobs."""
+    hf = tiny(family)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    refs = {tuple(p): hf_greedy(hf, p, 16) for p in PROMPTS[:2]}
+    engine = engine_for(hf, block_size=4, speculative="on")
+    engine.spec.index = OracleDrafter(refs, "partly", COMMON["vocab_size"])
+    out = engine.generate(PROMPTS[:2], greedy)
+    assert 0 < engine.stats["spec_accepted"] < engine.stats["spec_drafted"]
+    for prompt, c in zip(PROMPTS, out):
+        assert c.token_ids == refs[tuple(prompt)]
+        assert_logprobs_match(hf, prompt, c.token_ids, c.logprobs)
 
 
 @pytest.mark.parametrize("family", WINDOWED)
