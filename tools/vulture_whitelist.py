@@ -66,3 +66,7 @@ gather_and_generate  # tidal.distributed: the rollout entry point of the public 
 # Overrides of pebble's pool manager, called by pebble's own threads (tidal/rewards/pool.py).
 _.inspect_workers  # _WorkerManager: every worker that ended, exit code 0 included
 _.live_pids  # WorkerPool: the live workers' pids (tests check a hung worker is replaced)
+# tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
+_.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
+# Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
+Gemma3ForCausalLM, Olmo3ForCausalLM

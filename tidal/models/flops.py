@@ -5,6 +5,8 @@ a token costs ``2 * P`` FLOPs forward through ``P`` matmul weights and ``4 * P``
 costs ``6 * P`` per token; causal self-attention adds, per layer and sequence of length L,
 ``2 * L^2 * d_attn`` forward (``QK^T`` and ``PV`` over the L^2/2 visible pairs, a multiply-add each,
 ``d_attn`` = query heads x head dim) and twice that backward: ``6 * L^2 * d_attn`` in training.
+A sliding-window layer of window W sees ``W^2/2 + (L - W) W`` pairs instead of ``L^2/2`` once
+``L > W``; a layer without KV (recurrent, :mod:`tidal.families`) has no attention term here.
 
 Only real tokens count (packing's padding and dummy sequences do not), and recomputation is not
 counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
@@ -22,17 +24,21 @@ import time
 
 import torch
 
+from tidal import families
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlopModel:
     """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
     projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
-    query heads x head dim."""
+    query heads x head dim. windows: the sliding window of each attention layer (None: full
+    attention; empty: every layer full)."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
+    windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
@@ -46,8 +52,10 @@ class FlopModel:
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
         mlp = 3 * H * int(c.intermediate_size)
+        family = families.find_family(config)
+        windows = tuple(lc.window for lc in family.layer_caches(families.text_config(config)) if lc.has_kv) if family else ()
         return cls(num_layers=int(c.num_hidden_layers), layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
-                   attn_dim=heads * hd)
+                   attn_dim=heads * hd, windows=windows)
 
     @property
     def params(self) -> int:
@@ -60,12 +68,21 @@ class FlopModel:
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
         dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
-        attention = 6.0 * self.num_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
-        return dense + attention
+        windows = self.windows or (None,) * self.num_layers
+        pairs = sum(_visible_pairs(n, w) for w in windows for n in seq_lens)  # L^2/2 per full layer and sequence
+        return dense + 12.0 * self.attn_dim * pairs
 
     def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward-only model FLOPs (a third of :meth:`train_flops`): the experience forwards."""
         return self.train_flops(seq_lens, head_tokens) / 3.0
+
+
+def _visible_pairs(n: int, window: int | None) -> float:
+    """The (query, key) pairs a causal layer computes over a sequence of ``n`` tokens, by the
+    convention's ``n^2 / 2``; within a window W: ``W^2 / 2 + (n - W) W`` once ``n > W``."""
+    if window is None or n <= window:
+        return n * n / 2.0
+    return window * window / 2.0 + (n - window) * window
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:

@@ -6,7 +6,8 @@ mapping: HF names (``model.layers.0.self_attn.q_proj.weight``) are mapped onto p
 (``qkv_proj``, ``gate_up_proj``) by :attr:`DecoderLM.packed_modules_mapping`.
 
 ``forward(ids_T, positions_T, meta)`` runs the flat batch of new tokens; ``compute_logits`` applies
-the LM head to the rows that sample.
+the LM head to the rows that sample. Each class is its family's ``engine_model``
+(:mod:`tidal.families`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from tidal.engine.native.layers import (
 )
 from tidal.engine.native.multimodal import MultimodalPrompt, build_multimodal_prompt, mrope_cos_sin, mrope_section_columns
 from tidal.engine.native.parallel import TPGroup
-from tidal.registry import Registry
-
-MODELS: Registry = Registry("model architecture")
 
 
 def head_dim_of(hf_config) -> int:
@@ -107,8 +105,12 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
 
-class DecoderLM(nn.Module):
-    """A causal LM whose parameters are named like the HF checkpoint, with q/k/v and gate/up packed."""
+class PagedLM(nn.Module):
+    """What every native engine model shares: parameters named like the HF checkpoint, with the
+    projections of :attr:`packed_modules_mapping` packed (q/k/v, gate/up); logits on TP rank 0;
+    loading and verifying HF-named weights; the paged attention modules the runner gives caches.
+    A subclass builds ``self.model`` (the HF ``model.*`` body), ``self.lm_head``, ``max_positions``
+    and a ``cos_sin_PD`` buffer (its dtype is the KV cache's), and defines ``forward``."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -117,37 +119,10 @@ class DecoderLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qk_norm = False
 
-    @staticmethod
-    def biases(cfg) -> dict[str, bool]:
-        raise NotImplementedError
-
-    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+    def __init__(self):
         super().__init__()
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported by the native engine")
-        self.config = cfg
         self._load_targets: dict = {}  # HF weight name -> (module, parameter, shard id) or None
-        self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
-        tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
-        self.max_positions = cfg.max_position_embeddings
-        self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
-
-    def forward(
-        self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata,
-        embeds_TH: torch.Tensor | None = None, cos_sin_TD: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Hidden states ``[T, H]``. ``embeds_TH`` replaces the token embeddings (image features in
-        place); ``cos_sin_TD`` gives each token its own RoPE row (M-RoPE), ``positions_T`` then unused."""
-        x, residual = self.model.embed_tokens(ids_T) if embeds_TH is None else embeds_TH, None
-        cos_sin = self.cos_sin_PD
-        if cos_sin_TD is not None:
-            cos_sin, positions_T = cos_sin_TD, torch.arange(ids_T.shape[0], device=ids_T.device)
-        for layer in self.model.layers:
-            x, residual = layer(positions_T, x, residual, cos_sin, meta)
-        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[B, vocab]`` on TP rank 0, None on the others."""
@@ -218,7 +193,41 @@ class DecoderLM(nn.Module):
         return cache[name]
 
 
-@MODELS.register("qwen2")
+class DecoderLM(PagedLM):
+    """A Qwen2/Qwen3/Llama-style causal LM: pre-norm layers with a fused residual add, one RoPE table."""
+
+    qk_norm = False
+
+    @staticmethod
+    def biases(cfg) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+        super().__init__()
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported by the native engine")
+        self.config = cfg
+        self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
+        tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
+        self.max_positions = cfg.max_position_embeddings
+        self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
+
+    def forward(
+        self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata,
+        embeds_TH: torch.Tensor | None = None, cos_sin_TD: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, H]``. ``embeds_TH`` replaces the token embeddings (image features in
+        place); ``cos_sin_TD`` gives each token its own RoPE row (M-RoPE), ``positions_T`` then unused."""
+        x, residual = self.model.embed_tokens(ids_T) if embeds_TH is None else embeds_TH, None
+        cos_sin = self.cos_sin_PD
+        if cos_sin_TD is not None:
+            cos_sin, positions_T = cos_sin_TD, torch.arange(ids_T.shape[0], device=ids_T.device)
+        for layer in self.model.layers:
+            x, residual = layer(positions_T, x, residual, cos_sin, meta)
+        return self.model.norm(x, residual)[0]
+
+
 class Qwen2ForCausalLM(DecoderLM):
     """Qwen2 / Qwen2.5: bias on q/k/v only."""
 
@@ -227,7 +236,6 @@ class Qwen2ForCausalLM(DecoderLM):
         return {"qkv": True, "o": False, "mlp": False}
 
 
-@MODELS.register("qwen3")
 class Qwen3ForCausalLM(DecoderLM):
     """Qwen3: per-head RMSNorm on q and k before RoPE; biases only if ``attention_bias``."""
 
@@ -239,7 +247,6 @@ class Qwen3ForCausalLM(DecoderLM):
         return {"qkv": b, "o": b, "mlp": False}
 
 
-@MODELS.register("llama")
 class LlamaForCausalLM(DecoderLM):
     """Llama 2/3: ``attention_bias`` on q/k/v/o, ``mlp_bias`` on the MLP."""
 
@@ -249,7 +256,6 @@ class LlamaForCausalLM(DecoderLM):
         return {"qkv": b, "o": b, "mlp": bool(getattr(cfg, "mlp_bias", False))}
 
 
-@MODELS.register("qwen2_vl")
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     """Qwen2-VL: the Qwen2 decoder with M-RoPE, and the HF vision tower (replicated on every TP rank,
     unsharded; its output is identical on all of them). Image prompts: :mod:`tidal.engine.native.multimodal`.
@@ -301,15 +307,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 yield name, slices
 
 
-@MODELS.register("qwen2_5_vl")
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: the same decoder and M-RoPE for images; its own vision tower (window attention)."""
 
     vision_tower_class = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel"
-
-
-def build_model(hf_config, tp: TPGroup, ops, device: torch.device, dtype: torch.dtype) -> DecoderLM:
-    """The model for ``hf_config.model_type`` on ``device`` with zero weights (load them next)."""
-    cls = MODELS.get(hf_config.model_type, "model_type")
-    with torch.device(device):
-        return cls(hf_config, tp, ops, dtype).eval()
