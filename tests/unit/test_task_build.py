@@ -50,7 +50,7 @@ def test_the_quickstart_builds_with_the_runs_threads(two_cores, tmp_path, monkey
     assert cfg.task.sft_threads == 0 and TaskConfig().sft_threads == 0
     seen = []
 
-    def model_seen(task, tokenizer):
+    def model_seen(task, tokenizer, **_):
         seen.append(torch.get_num_threads())
         raise RuntimeError("stop after the thread count is known")
 
