@@ -31,6 +31,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tidal.cli import parse_args
 from tidal.config import TidalConfig, load_config
