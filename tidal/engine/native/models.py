@@ -313,3 +313,6 @@ def build_model(hf_config, tp: TPGroup, ops, device: torch.device, dtype: torch.
     cls = MODELS.get(hf_config.model_type, "model_type")
     with torch.device(device):
         return cls(hf_config, tp, ops, dtype).eval()
+
+
+from tidal.engine.native import models_qwen3_5  # noqa: E402,F401  (registers the hybrid family)

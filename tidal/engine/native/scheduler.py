@@ -43,6 +43,7 @@ import numpy as np
 
 from tidal.engine.native.block_manager import BlockManager, block_digests, chain_hashes, prefix_hashes, seed_of
 from tidal.engine.native.sequence import ABORT, LENGTH, STOP, SequenceTable, Status
+from tidal.engine.native.state_pool import StatePool
 
 
 @dataclasses.dataclass
@@ -75,9 +76,15 @@ class Batch:
 
 class Scheduler:
     def __init__(self, table: SequenceTable, block_manager: BlockManager, *, max_num_seqs: int | None,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, state_pool: StatePool | None = None):
+        """``state_pool``: the recurrent-state slots of a hybrid model (None: KV only). With one, a
+        sequence is admitted only when it gets a state slot, a prefix hit is taken only up to a
+        checkpointed boundary, and the first of a group's samples prefills up to the last block
+        boundary before its last token in a chunk of its own, checkpointed for the others to fork
+        from (:mod:`~tidal.engine.native.state_pool`)."""
         self.table = table
         self.bm = block_manager
+        self.states = state_pool
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -117,6 +124,8 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> Batch:
+        if self.states is not None:
+            self.states.begin_step()
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
@@ -131,6 +140,7 @@ class Scheduler:
         rows, num_new, sampling, start = [], [], [], []
         budget = self.max_num_batched_tokens
         running = self.num_running if self.max_num_seqs is not None else 0
+        groups = self._waiting_groups() if self.states is not None and self.bm.prefix_caching else None
         while self.waiting and budget > 0 and (self.max_num_seqs is None or running + len(rows) < self.max_num_seqs):
             s = self.waiting[0]
             if t.num_blocks[s] == 0 and not self._allocate(s):
@@ -138,8 +148,13 @@ class Scheduler:
             cached = int(t.num_cached[s])
             todo = int(t.num_tokens[s]) - cached
             n = min(todo, budget)
+            fork_at = self._fork_point(s, cached, groups)
+            if fork_at:
+                n = min(n, fork_at - cached)
             budget -= n
             self._register(s, cached + n)
+            if fork_at and cached + n == fork_at:
+                self.states.save(s, int(t.last_hash[s]))
             t.num_cached[s] = cached + n  # computed by the step being scheduled (before any later one)
             rows.append(s)
             num_new.append(n)
@@ -163,14 +178,44 @@ class Scheduler:
         seed = seed_of(t.seqs[s].cache_key)
         hashes, hits = self.bm.lookup(t.tokens[s, :n], seed)
         need = -(-n // bs)
+        checkpoint = None
+        if self.states is not None:
+            if hits and self.states.pending(hashes[len(hits) - 1]):
+                return False  # its prefix's state is checkpointed by the step being scheduled: fork next step
+            k, checkpoint = self.states.lookup(hashes[: len(hits)])
+            hashes, hits = hashes[:k], hits[:k]  # KV hits only up to a boundary whose state is known
+            if not self.states.can_admit():
+                return False
         if not self.bm.can_allocate(need, hits):
             return False
+        if self.states is not None:
+            self.states.admit(s, checkpoint)
         t.block_table[s, :need] = self.bm.allocate(need, hits)
         t.num_blocks[s] = need
         t.num_cached[s] = len(hits) * bs
         t.num_hashed[s] = len(hits)
         t.last_hash[s] = hashes[-1] if hashes else seed
         return True
+
+    def _waiting_groups(self) -> dict:
+        """Waiting sequences per group id (the samples of one prompt share it)."""
+        counts: dict = {}
+        for s in self.waiting:
+            g = self.table.seqs[s].group_id
+            counts[g] = counts.get(g, 0) + 1
+        return counts
+
+    def _fork_point(self, s: int, cached: int, groups: dict | None) -> int:
+        """The block boundary before slot ``s``'s last token where its prefill stops for a checkpoint
+        the other waiting samples of its group fork from; 0 for none (no pool, no prefix caching,
+        no sibling waiting, or already past it)."""
+        if groups is None:
+            return 0
+        g = self.table.seqs[s].group_id
+        if g is None or groups.get(g, 0) < 2:
+            return 0
+        p = (int(self.table.num_tokens[s]) - 1) // self.block_size * self.block_size
+        return p if p > cached else 0
 
     def _register(self, s: int, num_tokens: int) -> None:
         """Register the full blocks among slot ``s``'s first ``num_tokens`` tokens (their KV is
@@ -245,6 +290,8 @@ class Scheduler:
         decode, unless sequences wait or a block would be short. Each is the step :meth:`schedule`
         would make once ``batch`` is postprocessed, but for the void rows of sequences that ``batch``
         stops."""
+        if self.states is not None:
+            self.states.begin_step()
         if batch.is_prefill:
             if self.waiting:
                 return self._schedule_prefill() or self._off("waiting")
@@ -422,6 +469,9 @@ class Scheduler:
         held = [t.blocks_of(s)[::-1] for s in slots.tolist() if t.num_blocks[s]]
         if held:
             self.bm.release(np.concatenate(held))
+        if self.states is not None:
+            for s in slots.tolist():
+                self.states.free(s)
         for s in slots.tolist():  # block 0 pads the rows: the torch kernels gather up to the longest row
             t.block_table[s, : t.num_blocks[s]] = 0
         t.num_blocks[slots] = t.num_cached[slots] = t.num_hashed[slots] = 0
