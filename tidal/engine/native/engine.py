@@ -448,6 +448,7 @@ class NativeEngine:
         pending, self._pending = self._pending, None
         if pending is not None:
             self.runner.wait(pending[1])
+            self.scheduler.drop(pending[0])
         ids = list(self._requests) if request_ids is None else [i for i in request_ids if i in self._requests]
         if not ids:
             return []

@@ -247,7 +247,18 @@ class Scheduler:
             if not len(rows):
                 return None
         self._append_blocks(rows[need])
+        self._save_boundaries(rows, t.num_tokens[rows])
         return Batch(rows, t.gen[rows].copy(), False)
+
+    def _save_boundaries(self, rows: np.ndarray, covered: np.ndarray) -> None:
+        """Checkpoint the state of the decode ``rows`` whose step ends at a block boundary (after it
+        their state covers ``covered`` tokens): a later turn of the conversation, or the sequence
+        itself resumed after a preemption, continues from there (hash bound in postprocess)."""
+        if self.states is None or not self.bm.prefix_caching:
+            return
+        at = np.flatnonzero(covered % self.block_size == 0)
+        for s, b in zip(rows[at].tolist(), covered[at].tolist()):
+            self.states.save(s, None, b)
 
     def _append_blocks(self, slots: np.ndarray) -> None:
         t = self.table
@@ -340,6 +351,7 @@ class Scheduler:
         if int(need.sum()) > self.bm.num_free_blocks:
             return self._off("blocks_short")
         self._append_blocks(rows[need])
+        self._save_boundaries(rows, t.num_tokens[rows] + ahead)
         return Batch(rows, t.gen[rows].copy(), False, src_rows=np.where(ahead, src, -1))
 
     def _off(self, reason: str) -> None:
@@ -449,6 +461,9 @@ class Scheduler:
             blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
             hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
             self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
+            if self.states is not None:
+                for s, b, h in zip(filled.tolist(), ((j + 1) * bs).tolist(), hashes.tolist()):
+                    self.states.bind(s, b, h)
             t.last_hash[filled] = hashes
             t.num_hashed[filled] = j + 1
 
@@ -485,6 +500,18 @@ class Scheduler:
         self._release_blocks(np.array([s]))
         self.table.status[s] = Status.WAITING
         self.waiting.appendleft(s)
+
+    def drop(self, batch: Batch) -> None:
+        """``batch`` ran but is not postprocessed (dropped by an abort). Its decode rows compute their
+        token again, which is exact for KV (rewritten in place) but would apply it twice to a
+        recurrent state: with a state pool the live sequences of a dropped decode batch are
+        preempted (they re-prefill, from their last checkpoint)."""
+        if self.states is None or batch.is_prefill:
+            return
+        t, rows = self.table, batch.rows
+        live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
+        for s in rows[live].tolist():
+            self._preempt(s)
 
     def abort(self, slots: np.ndarray) -> None:
         """Stop the unfinished sequences in ``slots`` (waiting or running): blocks released, status

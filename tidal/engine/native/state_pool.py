@@ -55,7 +55,10 @@ class StatePool:
         self._free = list(range(num_slots))[::-1]  # a stack: lowest slot first
         self.slot_of: dict[int, int] = {}  # sequence (table slot) -> its state slot
         self.checkpoints: collections.OrderedDict[int, int] = collections.OrderedDict()  # block hash -> slot, LRU first
-        self._deferred: list[tuple[int, int, int]] = []  # (hash, source slot, checkpoint slot) saved by this step
+        # checkpoints saved by the step being scheduled: [hash or None, source slot, checkpoint slot, (seq, boundary)]
+        self._deferred: list[list] = []
+        self._unbound: dict[tuple[int, int], int] = {}  # (seq, boundary) -> checkpoint slot whose hash is not known yet
+        self._expiring: dict[tuple[int, int], int] = {}  # the same, one step older: freed at the next begin_step
         self._copies: list[tuple[int, int]] = []  # (source or -1, destination) for the next forward
         self._busy: set[int] = set()  # checkpoint slots read or written by the step being scheduled
 
@@ -114,30 +117,58 @@ class StatePool:
                 return k, slot
         return 0, None
 
-    def save(self, seq: int, block_hash: int) -> None:
-        """Checkpoint ``seq``'s state as the step being scheduled leaves it, under ``block_hash``
-        (the hash of the block it ends at); visible from the next :meth:`begin_step`. Skipped when
-        no slot can be had or the hash is already checkpointed."""
-        if block_hash in self.checkpoints or self.pending(block_hash):
+    def save(self, seq: int, block_hash: int | None, boundary: int = 0) -> None:
+        """Checkpoint ``seq``'s state as the step being scheduled leaves it (at token ``boundary``, a
+        block boundary), under ``block_hash``, the hash of the block it ends at; None: not known yet
+        (a decode step's last token), given by :meth:`bind` once the step is done. Visible from the
+        next :meth:`begin_step` after both. Skipped when no slot can be had or the hash is already
+        checkpointed."""
+        if block_hash is not None and (block_hash in self.checkpoints or self.pending(block_hash)):
             return
         if not self._free and not self._evictable():
             return
         slot = self._take()
         self._busy.add(slot)
-        self._deferred.append((block_hash, self.slot_of[seq], slot))
+        self._deferred.append([block_hash, self.slot_of[seq], slot, (seq, boundary)])
+
+    def bind(self, seq: int, boundary: int, block_hash: int) -> None:
+        """The hash of the block that ``seq``'s checkpoint at ``boundary`` ends at (its step is done;
+        no-op when no such checkpoint was saved)."""
+        for entry in self._deferred:
+            if entry[3] == (seq, boundary) and entry[0] is None:
+                entry[0] = block_hash
+                return
+        slot = self._unbound.pop((seq, boundary), None)
+        if slot is None:
+            slot = self._expiring.pop((seq, boundary), None)
+        if slot is None:
+            return
+        if block_hash in self.checkpoints:
+            self._free.append(slot)
+        else:
+            self.checkpoints[block_hash] = slot
 
     def pending(self, block_hash: int) -> bool:
         """Whether the step being scheduled checkpoints ``block_hash`` (usable from the next step)."""
-        return any(h == block_hash for h, _, _ in self._deferred)
+        return any(entry[0] == block_hash for entry in self._deferred)
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the checkpoints saved by the last one are queued (their
         copies before any copy this step makes) and become visible to :meth:`lookup`."""
         self._busy.clear()
-        for block_hash, src, slot in self._deferred:
+        # a decode checkpoint is bound when its step is postprocessed, before the step after next
+        # is scheduled; one still unbound then belonged to a row that had finished: dropped
+        self._free.extend(self._expiring.values())
+        self._expiring, self._unbound = self._unbound, {}
+        for block_hash, src, slot, key in self._deferred:
             self._copies.append((src, slot))
-            self.checkpoints[block_hash] = slot
             self._busy.add(slot)
+            if block_hash is None:
+                self._unbound[key] = slot
+            elif block_hash in self.checkpoints:
+                self._free.append(slot)  # saved twice in one step (two forks of one prefix): keep the first
+            else:
+                self.checkpoints[block_hash] = slot
         self._deferred.clear()
 
     def clear_checkpoints(self) -> None:
