@@ -74,7 +74,7 @@ def test_logits_at_every_prefill_and_decode_position(hf):
     ref = hf(torch.tensor([tokens])).logits[0]
     for attn in model.layer_attentions():  # 16 blocks of 4 tokens, block i at cache block i
         attn.k_cache, attn.v_cache = torch.zeros(2, 16, 4, attn.num_kv_heads, attn.head_dim).unbind(0)
-    StatePool(model.linear_layers(), 2, torch.device("cpu"), torch.float32)
+    StatePool(model.linear_layers(), 2, torch.device("cpu"))
     got, start, bt = [], 0, torch.arange(16, dtype=torch.int32)[None]
     for n in (5, 9, 7, 1, 1, 1):  # three prefill chunks, three decode steps
         pos = torch.arange(start, start + n)

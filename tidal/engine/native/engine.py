@@ -205,7 +205,7 @@ class NativeEngine:
         1024 running); on CPU, those of the request (or ``max_num_seqs``)."""
         cap = sizing.max_running(self.cfg)
         if sizing.sized_by_memory(self.device) and cap is None:
-            per_slot = StatePool.bytes_per_slot(self.linear_layers, self.dtype)
+            per_slot = StatePool.bytes_per_slot(self.linear_layers)
             budget = sizing.kv_budget_bytes(self.cfg, sizing.available_device_bytes(self.device)) // 4
             return max(2, min(2048, budget // per_slot))
         running = cap if lengths is None or cap is not None and cap < len(lengths) else len(lengths)
@@ -221,7 +221,7 @@ class NativeEngine:
         if not self.linear_layers:
             return None
         slots = self.tp.min_int(self._state_slots_wanted(lengths), self.device)
-        self.runner.states = StatePool(self.linear_layers, slots, self.device, self.dtype)
+        self.runner.states = StatePool(self.linear_layers, slots, self.device)
         return self.runner.states
 
     def _free_caches(self) -> int:

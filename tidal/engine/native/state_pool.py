@@ -37,17 +37,17 @@ import torch
 
 class StatePool:
     """``layers``: the model's linear-attention layers (``state_shapes()`` and ``conv_state`` /
-    ``ssm_state`` attributes, pointed at this pool's tensors). ``conv_dtype``: the short-conv
-    state's dtype (the model's); delta-rule states are float32."""
+    ``ssm_state`` attributes, pointed at this pool's tensors). Every state is float32 (the
+    delta-rule state accumulates in it; the short-conv state holds model-dtype inputs, exactly)."""
 
-    def __init__(self, layers: list, num_slots: int, device: torch.device, conv_dtype: torch.dtype):
+    def __init__(self, layers: list, num_slots: int, device: torch.device):
         if num_slots < 1:
             raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
         self.layers, self.num_slots = layers, num_slots
         self.conv, self.ssm = [], []
         for layer in layers:
             conv_shape, ssm_shape = layer.state_shapes()
-            layer.conv_state = torch.zeros((num_slots, *conv_shape), dtype=conv_dtype, device=device)
+            layer.conv_state = torch.zeros((num_slots, *conv_shape), dtype=torch.float32, device=device)
             layer.ssm_state = torch.zeros((num_slots, *ssm_shape), dtype=torch.float32, device=device)
             self.conv.append(layer.conv_state)
             self.ssm.append(layer.ssm_state)
@@ -63,13 +63,9 @@ class StatePool:
         self._busy: set[int] = set()  # checkpoint slots read or written by the step being scheduled
 
     @staticmethod
-    def bytes_per_slot(layers: list, conv_dtype: torch.dtype) -> int:
+    def bytes_per_slot(layers: list) -> int:
         """Device bytes of one sequence's state over ``layers`` (this TP rank's share)."""
-        total = 0
-        for layer in layers:
-            conv_shape, ssm_shape = layer.state_shapes()
-            total += int(np.prod(conv_shape)) * conv_dtype.itemsize + int(np.prod(ssm_shape)) * 4
-        return total
+        return sum(4 * int(np.prod(shape)) for layer in layers for shape in layer.state_shapes())
 
     @property
     def nbytes(self) -> int:

@@ -41,15 +41,11 @@ from tidal.engine.native.linear_attention import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from tidal.engine.native.models import MODELS, DecoderLM
+from tidal.engine.native.models.dense import DecoderLM
 from tidal.engine.native.parallel import TPGroup
+from tidal.families import text_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
-
-
-def text_config_of(hf_config):
-    """The text tower's config (a ``qwen3_5`` config holds it under ``text_config``)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def rotary_dim_of(cfg) -> int:
@@ -276,7 +272,6 @@ class HybridBody(nn.Module):
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-@MODELS.register("qwen3_5_text")
 class Qwen3_5ForCausalLM(DecoderLM):
     """Qwen3.5 dense, text only. Besides :class:`DecoderLM`'s interface: :meth:`linear_layers` (the
     Gated DeltaNet layers, whose state the engine's state pool holds) and
@@ -292,7 +287,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
 
     def __init__(self, hf_config, tp: TPGroup, ops, dtype: torch.dtype):
         nn.Module.__init__(self)  # not DecoderLM's body: the layers differ
-        cfg = text_config_of(hf_config)
+        cfg = text_config(hf_config)
         kinds = set(cfg.layer_types)
         if not kinds <= {LINEAR, FULL}:
             raise ValueError(f"layer_types {sorted(kinds - {LINEAR, FULL})} are not Qwen3.5 layers")
@@ -328,8 +323,3 @@ class Qwen3_5ForCausalLM(DecoderLM):
             text = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
             for _, slices in super().weight_slices([(text, full)]):
                 yield name, slices
-
-
-@MODELS.register("qwen3_5")
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """A ``Qwen3_5ForConditionalGeneration`` checkpoint's text tower (its ``text_config``)."""
