@@ -2,7 +2,7 @@
 tensor-parallel, as ``transformers`` defines them.
 
 ``config.layer_types[i]`` says what layer i mixes tokens with:
-- ``linear_attention``: Gated DeltaNet (:mod:`tidal.engine.native.linear_attention`): fused
+- ``linear_attention``: Gated DeltaNet (:mod:`tidal.models.gated_delta_rule`): fused
   ``in_proj_qkv`` -> causal short conv -> gated delta rule over a fixed-size per-sequence state, then
   a gated RMSNorm (``z``) and ``out_proj``. Its state (short-conv state and delta-rule state) lives in
   the engine's :class:`~tidal.engine.native.state_pool.StatePool`, at the slot each row of a step
@@ -35,7 +35,7 @@ from tidal.engine.native.layers import (
     _divide,
     rope_cos_sin,
 )
-from tidal.engine.native.linear_attention import (
+from tidal.models.gated_delta_rule import (
     causal_conv1d,
     causal_conv1d_step,
     chunk_gated_delta_rule,

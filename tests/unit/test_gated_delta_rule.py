@@ -1,17 +1,17 @@
-"""Gated DeltaNet kernels (tidal.engine.native.linear_attention) against transformers' torch forms."""
+"""Gated DeltaNet kernels (tidal.models.gated_delta_rule) against transformers' torch forms."""
 
 import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from tidal.engine.native.linear_attention import (
+from tidal.models.gated_delta_rule import (
     causal_conv1d,
     causal_conv1d_step,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
 
-from ..tolerance import rounding_tol
+from tests.tolerance import rounding_tol
 
 T, HK, HV, DK, DV = 37, 2, 4, 8, 16
 
