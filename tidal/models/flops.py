@@ -13,6 +13,12 @@ count what it computes). Embedding lookups, norms, activations and the softmax a
 percent), as in the convention. A LoRA update skips the frozen weights' gradients (about ``4 * P``
 per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
 The vision tower of a VL model is not counted.
+
+Hybrid models (Qwen3.5: Gated DeltaNet layers beside full-attention ones, as the family's layer
+caches say): the projections of each kind of layer count as above, causal attention only in the
+full-attention layers, and a linear-attention layer's delta rule ``6 * Hv * dk * dv`` per token
+forward (reading, updating and querying each head's ``dk x dv`` state, a multiply-add each), i.e.
+``3 * Hv * dk * dv`` matmul-equivalent weights per token.
 """
 
 from __future__ import annotations
@@ -22,17 +28,21 @@ import time
 
 import torch
 
+from tidal import families
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlopModel:
     """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
     projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
-    query heads x head dim."""
+    query heads x head dim. A hybrid model: layer_params is the mean over its layers (delta-rule
+    work included as weights), attn_layers the layers with causal attention (None: all)."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
+    attn_layers: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
@@ -46,7 +56,17 @@ class FlopModel:
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
         mlp = 3 * H * int(c.intermediate_size)
-        return cls(num_layers=int(c.num_hidden_layers), layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
+        layers = int(c.num_hidden_layers)
+        linear = _linear_attention_layers(config)
+        if linear:
+            attn += H * heads * hd  # the gated attention's q_proj also yields the output gate
+            hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+            dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+            gdn = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H + 3 * hv * dk * dv
+            total = (layers - linear) * (attn + mlp) + linear * (gdn + mlp)
+            return cls(num_layers=layers, layer_params=total // layers, head_params=int(c.vocab_size) * H,
+                       attn_dim=heads * hd, attn_layers=layers - linear)
+        return cls(num_layers=layers, layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
                    attn_dim=heads * hd)
 
     @property
@@ -60,7 +80,8 @@ class FlopModel:
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
         dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
-        attention = 6.0 * self.num_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
+        attn_layers = self.num_layers if self.attn_layers is None else self.attn_layers
+        attention = 6.0 * attn_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
         return dense + attention
 
     def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
@@ -96,3 +117,9 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat1
         if i >= 2:  # warm-up
             best = min(best, seconds)
     return 2.0 * n**3 / best
+
+
+def _linear_attention_layers(config) -> int:
+    """The layers its family keeps a recurrent state for (linear attention); 0 for other families."""
+    family = families.find_family(config)
+    return 0 if family is None else sum(c.kind == "recurrent" for c in families.layer_caches(config))

@@ -199,17 +199,11 @@ class NativeEngine:
 
     # ---- recurrent state (hybrid models) --------------------------------------------------------
     def _state_slots_wanted(self, lengths: list[int] | None) -> int:
-        """Slots of the recurrent-state pool: twice the sequences that run together (the second half
-        holds checkpoints that forks and resumed sequences copy); on CUDA those that
-        ``max_num_seqs`` caps, or, with ``auto``, as many as a quarter of the KV budget holds (up to
-        1024 running); on CPU, those of the request (or ``max_num_seqs``)."""
-        cap = sizing.max_running(self.cfg)
-        if sizing.sized_by_memory(self.device) and cap is None:
-            per_slot = StatePool.bytes_per_slot(self.linear_layers)
-            budget = sizing.kv_budget_bytes(self.cfg, sizing.available_device_bytes(self.device)) // 4
-            return max(2, min(2048, budget // per_slot))
-        running = cap if lengths is None or cap is not None and cap < len(lengths) else len(lengths)
-        return 2 * max(1, running or 1)
+        """Slots of the recurrent-state pool (:func:`tidal.engine.sizing.state_slots`): on CUDA from
+        the memory available now, on CPU for the request's sequences."""
+        available = sizing.available_device_bytes(self.device) if sizing.sized_by_memory(self.device) else None
+        return sizing.state_slots(self.cfg, StatePool.bytes_per_slot(self.linear_layers), available,
+                                  None if lengths is None else len(lengths))
 
     def _state_slots_fit(self, lengths: list[int] | None) -> bool:
         states = self.scheduler.states if self.scheduler is not None else None
