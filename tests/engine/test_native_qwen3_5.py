@@ -192,3 +192,8 @@ def test_conditional_generation_checkpoint_text_tower(hf):
 def test_speculative_is_a_config_error(hf):
     with pytest.raises(Exception, match="engine.speculative"):
         NativeEngine(hf.config, EngineConfig(speculative="on"), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_images_are_refused_with_the_hf_backend_named(hf, engine):
+    with pytest.raises(ValueError, match="engine.backend: hf"):
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2), mm_inputs=[{"pixel_values": torch.zeros(1, 4)}])

@@ -320,7 +320,8 @@ class NativeEngine:
 
     def _multimodal(self, prompt_ids: list[int], mm_inputs: dict, where: str):
         if not self.model.multimodal:
-            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__})")
+            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__}); for a "
+                             "vision-language checkpoint whose text tower alone runs natively (Qwen3.5) set engine.backend: hf")
         return self.model.multimodal_prompt(prompt_ids, mm_inputs, where=where)
 
     def _add(self, requests: Seq[Request], mm: list) -> None:
