@@ -23,6 +23,7 @@ from tidal.families.base import (
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     kv_heads_of,
+    layer_type_caches,
     namespace,
     state_bytes_per_sequence,
     text_config,
@@ -31,7 +32,7 @@ from tidal.families.base import (
 __all__ = [
     "CACHE_KINDS", "PACKED_KERNELS", "Family", "LayerCache", "MoEShape", "families", "family_of", "find_family",
     "full_attention_caches", "head_dim_of", "kv_bytes_per_sequence", "kv_bytes_per_token", "kv_heads_of",
-    "layer_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config",
+    "layer_caches", "layer_type_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config",
 ]
 
 _NOT_FAMILIES = {"base"}

@@ -86,6 +86,19 @@ def full_attention_caches(text: Any) -> list[LayerCache]:
     return [LayerCache(kind="full_kv", kv_heads=kv_heads, head_dim=head_dim) for _ in range(int(text.num_hidden_layers))]
 
 
+def layer_type_caches(text: Any) -> list[LayerCache]:
+    """Each layer's cache from the config's ``layer_types`` (Gemma 3, OLMo 3): ``sliding_attention``
+    layers keep the last ``sliding_window`` tokens (``window_kv``), ``full_attention`` ones all."""
+    kv_heads, head_dim = kv_heads_of(text), head_dim_of(text)
+    out = []
+    for i, kind in enumerate(text.layer_types[: int(text.num_hidden_layers)]):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ValueError(f"layer_types[{i}]={kind!r}: expected 'sliding_attention' or 'full_attention'")
+        window = int(text.sliding_window) if kind == "sliding_attention" else None
+        out.append(LayerCache(kind="window_kv" if window else "full_kv", kv_heads=kv_heads, head_dim=head_dim, window=window))
+    return out
+
+
 def dense(text: Any) -> None:
     """The ``moe`` of a dense family."""
     return None
