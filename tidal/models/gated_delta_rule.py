@@ -28,18 +28,20 @@ only when used. This module is torch-only otherwise and knows nothing about slot
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from tidal import optional_deps
 
 CHUNK = 64  # tokens per chunk of the chunked form (HF's and fla's default)
 
 
 @functools.cache
 def fla_available() -> bool:
-    """Whether flash-linear-attention is importable (its kernels run on CUDA only)."""
-    return importlib.util.find_spec("fla") is not None
+    """Whether a supported flash-linear-attention is installed (the ``fla`` extra; its kernels run
+    on CUDA only)."""
+    return optional_deps.problem("fla") is None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -130,3 +132,32 @@ def causal_conv1d_step(x_BC: torch.Tensor, weight_CK: torch.Tensor, state_BCW: t
     state_BCW.copy_(window_BCK[..., 1:])
     y = (window_BCK.to(weight_CK.dtype) * weight_CK).sum(-1)
     return F.silu(y).to(x_BC.dtype)
+
+
+# ---- flash-linear-attention (CUDA; the optional ``fla`` extra; not testable on CPU) -------------
+def _repeat_heads(q, k, num_v_heads: int):
+    rep = num_v_heads // q.shape[-2]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2))
+
+
+def fla_chunk_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens, state_SHKV=None):  # pragma: no cover
+    """:func:`chunk_gated_delta_rule` of the packed sequences ``cu_seqlens`` (long ``[S + 1]``) in
+    one flash-linear-attention call, from ``state_SHKV`` (None: zeros). Returns (``o_NHV``, the
+    final states ``[S, Hv, dk, dv]`` float32 or None without initial states)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    q, k = _repeat_heads(q_NHK, k_NHK, v_NHV.shape[-2])
+    o, final = fla_chunk(q[None], k[None], v_NHV[None], g_NH[None].float(), beta_NH[None], initial_state=state_SHKV,
+                         output_final_state=state_SHKV is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    return o[0], None if final is None else final.float()
+
+
+def fla_recurrent_step(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV):  # pragma: no cover
+    """:func:`recurrent_gated_delta_rule` through flash-linear-attention's fused recurrent kernel."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
+
+    q, k = _repeat_heads(q_BHK, k_BHK, v_BHV.shape[-2])
+    o, final = fla_step(q[:, None], k[:, None], v_BHV[:, None], g_BH[:, None].float(), beta_BH[:, None],
+                        initial_state=state_BHKV, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state_BHKV.copy_(final)
+    return o[:, 0]

@@ -17,7 +17,9 @@ part), with
   Triton kernel on CUDA when installed (the optional ``fla`` extra; not testable on CPU), else
   :func:`tidal.models.gated_delta_rule.chunk_gated_delta_rule` on each sequence alone.
 
-A forward without ``cu_seq_lens_q`` (not packed) runs the layer's own HF forward.
+A forward without ``cu_seq_lens_q`` (right- or left-padded rows, as HF runs them: padding zeroed
+by the attention mask) runs the same kernels on every row at once; one with a cache (HF
+``generate``) runs the layer's own HF forward.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from tidal.models.gated_delta_rule import chunk_gated_delta_rule, fla_available
+from tidal.models.gated_delta_rule import chunk_gated_delta_rule, fla_available, fla_chunk_varlen
 
 _LAYER_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
@@ -38,9 +40,9 @@ def is_gated_deltanet(module: torch.nn.Module) -> bool:
 
 
 def enable_packed_linear_attention(decoder: torch.nn.Module) -> int:
-    """Give every Gated DeltaNet layer of ``decoder`` the packed forward (this model only). Returns
-    how many; ValueError when there is none (the family says it has them) or one whose conv
-    activation is not SiLU."""
+    """Give every Gated DeltaNet layer of ``decoder`` (any module holding them: a decoder, a causal
+    LM) the packed forward (this model only). Returns how many; ValueError when there is none (the
+    family says it has them) or one whose conv activation is not SiLU."""
     layers = [m for m in decoder.modules() if is_gated_deltanet(m)]
     if not layers:
         raise ValueError(f"{type(decoder).__name__}: its family packs linear attention but it has no Gated DeltaNet layer")
@@ -57,11 +59,18 @@ def packed_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None,
                                   cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """HF ``Qwen3_5GatedDeltaNet.forward`` on one packed row ``[1, N, H]`` of the sequences
     ``cu_seq_lens_q``; the layer's own forward when not packed."""
-    if cu_seq_lens_q is None:
+    if cache is not None:
+        if cu_seq_lens_q is not None:
+            raise ValueError(f"{type(self).__name__}: a packed forward takes no cache")
         return self._hf_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if hidden_states.shape[0] != 1 or cache is not None:
-        raise ValueError(f"{type(self).__name__}: a packed forward takes one packed row and no cache")
-    x_NH = hidden_states[0]
+    B, T = hidden_states.shape[:2]
+    if cu_seq_lens_q is None:  # B padded rows: each row is one sequence, its padding zeroed (HF's semantics)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
+        cu_seq_lens_q = torch.arange(0, B * T + 1, T, device=hidden_states.device, dtype=torch.int32)
+    elif B != 1:
+        raise ValueError(f"{type(self).__name__}: a packed forward takes one packed row, got {B}")
+    x_NH = hidden_states.reshape(B * T, -1)
     N = x_NH.shape[0]
     hk, dk = self.num_k_heads, self.head_k_dim
     hv, dv = self.num_v_heads, self.head_v_dim
@@ -72,7 +81,7 @@ def packed_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None,
     o_NHV = varlen_gated_delta_rule(q.view(N, hk, dk), k.view(N, hk, dk), v.view(N, hv, dv), g_NH, beta_NH,
                                     cu_seq_lens_q)
     z = self.in_proj_z(x_NH).reshape(N * hv, dv)
-    o = self.norm(o_NHV.reshape(N * hv, dv), z).reshape(1, N, hv * dv)
+    o = self.norm(o_NHV.reshape(N * hv, dv), z).reshape(B, T, hv * dv)
     return self.out_proj(o)
 
 
@@ -93,22 +102,25 @@ def varlen_causal_conv1d(x_NC: torch.Tensor, weight_CK: torch.Tensor, cu_seqlens
 def varlen_gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The gated delta rule of each packed sequence from a zero state (shapes as
     :func:`~tidal.models.gated_delta_rule.chunk_gated_delta_rule` with N packed tokens)."""
-    if q_NHK.is_cuda and fla_available():
-        return _fla_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens)
+    if q_NHK.is_cuda and fla_available():  # pragma: no cover - CUDA with fla only
+        return fla_chunk_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens.to(torch.long))[0]
     bounds = cu_seqlens.tolist()
-    outs = [chunk_gated_delta_rule(q_NHK[s:e], k_NHK[s:e], v_NHV[s:e], g_NH[s:e], beta_NH[s:e])[0]
-            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    return torch.cat(outs)
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    L = max(e - s for s, e in spans)
+    # each sequence alone, all at once: padded at the end to [S, L] (trailing zeros never reach a real token)
+    padded = [torch.stack([F.pad(x[s:e], (0, 0) * (x.dim() - 1) + (0, L - (e - s))) for s, e in spans])
+              for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH)]
+    o_SLHV = batched_gated_delta_rule(*padded)
+    return torch.cat([o_SLHV[i, : e - s] for i, (s, e) in enumerate(spans)])
 
 
-def _fla_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens):  # pragma: no cover - CUDA with fla only
-    """flash-linear-attention's chunked kernel over the packed row (``cu_seqlens`` keeps the
-    sequences apart); q/k heads repeated to the value heads as the torch form does."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+def batched_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH) -> torch.Tensor:
+    """The gated delta rule of ``B`` sequences of ``T`` tokens each from zero states, in one
+    chunked call (sequences are independent heads: ``B`` is folded into the head dimension)."""
+    B, T = v_BTHV.shape[:2]
 
-    rep = v_NHV.shape[1] // q_NHK.shape[1]
-    if rep > 1:
-        q_NHK, k_NHK = q_NHK.repeat_interleave(rep, dim=1), k_NHK.repeat_interleave(rep, dim=1)
-    o, _ = fla_chunk(q_NHK[None], k_NHK[None], v_NHV[None], g_NH[None].float(), beta_NH[None],
-                     cu_seqlens=cu_seqlens.to(torch.long), use_qk_l2norm_in_kernel=True)
-    return o[0]
+    def fold(x):
+        return x.transpose(0, 1).reshape(T, B * x.shape[2], *x.shape[3:])
+
+    o_TNV, _ = chunk_gated_delta_rule(*(fold(x) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)))
+    return o_TNV.view(T, B, -1, o_TNV.shape[-1]).transpose(0, 1)

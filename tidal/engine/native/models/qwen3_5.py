@@ -39,6 +39,9 @@ from tidal.models.gated_delta_rule import (
     causal_conv1d,
     causal_conv1d_step,
     chunk_gated_delta_rule,
+    fla_available,
+    fla_chunk_varlen,
+    fla_recurrent_step,
     recurrent_gated_delta_rule,
 )
 from tidal.engine.native.models.dense import DecoderLM
@@ -165,7 +168,9 @@ class GatedDeltaNet(nn.Module):
         beta_TH = self.in_proj_b(x_TH).sigmoid()
         g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TH).float() + self.dt_bias)
         slots = meta.state_slots_B
-        if meta.is_prefill:
+        if x_TH.is_cuda and fla_available():  # pragma: no cover - CUDA with flash-linear-attention only
+            o_THV = self._fla(qkv_TC, weight_CK, g_TH, beta_TH, meta)
+        elif meta.is_prefill:
             o_THV = torch.empty(T, self.hv, self.dv, dtype=x_TH.dtype, device=x_TH.device)
             start = 0
             for s, n in zip(meta.state_slots, meta.query_lens):
@@ -182,6 +187,24 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x_TH).view(T * self.hv, self.dv)
         o = self.norm(o_THV.reshape(T * self.hv, self.dv), z)
         return self.out_proj(o.view(T, self.hv * self.dv))
+
+    def _fla(self, qkv_TC, weight_CK, g_TH, beta_TH, meta: AttnMetadata):  # pragma: no cover
+        """The delta rule through flash-linear-attention's kernels (prefill: one varlen call over the
+        batch's sequences from their slots' states; decode: the fused recurrent step)."""
+        slots = meta.state_slots_B
+        if not meta.is_prefill:
+            conv_BCW, ssm_BHKV = self.conv_state[slots], self.ssm_state[slots]
+            y_TC = causal_conv1d_step(qkv_TC, weight_CK, conv_BCW)
+            o_THV = fla_recurrent_step(*self._heads(y_TC), g_TH, beta_TH, ssm_BHKV)
+            self.conv_state[slots], self.ssm_state[slots] = conv_BCW, ssm_BHKV
+            return o_THV
+        y_TC, start = torch.empty_like(qkv_TC), 0
+        for s, n in zip(meta.state_slots, meta.query_lens):
+            y_TC[start : start + n], self.conv_state[s] = causal_conv1d(qkv_TC[start : start + n], weight_CK, self.conv_state[s])
+            start += n
+        o_THV, final = fla_chunk_varlen(*self._heads(y_TC), g_TH, beta_TH, meta.cu_seqlens_q_B1.long(), self.ssm_state[slots])
+        self.ssm_state[slots] = final
+        return o_THV
 
     def _heads(self, y_TC):
         T, kd = y_TC.shape[0], self.hk * self.dk
