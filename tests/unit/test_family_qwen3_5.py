@@ -51,7 +51,7 @@ def test_plan_params_and_flops_count_each_layer_kind(hf):
         assert shape.params() == sum(p.numel() for p in hf.parameters())
     matmul = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear)) - hf.lm_head.weight.numel()
     flops = FlopModel.from_config(hf.config)
-    assert flops.attn_layers == 1
+    assert flops.windows == (None,)  # attention in the one full-attention layer only
     assert flops.num_layers * flops.layer_params == matmul + 3 * (3 * 4 * 8 * 16)  # + the delta rule per token
     # LoRA on the family's default targets: attention and linear-attention projections
     targets = families.family_of(hf.config).lora_targets

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 CACHE_KINDS = ("full_kv", "window_kv", "recurrent")
+# the attention and MLP projections of a dense decoder (Qwen2/Qwen3/Llama/Gemma 3/OLMo 3 names)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PACKED_KERNELS = ("attention", "sliding_window", "linear_attention")
 
 
@@ -120,7 +122,7 @@ class Family:
     model_types: tuple[str, ...]
     engine_model: str | None
     layer_caches: Callable[[Any], list[LayerCache]] = full_attention_caches
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     moe: Callable[[Any], MoEShape | None] = dense
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""

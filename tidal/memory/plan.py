@@ -134,6 +134,7 @@ class ModelShape:
     model_type: str = ""
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
+    lora_targets: tuple[str, ...] = families.DEFAULT_LORA_TARGETS  # the family's default model.lora.target_modules
     linear_attention: tuple[int, ...] = ()
 
     @classmethod
@@ -142,6 +143,7 @@ class ModelShape:
         config's ``text_config`` is used for the decoder)."""
         top = families.namespace(config)
         text = families.text_config(config)
+        family = families.find_family(config)  # None: a model only engine.backend: hf runs (full KV counted)
         model_type = str(getattr(text, "model_type", "") or getattr(top, "model_type", ""))
         heads = int(text.num_attention_heads)
         hidden = int(text.hidden_size)
@@ -155,7 +157,8 @@ class ModelShape:
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
-            layer_caches=tuple(families.layer_caches(config)) if families.find_family(config) else (),
+            layer_caches=tuple(family.layer_caches(text)) if family else (),
+            lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
             linear_attention=_linear_attention_shape(text),
         )
 
@@ -418,7 +421,8 @@ class PlanInputs:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return tuple(self.model.lora.target_modules)
+        given = self.model.lora.target_modules
+        return tuple(given) if given is not None else self.shape.lora_targets
 
     @property
     def lora(self) -> bool:
@@ -684,7 +688,7 @@ def _response_tokens(inp: PlanInputs, tokens: int) -> int:
 
 
 def _lora_targets(inp: PlanInputs) -> int:
-    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes())) if inp.lora else 0
+    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes() | inp.shape.linear_attention_shapes())) if inp.lora else 0
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
@@ -800,7 +804,8 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
-    merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
+    merge = max((8 * i * o for n, (i, o) in (inp.shape.linear_shapes() | inp.shape.linear_attention_shapes()).items()
+                 if n in inp.lora_targets), default=0) if inp.lora else 0
     engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))

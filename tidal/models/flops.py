@@ -5,6 +5,8 @@ a token costs ``2 * P`` FLOPs forward through ``P`` matmul weights and ``4 * P``
 costs ``6 * P`` per token; causal self-attention adds, per layer and sequence of length L,
 ``2 * L^2 * d_attn`` forward (``QK^T`` and ``PV`` over the L^2/2 visible pairs, a multiply-add each,
 ``d_attn`` = query heads x head dim) and twice that backward: ``6 * L^2 * d_attn`` in training.
+A sliding-window layer of window W sees ``W^2/2 + (L - W) W`` pairs instead of ``L^2/2`` once
+``L > W``; a layer without KV (recurrent, :mod:`tidal.families`) has no attention term here.
 
 Only real tokens count (packing's padding and dummy sequences do not), and recomputation is not
 counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
@@ -35,14 +37,15 @@ from tidal import families
 class FlopModel:
     """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
     projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
-    query heads x head dim. A hybrid model: layer_params is the mean over its layers (delta-rule
-    work included as weights), attn_layers the layers with causal attention (None: all)."""
+    query heads x head dim. windows: the sliding window of each attention layer (None: full
+    attention; empty: every layer full). A hybrid model's linear-attention layers have no attention:
+    layer_params is the mean over its layers (delta-rule work included as weights)."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
-    attn_layers: int | None = None
+    windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
@@ -57,17 +60,20 @@ class FlopModel:
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
         mlp = 3 * H * int(c.intermediate_size)
         layers = int(c.num_hidden_layers)
-        linear = _linear_attention_layers(config)
+        family = families.find_family(config)
+        caches = family.layer_caches(families.text_config(config)) if family else []
+        windows = tuple(lc.window for lc in caches if lc.has_kv)
+        linear = sum(lc.kind == "recurrent" for lc in caches)
         if linear:
             attn += H * heads * hd  # the gated attention's q_proj also yields the output gate
             hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
             dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
             gdn = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H + 3 * hv * dk * dv
-            total = (layers - linear) * (attn + mlp) + linear * (gdn + mlp)
-            return cls(num_layers=layers, layer_params=total // layers, head_params=int(c.vocab_size) * H,
-                       attn_dim=heads * hd, attn_layers=layers - linear)
-        return cls(num_layers=layers, layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
-                   attn_dim=heads * hd)
+            per_layer = ((layers - linear) * (attn + mlp) + linear * (gdn + mlp)) // layers
+        else:
+            per_layer = attn + mlp
+        return cls(num_layers=layers, layer_params=per_layer, head_params=int(c.vocab_size) * H,
+                   attn_dim=heads * hd, windows=windows)
 
     @property
     def params(self) -> int:
@@ -80,13 +86,21 @@ class FlopModel:
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
         dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
-        attn_layers = self.num_layers if self.attn_layers is None else self.attn_layers
-        attention = 6.0 * attn_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
-        return dense + attention
+        windows = self.windows or (None,) * self.num_layers
+        pairs = sum(_visible_pairs(n, w) for w in windows for n in seq_lens)  # L^2/2 per full layer and sequence
+        return dense + 12.0 * self.attn_dim * pairs
 
     def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward-only model FLOPs (a third of :meth:`train_flops`): the experience forwards."""
         return self.train_flops(seq_lens, head_tokens) / 3.0
+
+
+def _visible_pairs(n: int, window: int | None) -> float:
+    """The (query, key) pairs a causal layer computes over a sequence of ``n`` tokens, by the
+    convention's ``n^2 / 2``; within a window W: ``W^2 / 2 + (n - W) W`` once ``n > W``."""
+    if window is None or n <= window:
+        return n * n / 2.0
+    return window * window / 2.0 + (n - window) * window
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:
@@ -117,9 +131,3 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat1
         if i >= 2:  # warm-up
             best = min(best, seconds)
     return 2.0 * n**3 / best
-
-
-def _linear_attention_layers(config) -> int:
-    """The layers its family keeps a recurrent state for (linear attention); 0 for other families."""
-    family = families.find_family(config)
-    return 0 if family is None else sum(c.kind == "recurrent" for c in families.layer_caches(config))

@@ -63,9 +63,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
     require("lora", "model.lora.rank", "LoRA (model.lora.rank > 0)")
     import peft
 
-    peft_cfg = peft.LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none",
-    )
+    targets = cfg.targets(model.config)
+    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none")
     if getattr(model, "is_gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
@@ -73,7 +72,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
             torch.manual_seed(seed)
             wrapped = peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     except ValueError as e:
-        raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: {e}") from None
+        raise ValueError(f"model.lora.target_modules={targets}: {e}") from None
     attach_logprob_method(wrapped, wrapped.get_base_model())
     return wrapped
 

@@ -2,7 +2,7 @@
 
 Layout under ``{workdir}/{name}-{hash of the settings}/``::
 
-    model/        tokenizer + Qwen2 model (safetensors), loadable with from_pretrained
+    model/        tokenizer + model of task.architecture (safetensors), loadable with from_pretrained
     train.jsonl   {"prompt", "reference", "label"} rows
     eval.jsonl    held-out rows, disjoint from train
     task.json     completion marker: the settings and SFT results (written last)
@@ -51,7 +51,7 @@ def _build(cfg: TaskConfig, out: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.sft_threads)
     try:
-        model = build_model(cfg, tokenizer)
+        model = build_model(cfg, tokenizer, architecture=cfg.architecture)
         report = _warm_start(cfg, model, tokenizer, train, eval_rows)
     finally:
         torch.set_num_threads(threads)

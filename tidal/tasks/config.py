@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from tidal.config_base import check, check_choice
+from tidal.tasks.architectures import ARCHITECTURES
 
 OPERATIONS = ("+", "-")
 TASKS = ("", "arithmetic", "calculator")
 # Settings of the arithmetic task (the top of ``task``); the calculator task reads task.calculator.*
-ARITHMETIC_SETTINGS = ("digits", "operations", "fixed_width", "num_train", "num_eval", "hidden_size", "num_layers", "num_heads",
+ARITHMETIC_SETTINGS = ("digits", "operations", "fixed_width", "num_train", "num_eval", "architecture", "hidden_size", "num_layers", "num_heads",
                        "num_kv_heads", "intermediate_size", "sft_steps", "sft_lr", "sft_batch_size", "sft_mistake_steps",
                        "sft_mistake_rate", "seed")
 
@@ -85,7 +86,10 @@ class TaskConfig:
         task reliably within the SFT budget (without it, getting past the loss plateau in time
         depends on the seed). References stay plain integers (``"92"``).
     num_train / num_eval: distinct problems in the train and held-out eval sets (disjoint).
-    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the Qwen2 model shape.
+    architecture: the model family built (:data:`tidal.tasks.architectures.ARCHITECTURES`: ``qwen2``,
+        ``qwen3``, ``llama``, ``gemma3``, ``olmo3``), tiny and randomly initialised, then warm-started.
+        The sliding-window families (Gemma 3, OLMo 3) slide every layer but the last over 8 tokens.
+    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the model's shape.
     sft_steps / sft_lr / sft_batch_size: phase 1 of the supervised warm start, on correct
         demonstrations (AdamW, linear warmup over 10% of the steps then linear decay to zero; loss
         on answer tokens only). ``sft_steps = 0`` skips it.
@@ -108,6 +112,7 @@ class TaskConfig:
     fixed_width: bool = True
     num_train: int = 4000
     num_eval: int = 200
+    architecture: str = "qwen2"
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -124,6 +129,7 @@ class TaskConfig:
 
     def __post_init__(self):
         check_choice(self.name, TASKS, "name")
+        check_choice(self.architecture, sorted(ARCHITECTURES), "architecture")
         self._check_other_task_untouched()
         check(bool(self.workdir), "workdir", "must be a directory path")
         check(1 <= self.digits <= 6, "digits", "must be in [1, 6]")

@@ -137,7 +137,9 @@ class Gemma3ForCausalLM(PagedLM):
         self.lm_head = ParallelLMHead(self.model.embed_tokens, bool(getattr(text, "tie_word_embeddings", True)), tp, dtype)
         self.max_positions = text.max_position_embeddings
         self.rope = LayerTypeRope(text, head_dim_of(text), self.max_positions, dtype)
-        self.embed_scale = float(torch.tensor(text.hidden_size**0.5, dtype=torch.float32).to(dtype))
+        # HF's scale: sqrt(hidden) in fp32 rounded to the weights' dtype; a device buffer, so that a
+        # captured decode graph reads it (no host-to-device copy inside the graph)
+        self.register_buffer("embed_scale", torch.tensor(text.hidden_size**0.5, dtype=torch.float32).to(dtype), False)
         self.softcap = getattr(text, "final_logit_softcapping", None)
 
     @property
@@ -147,8 +149,7 @@ class Gemma3ForCausalLM(PagedLM):
 
     def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """Final hidden states ``[T, H]``."""
-        x = self.model.embed_tokens(ids_T)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        x = self.model.embed_tokens(ids_T) * self.embed_scale
         for layer in self.model.layers:
             x = layer(positions_T, x, self.rope.table(layer.window), meta)
         return self.model.norm(x)
