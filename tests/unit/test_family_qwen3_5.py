@@ -58,3 +58,23 @@ def test_plan_params_and_flops_count_each_layer_kind(hf):
     want = sum(8 * (m.in_features + m.out_features) for n, m in hf.named_modules()
                if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets)
     assert lora_params(ModelShape.from_hf_config(hf.config), 8, targets) == want
+
+
+def test_task_architecture_builds_a_tiny_hybrid():
+    from tidal.tasks.config import TaskConfig
+    from tidal.tasks.model import build_model
+    from tidal.tasks.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["Calculate 1+2 3"])
+    cfg = TaskConfig(name="arithmetic", architecture="qwen3_5", hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                     intermediate_size=64)
+    model = build_model(cfg, tok, architecture="qwen3_5")
+    assert families.family_of(model.config).name == "qwen3_5"
+    assert [c.kind for c in families.layer_caches(model.config)] == ["recurrent", "recurrent", "full_kv"]
+    assert model.model.layers[0].linear_attn.forward.__func__.__name__ == "packed_gated_deltanet_forward"
+    ids = torch.tensor([tok.encode("Calculate 1+2")])
+    loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="num_layers >= 2"):
+        build_model(TaskConfig(name="arithmetic", architecture="qwen3_5", num_layers=1), tok, architecture="qwen3_5")
