@@ -2,8 +2,12 @@
 on a tiny random model (CPU, fp32): logits at every prefill and decode position, forked samples,
 preemption, a multi-turn continuation, greedy outputs."""
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 from tidal.engine.base import Request, SamplingParams
@@ -32,12 +36,16 @@ def _randomize(model):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
 
 
-@pytest.fixture(scope="module")
-def hf():
+def tiny_qwen3_5() -> Qwen3_5ForCausalLM:
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT)).eval()
     _randomize(model)
     return model
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_qwen3_5()
 
 
 def _engine(hf_model, **cfg) -> NativeEngine:
@@ -197,3 +205,34 @@ def test_speculative_is_a_config_error(hf):
 def test_images_are_refused_with_the_hf_backend_named(hf, engine):
     with pytest.raises(ValueError, match="engine.backend: hf"):
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2), mm_inputs=[{"pixel_values": torch.zeros(1, 4)}])
+
+
+TP_PARAMS = [SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True),
+             SamplingParams(temperature=0.8, max_new_tokens=8, n=3, seed=5, ignore_eos=True)]
+
+
+def _tp_worker(rank: int, store_path: str, out_dir: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    hf_model = tiny_qwen3_5()
+    engine = NativeEngine(hf_model.config, EngineConfig(block_size=4, max_num_batched_tokens=16), device=torch.device("cpu"),
+                          dtype=torch.float32, tp_group=dist.new_group([0, 1]))
+    engine.load_weights(hf_model.state_dict().items())
+    gdn = engine.model.linear_layers()[0]
+    assert gdn.hv == 2 and gdn.conv1d.weight.shape[0] == (2 * 2 * 8 + 4 * 16) // 2  # q, k, v sections halved
+    out = [[(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, p)] for p in TP_PARAMS]
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_gloo_equals_tp1(hf, tmp_path):
+    """Gated DeltaNet heads, its fused projections' sections and conv channels sharded over 2 ranks."""
+    mp.start_processes(_tp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0 == r1
+    tp1 = [[(c.token_ids, c.logprobs) for c in _engine(hf).generate(PROMPTS, p)] for p in TP_PARAMS]
+    for runs1, runs2 in zip(tp1, r0):
+        assert [t for t, _ in runs1] == [t for t, _ in runs2]
+        for (_, lp1), (_, lp2) in zip(runs1, runs2):
+            assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
