@@ -80,9 +80,8 @@ def chunk_gated_delta_rule(
     diff = gamma[..., :, None] - gamma[..., None, :]
     D = torch.where(causal_CC, diff, torch.full_like(diff, float("-inf"))).exp()  # 0 above the diagonal
     A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * D).tril(-1)
-    L = A + torch.eye(chunk, dtype=A.dtype, device=A.device)
     rhs = torch.cat((beta[..., None] * v, (beta * gamma.exp())[..., None] * k), dim=-1)
-    X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    X = unit_lower_inverse(A) @ rhs
     Xv, Xk = X[..., :dv], X[..., dv:]
     QKD = (q @ k.transpose(-1, -2)) * D
     q_dec = q * gamma.exp()[..., None]
@@ -95,6 +94,19 @@ def chunk_gated_delta_rule(
         S = last[:, c] * S + k_dec[:, c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=1).reshape(Hv, n * chunk, dv)[:, :T].transpose(0, 1)
     return o.to(v_THV.dtype), S
+
+
+def unit_lower_inverse(A_CC: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower triangular ``A`` (batched ``[..., C, C]``): ``A`` is
+    nilpotent, so ``(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...`` up to ``A^(2^m)`` with ``2^(m+1) >= C``,
+    ``2 log2 C`` batched matmuls (a batched triangular solve is a loop of small ones on CPU)."""
+    C = A_CC.shape[-1]
+    inv = torch.eye(C, dtype=A_CC.dtype, device=A_CC.device) - A_CC
+    power, span = A_CC @ A_CC, 2
+    while span < C:
+        inv = inv + inv @ power
+        power, span = power @ power, 2 * span
+    return inv
 
 
 def recurrent_gated_delta_rule(
