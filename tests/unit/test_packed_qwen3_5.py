@@ -98,3 +98,21 @@ def test_padded_rows_equal_hf_forward(models):
             got = ours(input_ids=x, attention_mask=m).logits
             want = plain(input_ids=x, attention_mask=m).logits
             torch.testing.assert_close(got[m.bool()], want[m.bool()], **LOGP)
+
+
+def test_conditional_generation_text_rows_pack_exactly():
+    """A Qwen3_5ForConditionalGeneration trained on text rows (text-only RL): packed equals padded."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    vl = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=CFG, vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32),
+        image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)).eval()
+    attach_logprob_method(vl)
+    packed = copy.deepcopy(vl)
+    enable_packed_attention(packed)
+    ids, am, act = _rows([12, 8, 5], seed=3)
+    with torch.no_grad():
+        want = token_logprobs(vl, ids, am, positions_BT=act)[0]
+        got = _packed(packed, ids, am, act)
+    torch.testing.assert_close(got[act.bool()], want[act.bool()], **LOGP)
