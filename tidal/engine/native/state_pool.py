@@ -205,11 +205,11 @@ class StatePool:
 
 
 def _groups(copies: list[tuple[int, int]]):
-    """Split ``copies`` into runs that may run as one gather/scatter: no copy reads a slot an
-    earlier copy of its run writes."""
+    """Split ``copies`` into runs that may run as one gather/scatter: no copy reads or writes a
+    slot an earlier copy of its run writes (a gather reads before its scatter writes)."""
     src, dst, written = [], [], set()
     for s, d in copies:
-        if s in written:
+        if s in written or d in written:
             yield src, dst
             src, dst, written = [], [], set()
         src.append(s)
