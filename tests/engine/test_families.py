@@ -25,7 +25,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.native import NativeEngine
 from tidal.engine.sampler import process_logits
 
-from .helpers import engine_for, hf_greedy
+from .helpers import OracleDrafter, engine_for, hf_greedy
 
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
               vocab_size=128, max_position_embeddings=256, initializer_range=0.02, head_dim=16)
@@ -157,6 +157,22 @@ def test_multi_turn_continuation_matches_hf(family):
 
 
 @pytest.mark.parametrize("family", WINDOWED)
+def test_speculative_verify_keeps_windowed_outputs_exact(family):
+    """Verify rows attend within their own window (each drafted position is a decode row of its own
+    length): drafts that partly match change neither the greedy tokens nor their logprobs."""
+    hf = tiny(family)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    refs = {tuple(p): hf_greedy(hf, p, 16) for p in PROMPTS[:2]}
+    engine = engine_for(hf, block_size=4, speculative="on")
+    engine.spec.index = OracleDrafter(refs, "partly", COMMON["vocab_size"])
+    out = engine.generate(PROMPTS[:2], greedy)
+    assert 0 < engine.stats["spec_accepted"] < engine.stats["spec_drafted"]
+    for prompt, c in zip(PROMPTS, out):
+        assert c.token_ids == refs[tuple(prompt)]
+        assert_logprobs_match(hf, prompt, c.token_ids, c.logprobs)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
 @pytest.mark.parametrize("off_by", [-1, 1])
 def test_a_window_off_by_one_fails(family, off_by):
     """The same weights with ``sliding_window`` one token shorter or longer than HF's: the logits
@@ -191,3 +207,25 @@ def test_gemma3_conditional_generation_runs_its_text_tower():
     assert not engine.model.verify_weights(vl.state_dict().items())
     (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     assert c.token_ids == hf_greedy(text, PROMPTS[0], 12)
+
+
+def test_gemma3_conditional_generation_trains_its_text_tower(tmp_path):
+    """The trainer loads a Gemma3ForConditionalGeneration folder (saved in transformers' on-disk
+    layout, ``language_model.model.*``) as its text decoder (text-only RL): the text weights are the
+    checkpoint's, the vision tower is not loaded, and its logits are the full model's on text (HF's
+    ForConditionalGeneration applies no final_logit_softcapping: none is set here)."""
+    from tidal.models.loading import load_causal_lm
+
+    text = dict(tiny("gemma3").config.to_dict(), final_logit_softcapping=None)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4)
+    vl = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    vl.save_pretrained(tmp_path)
+    actor = load_causal_lm(str(tmp_path)).eval()
+    assert type(actor).__name__ == "Gemma3ForCausalLM" and not any("vision" in n for n, _ in actor.named_parameters())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert_logits_close(actor(ids).logits[0], vl(input_ids=ids).logits[0])
+    engine = NativeEngine.from_pretrained(str(tmp_path), EngineConfig(block_size=4), device=torch.device("cpu"),
+                                          dtype=torch.float32)  # reads the same on-disk names
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert c.token_ids == hf_greedy(actor, PROMPTS[0], 8)

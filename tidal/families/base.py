@@ -116,7 +116,9 @@ class Family:
     ``packed_kernels``: what padding-free packed training must keep apart per sequence
     (``attention`` always; ``sliding_window``; ``linear_attention``: state restart).
     ``text_prefix``: where a ``ForConditionalGeneration`` checkpoint keeps the text tower
-    (``model.language_model.``), "" for causal LMs."""
+    (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
+    checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
+    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded."""
 
     name: str
     model_types: tuple[str, ...]
@@ -126,6 +128,7 @@ class Family:
     moe: Callable[[Any], MoEShape | None] = dense
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
+    text_only: bool = False
 
     def __post_init__(self):
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)
@@ -137,6 +140,19 @@ class Family:
     def native(self) -> bool:
         """Whether the native engine runs this family."""
         return self.engine_model is not None
+
+
+def text_tower_name(name: str, prefix: str) -> str | None:
+    """The text decoder's name (``model.X`` / ``lm_head.X``) of a ``ForConditionalGeneration``
+    weight ``name`` in either layout: in memory ``{prefix}X`` (``model.language_model.X``) and
+    ``lm_head.X``; on disk, transformers' legacy ``language_model.model.X`` and
+    ``language_model.lm_head.X`` (what ``save_pretrained`` writes for Gemma 3). None for any other
+    weight (the vision tower, the projector)."""
+    for src, dst in ((prefix, "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("lm_head.", "lm_head.")):
+        if src and name.startswith(src):
+            return dst + name[len(src):]
+    return None
 
 
 # ---- reading a config (object or config.json dict) ----------------------------------------------

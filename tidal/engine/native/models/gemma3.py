@@ -32,9 +32,9 @@ from tidal.engine.native.layers import (
 from tidal.engine.native.models.dense import PagedLM, head_dim_of
 from tidal.engine.native.models.layer_types import LayerTypeRope, layer_windows
 from tidal.engine.native.parallel import TPGroup
+from tidal.families import text_tower_name
 
-TEXT_PREFIX = "model.language_model."  # a ForConditionalGeneration checkpoint's text tower
-SKIPPED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+TEXT_PREFIX = "model.language_model."  # a ForConditionalGeneration's text tower (in memory)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -161,11 +161,13 @@ class Gemma3ForCausalLM(PagedLM):
         return torch.tanh(logits / self.softcap) * self.softcap
 
     def weight_slices(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
-        """Text weights named either way (``model.language_model.*`` or ``model.*``); the vision
-        tower's and the projector's are skipped (text-only RL)."""
+        """Text weights named as a causal LM's (``model.*``) or a ForConditionalGeneration's, in
+        memory or on disk (:func:`tidal.families.text_tower_name`); the vision tower's and the
+        projector's are skipped (text-only RL)."""
         for name, full in named_tensors:
-            if name.startswith(SKIPPED_PREFIXES):
+            text = name if name.startswith("model.") and not name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) \
+                and not name.startswith(TEXT_PREFIX) else text_tower_name(name, TEXT_PREFIX)
+            if text is None:
                 continue
-            text = "model." + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
             for _, slices in super().weight_slices([(text, full)]):
                 yield name, slices
