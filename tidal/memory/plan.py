@@ -117,7 +117,10 @@ class ModelShape:
     """The numbers of a decoder-only transformer (a Hugging Face config's text part) that memory
     depends on. ``qkv_bias``: q/k/v projections have biases (Qwen2). ``qk_norm``: RMSNorm on each
     head's q and k (Qwen3). ``layer_caches``: what each layer keeps in the engine, as its family
-    declares (:mod:`tidal.families`); empty: full KV in every layer (a shape written by hand)."""
+    declares (:mod:`tidal.families`); empty: full KV in every layer (a shape written by hand).
+    ``linear_attention``: a hybrid model's Gated DeltaNet layers (Qwen3.5) as ``(layers, key heads,
+    value heads, key head dim, value head dim, conv kernel)``, the other layers being gated full
+    attention (``q_proj`` also yields the output gate); empty: every layer is attention."""
 
     layers: int
     hidden: int
@@ -133,6 +136,7 @@ class ModelShape:
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
     lora_targets: tuple[str, ...] = families.DEFAULT_LORA_TARGETS  # the family's default model.lora.target_modules
+    linear_attention: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
@@ -156,6 +160,7 @@ class ModelShape:
             vision=getattr(top, "vision_config", None) is not None,
             layer_caches=tuple(family.layer_caches(text)) if family else (),
             lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
+            linear_attention=_linear_attention_shape(text),
         )
 
     def caches(self) -> list[families.LayerCache]:
@@ -175,36 +180,82 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each projection of one layer, by its HF module name."""
         H, q, kv, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+        gate = 2 if self.linear_attention else 1  # Qwen3.5's gated attention: [query | gate] per head
+        return {"q_proj": (H, gate * q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
                 "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
-    def layer_params(self) -> int:
+    def linear_attention_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of a Gated DeltaNet layer (empty without)."""
+        if not self.linear_attention:
+            return {}
+        _, hk, hv, dk, dv, _ = self.linear_attention
+        H, I = self.hidden, self.intermediate
+        return {"in_proj_qkv": (H, 2 * hk * dk + hv * dv), "in_proj_z": (H, hv * dv), "in_proj_b": (H, hv),
+                "in_proj_a": (H, hv), "out_proj": (hv * dv, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def _attention_layer_params(self) -> int:
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm or self.linear_attention else 0)
         return sum(i * o for i, o in self.linear_shapes().values()) + bias + norms
+
+    def _linear_layer_params(self) -> int:
+        _, hk, hv, dk, dv, conv = self.linear_attention
+        extra = (2 * hk * dk + hv * dv) * conv + 2 * hv + dv + 2 * self.hidden  # conv, A_log, dt_bias, norms
+        return sum(i * o for i, o in self.linear_attention_shapes().values()) + extra
+
+    def layer_params(self) -> int:
+        """The largest decoder layer's parameters (what a backend gathers for one layer)."""
+        if not self.linear_attention:
+            return self._attention_layer_params()
+        return max(self._attention_layer_params(), self._linear_layer_params())
+
+    def body_params(self) -> int:
+        """Every decoder layer's parameters."""
+        if not self.linear_attention:
+            return self.layers * self._attention_layer_params()
+        linear = self.linear_attention[0]
+        return (self.layers - linear) * self._attention_layer_params() + linear * self._linear_layer_params()
 
     def embedding_params(self) -> int:
         """Input embedding plus the LM head (a second matrix unless tied)."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.hidden
+        return self.body_params() + self.embedding_params() + self.hidden
 
     def critic_params(self) -> int:
         """A value model on this body: no LM head, a scalar head."""
-        return self.layers * self.layer_params() + self.vocab * self.hidden + 2 * self.hidden + 1
+        return self.body_params() + self.vocab * self.hidden + 2 * self.hidden + 1
 
     def kv_cache_bytes_per_token(self, tp_size: int = 1) -> int:
         """bf16 K and V of every layer that keeps KV, the KV heads split over the engine's TP group
         (:func:`tidal.families.kv_bytes_per_token`)."""
         return families.kv_bytes_per_token(self.caches(), 2, tp_size)
 
+    def state_bytes_per_sequence(self, tp_size: int = 1) -> int:
+        """Recurrent-state bytes of one sequence on one engine TP rank (linear-attention layers;
+        0 without: :func:`tidal.families.state_bytes_per_sequence`)."""
+        return families.state_bytes_per_sequence(self.caches(), tp_size)
+
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
     """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer."""
     if rank <= 0:
         return 0
-    return shape.layers * sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items() if name in targets)
+    per_layer = [shape.linear_shapes()] * shape.layers
+    if shape.linear_attention:
+        linear = shape.linear_attention[0]
+        per_layer = [shape.linear_shapes()] * (shape.layers - linear) + [shape.linear_attention_shapes()] * linear
+    return sum(rank * (i + o) for shapes in per_layer for name, (i, o) in shapes.items() if name in targets)
+
+
+def _linear_attention_shape(text: Any) -> tuple[int, ...]:
+    """:attr:`ModelShape.linear_attention` of a text config (empty unless it has linear-attention layers)."""
+    linear = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or ())
+    if not linear:
+        return ()
+    return (linear, int(text.linear_num_key_heads), int(text.linear_num_value_heads), int(text.linear_key_head_dim),
+            int(text.linear_value_head_dim), int(text.linear_conv_kernel_dim))
 
 
 # ---- activations (bytes per token unless named otherwise) ----------------------------------------------
@@ -562,10 +613,25 @@ def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
     allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
     if inp.engine.kv_cache_max_tokens:
         return inp.engine.kv_cache_max_tokens // inp.engine.block_size * inp.engine.block_size
-    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
-    available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+    available = max(0, _wake_available(inp, sz) - _state_pool_bytes(inp, sz))
     per_block = inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size) * inp.engine.block_size
     return engine_sizing.kv_budget_bytes(inp.engine, available) // per_block * inp.engine.block_size
+
+
+def _wake_available(inp: PlanInputs, sz: _Sizes) -> int:
+    """Device memory available when the engine wakes up: the device less what is outside the
+    allocator and what stays allocated (the resident weights and optimizer state, the engine's weights)."""
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
+    return max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+
+
+def _state_pool_bytes(inp: PlanInputs, sz: _Sizes) -> int:
+    """The recurrent-state pool of a hybrid model, allocated at wake-up before the KV cache
+    (:func:`tidal.engine.sizing.state_slots`); 0 for a model without linear-attention layers."""
+    per_slot = inp.shape.state_bytes_per_sequence(inp.engine.tp_size)
+    if not per_slot:
+        return 0
+    return engine_sizing.state_slots(inp.engine, per_slot, _wake_available(inp, sz), inp.decode_batch) * per_slot
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
@@ -586,7 +652,10 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
 
 
 def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
-    return engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
+    layout = engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
+    if inp.shape.state_bytes_per_sequence():  # a hybrid model decodes eagerly (no state slots in the graphs)
+        layout = dataclasses.replace(layout, graphs=False, graphs_survive_sleep=False)
+    return layout
 
 
 def _decode_bytes(inp: PlanInputs, batch: int) -> int:
@@ -607,16 +676,22 @@ def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
     if inp.engine.sleep_level == 0:
-        parts.append(_kv_part(inp, sz))
+        parts += _cache_parts(inp, sz)
     if _engine(inp).graphs_survive_sleep or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
 
-def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
+def _cache_parts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
+    """The engine's KV cache and, for a hybrid model, its recurrent-state pool."""
     kv_tokens = _kv_tokens(inp, sz)
-    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
-                allocated=not inp.kv_outside_allocator)
+    parts = [Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
+                  allocated=not inp.kv_outside_allocator)]
+    states = _state_pool_bytes(inp, sz) if _engine(inp).own_kv_rule else 0
+    if states:
+        per_slot = inp.shape.state_bytes_per_sequence(inp.engine.tp_size)
+        parts.append(Part(f"engine recurrent state ({states // per_slot} slots)", states))
+    return parts
 
 
 def _response_tokens(inp: PlanInputs, tokens: int) -> int:
@@ -624,7 +699,7 @@ def _response_tokens(inp: PlanInputs, tokens: int) -> int:
 
 
 def _lora_targets(inp: PlanInputs) -> int:
-    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes())) if inp.lora else 0
+    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes() | inp.shape.linear_attention_shapes())) if inp.lora else 0
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
@@ -635,7 +710,7 @@ def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     eager = inp.decode_batch if not graphs or inp.decode_batch > inp.engine.cuda_graph_max_batch else 0
     decode = _decode_bytes(inp, eager)
     parts = _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) + [
-        Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
+        Part("engine weights", sz.engine_weights), *_cache_parts(inp, sz),
         Part("engine activations", max(prefill, decode)),
     ]
     if graphs:
@@ -740,7 +815,8 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
-    merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
+    merge = max((8 * i * o for n, (i, o) in (inp.shape.linear_shapes() | inp.shape.linear_attention_shapes()).items()
+                 if n in inp.lora_targets), default=0) if inp.lora else 0
     engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))

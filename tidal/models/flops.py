@@ -15,6 +15,12 @@ count what it computes). Embedding lookups, norms, activations and the softmax a
 percent), as in the convention. A LoRA update skips the frozen weights' gradients (about ``4 * P``
 per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
 The vision tower of a VL model is not counted.
+
+Hybrid models (Qwen3.5: Gated DeltaNet layers beside full-attention ones, as the family's layer
+caches say): the projections of each kind of layer count as above, causal attention only in the
+full-attention layers, and a linear-attention layer's delta rule ``6 * Hv * dk * dv`` per token
+forward (reading, updating and querying each head's ``dk x dv`` state, a multiply-add each), i.e.
+``3 * Hv * dk * dv`` matmul-equivalent weights per token.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ class FlopModel:
     """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
     projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
     query heads x head dim. windows: the sliding window of each attention layer (None: full
-    attention; empty: every layer full)."""
+    attention; empty: every layer full). A hybrid model's linear-attention layers have no attention:
+    layer_params is the mean over its layers (delta-rule work included as weights)."""
 
     num_layers: int
     layer_params: int
@@ -52,9 +59,20 @@ class FlopModel:
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
         mlp = 3 * H * int(c.intermediate_size)
+        layers = int(c.num_hidden_layers)
         family = families.find_family(config)
-        windows = tuple(lc.window for lc in family.layer_caches(families.text_config(config)) if lc.has_kv) if family else ()
-        return cls(num_layers=int(c.num_hidden_layers), layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
+        caches = family.layer_caches(families.text_config(config)) if family else []
+        windows = tuple(lc.window for lc in caches if lc.has_kv)
+        linear = sum(lc.kind == "recurrent" for lc in caches)
+        if linear:
+            attn += H * heads * hd  # the gated attention's q_proj also yields the output gate
+            hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+            dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+            gdn = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H + 3 * hv * dk * dv
+            per_layer = ((layers - linear) * (attn + mlp) + linear * (gdn + mlp)) // layers
+        else:
+            per_layer = attn + mlp
+        return cls(num_layers=layers, layer_params=per_layer, head_params=int(c.vocab_size) * H,
                    attn_dim=heads * hd, windows=windows)
 
     @property

@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 # the sliding window of the tiny Gemma 3 / OLMo 3 (tokens): shorter than a quickstart prompt and its
 # answer (~15-20 tokens), so the window shapes what the model computes
@@ -21,11 +22,14 @@ TINY_SLIDING_WINDOW = 8
 def family_settings(architecture: str, *, head_dim: int, num_layers: int) -> dict:
     """The config keywords a family needs beyond the task's shape: an explicit ``head_dim`` (Qwen3
     and Gemma 3 default to 128 / 256), and for the sliding-window families every layer but the last
-    a ``sliding_attention`` one (the last is ``full_attention``) with :data:`TINY_SLIDING_WINDOW`."""
+    a ``sliding_attention`` one (the last is ``full_attention``) with :data:`TINY_SLIDING_WINDOW`;
+    Qwen3.5: :func:`qwen3_5_settings`."""
     if architecture in ("qwen2", "llama"):
         return {}
     if architecture == "qwen3":
         return {"head_dim": head_dim}
+    if architecture == "qwen3_5":
+        return qwen3_5_settings(head_dim=head_dim, num_layers=num_layers)
     layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     sliding = {"head_dim": head_dim, "sliding_window": TINY_SLIDING_WINDOW, "layer_types": layer_types}
     if architecture == "gemma3":
@@ -33,3 +37,16 @@ def family_settings(architecture: str, *, head_dim: int, num_layers: int) -> dic
     if architecture == "olmo3":
         return sliding
     raise ValueError(f"task.architecture={architecture!r}: choose one of {sorted(ARCHITECTURES)}")
+
+
+def qwen3_5_settings(*, head_dim: int, num_layers: int) -> dict:
+    """The tiny Qwen3.5: every layer but the last a Gated DeltaNet one (``linear_attention``, 2 key
+    and 4 value heads of ``head_dim``), the last gated full attention
+    (half its head dims rotated, as the released models' ``partial_rotary_factor`` of 0.25 rotates a
+    quarter of 256); at least 2 layers so both kinds take part."""
+    if num_layers < 2:
+        raise ValueError("task.architecture=qwen3_5 needs task.num_layers >= 2 (linear-attention layers and a full-attention one)")
+    return {"head_dim": head_dim, "layer_types": ["linear_attention"] * (num_layers - 1) + ["full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
