@@ -181,7 +181,17 @@ class NativeEngine:
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
                                    max_num_batched_tokens=self.cfg.max_num_batched_tokens)
+        if self.runner.routing is not None:
+            self.scheduler.before_release = self._keep_routing
         return nbytes
+
+    def _keep_routing(self, slots: np.ndarray) -> None:
+        """MoE: the routing of every token the finishing sequences fed to the model, read through
+        their blocks before they are released (``Completion.routed_experts``)."""
+        t = self.table
+        for s in slots.tolist():
+            seq = t.seqs[s]
+            seq.routed_experts = self.runner.routing.gather(t.blocks_of(s), int(t.num_cached[s]), int(t.num_tokens[s]) - 1)
 
     def sleep(self, level: int = 1) -> int:
         """Level 1: free the KV cache (prefix cache forgotten); the CUDA graphs are kept when the cache
@@ -379,7 +389,7 @@ class NativeEngine:
             prompt_ids=seq.prompt_ids, token_ids=t.token_list(slot, len(seq.prompt_ids)),
             logprobs=seq.old_logprobs + t.logprobs[slot, start : start + new].tolist(),
             finish_reason=FINISH_REASONS[int(t.finish[slot])], request_id=seq.request_id, group_id=seq.group_id,
-            versions=seq.old_versions + [seq.version] * new,
+            versions=seq.old_versions + [seq.version] * new, routed_experts=seq.routed_experts,
         )
         del self._requests[seq.request_id]
         self.spec.finish(seq, t.tokens[slot, : t.num_tokens[slot]])

@@ -52,7 +52,7 @@ class Sequence:
     the sequences of one prompt, read-only here)."""
 
     __slots__ = ("seq_id", "request_id", "group_id", "prompt_ids", "slot", "stop_set", "mm",
-                 "old_logprobs", "old_versions", "version")
+                 "old_logprobs", "old_versions", "version", "routed_experts")
 
     def __init__(self, seq_id: int, request_id, group_id, prompt_ids: list[int], *, stop_set: int,
                  mm: "MultimodalPrompt | None" = None, old_logprobs: list[float] | None = None,
@@ -67,6 +67,7 @@ class Sequence:
         self.old_logprobs = old_logprobs or []
         self.old_versions = old_versions or []
         self.version = version
+        self.routed_experts: np.ndarray | None = None  # MoE: set when it finishes (NativeEngine._keep_routing)
 
     @property
     def num_resumed(self) -> int:
