@@ -42,6 +42,7 @@ from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, model_positions, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
+from tidal.models.moe import moe_training
 from tidal.models.varlen import enable_packed_attention
 from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
@@ -211,7 +212,8 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
         remote_teacher = RemoteTeacher(t)
         check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")
     models = Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference, teacher=teacher,
-                    remote_teacher=remote_teacher, positions=model_positions(hf_config))
+                    remote_teacher=remote_teacher, positions=model_positions(hf_config),
+                    moe=moe_training(actor.model, cfg.moe, hf_config))
     return models, hf_config
 
 

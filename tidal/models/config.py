@@ -77,6 +77,29 @@ class TeacherConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts training (``moe.*``): read only when the actor is an MoE model (a family whose
+    ``moe()`` is not None, e.g. ``qwen3_moe``, ``olmoe``); set away from its defaults on a dense model
+    it is a config error.
+
+    aux_loss_coef: weight of the router load-balancing loss (Switch Transformer; the family's own
+        ``load_balancing_loss_func`` over every MoE layer of the micro-batch's real tokens) added to
+        the policy loss, token-weighted like it. ``auto``: the model config's ``router_aux_loss_coef``
+        (Qwen3-MoE 0.001, OLMoE 0.01). 0: not added (``moe/aux_loss`` is still logged).
+    routing_replay: ``off``: the trainer routes every token itself. ``rollout``: the trainer's forward
+        and backward use the experts the rollout engine routed each token to (per token and MoE
+        layer; the gate weights still come from the trainer's router logits over those experts, so
+        the router learns). Needs the native engine (it records the routing).
+    """
+
+    aux_loss_coef: Literal["auto"] | float = "auto"
+    routing_replay: Literal["off", "rollout"] = "off"
+
+    def __post_init__(self):
+        check(self.aux_loss_coef == "auto" or self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0 or auto")
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """Which checkpoints to train.
 

@@ -96,10 +96,12 @@ class UpdateResult:
 
     actor: dict[str, float]
     critic: dict[str, float]
+    moe: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def flat(self) -> dict[str, float]:
-        """``{"actor/<name>": ..., "critic/<name>": ...}`` for logging."""
-        return {f"{role}/{k}": v for role in ("actor", "critic") for k, v in getattr(self, role).items()}
+        """``{"actor/<name>": ..., "critic/<name>": ..., "moe/<name>": ...}`` for logging (``moe``: an
+        MoE actor's ``aux_loss`` and ``router_agreement``, :class:`tidal.models.moe.MoETraining`)."""
+        return {f"{role}/{k}": v for role in ("actor", "critic", "moe") for k, v in getattr(self, role).items()}
 
 
 class Updater:
@@ -118,6 +120,7 @@ class Updater:
         require_resolved(train, "train", "micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
+        self.moe_means = MetricMeans()  # an MoE actor's routing metrics of the current train() call
 
     @property
     def runtime(self) -> Runtime:
@@ -160,6 +163,9 @@ class Updater:
         means.add(step_metrics, 1.0)
 
     def _actor_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
+        moe = self.models.moe
+        if moe is not None:
+            moe.begin(packed, mb.routed_experts_BTLK)
         logp_BT, entropy_BT = token_logprobs(
             self.models.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.rollout_cfg.temperature, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
@@ -174,6 +180,14 @@ class Updater:
             logp_BT, old_logp_BT, mb.advantages_BT, mask_BT, norm,
             ref_logp_BT=mb.ref_logp_BT, rollout_logp_BT=mb.rollout_logp_BT, entropy_BT=entropy_BT,
         )
+        if moe is not None:
+            # the load-balancing loss, weighted like the policy loss's token mean: sum over the micro-batches
+            # and ranks of one optimizer step = aux_loss_coef x the token-weighted mean of their aux losses
+            aux, moe_metrics = moe.after_forward(packed, mb.routed_experts_BTLK)
+            if moe.aux_loss_coef > 0:
+                loss = loss + moe.aux_loss_coef * aux * (mask_BT.sum() / norm.num_tokens)
+            for name, (value, weight) in moe_metrics.items():
+                self.moe_means.add({name: value}, weight)
         return nonfinite_guard(loss, logp_BT), metrics
 
     def _critic_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
@@ -190,10 +204,12 @@ class Updater:
                 f"{epochs} x {mini_batches}; set train.old_logprobs=recompute"
             )
         actor, critic = MetricMeans(), MetricMeans()
+        self.moe_means = MetricMeans()
         for _ in range(epochs):
             for rows in mini_batch_rows(exp, mini_batches, generator):
                 part = exp.select(rows)
                 self._step(self.models.actor, part, self._actor_loss, actor)
                 if self.models.critic is not None:
                     self._step(self.models.critic, part, self._critic_loss, critic)
-        return UpdateResult(actor=actor.result(self.runtime), critic=critic.result(self.runtime))
+        return UpdateResult(actor=actor.result(self.runtime), critic=critic.result(self.runtime),
+                            moe=self.moe_means.result(self.runtime))

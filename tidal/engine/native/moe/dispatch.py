@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from tidal.engine.native.moe.router import Routing
+from tidal.models.routing import Routing
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch import nn
 
 from tidal.engine.native.layers import _divide
 from tidal.engine.native.moe.dispatch import Dispatch, combine, dispatch
-from tidal.engine.native.moe.router import Routing
+from tidal.models.routing import Routing
 from tidal.engine.native.parallel import TPGroup
 
 
