@@ -20,13 +20,18 @@ class LoraConfig:
         for its old-logprob forward too, so anything but 0 makes old logprobs noisy; keep 0 for RL.
     target_modules: names (last path component) of the ``nn.Linear`` modules that get adapters.
         The default covers the attention and MLP projections of Qwen2/Qwen3/Llama-style decoders
-        (a vision tower's ``qkv``/``fc1`` are not matched).
+        (a vision tower's ``qkv``/``fc1`` are not matched); on an MoE model that is attention (and any
+        dense MLP layers): the routed experts are stacked parameters, not linears.
+    target_parameters: stacked-experts parameters that get adapters through PEFT's
+        ``target_parameters`` (one rank-``rank`` adapter per expert), named by their path suffix, e.g.
+        ``[mlp.experts.gate_up_proj, mlp.experts.down_proj]`` (Qwen3-MoE, OLMoE). Default none.
     """
 
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    target_parameters: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         check(self.rank >= 0, "rank", "must be >= 0 (0 disables LoRA)")
