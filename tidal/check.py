@@ -69,9 +69,8 @@ def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
     from tidal.engine import sizing
 
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
-    text = getattr(hf_config, "text_config", None) or hf_config
     dtype = resolve_dtype(cfg.engine.dtype, device)
-    per_token = sizing.kv_bytes_per_token(text, dtype, cfg.engine.tp_size)
+    per_token = sizing.kv_bytes_per_token(hf_config, dtype, cfg.engine.tp_size)
     lines = [f"memory: engine weights {_gib(sizing.weight_bytes_per_rank(hf_config, dtype, cfg.engine.tp_size))} per rank "
              f"({dtype}); KV cache {per_token / 1024:.1f} KiB per token"]
     if sizing.sized_by_memory(device):

@@ -61,3 +61,6 @@ _.base_lrs, _._last_lr  # torch's LRScheduler state, set after a resume (tidal/s
 
 # Public names re-exported by a package's lazy __init__ (tidal.lazy.lazy_exports names them as strings).
 gather_and_generate  # tidal.distributed: the rollout entry point of the public API
+
+# tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
+_.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate

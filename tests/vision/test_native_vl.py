@@ -182,7 +182,7 @@ def test_factory_builds_native_for_vl_and_refuses_unknown_vl_types(vl):
 
     other = type(model.config).from_dict(model.config.to_dict())
     other.model_type = "llava_like"
-    with pytest.raises(ValueError, match=r"native VL models: \['qwen2_5_vl', 'qwen2_vl'\]\); set engine.backend=hf"):
+    with pytest.raises(ValueError, match=r"'llava_like' is no family Tidal knows; the native engine runs \[.*'qwen2_5_vl', 'qwen2_vl'.*engine.backend: hf"):
         create_engine(other, EngineConfig(backend="native"), device=CPU, dtype=torch.float32)
 
 

@@ -26,13 +26,9 @@ def create_engine(
         )
     if cfg.backend == "native":
         from tidal.engine.native import NativeEngine
-        from tidal.engine.native.models import MODELS
+        from tidal.families import native_family
 
-        if is_vision_language(hf_config) and hf_config.model_type not in MODELS.names():
-            raise ValueError(
-                f"engine.backend=native: vision-language model_type {hf_config.model_type!r} is not supported "
-                f"(native VL models: {[n for n in MODELS.names() if MODELS.get(n, 'model_type').multimodal]}); set engine.backend=hf"
-            )
+        native_family(hf_config)  # ConfigError naming what the native engine runs
         return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group)
     if cfg.backend == "hf":
         from tidal.engine.hf import HFEngine

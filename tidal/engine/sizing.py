@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tidal import families
+
 if TYPE_CHECKING:
     from tidal.engine.config import EngineConfig
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int) -> int:
-    """KV-cache bytes of one token on one TP rank (K and V of every layer; KV heads are replicated
-    when there are fewer than ``tp_size``)."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads_per_rank = max(1, kv_heads // tp_size)
-    return 2 * hf_config.num_hidden_layers * kv_heads_per_rank * head_dim * torch.empty(0, dtype=dtype).element_size()
+    """KV-cache bytes of one token on one TP rank over the layers that keep KV, as the model's
+    family declares them (:func:`tidal.families.kv_bytes_per_token`; KV heads are replicated when
+    there are fewer than ``tp_size``). ``hf_config``: the model's config or its text config."""
+    caches = families.layer_caches(hf_config)
+    return families.kv_bytes_per_token(caches, torch.empty(0, dtype=dtype).element_size(), tp_size)
 
 
 def weight_bytes_per_rank(hf_config, dtype: torch.dtype, tp_size: int) -> int:

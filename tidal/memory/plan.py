@@ -66,9 +66,9 @@ Every byte count is per rank. Where a figure comes from:
 from __future__ import annotations
 
 import dataclasses
-import types
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
+from tidal import families
 from tidal.config_base import ConfigError
 from tidal.engine import sizing as engine_sizing
 from tidal.strategy import memory_layout
@@ -115,7 +115,8 @@ def gib(nbytes: float) -> float:
 class ModelShape:
     """The numbers of a decoder-only transformer (a Hugging Face config's text part) that memory
     depends on. ``qkv_bias``: q/k/v projections have biases (Qwen2). ``qk_norm``: RMSNorm on each
-    head's q and k (Qwen3)."""
+    head's q and k (Qwen3). ``layer_caches``: what each layer keeps in the engine, as its family
+    declares (:mod:`tidal.families`); empty: full KV in every layer (a shape written by hand)."""
 
     layers: int
     hidden: int
@@ -129,13 +130,14 @@ class ModelShape:
     qk_norm: bool = False
     model_type: str = ""
     vision: bool = False  # a vision-language model (its vision tower is not counted)
+    layer_caches: tuple[families.LayerCache, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
         """From a ``transformers`` config object or its ``config.json`` as a dict (a vision-language
         config's ``text_config`` is used for the decoder)."""
-        top = _namespace(config)
-        text = top.get_text_config() if hasattr(top, "get_text_config") else _namespace(getattr(top, "text_config", None) or top)
+        top = families.namespace(config)
+        text = families.text_config(config)
         model_type = str(getattr(text, "model_type", "") or getattr(top, "model_type", ""))
         heads = int(text.num_attention_heads)
         hidden = int(text.hidden_size)
@@ -144,13 +146,19 @@ class ModelShape:
             tied = getattr(text, "tie_word_embeddings", False)
         return cls(
             layers=int(text.num_hidden_layers), hidden=hidden, heads=heads,
-            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            kv_heads=families.kv_heads_of(text), head_dim=families.head_dim_of(text),
             intermediate=int(text.intermediate_size), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
+            layer_caches=tuple(families.layer_caches(config)) if families.find_family(config) else (),
         )
+
+    def caches(self) -> list[families.LayerCache]:
+        """Each layer's engine cache: the family's, or full KV of this shape's heads in every layer."""
+        if self.layer_caches:
+            return list(self.layer_caches)
+        return [families.LayerCache(kind="full_kv", kv_heads=self.kv_heads, head_dim=self.head_dim)] * self.layers
 
     @property
     def q_dim(self) -> int:
@@ -183,14 +191,9 @@ class ModelShape:
         return self.layers * self.layer_params() + self.vocab * self.hidden + 2 * self.hidden + 1
 
     def kv_cache_bytes_per_token(self, tp_size: int = 1) -> int:
-        """bf16 K and V of every layer, the KV heads split over the engine's TP group."""
-        return self.layers * 2 * max(1, self.kv_heads // tp_size) * self.head_dim * 2
-
-
-def _namespace(config: Any) -> Any:
-    if isinstance(config, Mapping):
-        return types.SimpleNamespace(**{k: _namespace(v) if isinstance(v, Mapping) else v for k, v in config.items()})
-    return config
+        """bf16 K and V of every layer that keeps KV, the KV heads split over the engine's TP group
+        (:func:`tidal.families.kv_bytes_per_token`)."""
+        return families.kv_bytes_per_token(self.caches(), 2, tp_size)
 
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:

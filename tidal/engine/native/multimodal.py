@@ -22,7 +22,7 @@ An image token that is not in a run right after ``<|vision_start|>`` is text (th
 forward treats it the same way: both use :func:`tidal.models.vision.placeholder_mask`).
 
 This module knows nothing about the scheduler or the device loop; the model (which owns the vision
-tower) turns ``pixel_values`` into features, see :class:`tidal.engine.native.models.Qwen2VLForConditionalGeneration`.
+tower) turns ``pixel_values`` into features, see :class:`tidal.engine.native.models.dense.Qwen2VLForConditionalGeneration`.
 """
 
 from __future__ import annotations

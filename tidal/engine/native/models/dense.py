@@ -6,7 +6,8 @@ mapping: HF names (``model.layers.0.self_attn.q_proj.weight``) are mapped onto p
 (``qkv_proj``, ``gate_up_proj``) by :attr:`DecoderLM.packed_modules_mapping`.
 
 ``forward(ids_T, positions_T, meta)`` runs the flat batch of new tokens; ``compute_logits`` applies
-the LM head to the rows that sample.
+the LM head to the rows that sample. Each class is its family's ``engine_model``
+(:mod:`tidal.families`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from tidal.engine.native.layers import (
 )
 from tidal.engine.native.multimodal import MultimodalPrompt, build_multimodal_prompt, mrope_cos_sin, mrope_section_columns
 from tidal.engine.native.parallel import TPGroup
-from tidal.registry import Registry
-
-MODELS: Registry = Registry("model architecture")
 
 
 def head_dim_of(hf_config) -> int:
@@ -218,7 +216,6 @@ class DecoderLM(nn.Module):
         return cache[name]
 
 
-@MODELS.register("qwen2")
 class Qwen2ForCausalLM(DecoderLM):
     """Qwen2 / Qwen2.5: bias on q/k/v only."""
 
@@ -227,7 +224,6 @@ class Qwen2ForCausalLM(DecoderLM):
         return {"qkv": True, "o": False, "mlp": False}
 
 
-@MODELS.register("qwen3")
 class Qwen3ForCausalLM(DecoderLM):
     """Qwen3: per-head RMSNorm on q and k before RoPE; biases only if ``attention_bias``."""
 
@@ -239,7 +235,6 @@ class Qwen3ForCausalLM(DecoderLM):
         return {"qkv": b, "o": b, "mlp": False}
 
 
-@MODELS.register("llama")
 class LlamaForCausalLM(DecoderLM):
     """Llama 2/3: ``attention_bias`` on q/k/v/o, ``mlp_bias`` on the MLP."""
 
@@ -249,7 +244,6 @@ class LlamaForCausalLM(DecoderLM):
         return {"qkv": b, "o": b, "mlp": bool(getattr(cfg, "mlp_bias", False))}
 
 
-@MODELS.register("qwen2_vl")
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     """Qwen2-VL: the Qwen2 decoder with M-RoPE, and the HF vision tower (replicated on every TP rank,
     unsharded; its output is identical on all of them). Image prompts: :mod:`tidal.engine.native.multimodal`.
@@ -301,15 +295,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 yield name, slices
 
 
-@MODELS.register("qwen2_5_vl")
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: the same decoder and M-RoPE for images; its own vision tower (window attention)."""
 
     vision_tower_class = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel"
-
-
-def build_model(hf_config, tp: TPGroup, ops, device: torch.device, dtype: torch.dtype) -> DecoderLM:
-    """The model for ``hf_config.model_type`` on ``device`` with zero weights (load them next)."""
-    cls = MODELS.get(hf_config.model_type, "model_type")
-    with torch.device(device):
-        return cls(hf_config, tp, ops, dtype).eval()
