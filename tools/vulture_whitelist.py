@@ -64,3 +64,6 @@ gather_and_generate  # tidal.distributed: the rollout entry point of the public 
 
 # tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
 _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
+
+# Native engine models named by their family's engine_model ("module:Class") and imported at run time.
+Qwen3MoeForCausalLM, OlmoeForCausalLM

@@ -86,3 +86,26 @@ class OracleDrafter:
         elif self.mode == "partly":
             nxt = nxt[: len(nxt) // 2] + [(x + 1) % self.vocab for x in nxt[len(nxt) // 2 :]]
         return np.array(nxt, dtype=np.int64) if nxt else None
+
+
+MOE_COMMON = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+    max_position_embeddings=256, initializer_range=0.2, num_experts=8, num_experts_per_tok=3,
+)
+MOE_FAMILIES = {
+    # layer 1 keeps a dense MLP (mlp_only_layers): a mixed stack, as released Qwen3-MoE configs allow
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=32, clip_qkv=3.0, norm_topk_prob=False)),
+}
+
+
+def tiny_moe(family: str = "qwen3_moe", seed: int = 0, **overrides):
+    """A tiny random MoE built by ``transformers`` (8 experts, top-3)."""
+    import transformers
+
+    cfg_name, model_name, extra = MOE_FAMILIES[family]
+    config = getattr(transformers, cfg_name)(**{**MOE_COMMON, **extra, **overrides})
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()

@@ -70,7 +70,8 @@ class MoEShape:
     """The mixture-of-experts MLP of a family (None for dense models). ``experts`` routed experts of
     ``expert_intermediate`` each, ``top_k`` of them per token; ``shared_experts`` always-on experts
     of ``shared_intermediate`` each; ``router``: how the top-k weights are made (e.g.
-    ``"softmax_topk"``, ``"softmax_topk_renorm"``)."""
+    ``"softmax_topk"``, ``"softmax_topk_renorm"``). ``dense_layers``: the decoder layers that keep a
+    dense MLP of the config's ``intermediate_size`` instead (every other layer is sparse)."""
 
     experts: int
     top_k: int
@@ -78,6 +79,11 @@ class MoEShape:
     shared_experts: int = 0
     shared_intermediate: int = 0
     router: str = "softmax_topk"
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        """The indices of the decoder layers whose MLP is this MoE."""
+        return [i for i in range(num_layers) if i not in self.dense_layers]
 
 
 def full_attention_caches(text: Any) -> list[LayerCache]:

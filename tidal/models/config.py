@@ -103,6 +103,14 @@ class MoEConfig:
     def __post_init__(self):
         check(self.aux_loss_coef == "auto" or self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0 or auto")
 
+    def check_model(self, is_moe: bool, model_type: str) -> None:
+        """On a dense model every ``moe.*`` key must stay at its default (no silent ignores)."""
+        if is_moe:
+            return
+        for key, default in (("aux_loss_coef", "auto"), ("routing_replay", "off")):
+            check(getattr(self, key) == default, f"moe.{key}",
+                  f"model.path is a dense model ({model_type}): leave it at its default ({default!r})")
+
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:

@@ -1,0 +1,167 @@
+"""The native engine's MoE families (Qwen3-MoE, OLMoE) against Hugging Face on tiny random models
+(CPU, fp32): logprobs of prefill and decode, greedy outputs, the expert GEMM paths, TP shards of the
+stacked experts, weight read-back -- and a routing that is slightly wrong fails."""
+
+import pytest
+import torch
+
+from tests.tolerance import rounding_tol
+from tidal.engine.base import SamplingParams
+from tidal.engine.native.moe.dispatch import combine, dispatch
+from tidal.engine.native.moe.experts import FusedExperts
+from tidal.models.routing import replay_weights, route
+from tidal.engine.native.kernels.torch_ops import TorchOps
+from tidal.engine.native.parallel import TPGroup
+
+from .helpers import PROMPTS, engine_for, hf_greedy, tiny_moe
+
+FAMILIES = ["qwen3_moe", "olmoe"]
+
+
+def _hf_logprobs(hf, prompt, tokens):
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def _max_logprob_error(hf, engine, n_new=8):
+    # sampled at temperature 1: the first token's logprob comes from the prefill, the rest from decode
+    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=n_new, seed=0, ignore_eos=True))
+    err, mag = 0.0, 0.0
+    for c in out:
+        ref = _hf_logprobs(hf, c.prompt_ids, c.token_ids)
+        err = max(err, (torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max().item())
+        mag = max(mag, ref.abs().max().item())
+    return err, mag
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_logprobs_equal_hf(family):
+    hf = tiny_moe(family)
+    err, mag = _max_logprob_error(hf, engine_for(hf, block_size=4, max_num_batched_tokens=16))
+    assert err <= rounding_tol(torch.float32, max(mag, 8.0)), err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_64_tokens_equal_hf_generate(family):
+    hf = tiny_moe(family)
+    engine = engine_for(hf, block_size=4, max_num_batched_tokens=16)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
+    for prompt, c in zip(PROMPTS, out):
+        assert c.token_ids == hf_greedy(hf, prompt, 64)
+
+
+@pytest.mark.parametrize("wrong", ["no_renormalisation", "top_k_minus_one"])
+def test_a_slightly_wrong_routing_fails(wrong):
+    hf = tiny_moe("qwen3_moe")
+    engine = engine_for(hf, block_size=4)
+    for layer in engine.model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and wrong == "no_renormalisation":
+            gate.norm_topk_prob = False
+        elif gate is not None:
+            gate.top_k -= 1
+    engine.model.routing_sink.top_k -= wrong == "top_k_minus_one"  # the record's width follows
+    err, mag = _max_logprob_error(hf, engine)
+    assert err > 1000 * rounding_tol(torch.float32, max(mag, 8.0)), err
+
+
+def _experts(tp=TPGroup(None, 0, 1), E=5, H=16, I=12, seed=0):
+    ex = FusedExperts(E, H, I, tp, TorchOps(), torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    full = {"gate_up_proj": torch.randn(E, 2 * I, H, generator=g), "down_proj": torch.randn(E, H, I, generator=g)}
+    for name, t in full.items():
+        for dst, src in ex.weight_slices(getattr(ex, name), t):
+            dst.copy_(src)
+    return ex, full
+
+
+def _reference_moe(x_TH, routing, full):
+    """HF's per-expert loop, written out: sum_k w_tk * down_e(silu(gate_e x) * up_e x)."""
+    out = torch.zeros_like(x_TH)
+    for t in range(x_TH.shape[0]):
+        for w, e in zip(routing.weights_TK[t], routing.experts_TK[t]):
+            gate, up = (full["gate_up_proj"][e] @ x_TH[t]).chunk(2)
+            out[t] += w * (full["down_proj"][e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_expert_gemm_paths_equal_the_per_token_reference(impl):
+    ex, full = _experts()
+    x_TH = torch.randn(9, 16)
+    routing = route(torch.randn(9, 5), top_k=2, norm_topk_prob=True)
+    routing.experts_TK[0] = torch.tensor([4, 3])  # expert 0 may get no rows: empty groups are fine
+    ex.impl = impl
+    out = ex(x_TH, routing)
+    ref = _reference_moe(x_TH, routing, full)
+    assert torch.allclose(out, ref, atol=rounding_tol(torch.float32, ref.abs().max() * 16))
+
+
+def test_tp_shards_of_the_stacked_experts_sum_to_the_whole():
+    x_TH = torch.randn(7, 16)
+    routing = route(torch.randn(7, 5), top_k=3, norm_topk_prob=False)
+    whole, full = _experts()
+    parts = []
+    for rank in range(2):
+        ex, _ = _experts(TPGroup(None, rank, 2))
+        assert ex.gate_up_proj.shape == (5, 12, 16) and ex.down_proj.shape == (5, 16, 6)
+        d = dispatch(routing, 5)
+        parts.append(combine(ex._loop(x_TH[d.token_N], d), d, 7))  # the rank's share before the all-reduce
+    ref = whole(x_TH, routing)
+    assert torch.allclose(parts[0] + parts[1], ref, atol=rounding_tol(torch.float32, ref.abs().max() * 16))
+
+
+def test_replay_weights_equal_route_for_its_own_choice_and_carry_gradient():
+    logits = torch.randn(6, 8, requires_grad=True)
+    for norm in (False, True):
+        r = route(logits, 3, norm)
+        w = replay_weights(logits, r.experts_TK, norm)
+        assert torch.equal(w, r.weights_TK)
+    replay_weights(logits, torch.randint(0, 8, (6, 3)), True).pow(2).sum().backward()
+    assert logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_weights_sync_and_read_back(family):
+    hf = tiny_moe(family)
+    engine = engine_for(hf)
+    named = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
+    assert engine.verify_weights(named) == []
+    engine.model.model.layers[2].mlp.experts.down_proj.data[3, 0, 0] += 1.0
+    assert engine.verify_weights(named) == ["model.layers.2.mlp.experts.down_proj"]
+    with pytest.raises(KeyError, match="mlp.experts.up_proj"):
+        engine.load_weights([("model.layers.0.mlp.experts.up_proj", torch.zeros(1))])
+
+
+def _hf_routing(hf, tap, fed):
+    tap.start()
+    with torch.no_grad():
+        hf(torch.tensor([fed]))
+    return torch.stack([tap.chosen[l] for l in range(tap.num_layers)], 1).sort(-1).values  # [T, L, K]
+
+
+@pytest.mark.parametrize("family,kv_tokens", [("qwen3_moe", None), ("olmoe", None), ("qwen3_moe", 48)])
+def test_engine_records_the_routing_of_every_token_it_fed(family, kv_tokens):
+    """Prefix-cache hits (n=2 shares the prompt's blocks), chunked prefill, decode and (with a small
+    cache) preemption and recompute: every fed token's experts, per MoE layer, are HF's."""
+    from tidal.models.moe import router_tap
+
+    hf = tiny_moe(family)
+    tap = router_tap(hf)
+    cfg = {"kv_cache_max_tokens": kv_tokens} if kv_tokens else {}
+    engine = engine_for(hf, block_size=4, max_num_batched_tokens=16, **cfg)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=0, ignore_eos=True))
+    assert engine.stats["prefix_hit_tokens"] > 0 and (kv_tokens is None or engine.stats["preemptions"] > 0)
+    for c in out:
+        fed = c.prompt_ids + c.token_ids[:-1]
+        assert c.routed_experts.shape == (len(fed), tap.num_layers, tap.top_k)
+        engine_TLK = torch.from_numpy(c.routed_experts).long().sort(-1).values
+        assert torch.equal(engine_TLK, _hf_routing(hf, tap, fed))
+
+
+def test_dense_models_record_no_routing():
+    from .helpers import tiny_hf
+
+    (c,) = engine_for(tiny_hf("qwen3")).generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    assert c.routed_experts is None
