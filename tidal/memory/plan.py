@@ -131,6 +131,7 @@ class ModelShape:
     model_type: str = ""
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
+    moe: families.MoEShape | None = None  # the family's MoE MLP (None: dense); sparse layers hold every expert
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
@@ -152,6 +153,7 @@ class ModelShape:
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
             layer_caches=tuple(families.layer_caches(config)) if families.find_family(config) else (),
+            moe=family.moe(text) if (family := families.find_family(config)) is not None else None,
         )
 
     def caches(self) -> list[families.LayerCache]:
@@ -174,21 +176,65 @@ class ModelShape:
         return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
                 "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
-    def layer_params(self) -> int:
+    def _attention_params(self) -> int:
+        """Attention projections, their biases and the layer's norms."""
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return sum(i * o for i, o in self.linear_shapes().values()) + bias + norms
+        H, q, kv = self.hidden, self.q_dim, self.kv_dim
+        return 2 * H * q + 2 * H * kv + bias + norms
+
+    def _expert_params(self, experts: int) -> int:
+        """``experts`` routed experts of an MoE layer (gated MLPs of ``expert_intermediate``)."""
+        return experts * 3 * self.hidden * self.moe.expert_intermediate
+
+    def _sparse_mlp_params(self, *, active: bool) -> int:
+        """An MoE layer's MLP: router, routed experts (all, or the ``top_k`` a token uses) and shared experts."""
+        m = self.moe
+        shared = m.shared_experts * 3 * self.hidden * m.shared_intermediate
+        return m.experts * self.hidden + self._expert_params(m.top_k if active else m.experts) + shared
+
+    def _layer_list(self, *, active: bool) -> list[int]:
+        dense = self._attention_params() + 3 * self.hidden * self.intermediate
+        if self.moe is None:
+            return [dense] * self.layers
+        sparse = self._attention_params() + self._sparse_mlp_params(active=active)
+        return [dense if i in self.moe.dense_layers else sparse for i in range(self.layers)]
+
+    def layer_params(self) -> int:
+        """The largest decoder layer's parameters (an MoE layer holds all its experts): what a
+        sharded backend gathers at once."""
+        return max(self._layer_list(active=False))
+
+    def body_params(self) -> int:
+        """Every decoder layer's parameters."""
+        return sum(self._layer_list(active=False))
 
     def embedding_params(self) -> int:
         """Input embedding plus the LM head (a second matrix unless tied)."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.hidden
+        """Every parameter (an MoE: all experts), what weights, gradients and optimizer state hold."""
+        return self.body_params() + self.embedding_params() + self.hidden
+
+    def active_params(self) -> int:
+        """The parameters one token goes through (an MoE layer: its router, ``top_k`` routed and its
+        shared experts); ``params()`` for a dense model."""
+        return sum(self._layer_list(active=True)) + self.embedding_params() + self.hidden
+
+    def mlp_width(self) -> int:
+        """The MLP's intermediate activations per token, averaged over the layers (an MoE layer's
+        ``top_k`` routed rows of ``expert_intermediate``, and its shared experts)."""
+        if self.moe is None:
+            return self.intermediate
+        m = self.moe
+        sparse = m.top_k * m.expert_intermediate + m.shared_experts * m.shared_intermediate
+        n_dense = len(m.dense_layers)
+        return (n_dense * self.intermediate + (self.layers - n_dense) * sparse) // self.layers
 
     def critic_params(self) -> int:
         """A value model on this body: no LM head, a scalar head."""
-        return self.layers * self.layer_params() + self.vocab * self.hidden + 2 * self.hidden + 1
+        return self.body_params() + self.vocab * self.hidden + 2 * self.hidden + 1
 
     def kv_cache_bytes_per_token(self, tp_size: int = 1) -> int:
         """bf16 K and V of every layer that keeps KV, the KV heads split over the engine's TP group
@@ -196,11 +242,25 @@ class ModelShape:
         return families.kv_bytes_per_token(self.caches(), 2, tp_size)
 
 
-def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
-    """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer."""
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_targets: tuple[str, ...] = ()) -> int:
+    """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer (an MoE's MLP
+    projections exist in its dense layers only); per expert of every sparse layer for the stacked
+    experts named in ``expert_targets`` (``model.lora.target_parameters``: ``...gate_up_proj``,
+    ``...down_proj``) or in ``targets`` (PEFT matches a ``target_modules`` name against the stacked
+    experts' parameters too: the default targets adapt every expert's ``down_proj``)."""
     if rank <= 0:
         return 0
-    return shape.layers * sum(rank * (i + o) for name, (i, o) in shape.linear_shapes().items() if name in targets)
+    shapes = shape.linear_shapes()
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    attn = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and name not in mlp)
+    dense = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and name in mlp)
+    if shape.moe is None:
+        return shape.layers * (attn + dense)
+    H, Ie, m = shape.hidden, shape.moe.expert_intermediate, shape.moe
+    per_expert = {"gate_up_proj": rank * (H + 2 * Ie), "down_proj": rank * (Ie + H)}
+    experts = m.experts * sum(n for p, n in per_expert.items() if p in targets or any(t.endswith(p) for t in expert_targets))
+    sparse = shape.layers - len(m.dense_layers)
+    return shape.layers * attn + len(m.dense_layers) * dense + sparse * experts
 
 
 # ---- activations (bytes per token unless named otherwise) ----------------------------------------------
@@ -209,7 +269,7 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, 
     attention within each sequence, no mask, K/V not repeated to the query heads). ``lora_targets``
     projections with rank-``lora_rank`` adapters each keep their ``[T, r]`` bf16 down-projection,
     and the frozen base's norms need not keep their normalised input (eager)."""
-    H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.mlp_width(), shape.heads
     if compiled:
         b = 8 * H + 4 * q + 4 * kv + 6 * I + 4 * n + 8
     else:
@@ -218,6 +278,8 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, 
         b += (2 if compiled else 6) * (q + kv) + 4 * (shape.heads + shape.kv_heads)
     if lora_rank and not compiled:  # frozen norm weights: their bf16 inputs are not kept (estimated kept when compiled)
         b -= 4 * H
+    if shape.moe is not None:  # estimated (not calibrated): fp32 router logits, the routed rows' bf16 inputs and outputs
+        b += 4 * shape.moe.experts + 4 * shape.moe.top_k * H
     return b + 2 * lora_rank * lora_targets
 
 
@@ -243,7 +305,7 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, chec
     """What a layer's backward adds on top of the saved tensors: its gradient buffers (``3I`` per
     token, measured eager on CPU), with checkpointing also the recomputed layer's saved tensors."""
     recomputed = layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
-    return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
+    return tokens * (3 * shape.mlp_width() + (recomputed if checkpointing else 0))
 
 
 def attention_workspace_bytes(shape: ModelShape, tokens: int) -> int:
@@ -265,7 +327,8 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens:
     and product, the residual stream and norms, ``6I + 8H`` per token, and 64 bytes of token ids,
     positions and masks), and at the LM head (the final hidden states, the response rows' inputs
     and one chunk of logits: ``2cV`` compiled, ``14cV`` eager). Measured eager on CPU."""
-    body = tokens * (6 * shape.intermediate + 8 * shape.hidden + 64)
+    routed = 4 * shape.moe.top_k * shape.hidden if shape.moe is not None else 0  # an MoE's routed rows (estimated)
+    body = tokens * (6 * shape.mlp_width() + 8 * shape.hidden + 64 + routed)
     if not lm_head:
         return body
     head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
@@ -509,7 +572,7 @@ class _Sizes:
 
 
 def _trainable_params(inp: PlanInputs) -> int:
-    return lora_params(inp.shape, inp.lora_rank, inp.lora_targets) if inp.lora else inp.shape.params()
+    return lora_params(inp.shape, inp.lora_rank, inp.lora_targets, tuple(inp.model.lora.target_parameters)) if inp.lora else inp.shape.params()
 
 
 def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
@@ -576,7 +639,7 @@ def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
 
 def _decode_bytes(inp: PlanInputs, batch: int) -> int:
     sh = inp.shape
-    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.intermediate, vocab=sh.vocab, max_num_seqs=batch,
+    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.mlp_width(), vocab=sh.vocab, max_num_seqs=batch,
                                       tp_size=inp.engine.tp_size)
 
 def _graph_pool(inp: PlanInputs) -> Part:
@@ -613,7 +676,7 @@ def _lora_targets(inp: PlanInputs) -> int:
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.intermediate,
+    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.mlp_width(),
                                           max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
     graphs = _engine(inp).graphs
     # decode batches above the graphs' largest run eagerly, their activations in the allocator
@@ -700,7 +763,7 @@ def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
     blocks a micro-batch allocates (the MLP's ``[T, I]`` bf16 intermediate, or a chunk of fp32
     logits). Not allocated: it counts against the budget, not in ``max_memory_allocated``."""
     chunk = min(inp.model.logprob_chunk_tokens, _response_tokens(inp, tokens))
-    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.intermediate, 4 * chunk * inp.shape.vocab),
+    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.mlp_width(), 4 * chunk * inp.shape.vocab),
                 allocated=False)
 
 
@@ -988,7 +1051,8 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     shape = inp.shape
     lines = [
         f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.memory.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
-        f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
+        f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden}"
+        + (f"; MoE {shape.moe.experts} experts, top-{shape.moe.top_k}, {shape.active_params() / 1e9:.2f}B active" if shape.moe else "") + ")"
         + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
         + f"; {inp.world_size} rank(s), {inp.strategy.backend}",
     ]

@@ -10,7 +10,9 @@ Only real tokens count (packing's padding and dummy sequences do not), and recom
 counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
 ``head_tokens`` tokens (default: all; Tidal's head runs on response tokens only, pass their count to
 count what it computes). Embedding lookups, norms, activations and the softmax are left out (a few
-percent), as in the convention. A LoRA update skips the frozen weights' gradients (about ``4 * P``
+percent), as in the convention. A mixture-of-experts layer counts the weights a token goes through:
+its router and its ``top_k`` routed experts (and any shared experts), not the experts it skips (the
+active parameters; the family's :class:`~tidal.families.MoEShape`). A LoRA update skips the frozen weights' gradients (about ``4 * P``
 per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
 The vision tower of a VL model is not counted.
 """
@@ -22,50 +24,73 @@ import time
 
 import torch
 
+from tidal.families import MoEShape, find_family, text_config
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlopModel:
-    """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
-    projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
-    query heads x head dim."""
+    """A decoder-only LM's matmul shape. layer_params: matmul weights a token goes through per decoder
+    layer (attention projections and the gated MLP; an MoE layer's router and active experts).
+    head_params: the output head's (vocab x hidden). attn_dim: query heads x head dim. body_params:
+    the weights a token goes through in all layers when they differ (an MoE with dense layers), None
+    when every layer is ``layer_params``."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
+    body_params: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
-        """From an HF config of a dense decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral); a VL
-        config's text part."""
-        c = getattr(config, "text_config", None) or config
-        if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
-            raise NotImplementedError(f"{c.model_type}: mixture-of-experts FLOPs are not counted (active experts vary)")
+        """From an HF config of a decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral; the MoE
+        families by their active experts); a VL config's text part."""
+        c = text_config(config)
+        family = find_family(config)
+        moe = family.moe(c) if family is not None else None
+        if moe is None and (getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)):
+            raise NotImplementedError(f"{c.model_type}: a mixture-of-experts model of no known family; its FLOPs are not counted")
         H, heads = int(c.hidden_size), int(c.num_attention_heads)
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
-        mlp = 3 * H * int(c.intermediate_size)
-        return cls(num_layers=int(c.num_hidden_layers), layer_params=attn + mlp, head_params=int(c.vocab_size) * H,
-                   attn_dim=heads * hd)
+        dense = attn + 3 * H * int(c.intermediate_size)
+        common = dict(num_layers=int(c.num_hidden_layers), head_params=int(c.vocab_size) * H, attn_dim=heads * hd)
+        if moe is None:
+            return cls(layer_params=dense, **common)
+        sparse = attn + active_expert_params(moe, H)
+        n_dense = len(moe.dense_layers)
+        return cls(layer_params=sparse, body_params=n_dense * dense + (common["num_layers"] - n_dense) * sparse, **common)
+
+    @property
+    def body(self) -> int:
+        """Matmul weights a token goes through in all decoder layers."""
+        return self.num_layers * self.layer_params if self.body_params is None else self.body_params
 
     @property
     def params(self) -> int:
         """Matmul weights in all: ``P`` of ``6 * P`` per token."""
-        return self.num_layers * self.layer_params + self.head_params
+        return self.body + self.head_params
 
     def train_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward + backward model FLOPs of sequences of ``seq_lens`` real tokens (see the module
         docstring): ``6 * (layers * P_layer * tokens + P_head * head_tokens) + 6 * layers * d_attn * sum(len^2)``."""
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
-        dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
+        dense = 6.0 * (self.body * tokens + self.head_params * head)
         attention = 6.0 * self.num_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
         return dense + attention
 
     def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward-only model FLOPs (a third of :meth:`train_flops`): the experience forwards."""
         return self.train_flops(seq_lens, head_tokens) / 3.0
+
+
+def active_expert_params(moe: MoEShape, hidden: int) -> int:
+    """Matmul weights one token goes through in an MoE layer's MLP: the router (``E x H``), its
+    ``top_k`` routed experts and the shared experts (a gated MLP each: ``3 x H x I``)."""
+    routed = moe.top_k * 3 * hidden * moe.expert_intermediate
+    return moe.experts * hidden + routed + moe.shared_experts * 3 * hidden * moe.shared_intermediate
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:

@@ -137,10 +137,13 @@ class MoETraining:
 
     def after_forward(self, packed, routed_BTLK: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, tuple]]:
         """(the load-balancing loss of the forward's real tokens, ``{metric: (value, weight)}``):
-        ``aux_loss`` and, with engine routing, ``router_agreement`` (its weight the token-layers compared)."""
+        ``aux_loss`` (the family's balance loss), ``aux_loss_term`` (``aux_loss_coef`` times it: what the
+        policy loss gets, 0 when the coefficient is) and, with engine routing, ``router_agreement``
+        (its weight the token-layers compared)."""
         valid_N = torch.arange(packed.num_tokens, device=packed.input_ids_1N.device) < packed.num_real
         aux = self.tap.aux_loss(valid_N)
-        metrics = {"aux_loss": (aux.detach(), float(packed.num_real))}
+        n = float(packed.num_real)
+        metrics = {"aux_loss": (aux.detach(), n), "aux_loss_term": (self.aux_loss_coef * aux.detach(), n)}
         if routed_BTLK is not None:
             same, compared = self.tap.agreement(packed.pack(routed_BTLK.to(valid_N.device), fill=-1))
             metrics["router_agreement"] = (same / compared.clamp_min(1), compared)

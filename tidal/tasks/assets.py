@@ -51,7 +51,7 @@ def _build(cfg: TaskConfig, out: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.sft_threads)
     try:
-        model = build_model(cfg, tokenizer)
+        model = build_model(cfg, tokenizer, architecture=cfg.architecture)
         report = _warm_start(cfg, model, tokenizer, train, eval_rows)
     finally:
         torch.set_num_threads(threads)

@@ -1,0 +1,74 @@
+"""MoE shapes as the families declare them: which layers are sparse, total vs active parameters in
+the memory plan, FLOPs by active parameters, and LoRA adapter counts on experts -- against the
+parameters of tiny models built by transformers."""
+
+import pytest
+
+from tests.engine.helpers import tiny_moe
+from tidal import families
+from tidal.memory.plan import ModelShape, lora_params
+from tidal.models.flops import FlopModel
+
+
+def test_qwen3_moe_sparse_layers_follow_the_step_and_mlp_only_layers():
+    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 16, "num_experts_per_tok": 4,
+           "moe_intermediate_size": 32, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True}
+    shape = families.family_of(cfg).moe(families.text_config(cfg))
+    assert shape.dense_layers == (0, 2, 3, 4) and shape.sparse_layers(6) == [1, 5]
+    assert shape.router == "softmax_topk_renorm" and shape.top_k == 4 and shape.expert_intermediate == 32
+    assert families.family_of({**cfg, "num_experts": 0}).moe(families.namespace({**cfg, "num_experts": 0})) is None
+    olmoe = {"model_type": "olmoe", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 24}
+    assert families.family_of(olmoe).moe(families.namespace(olmoe)).sparse_layers(2) == [0, 1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_total_and_active_parameters_are_the_models(family):
+    hf = tiny_moe(family)
+    c = hf.config
+    shape = ModelShape.from_hf_config(c)
+    # OLMoE's q/k RMSNorms span all heads (q_dim + kv_dim weights per layer): the shape counts norms
+    # per head as Qwen3's (2 x head_dim), a few hundred parameters of a model short
+    uncounted = c.num_hidden_layers * (shape.q_dim + shape.kv_dim) if family == "olmoe" else 0
+    assert shape.params() + uncounted == sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    k, e = c.num_experts_per_tok, c.num_experts
+    assert shape.active_params() == shape.params() - experts + experts * k // e
+    biggest = max(sum(p.numel() for p in layer.parameters()) for layer in hf.model.layers)
+    assert shape.layer_params() + uncounted // c.num_hidden_layers == biggest  # what FSDP gathers at once: a sparse layer with all its experts
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_flops_count_the_active_experts(family):
+    hf = tiny_moe(family)
+    fm = FlopModel.from_config(hf.config)
+    per_layer = []
+    for layer in hf.model.layers:
+        mats = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 2)  # attention, router, dense MLP
+        experts = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 3)
+        per_layer.append(mats + experts * hf.config.num_experts_per_tok // hf.config.num_experts)
+    assert fm.body == sum(per_layer) and fm.params == sum(per_layer) + hf.lm_head.weight.numel()
+    assert fm.train_flops([10], head_tokens=0) == pytest.approx(6 * fm.body * 10 + 6 * fm.num_layers * fm.attn_dim * 100)
+
+
+def test_lora_parameter_count_matches_peft_on_attention_and_experts():
+    from tidal.models.config import LoraConfig
+    from tidal.models.lora import apply_lora
+
+    def trained(targets, experts=()):
+        hf = tiny_moe("qwen3_moe", mlp_only_layers=[])
+        actor = apply_lora(hf, LoraConfig(rank=4, target_modules=list(targets), target_parameters=list(experts)))
+        return ModelShape.from_hf_config(hf.config), sum(p.numel() for p in actor.parameters() if p.requires_grad)
+
+    both = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    for targets, experts in [(("q_proj", "v_proj"), both), (("q_proj", "v_proj"), ()), (("q_proj", "down_proj"), ())]:
+        shape, n = trained(targets, experts)
+        assert lora_params(shape, 4, targets, experts) == n, (targets, experts)
+
+
+def test_a_30b_a3b_shape_has_about_3b_active_parameters():
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+           "norm_topk_prob": True}
+    shape = ModelShape.from_hf_config(cfg)
+    assert 30.4e9 < shape.params() < 30.6e9 and 3.2e9 < shape.active_params() < 3.4e9  # Qwen3-30B-A3B: 30.5B, 3.3B
