@@ -165,3 +165,18 @@ def test_dense_models_record_no_routing():
 
     (c,) = engine_for(tiny_hf("qwen3")).generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
     assert c.routed_experts is None
+
+
+def test_decode_steps_count_the_distinct_experts_they_touch():
+    hf = tiny_moe("qwen3_moe")
+    engine = engine_for(hf)
+    engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
+    layers, k = engine.model.routing_sink.num_layers, engine.model.routing_sink.top_k
+    one = dict(engine.stats)
+    assert one["moe_decode_steps"] == 4 and one["moe_experts_touched"] == 4 * layers * k  # one row: its top-k
+    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=2, seed=0, ignore_eos=True))
+    steps = engine.stats["moe_decode_steps"] - one["moe_decode_steps"]
+    touched = engine.stats["moe_experts_touched"] - one["moe_experts_touched"]
+    assert steps == 1  # four rows decode their second token together: the union of their choices
+    want = sum(len({e for c in out for e in c.routed_experts[-1, l].tolist()}) for l in range(layers))
+    assert touched == want and layers * k < want <= layers * 8

@@ -72,3 +72,23 @@ def test_a_30b_a3b_shape_has_about_3b_active_parameters():
            "norm_topk_prob": True}
     shape = ModelShape.from_hf_config(cfg)
     assert 30.4e9 < shape.params() < 30.6e9 and 3.2e9 < shape.active_params() < 3.4e9  # Qwen3-30B-A3B: 30.5B, 3.3B
+
+
+def test_decode_floor_reads_the_experts_a_step_touches():
+    """bench/grpo: a decode step of a 30B-A3B reads its dense weights, the LM head and the routed
+    experts it touched; without the engine's count, the top-k per layer no step goes below."""
+    from bench.grpo.bounds import Ceilings, generation_bound_s
+    from bench.grpo.shapes import SHAPES, body_matmul_params, decode_matmul_params, expert_matmul_params, param_count
+
+    s = SHAPES["30b-a3b"]
+    expert = 3 * 2048 * 768
+    assert expert_matmul_params(s) == expert
+    floor = decode_matmul_params(s)
+    assert decode_matmul_params(s, 48 * 128) - floor == (48 * 128 - 48 * 8) * expert  # every expert touched
+    assert decode_matmul_params(s, 48 * 8) == floor
+    assert floor - 151936 * 2048 == body_matmul_params(s)  # one row: its active weights are what it reads
+    assert param_count(s) == ModelShape.from_hf_config(s).params()
+    c = Ceilings(copy_bw=1e12, matmul_flops=1e18)  # bandwidth-bound decode
+    one = generation_bound_s(s, prompt_len=1, unique_prompts=1, completion_lens=[3], c=c, experts_touched=48 * 8)
+    many = generation_bound_s(s, prompt_len=1, unique_prompts=1, completion_lens=[3], c=c, experts_touched=48 * 64)
+    assert many - one == pytest.approx(2 * 2 * (48 * 56) * expert / 1e12)  # two decode steps, bf16 bytes

@@ -70,7 +70,9 @@ class NativeEngine:
     fractions); and host
     wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
     ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens); and the
-    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`).
+    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`); for MoE
+    models ``moe_decode_steps`` and ``moe_experts_touched`` (the distinct experts of each decode step,
+    summed over its MoE layers: :class:`~tidal.engine.native.moe.record.RoutingRecorder`).
     :meth:`host_ms_per_step` turns two snapshots of ``stats`` into milliseconds per step.
 
     ``policy_version``: stamped on every token sampled from now on (``Completion.versions``); set it
@@ -378,6 +380,8 @@ class NativeEngine:
         stats["postprocess_s"] += time.perf_counter() - t0
         stats.update(runner.timings)
         stats.update(self.spec.stats)
+        if runner.routing is not None:
+            stats.update(runner.routing.stats)
         return [c for _, c in done]
 
     def _complete(self, slot: int) -> tuple[int, Completion]:

@@ -276,7 +276,7 @@ class ModelRunner:
             buf = self.routing.eager_buffer(ids.shape[0]) if self.routing is not None else None
             hidden = self.model(ids, pos, meta, **extra)
             if buf is not None:
-                routing = self.routing.copy_out(buf, slots_T)
+                routing = self.routing.copy_out(buf, slots_T, decode=False)
             n = len(rows)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if n else None
         else:
@@ -298,7 +298,7 @@ class ModelRunner:
                 else:
                     hidden = res
                 if self.routing is not None:
-                    routing = self.routing.copy_out(self.graphs.bufs["routing"], inputs[2])
+                    routing = self.routing.copy_out(self.graphs.bufs["routing"], inputs[2], decode=True)
             else:
                 inputs_dev = self._tensor(inputs, torch.int64)
                 meta = AttnMetadata(
@@ -311,7 +311,7 @@ class ModelRunner:
                 buf = self.routing.eager_buffer(n) if self.routing is not None else None
                 hidden = self.model(ids_dev if ids_dev is not None else inputs_dev[0], inputs_dev[1], meta)
                 if buf is not None:
-                    routing = self.routing.copy_out(buf, inputs[2])
+                    routing = self.routing.copy_out(buf, inputs[2], decode=True)
             if samples is None:
                 logits = self.model.compute_logits(hidden)
         self.timings["prepare_s"] += t1 - t0

@@ -31,7 +31,7 @@ def use_moe_blocks(model: DecoderLM, cfg, shape: MoEShape, tp: TPGroup, ops, dty
     if shape.shared_experts:
         raise NotImplementedError(f"{cfg.model_type}: shared experts are not supported by the native engine")
     layers = shape.sparse_layers(cfg.num_hidden_layers)
-    model.routing_sink = RoutingSink(len(layers), shape.top_k)
+    model.routing_sink = RoutingSink(len(layers), shape.top_k, shape.experts)
     for index, i in enumerate(layers):
         model.model.layers[i].mlp = SparseMoeBlock(
             hidden=cfg.hidden_size, num_experts=shape.experts, top_k=shape.top_k, intermediate=shape.expert_intermediate,

@@ -30,8 +30,8 @@ NOT_ROUTED = -1
 class RoutingSink:
     """Where the MoE blocks of the current forward write their choice (``buf`` None: not recording)."""
 
-    def __init__(self, num_layers: int, top_k: int):
-        self.num_layers, self.top_k = num_layers, top_k
+    def __init__(self, num_layers: int, top_k: int, num_experts: int):
+        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self.buf: torch.Tensor | None = None
 
     def new_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -61,11 +61,16 @@ class RoutingStore:
 class RoutingRecorder:
     """The model runner's side of the record: a buffer for each eager forward, the copy of a step's
     routing to the host (started right after the forward, on the step's stream, so it is done when the
-    step's samples are), and the store write when the runner waits for the step."""
+    step's samples are), and the store write when the runner waits for the step.
+
+    ``stats``: ``moe_decode_steps`` and ``moe_experts_touched``, the distinct experts each decode step's
+    rows routed to, summed over the MoE layers and the steps (the experts whose weights a decode step
+    reads: the bench's decode floor, :mod:`bench.grpo.bounds`)."""
 
     def __init__(self, sink: RoutingSink, block_size: int, device: torch.device):
         self.sink, self.block_size, self.device = sink, block_size, device
         self.store: RoutingStore | None = None
+        self.stats = {"moe_decode_steps": 0, "moe_experts_touched": 0}
 
     def resize(self, num_slots: int) -> None:
         """A store for ``num_slots`` KV slots (a new KV cache: what the old store described is gone)."""
@@ -76,20 +81,27 @@ class RoutingRecorder:
         self.sink.buf = self.sink.new_buffer(num_tokens, self.device)
         return self.sink.buf
 
-    def copy_out(self, buf_TLK: torch.Tensor, slots_T: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    def copy_out(self, buf_TLK: torch.Tensor, slots_T: np.ndarray, decode: bool) -> tuple:
         """Start copying the first ``len(slots_T)`` rows of ``buf_TLK`` to the host; the sink stops
-        recording. Returns what :meth:`commit` takes once the step is done."""
+        recording. Returns what :meth:`commit` takes once the step is done (``decode``: a decode step,
+        counted in ``stats``)."""
         self.sink.buf = None
         rows = buf_TLK[: len(slots_T)]
         if self.device.type != "cuda":
-            return rows.cpu(), slots_T
+            return rows.cpu(), slots_T, decode
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
-        return host, slots_T
+        return host, slots_T, decode
 
-    def commit(self, pending: tuple[torch.Tensor, np.ndarray]) -> None:
-        host, slots_T = pending
-        self.store.write(slots_T, host.numpy())
+    def commit(self, pending: tuple) -> None:
+        host, slots_T, decode = pending
+        experts_TLK = host.numpy()
+        self.store.write(slots_T, experts_TLK)
+        if decode:
+            hit_LE = np.zeros((self.sink.num_layers, self.sink.num_experts), dtype=bool)
+            hit_LE[np.arange(self.sink.num_layers)[None, :, None], experts_TLK] = True
+            self.stats["moe_decode_steps"] += 1
+            self.stats["moe_experts_touched"] += int(hit_LE.sum())
 
     def gather(self, blocks: np.ndarray, num_computed: int, num_fed: int) -> np.ndarray:
         """A finished sequence's ``[num_fed, L, K]`` routing (``NOT_ROUTED`` past ``num_computed``)."""
