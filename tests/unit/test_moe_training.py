@@ -191,3 +191,18 @@ def test_lora_on_attention_and_experts_merges_exactly_into_the_engine():
         ref = torch.log_softmax(actor(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1].double(), -1)
     ref = ref.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
     assert (torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max() <= rounding_tol(torch.float32, 16.0)
+
+
+def test_moe_settings_are_config_errors_where_nothing_reads_them():
+    from tidal.config import load_config
+    from tidal.config_base import ConfigError
+    from tidal.models.config import MoEConfig
+
+    with pytest.raises(ConfigError, match="'moe.routing_replay'.*dense model \\(qwen2\\)"):
+        MoEConfig(routing_replay="rollout").check_model(False, "qwen2")
+    with pytest.raises(ConfigError, match="'moe.aux_loss_coef'"):
+        MoEConfig(aux_loss_coef=0.1).check_model(False, "llama")
+    MoEConfig(routing_replay="rollout", aux_loss_coef=0.1).check_model(True, "qwen3_moe")
+    with pytest.raises(ConfigError, match="'moe.routing_replay'.*rollout.partial off"):
+        load_config("quickstart", ["moe.routing_replay=rollout", "rollout.partial.mode=carry", "algorithm.mismatch.mode=token_truncate"])
+    assert load_config("quickstart", ["moe.routing_replay=off"]).moe.routing_replay == "off"  # YAML's off

@@ -7,9 +7,11 @@ the intermediate dim ``I`` of every expert (each rank keeps ``I / tp`` gate, up 
 sums the ranks' outputs once after the combine, as the dense row-parallel MLP does.
 
 Two ways to run the GEMMs, equal in math (tests/engine/test_native_moe.py compares them):
-``grouped`` (``torch._grouped_mm`` with device-side offsets: one launch per projection, no host sync,
-CUDA-graph capturable) and ``loop`` (one ``F.linear`` per expert that received rows; reads the counts
-on the host). CUDA with bf16/fp16 weights uses ``grouped``; everything else ``loop``.
+``grouped`` (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` with device-side offsets: one
+launch per projection, no host sync, CUDA-graph capturable) and ``loop`` (one ``F.linear`` per expert
+that received rows; reads the counts on the host, so it cannot be captured). CUDA uses ``grouped``
+(SM80+, as ``transformers`` does; an older GPU is refused: its decode graphs could not capture the
+loop); the CPU uses ``loop``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,17 @@ from tidal.models.routing import Routing
 from tidal.engine.native.parallel import TPGroup
 
 
-def default_impl(device: torch.device, dtype: torch.dtype) -> str:
-    grouped = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
-    return "grouped" if grouped else "loop"
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def default_impl(device: torch.device) -> str:
+    """``grouped`` on CUDA, ``loop`` elsewhere; RuntimeError on a GPU without grouped GEMMs."""
+    if device.type != "cuda":
+        return "loop"
+    if _GROUPED_MM is None or torch.cuda.get_device_capability(device) < (8, 0):
+        raise RuntimeError("the native engine's MoE experts need torch grouped GEMMs on the GPU (torch >= 2.9, "
+                           "compute capability 8.0+); use engine.backend: hf on this device")
+    return "grouped"
 
 
 class FusedExperts(nn.Module):
@@ -38,7 +48,7 @@ class FusedExperts(nn.Module):
         self.inter = _divide(intermediate, tp.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
-        self.impl = default_impl(self.gate_up_proj.device, dtype)
+        self.impl = default_impl(self.gate_up_proj.device)
 
     def weight_slices(self, param, full, shard_id=None):
         """This rank's ``I / tp`` slice of every expert: gate and up rows of ``gate_up_proj``, columns of
@@ -58,8 +68,8 @@ class FusedExperts(nn.Module):
         return self.tp.all_reduce(out_TH)
 
     def _grouped(self, x_NH: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        h_N2I = torch._grouped_mm(x_NH, self.gate_up_proj.transpose(1, 2), offs=d.offsets_E)
-        return torch._grouped_mm(self.ops.silu_mul(h_N2I), self.down_proj.transpose(1, 2), offs=d.offsets_E)
+        h_N2I = _GROUPED_MM(x_NH, self.gate_up_proj.transpose(1, 2), offs=d.offsets_E)
+        return _GROUPED_MM(self.ops.silu_mul(h_N2I), self.down_proj.transpose(1, 2), offs=d.offsets_E)
 
     def _loop(self, x_NH: torch.Tensor, d: Dispatch) -> torch.Tensor:
         y_NH = torch.empty_like(x_NH)
