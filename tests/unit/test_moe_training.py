@@ -206,3 +206,18 @@ def test_moe_settings_are_config_errors_where_nothing_reads_them():
     with pytest.raises(ConfigError, match="'moe.routing_replay'.*rollout.partial off"):
         load_config("quickstart", ["moe.routing_replay=rollout", "rollout.partial.mode=carry", "algorithm.mismatch.mode=token_truncate"])
     assert load_config("quickstart", ["moe.routing_replay=off"]).moe.routing_replay == "off"  # YAML's off
+
+
+def test_replay_holds_in_the_backward_recompute_of_gradient_checkpointing():
+    engine, trainer = _engine_and_moved_trainer()
+    trainer.gradient_checkpointing_enable()
+    trainer.train()
+    rows = _rollout(engine, prompts=PROMPTS[:2], n=1)
+    logp, pb, used_forward, _ = _replayed(trainer, rows)
+    used = _experts_used(trainer)  # a second pre-hook: the layers' recomputation in backward
+    logp.sum().backward()
+    used_backward = torch.stack([used[l] for l in range(len(used))], 1)
+    assert torch.equal(used_backward, used_forward)
+    want_NLK = pb.pack(rows.routed_BTLK, fill=-1).long()
+    have = want_NLK[:, 0, 0] >= 0
+    assert torch.equal(used_backward[have].sort(-1).values, want_NLK[have].sort(-1).values)
