@@ -63,9 +63,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
     require("lora", "model.lora.rank", "LoRA (model.lora.rank > 0)")
     import peft
 
+    experts = {"target_parameters": list(cfg.target_parameters)} if cfg.target_parameters else {}
+    if experts and "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+        raise ValueError(f"model.lora.target_parameters={list(cfg.target_parameters)}: PEFT {peft.__version__} cannot "
+                         "adapt stacked expert parameters (target_parameters needs peft >= 0.17); upgrade peft or leave it empty")
     peft_cfg = peft.LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none",
-        target_parameters=list(cfg.target_parameters) or None,
+        **experts,
     )
     if getattr(model, "is_gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
