@@ -17,6 +17,7 @@ built after it is handed the config with its ``auto`` settings resolved
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import sys
@@ -35,6 +36,7 @@ from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
 from tidal.dtypes import resolve_dtype
+from tidal.engine.backends import engine_choice
 from tidal.engine.factory import create_engine
 from tidal.logging import MetricsLogger
 from tidal.logging.progress import stage
@@ -122,6 +124,17 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
     for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
         for i, source in enumerate(sources):
             check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
+
+
+def choose_engine(cfg: TidalConfig, model_path: str) -> str:
+    """The line saying which rollout engine runs the model and why (:func:`tidal.engine.backends.engine_choice`),
+    from ``model_path``'s ``config.json`` read as a dict (before transformers parses it: a model type
+    it does not know is named here too); ConfigError at ``engine.backend`` when ``native`` cannot run it."""
+    path = os.path.join(model_path, "config.json")
+    check(os.path.isfile(path), "model.path", f"{model_path!r} has no config.json (a Hugging Face model folder has one)")
+    with open(path) as f:
+        raw = json.load(f)
+    return engine_choice(raw, cfg.engine.backend)
 
 
 def check_context_budget(cfg: TidalConfig, hf_config) -> None:
@@ -266,6 +279,9 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     paths = resolve_paths(cfg, runtime)
     algorithm = Algorithm(cfg.algorithm, group=runtime.cpu_group)
     check_inputs(cfg, paths, algorithm)
+    engine_line = choose_engine(cfg, paths.model)
+    if runtime.is_main:
+        print(f"[tidal] {engine_line}", flush=True)
     hf_config = AutoConfig.from_pretrained(paths.model)
     tokenizer, _ = check_model_and_data(cfg, paths, hf_config)
     # the memory plan (CUDA, or memory.device_memory_gib): printed, `auto` settings chosen; a run

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from tidal import families
 from tidal.config import TidalConfig
 
 
@@ -70,13 +71,32 @@ def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
 
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     dtype = resolve_dtype(cfg.engine.dtype, device)
+    lines = [f"memory: engine weights {_gib(sizing.weight_bytes_per_rank(hf_config, dtype, cfg.engine.tp_size))} per rank ({dtype})"]
+    if families.find_family(hf_config) is None:  # engine.backend: hf (native refused it earlier)
+        return lines + [f"memory: KV cache: {hf_config.model_type!r} has no family in tidal/families; not counted"]
     per_token = sizing.kv_bytes_per_token(hf_config, dtype, cfg.engine.tp_size)
-    lines = [f"memory: engine weights {_gib(sizing.weight_bytes_per_rank(hf_config, dtype, cfg.engine.tp_size))} per rank "
-             f"({dtype}); KV cache {per_token / 1024:.1f} KiB per token"]
-    if sizing.sized_by_memory(device):
+    lines.append(f"memory: KV cache {per_token / 1024:.1f} KiB per token ({cache_summary(families.layer_caches(hf_config))})")
+    if sizing.sized_by_memory(device) and per_token:
         budget = sizing.kv_budget_bytes(cfg.engine, sizing.available_device_bytes(device))
         lines.append(f"memory: KV budget {_gib(budget)} now free x engine.kv_cache_memory_fraction = {budget // per_token:,} tokens")
     return lines
+
+
+def cache_summary(caches: list[families.LayerCache]) -> str:
+    """What the layers keep, e.g. ``4 full-attention layers; 12 sliding-window layers (1024 tokens),
+    full KV kept by the native engine``."""
+    kinds = [c.kind for c in caches]
+    parts = []
+    if kinds.count("full_kv"):
+        parts.append(f"{kinds.count('full_kv')} full-attention layers")
+    windows = sorted({c.window for c in caches if c.kind == "window_kv"})
+    if windows:
+        parts.append(f"{kinds.count('window_kv')} sliding-window layers ({', '.join(map(str, windows))} tokens; the native "
+                     "engine keeps their full KV and applies the window)")
+    if kinds.count("recurrent"):
+        per_seq = families.state_bytes_per_sequence(caches, 1)
+        parts.append(f"{kinds.count('recurrent')} recurrent layers (no KV; {per_seq / 1024:.1f} KiB of state per sequence)")
+    return "; ".join(parts)
 
 
 def check(cfg: TidalConfig) -> list[str]:
@@ -94,7 +114,7 @@ def check(cfg: TidalConfig) -> list[str]:
         from transformers import AutoConfig
 
         from tidal.algorithms import Algorithm
-        from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data
+        from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data, choose_engine
 
         rollout_group_ranks(world, cfg.engine.tp_size)
         if cfg.task.name:  # its model and data are built at the first run: the micro-batches only
@@ -104,6 +124,8 @@ def check(cfg: TidalConfig) -> list[str]:
             paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
                                   reference=m.reference_path or m.path, train=list(cfg.data.train), eval=list(cfg.data.eval))
             check_inputs(cfg, paths, Algorithm(cfg.algorithm))
+            engine_line = choose_engine(cfg, m.path)
             _, data_lines = check_model_and_data(cfg, paths, AutoConfig.from_pretrained(m.path))
+            data_lines = [engine_line] + data_lines
     return (plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)
             + [f"warning: {w}" for w in cfg.learning_warnings()])

@@ -64,6 +64,5 @@ gather_and_generate  # tidal.distributed: the rollout entry point of the public 
 
 # tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
 _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
-
-# Native engine models named by their family's engine_model ("module:Class") and imported at run time.
-Qwen3MoeForCausalLM, OlmoeForCausalLM
+# Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
+Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM

@@ -7,6 +7,7 @@ mixture of experts: its counts come from :class:`tidal.memory.plan.ModelShape` a
 
 from __future__ import annotations
 
+from tidal import families
 from tidal.memory.plan import ModelShape
 
 _QWEN25 = dict(rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)
@@ -124,5 +125,6 @@ def param_count(shape: dict) -> int:
 
 
 def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
-    """K and V of every layer for one token."""
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim(shape) * dtype_bytes
+    """K and V of every layer for one token, as the Qwen2 family declares its layers' caches."""
+    caches = families.layer_caches({"model_type": "qwen2", **shape})
+    return families.kv_bytes_per_token(caches, dtype_bytes, 1)

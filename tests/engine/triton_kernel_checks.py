@@ -113,6 +113,18 @@ def test_paged_decode_and_prefill_attention(dtype):
                         query_lens=ql, context_lens=ctx, max_query_len=max(ql), max_context_len=max(ctx))
     qp = torch.randn(24, HQ, D, generator=g).to(DEVICE, dtype)
     assert rel(tri.prefill_attention(qp, kc, vc, meta, 0.25), ref.prefill_attention(qp, kc, vc, meta, 0.25)) < TOL[dtype]
+    # sliding windows: shorter than the prefix, than a key tile, and longer than every context
+    for window in (1, 5, 17, 64):
+        want = ref.prefill_attention(qp, kc, vc, meta, 0.25, window=window)
+        assert rel(tri.prefill_attention(qp, kc, vc, meta, 0.25, window=window), want) < TOL[dtype], window
+        assert window >= 23 or rel(ref.prefill_attention(qp, kc, vc, meta, 0.25), want) > 100 * TOL[dtype], window
+    dmeta = AttnMetadata(is_prefill=False, slot_mapping_T=None, block_tables_BN=bt, context_lens_B=ctx_t,
+                         max_context_len=max(ctx))
+    for window in (1, 5, 17, 64):
+        want = ref.decode_attention(qd, kc, vc, dmeta, 0.25, window=window)
+        for splits in (1, 2, 4):
+            got = tri.decode_attention(qd, kc, vc, dmeta, 0.25, window=window, splits=splits, block_n=16)
+            assert rel(got, want) < TOL[dtype], (window, splits)
 
 
 def test_engine_on_triton_kernels_equals_hf_greedy():

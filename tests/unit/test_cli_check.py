@@ -60,3 +60,37 @@ def test_check_fails_like_the_run_would(config, override, key, capsys, monkeypat
     assert main(["check", config, override]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and key in err
+
+
+def _with_model(config: str, tmp_path, hf_config) -> str:
+    """``config`` with its model folder's config.json replaced by ``hf_config`` (tokenizer kept)."""
+    hf_config.save_pretrained(tmp_path / "model")
+    return config
+
+
+def test_check_names_the_engine_and_a_sliding_window_family(config, tmp_path, capsys):
+    from transformers import Gemma3TextConfig
+
+    _with_model(config, tmp_path, Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=1000, max_position_embeddings=2048, sliding_window=512,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]))
+    assert main(["check", config]) == 0
+    out = capsys.readouterr().out
+    assert "engine: native (engine.backend: native; Tidal's paged engine runs family gemma3)" in out
+    # 4 layers x 2 KV heads x 16 x (K, V) x 4 bytes = 1 KiB per token; 3 of the 4 layers slide
+    assert "KV cache 1.0 KiB per token (1 full-attention layers; 3 sliding-window layers (512 tokens;" in out
+
+
+def test_an_unknown_family_is_a_config_error_on_native_and_runs_on_hf(config, tmp_path, capsys):
+    from transformers import GPT2Config
+
+    _with_model(config, tmp_path, GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=2048))
+    assert main(["check", config]) == 2
+    err = capsys.readouterr().err
+    assert "config error at 'engine.backend': native: model_type 'gpt2' is no family Tidal knows" in err
+    assert "the native engine runs [" in err and "'gemma3'" in err and "'olmo3'" in err and "engine.backend: hf" in err
+    assert main(["check", config, "engine.backend=hf"]) == 0
+    out = capsys.readouterr().out
+    assert "engine: hf (engine.backend: hf; model_type 'gpt2' has no native engine model" in out
+    assert "KV cache: 'gpt2' has no family in tidal/families; not counted" in out

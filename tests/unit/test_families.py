@@ -77,3 +77,12 @@ def test_registry_imports_no_torch():
     code = ("import sys, tidal.families as f; f.families(); f.family_of({'model_type': 'qwen3'}); "
             "assert not {'torch', 'transformers', 'numpy'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lora_targets_default_to_the_family():
+    from tidal.models.config import LoraConfig
+
+    gemma = {"model_type": "gemma3_text", **{k: v for k, v in QWEN2.items() if k != "model_type"}}
+    assert LoraConfig(rank=4).targets(gemma) == list(families.family_of(gemma).lora_targets)
+    assert LoraConfig(rank=4).targets({"model_type": "gpt2"}) == list(families.DEFAULT_LORA_TARGETS)  # no family
+    assert LoraConfig(rank=4, target_modules=["q_proj"]).targets(gemma) == ["q_proj"]

@@ -26,6 +26,21 @@ def test_flops_of_a_qwen2_5_0_5b_shape_by_hand():
     assert fm.forward_flops(lens) == pytest.approx((dense + attention) / 3)
 
 
+def test_sliding_window_layers_count_the_pairs_inside_their_window():
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                           num_hidden_layers=3, vocab_size=101, sliding_window=100,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    fm = FlopModel.from_config(cfg)
+    assert fm.windows == (100, None, 100)
+    dense = FlopModel(num_layers=3, layer_params=fm.layer_params, head_params=fm.head_params, attn_dim=64).train_flops([300, 50])
+    full_attention = 6 * 3 * 64 * (300**2 + 50**2)
+    # a window layer: 100^2/2 + 200 x 100 pairs of the 300-token sequence (L^2/2 = 45000 when full); all of the 50-token one
+    windowed = 6 * 64 * (300**2 + 50**2) + 2 * 12 * 64 * (100**2 / 2 + 200 * 100 + 50**2 / 2)
+    assert fm.train_flops([300, 50]) == pytest.approx(dense - full_attention + windowed)
+
+
 def test_layer_params_are_the_models_matmul_weights():
     cfg = Qwen2Config(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=80, num_hidden_layers=3,
                       vocab_size=101, tie_word_embeddings=False)

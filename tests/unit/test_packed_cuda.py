@@ -52,6 +52,20 @@ def test_flash_varlen_equals_sdpa_per_sequence_bf16(heads, kv_heads, D):
         torch.testing.assert_close(dv[a:b], wv.transpose(0, 1), atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [1, 64, 300])
+def test_flash_varlen_sliding_window_equals_the_reference(window):
+    """The flash kernel's window (``window_size=(W - 1, 0)``) is HF's ``sliding_window`` W: the same
+    output as the reference mask ``i - j < W`` inside each sequence."""
+    from tidal.models.varlen import reference_varlen_attention, varlen_attention
+
+    lens = [1, 700, 33, 256, 5, 480]
+    q, k, v, cu = _packed_qkv(lens, 8, 2, 64)
+    with torch.no_grad():
+        got = varlen_attention(q, k, v, cu, max(lens), window=window)
+        want = reference_varlen_attention(q.float(), k.float(), v.float(), cu, window=window)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def _model(seed=0):
     from transformers import AutoModelForCausalLM, Qwen2Config
 

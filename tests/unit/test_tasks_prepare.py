@@ -101,3 +101,22 @@ def test_sft_learns_a_few_rows_and_greedy_eval_scores_them():
     assert evaluate_greedy(model, tok, rows) == 1.0
     wrong = [dict(r, reference=str(int(r["reference"]) + 1)) for r in rows]
     assert evaluate_greedy(model, tok, wrong) == 0.0
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "gemma3", "olmo3"])
+def test_task_architecture_builds_the_tiny_model_of_its_family(architecture):
+    from tidal import families
+    from tidal.tasks.architectures import TINY_SLIDING_WINDOW
+
+    tok = train_tokenizer(["Calculate 1+2 3"])
+    cfg = TaskConfig(name="arithmetic", architecture=architecture, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                     intermediate_size=64)
+    model = build_model(cfg, tok, architecture=architecture)
+    assert families.family_of(model.config).name == architecture and families.family_of(model.config).native
+    caches = families.layer_caches(model.config)
+    assert all(c.head_dim == 16 and c.kv_heads == 1 for c in caches)
+    windowed = architecture in ("gemma3", "olmo3")
+    assert [c.window for c in caches] == ([TINY_SLIDING_WINDOW] * 2 + [None] if windowed else [None] * 3)
+    assert model.config.eos_token_id == tok.eos_token_id and model.config.tie_word_embeddings
+    with pytest.raises(ConfigError, match="architecture"):
+        TaskConfig(name="arithmetic", architecture="gpt2")

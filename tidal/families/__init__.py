@@ -14,6 +14,7 @@ from typing import Any
 from tidal.config_base import ConfigError
 from tidal.families.base import (
     CACHE_KINDS,
+    DEFAULT_LORA_TARGETS,
     PACKED_KERNELS,
     Family,
     LayerCache,
@@ -23,15 +24,17 @@ from tidal.families.base import (
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     kv_heads_of,
+    layer_type_caches,
     namespace,
     state_bytes_per_sequence,
     text_config,
+    text_tower_name,
 )
 
 __all__ = [
-    "CACHE_KINDS", "PACKED_KERNELS", "Family", "LayerCache", "MoEShape", "families", "family_of", "find_family",
+    "CACHE_KINDS", "DEFAULT_LORA_TARGETS", "PACKED_KERNELS", "Family", "LayerCache", "MoEShape", "families", "family_of", "find_family",
     "full_attention_caches", "head_dim_of", "kv_bytes_per_sequence", "kv_bytes_per_token", "kv_heads_of",
-    "layer_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config",
+    "layer_caches", "layer_type_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config", "text_tower_name",
 ]
 
 _NOT_FAMILIES = {"base"}

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 CACHE_KINDS = ("full_kv", "window_kv", "recurrent")
+# the attention and MLP projections of a dense decoder (Qwen2/Qwen3/Llama/Gemma 3/OLMo 3 names)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PACKED_KERNELS = ("attention", "sliding_window", "linear_attention")
 
 
@@ -92,6 +94,19 @@ def full_attention_caches(text: Any) -> list[LayerCache]:
     return [LayerCache(kind="full_kv", kv_heads=kv_heads, head_dim=head_dim) for _ in range(int(text.num_hidden_layers))]
 
 
+def layer_type_caches(text: Any) -> list[LayerCache]:
+    """Each layer's cache from the config's ``layer_types`` (Gemma 3, OLMo 3): ``sliding_attention``
+    layers keep the last ``sliding_window`` tokens (``window_kv``), ``full_attention`` ones all."""
+    kv_heads, head_dim = kv_heads_of(text), head_dim_of(text)
+    out = []
+    for i, kind in enumerate(text.layer_types[: int(text.num_hidden_layers)]):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ValueError(f"layer_types[{i}]={kind!r}: expected 'sliding_attention' or 'full_attention'")
+        window = int(text.sliding_window) if kind == "sliding_attention" else None
+        out.append(LayerCache(kind="window_kv" if window else "full_kv", kv_heads=kv_heads, head_dim=head_dim, window=window))
+    return out
+
+
 def dense(text: Any) -> None:
     """The ``moe`` of a dense family."""
     return None
@@ -107,16 +122,19 @@ class Family:
     ``packed_kernels``: what padding-free packed training must keep apart per sequence
     (``attention`` always; ``sliding_window``; ``linear_attention``: state restart).
     ``text_prefix``: where a ``ForConditionalGeneration`` checkpoint keeps the text tower
-    (``model.language_model.``), "" for causal LMs."""
+    (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
+    checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
+    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded."""
 
     name: str
     model_types: tuple[str, ...]
     engine_model: str | None
     layer_caches: Callable[[Any], list[LayerCache]] = full_attention_caches
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     moe: Callable[[Any], MoEShape | None] = dense
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
+    text_only: bool = False
 
     def __post_init__(self):
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)
@@ -128,6 +146,19 @@ class Family:
     def native(self) -> bool:
         """Whether the native engine runs this family."""
         return self.engine_model is not None
+
+
+def text_tower_name(name: str, prefix: str) -> str | None:
+    """The text decoder's name (``model.X`` / ``lm_head.X``) of a ``ForConditionalGeneration``
+    weight ``name`` in either layout: in memory ``{prefix}X`` (``model.language_model.X``) and
+    ``lm_head.X``; on disk, transformers' legacy ``language_model.model.X`` and
+    ``language_model.lm_head.X`` (what ``save_pretrained`` writes for Gemma 3). None for any other
+    weight (the vision tower, the projector)."""
+    for src, dst in ((prefix, "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("lm_head.", "lm_head.")):
+        if src and name.startswith(src):
+            return dst + name[len(src):]
+    return None
 
 
 # ---- reading a config (object or config.json dict) ----------------------------------------------

@@ -131,6 +131,7 @@ class ModelShape:
     model_type: str = ""
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
+    lora_targets: tuple[str, ...] = families.DEFAULT_LORA_TARGETS  # the family's default model.lora.target_modules
     moe: families.MoEShape | None = None  # the family's MoE MLP (None: dense); sparse layers hold every expert
 
     @classmethod
@@ -139,6 +140,7 @@ class ModelShape:
         config's ``text_config`` is used for the decoder)."""
         top = families.namespace(config)
         text = families.text_config(config)
+        family = families.find_family(config)  # None: a model only engine.backend: hf runs (full KV counted)
         model_type = str(getattr(text, "model_type", "") or getattr(top, "model_type", ""))
         heads = int(text.num_attention_heads)
         hidden = int(text.hidden_size)
@@ -152,8 +154,9 @@ class ModelShape:
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
-            layer_caches=tuple(families.layer_caches(config)) if families.find_family(config) else (),
-            moe=family.moe(text) if (family := families.find_family(config)) is not None else None,
+            layer_caches=tuple(family.layer_caches(text)) if family else (),
+            lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
+            moe=family.moe(text) if family else None,
         )
 
     def caches(self) -> list[families.LayerCache]:
@@ -430,7 +433,8 @@ class PlanInputs:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return tuple(self.model.lora.target_modules)
+        given = self.model.lora.target_modules
+        return tuple(given) if given is not None else self.shape.lora_targets
 
     @property
     def lora(self) -> bool:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from tidal import families
 from tidal.config_base import check
-
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,9 +18,11 @@ class LoraConfig:
     dropout: dropout on the adapter input during training forwards. The actor stays in train mode
         for its old-logprob forward too, so anything but 0 makes old logprobs noisy; keep 0 for RL.
     target_modules: names (last path component) of the ``nn.Linear`` modules that get adapters.
-        The default covers the attention and MLP projections of Qwen2/Qwen3/Llama-style decoders
-        (a vision tower's ``qkv``/``fc1`` are not matched); on an MoE model that is attention (and any
-        dense MLP layers): the routed experts are stacked parameters, not linears.
+        None (default): the model family's ``lora_targets`` (:mod:`tidal.families`; for the dense
+        families the attention and MLP projections, ``q_proj`` ... ``down_proj``; a model of no
+        family gets those too). Resolved by :meth:`targets`. On an MoE model the routed experts are
+        stacked parameters, not linears; PEFT still matches a name here against them (``down_proj``
+        adapts every expert's ``down_proj``).
     target_parameters: stacked-experts parameters that get adapters through PEFT's
         ``target_parameters`` (one rank-``rank`` adapter per expert), named by their path suffix, e.g.
         ``[mlp.experts.gate_up_proj, mlp.experts.down_proj]`` (Qwen3-MoE, OLMoE). Default none.
@@ -30,14 +31,23 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    target_modules: list[str] | None = None
     target_parameters: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         check(self.rank >= 0, "rank", "must be >= 0 (0 disables LoRA)")
         check(self.alpha > 0, "alpha", "must be > 0")
         check(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
-        check(not self.enabled or bool(self.target_modules), "target_modules", "must name at least one module when rank > 0")
+        check(not self.enabled or self.target_modules is None or bool(self.target_modules), "target_modules",
+              "must name at least one module when rank > 0 (or leave it unset: the model family's)")
+
+    def targets(self, hf_config) -> list[str]:
+        """The modules that get adapters for a model of ``hf_config`` (object or config.json dict):
+        ``target_modules`` when given, else the model family's ``lora_targets``."""
+        if self.target_modules is not None:
+            return list(self.target_modules)
+        family = families.find_family(hf_config)
+        return list(family.lora_targets if family is not None else families.DEFAULT_LORA_TARGETS)
 
     @property
     def enabled(self) -> bool:

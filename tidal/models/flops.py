@@ -5,6 +5,8 @@ a token costs ``2 * P`` FLOPs forward through ``P`` matmul weights and ``4 * P``
 costs ``6 * P`` per token; causal self-attention adds, per layer and sequence of length L,
 ``2 * L^2 * d_attn`` forward (``QK^T`` and ``PV`` over the L^2/2 visible pairs, a multiply-add each,
 ``d_attn`` = query heads x head dim) and twice that backward: ``6 * L^2 * d_attn`` in training.
+A sliding-window layer of window W sees ``W^2/2 + (L - W) W`` pairs instead of ``L^2/2`` once
+``L > W``; a layer without KV (recurrent, :mod:`tidal.families`) has no attention term here.
 
 Only real tokens count (packing's padding and dummy sequences do not), and recomputation is not
 counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
@@ -12,9 +14,9 @@ counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). Th
 count what it computes). Embedding lookups, norms, activations and the softmax are left out (a few
 percent), as in the convention. A mixture-of-experts layer counts the weights a token goes through:
 its router and its ``top_k`` routed experts (and any shared experts), not the experts it skips (the
-active parameters; the family's :class:`~tidal.families.MoEShape`). A LoRA update skips the frozen weights' gradients (about ``4 * P``
-per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
-The vision tower of a VL model is not counted.
+active parameters; the family's :class:`~tidal.families.MoEShape`). A LoRA update skips the
+frozen weights' gradients (about ``4 * P`` per token of real work); its MFU is still reported
+against ``6 * P``, like every full-model figure. The vision tower of a VL model is not counted.
 """
 
 from __future__ import annotations
@@ -24,29 +26,31 @@ import time
 
 import torch
 
-from tidal.families import MoEShape, find_family, text_config
+from tidal import families
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlopModel:
     """A decoder-only LM's matmul shape. layer_params: matmul weights a token goes through per decoder
     layer (attention projections and the gated MLP; an MoE layer's router and active experts).
-    head_params: the output head's (vocab x hidden). attn_dim: query heads x head dim. body_params:
-    the weights a token goes through in all layers when they differ (an MoE with dense layers), None
-    when every layer is ``layer_params``."""
+    head_params: the output head's (vocab x hidden). attn_dim: query heads x head dim. windows: the
+    sliding window of each attention layer (None: full attention; empty: every layer full).
+    body_params: the weights a token goes through in all layers when they differ (an MoE with dense
+    layers), None when every layer is ``layer_params``."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
+    windows: tuple[int | None, ...] = ()
     body_params: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
         """From an HF config of a decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral; the MoE
         families by their active experts); a VL config's text part."""
-        c = text_config(config)
-        family = find_family(config)
+        c = families.text_config(config)
+        family = families.find_family(config)
         moe = family.moe(c) if family is not None else None
         if moe is None and (getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)):
             raise NotImplementedError(f"{c.model_type}: a mixture-of-experts model of no known family; its FLOPs are not counted")
@@ -55,7 +59,9 @@ class FlopModel:
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
         dense = attn + 3 * H * int(c.intermediate_size)
-        common = dict(num_layers=int(c.num_hidden_layers), head_params=int(c.vocab_size) * H, attn_dim=heads * hd)
+        windows = tuple(lc.window for lc in family.layer_caches(c) if lc.has_kv) if family else ()
+        common = dict(num_layers=int(c.num_hidden_layers), head_params=int(c.vocab_size) * H, attn_dim=heads * hd,
+                      windows=windows)
         if moe is None:
             return cls(layer_params=dense, **common)
         sparse = attn + active_expert_params(moe, H)
@@ -78,15 +84,24 @@ class FlopModel:
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
         dense = 6.0 * (self.body * tokens + self.head_params * head)
-        attention = 6.0 * self.num_layers * self.attn_dim * float(sum(n * n for n in seq_lens))
-        return dense + attention
+        windows = self.windows or (None,) * self.num_layers
+        pairs = sum(_visible_pairs(n, w) for w in windows for n in seq_lens)  # L^2/2 per full layer and sequence
+        return dense + 12.0 * self.attn_dim * pairs
 
     def forward_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward-only model FLOPs (a third of :meth:`train_flops`): the experience forwards."""
         return self.train_flops(seq_lens, head_tokens) / 3.0
 
 
-def active_expert_params(moe: MoEShape, hidden: int) -> int:
+def _visible_pairs(n: int, window: int | None) -> float:
+    """The (query, key) pairs a causal layer computes over a sequence of ``n`` tokens, by the
+    convention's ``n^2 / 2``; within a window W: ``W^2 / 2 + (n - W) W`` once ``n > W``."""
+    if window is None or n <= window:
+        return n * n / 2.0
+    return window * window / 2.0 + (n - window) * window
+
+
+def active_expert_params(moe: families.MoEShape, hidden: int) -> int:
     """Matmul weights one token goes through in an MoE layer's MLP: the router (``E x H``), its
     ``top_k`` routed experts and the shared experts (a gated MLP each: ``3 x H x I``)."""
     routed = moe.top_k * 3 * hidden * moe.expert_intermediate

@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+from tidal import families
 from tidal.config_base import ConfigError
 from tidal.models.logprobs import attach_logprob_method
 from tidal.models.varlen import uses_packed_attention
@@ -22,10 +23,41 @@ def _require_dir(path: str, what: str) -> None:
 
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, what: str = "model.path") -> torch.nn.Module:
     """Load an HF causal LM (or a vision-language model, e.g. Qwen2-VL) on CPU in ``dtype`` with the
-    Tidal logprob method attached."""
+    Tidal logprob method attached. A ``ForConditionalGeneration`` checkpoint of a ``text_only``
+    family (Gemma 3) loads as its text decoder alone (:func:`_load_text_tower`)."""
     _require_dir(path, what)
-    model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype)
+    config = AutoConfig.from_pretrained(path)
+    family = families.find_family(config)
+    if is_vision_language(config) and family is not None and family.text_only:
+        model = _load_text_tower(path, config, family.text_prefix, dtype)
+    else:
+        model = auto_model_class(config).from_pretrained(path, dtype=dtype)
     attach_logprob_method(model)
+    return model
+
+
+def _load_text_tower(path: str, config, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of ``config``'s text config with the checkpoint's text weights, named in
+    either layout (:func:`tidal.families.text_tower_name`; the vision tower's and projector's
+    weights are not read). Every parameter of the text model must come from the checkpoint (a tied
+    LM head excepted)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
+    state = {}
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, name), "pt", "cpu") as f:
+            for key in f.keys():
+                text = families.text_tower_name(key, prefix)
+                if text is not None:
+                    state[text] = f.get_tensor(key).to(dtype)
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"{path}: the text tower's weights {missing[:4]} are not in the checkpoint (under {prefix!r})")
     return model
 
 

@@ -63,14 +63,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
     require("lora", "model.lora.rank", "LoRA (model.lora.rank > 0)")
     import peft
 
+    targets = cfg.targets(model.config)
     experts = {"target_parameters": list(cfg.target_parameters)} if cfg.target_parameters else {}
     if experts and "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
         raise ValueError(f"model.lora.target_parameters={list(cfg.target_parameters)}: PEFT {peft.__version__} cannot "
                          "adapt stacked expert parameters (target_parameters needs peft >= 0.17); upgrade peft or leave it empty")
-    peft_cfg = peft.LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none",
-        **experts,
-    )
+    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
+                               **experts)
     if getattr(model, "is_gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
@@ -78,8 +77,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
             torch.manual_seed(seed)
             wrapped = peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     except ValueError as e:
-        raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}, "
-                         f"model.lora.target_parameters={list(cfg.target_parameters)}: {e}") from None
+        raise ValueError(f"model.lora.target_modules={targets}, model.lora.target_parameters={list(cfg.target_parameters)}: "
+                         f"{e}") from None
     attach_logprob_method(wrapped, wrapped.get_base_model())
     return wrapped
 

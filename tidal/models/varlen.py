@@ -1,7 +1,9 @@
 """Attention over packed sequences: S sequences laid end to end in one row of N tokens, delimited by
 ``cu_seqlens`` (int32 ``[S + 1]``, ``cu_seqlens[s]`` = first token of sequence s, ``cu_seqlens[S] = N``).
 Token i attends to token j only when both are in the same sequence (and j <= i when causal), so a
-packed row computes exactly what each sequence would alone.
+packed row computes exactly what each sequence would alone. A sliding-window layer (HF's
+``sliding_window`` W, Gemma 3 / OLMo 3) also needs ``i - j < W``: within one sequence that is its
+own window, and the sequence mask keeps it from ever reaching across a ``cu_seqlens`` boundary.
 
 Two kernels, one contract (:func:`varlen_attention`):
 
@@ -59,25 +61,31 @@ def uses_flash(q_NHD: torch.Tensor) -> bool:
 
 def varlen_attention(
     q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    *, causal: bool = True, scale: float | None = None,
+    *, causal: bool = True, scale: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed sequences: ``out_NHD[i] = softmax(scale * q_i K_s^T) V_s`` over the keys
-    ``K_s`` of token i's sequence s (those at or before i when ``causal``). ``q_NHD``: [N, H, D];
-    ``k_NKD``/``v_NKD``: [N, K, D] with K dividing H (grouped-query attention); ``cu_seqlens``:
-    int32 [S + 1] on the same device, ``max_seqlen`` the longest sequence. ``scale`` None:
-    ``D ** -0.5``. Returns [N, H, D] in the inputs' dtype."""
+    ``K_s`` of token i's sequence s (those at or before i when ``causal``; with ``window`` W only
+    those with ``i - j < W``, HF's ``sliding_window``). ``q_NHD``: [N, H, D]; ``k_NKD``/``v_NKD``:
+    [N, K, D] with K dividing H (grouped-query attention); ``cu_seqlens``: int32 [S + 1] on the same
+    device, ``max_seqlen`` the longest sequence. ``scale`` None: ``D ** -0.5``. Returns [N, H, D] in
+    the inputs' dtype."""
+    if window is not None and not causal:
+        raise NotImplementedError("a sliding window over bidirectional attention is not supported in packed forwards")
     if uses_flash(q_NHD):
-        return _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale)
-    return reference_varlen_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, causal=causal, scale=scale)
+        return _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale, window)
+    return reference_varlen_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, causal=causal, scale=scale, window=window)
 
 
-def _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale):
+def _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale, window=None):
     """``varlen_attn`` across its signatures: torch 2.10 takes ``is_causal``; later versions a
-    ``window_size`` ((-1, 0) is causal) and ``scale``; 2.12+ an ``enable_gqa`` flag (earlier ones
-    pass K < H heads to the kernel, which groups them natively)."""
+    ``window_size`` ((-1, 0) is causal; ``(W - 1, 0)`` a sliding window of W: keys ``i - (W-1) <= j
+    <= i``) and ``scale``; 2.12+ an ``enable_gqa`` flag (earlier ones pass K < H heads to the kernel,
+    which groups them natively)."""
     kw = {}
     if "window_size" in _VARLEN_PARAMS:
-        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+        kw["window_size"] = (-1, -1) if not causal else (-1, 0) if window is None else (window - 1, 0)
+    elif window is not None:
+        raise NotImplementedError("this torch's varlen_attn has no window_size: sliding-window packed attention needs torch >= 2.11")
     else:
         kw["is_causal"] = causal
     if "scale" in _VARLEN_PARAMS:
@@ -101,7 +109,7 @@ def sequence_ids(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 def reference_varlen_attention(
     q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,
-    *, causal: bool = True, scale: float | None = None,
+    *, causal: bool = True, scale: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """The contract of :func:`varlen_attention` as one SDPA call with a block-diagonal mask (any
     device and dtype; ``[N, N]`` booleans of memory)."""
@@ -111,6 +119,8 @@ def reference_varlen_attention(
     if causal:
         pos_N = torch.arange(N, device=q_NHD.device)
         allowed_NN = allowed_NN & (pos_N[None, :] <= pos_N[:, None])
+        if window is not None:  # i - j < W; the same-sequence mask keeps it inside the sequence
+            allowed_NN = allowed_NN & (pos_N[None, :] > pos_N[:, None] - window)
     out_1HND = F.scaled_dot_product_attention(
         q_NHD.transpose(0, 1)[None], k_NKD.transpose(0, 1)[None], v_NKD.transpose(0, 1)[None],
         attn_mask=allowed_NN[None, None], scale=scale, enable_gqa=True,  # a no-op with as many K/V heads as queries
@@ -143,10 +153,8 @@ def packed_attention_forward(
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     if dropout:
         raise NotImplementedError(f"packed attention has no attention dropout ({type(module).__name__} asks for {dropout}); set the model's attention_dropout to 0")
-    if sliding_window is not None:
-        raise NotImplementedError(f"packed attention has no sliding window ({type(module).__name__} has {sliding_window}); disable use_sliding_window")
     out_NHD = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                               cu_seq_lens_q, max_length_q, causal=causal, scale=scaling)
+                               cu_seq_lens_q, max_length_q, causal=causal, scale=scaling, window=sliding_window)
     return out_NHD[None], None
 
 

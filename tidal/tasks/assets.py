@@ -2,7 +2,7 @@
 
 Layout under ``{workdir}/{name}-{hash of the settings}/``::
 
-    model/        tokenizer + Qwen2 model (safetensors), loadable with from_pretrained
+    model/        tokenizer + model of task.architecture (safetensors), loadable with from_pretrained
     train.jsonl   {"prompt", "reference", "label"} rows
     eval.jsonl    held-out rows, disjoint from train
     task.json     completion marker: the settings and SFT results (written last)

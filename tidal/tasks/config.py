@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from tidal.config_base import check, check_choice
+from tidal.tasks.architectures import ARCHITECTURES
 
 OPERATIONS = ("+", "-")
 TASKS = ("", "arithmetic", "calculator")
-ARCHITECTURES = ("qwen2", "qwen3_moe")  # the arithmetic task's model (tidal/tasks/model.py)
 # Settings of the arithmetic task (the top of ``task``); the calculator task reads task.calculator.*
-ARITHMETIC_SETTINGS = ("digits", "operations", "fixed_width", "num_train", "num_eval", "hidden_size", "num_layers", "num_heads",
+ARITHMETIC_SETTINGS = ("digits", "operations", "fixed_width", "num_train", "num_eval", "architecture", "hidden_size", "num_layers", "num_heads",
                        "num_kv_heads", "intermediate_size", "sft_steps", "sft_lr", "sft_batch_size", "sft_mistake_steps",
-                       "sft_mistake_rate", "seed", "architecture")
+                       "sft_mistake_rate", "seed")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -86,9 +86,12 @@ class TaskConfig:
         task reliably within the SFT budget (without it, getting past the loss plateau in time
         depends on the seed). References stay plain integers (``"92"``).
     num_train / num_eval: distinct problems in the train and held-out eval sets (disjoint).
-    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the model shape.
-    architecture: the model family: ``qwen2`` (dense) or ``qwen3_moe`` (a mixture of experts: 8
-        experts of ``intermediate_size / 2``, top-2 renormalised, in every layer; Qwen3 attention).
+    architecture: the model family built (:data:`tidal.tasks.architectures.ARCHITECTURES`: ``qwen2``,
+        ``qwen3``, ``llama``, ``gemma3``, ``olmo3``, ``qwen3_moe``), tiny and randomly initialised, then
+        warm-started. The sliding-window families (Gemma 3, OLMo 3) slide every layer but the last over
+        8 tokens; ``qwen3_moe`` is a mixture of experts in every layer (8 experts of
+        ``intermediate_size / 2``, top-2 renormalised; docs/moe.md).
+    hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the model's shape.
     sft_steps / sft_lr / sft_batch_size: phase 1 of the supervised warm start, on correct
         demonstrations (AdamW, linear warmup over 10% of the steps then linear decay to zero; loss
         on answer tokens only). ``sft_steps = 0`` skips it.
@@ -111,12 +114,12 @@ class TaskConfig:
     fixed_width: bool = True
     num_train: int = 4000
     num_eval: int = 200
+    architecture: str = "qwen2"
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    architecture: str = "qwen2"
     sft_steps: int = 1500
     sft_lr: float = 3e-3
     sft_batch_size: int = 128
@@ -128,7 +131,7 @@ class TaskConfig:
 
     def __post_init__(self):
         check_choice(self.name, TASKS, "name")
-        check_choice(self.architecture, ARCHITECTURES, "architecture")
+        check_choice(self.architecture, sorted(ARCHITECTURES), "architecture")
         self._check_other_task_untouched()
         check(bool(self.workdir), "workdir", "must be a directory path")
         check(1 <= self.digits <= 6, "digits", "must be in [1, 6]")

@@ -4,6 +4,11 @@ The KV cache of one layer is ``k_cache``/``v_cache`` of shape ``[num_blocks, blo
 token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
 Every step first writes the new tokens' (rotated) K and V into their slots, then attends over the
 cache only, so prefill with a cached prefix, chunked prefill and decode are one code path.
+
+A sliding-window layer (``window``, HF's ``sliding_window``) lets a query at position ``p`` attend
+to the keys at ``p - window < j <= p`` only (:class:`tidal.families.LayerCache`). Its cache holds
+every token like a full layer's (the window is applied in the kernels, exactly; the blocks that
+leave the window are not freed yet).
 """
 
 from __future__ import annotations
@@ -41,20 +46,26 @@ class PagedAttention(nn.Module):
     """Writes K/V of the new tokens into this layer's cache slots, then attends over the cache.
 
     Holds no parameters; ``k_cache``/``v_cache`` are views into the runner's cache tensor
-    (empty while the engine sleeps). ``ops`` is the kernel backend (torch or triton).
+    (empty while the engine sleeps). ``ops`` is the kernel backend (torch or triton). ``scale``:
+    the softmax scale (default ``head_dim ** -0.5``); ``window``: a sliding-window layer's window
+    (None: full causal attention).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops, *, scale: float | None = None,
+                 window: int | None = None):
         super().__init__()
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window {window}: must be >= 1")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
         self.ops = ops
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, q_THD: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         if meta.is_prefill:
-            return self.ops.prefill_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale)
-        return self.ops.decode_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale)
+            return self.ops.prefill_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale, window=self.window)
+        return self.ops.decode_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale, window=self.window)

@@ -151,10 +151,14 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_cos_sin(hf_config, head_dim: int, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
+def rope_cos_sin(hf_config, head_dim: int, max_positions: int, dtype: torch.dtype, layer_type: str | None = None) -> torch.Tensor:
     """``[max_positions, head_dim]`` table of ``[cos | sin]`` (half each), scaled as HF's rotary
-    embedding does for the config's ``rope_parameters`` (default, linear, llama3, yarn, ...)."""
+    embedding does for the config's ``rope_parameters`` (default, linear, llama3, yarn, ...).
+    ``layer_type``: for configs whose ``rope_parameters`` are per layer type (Gemma 3, OLMo 3:
+    ``{"full_attention": {...}, "sliding_attention": {...}}``), that type's."""
     params = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -165,7 +169,8 @@ def rope_cos_sin(hf_config, head_dim: int, max_positions: int, dtype: torch.dtyp
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+        kw = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kw)
     pos = torch.arange(max_positions, dtype=torch.float)
     freqs = pos[:, None] * inv_freq.float()[None, :]
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(dtype)

@@ -5,7 +5,8 @@ Inputs are built from the :class:`SequenceTable`'s per-slot arrays with vectoriz
 step of thousands of rows is a few gathers and one host-to-device copy of ids, positions, slots and
 context lengths, plus one of the block tables); the sampled tokens come back as numpy arrays.
 
-Owns the KV cache: per layer a K and a V tensor ``[num_blocks + 1, block_size, H_kv, D]``; the
+Owns the KV cache: per attention layer (``model.layer_attentions()``: full and sliding-window ones
+alike; a sliding-window layer keeps every token too, its window applied by the kernels) a K and a V tensor ``[num_blocks + 1, block_size, H_kv, D]``; the
 extra last block is a scratch block that padded rows of a CUDA-graph batch write into. On CUDA with
 the driver's virtual memory management each of them lives in its own address region
 (:mod:`fixed_memory`): freeing the cache gives its memory back to the driver, allocating it again
@@ -24,7 +25,7 @@ import torch
 from tidal.engine.native import fixed_memory
 from tidal.engine.native.attention import AttnMetadata
 from tidal.engine.native.cuda_graphs import DecodeGraphs
-from tidal.engine.native.models import DecoderLM, head_dim_of
+from tidal.engine.native.models import PagedLM
 from tidal.engine.native.moe.record import RoutingRecorder
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
@@ -48,7 +49,7 @@ class SamplingState:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, tp: TPGroup, *, block_size: int, device: torch.device,
+    def __init__(self, model: PagedLM, tp: TPGroup, *, block_size: int, device: torch.device,
                  graph_max_batch: int = 0):
         """``graph_max_batch``: the largest decode batch replayed from a CUDA graph (0: no graphs);
         larger batches run eagerly."""
@@ -56,10 +57,11 @@ class ModelRunner:
         self.tp = tp
         self.block_size = block_size
         self.device = device
-        cfg = model.config
-        attn = model.layer_attentions()[0]
-        self.kv_shape_tail = (block_size, attn.num_kv_heads, head_dim_of(cfg))
-        self.num_layers = cfg.num_hidden_layers
+        attns = model.layer_attentions()  # the layers that keep paged KV (full or sliding window)
+        if len({(a.num_kv_heads, a.head_dim) for a in attns}) != 1:
+            raise ValueError("the native engine's KV cache needs the same KV heads and head_dim in every attention layer")
+        self.kv_shape_tail = (block_size, attns[0].num_kv_heads, attns[0].head_dim)
+        self.num_layers = len(attns)
         self.kv_dtype = model.cos_sin_PD.dtype
         self.kv_layers: list[torch.Tensor] = []  # K0, V0, K1, V1, ... (empty while freed)
         self.num_blocks = 0

@@ -55,8 +55,9 @@ class TorchOps:
             flat_v.index_copy_(0, slot_mapping_T, v_TKD.to(v_cache.dtype))
         return q_THD
 
-    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float):
-        """Causal attention of each sequence's new tokens over its whole cached context."""
+    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
+        """Causal attention of each sequence's new tokens over its cached context (with ``window``:
+        a query at ``p`` over the keys ``p - window < j <= p`` only)."""
         out = torch.empty_like(q_THD)
         block_size = k_cache.shape[1]
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -68,14 +69,18 @@ class TorchOps:
             k = flat_k[slots].transpose(0, 1)  # [Hkv, ctx, D]
             v = flat_v[slots].transpose(0, 1)
             qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-            mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            mask = qpos[:, None] >= kpos
+            if window is not None:
+                mask &= kpos > qpos[:, None] - window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + qlen] = o.transpose(0, 1)
             start += qlen
         return out
 
-    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float):
-        """One query per sequence over its ``context_lens_B`` cached tokens (batched gather)."""
+    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
+        """One query per sequence over its ``context_lens_B`` cached tokens (batched gather); with
+        ``window``, over the last ``window`` of them (the query is at position ``context_len - 1``)."""
         B, H, D = q_BHD.shape
         block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
         n = meta.max_context_len
@@ -86,7 +91,10 @@ class TorchOps:
         v = v_cache.view(-1, Hkv, D)[slots]
         q = q_BHD.view(B, Hkv, H // Hkv, D)
         s = torch.einsum("bhgd,bnhd->bhgn", q.float(), k.float()) * scale
-        valid = torch.arange(n, device=q.device)[None, :] < meta.context_lens_B[:, None]
+        kpos = torch.arange(n, device=q.device)[None, :]
+        valid = kpos < meta.context_lens_B[:, None]
+        if window is not None:
+            valid &= kpos >= meta.context_lens_B[:, None] - window
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         p = s.softmax(-1)
         o = torch.einsum("bhgn,bnhd->bhgd", p, v.float())

@@ -8,6 +8,8 @@
   Reads the context lengths from device memory, so it can be captured in a CUDA graph.
 - ``prefill_attention``: paged causal attention of a varlen batch of new tokens over each
   sequence's cache (prefix included), flash-attention style, one program per (query block, seq, head).
+- Both attentions take a sliding ``window`` (a constexpr: one compiled variant per window size):
+  the key loops start at the window's first key and mask the keys before each query's window.
 
 Head dims must be powers of two (64, 128 in the supported families).
 """
@@ -97,16 +99,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, o_ptr, part_ptr, ml_ptr, scale, stride_bt, HKV,
                          GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
     # one program per (row, KV head, split of the context): split s attends to the s-th of SPLITS
-    # equal BLOCK_N-aligned slices of the row's context (read on the device: graph-safe); with
-    # SPLITS > 1 it writes its unnormalised output and (max, sum-exp) for _decode_combine_kernel
+    # equal BLOCK_N-aligned slices of the row's attended keys (the context, or with WINDOW > 0 its
+    # last WINDOW tokens; read on the device: graph-safe); with SPLITS > 1 it writes its
+    # unnormalised output and (max, sum-exp) for _decode_combine_kernel
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    lo = sp * per
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    per = tl.cdiv(tl.cdiv(ctx - first, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + sp * per
     hi = tl.minimum(lo + per, ctx)
     g = tl.arange(0, GROUP_P)
     mg = (g < GROUP)[:, None]
@@ -158,7 +164,10 @@ def _decode_combine_kernel(part_ptr, ml_ptr, o_ptr, SPLITS: tl.constexpr, D: tl.
 @triton.jit
 def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, o_ptr, scale, stride_bt, HQ, HKV,
                           GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
+    # query row m (position prefix + m) attends to keys j <= prefix + m, and with WINDOW > 0 only to
+    # j > prefix + m - WINDOW: the key loop starts at the block's first query's window; a row with
+    # no allowed key in a tile yet keeps max -inf (the safe max below keeps its sums at 0, not NaN)
     mblk = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -177,7 +186,10 @@ def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, o_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     end = tl.minimum(ctx, prefix + (mblk + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    begin = 0
+    if WINDOW > 0:
+        begin = tl.maximum(prefix + mblk * BLOCK_M - WINDOW + 1, 0)
+    for start in range(begin, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         mn = n < end
         page = tl.load(bt_ptr + b * stride_bt + n // PAGE, mask=mn, other=0).to(tl.int64)
@@ -185,10 +197,13 @@ def _paged_prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, o_ptr,
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale
         allowed = ((prefix + m)[:, None] >= n[None, :]) & mn[None, :]
+        if WINDOW > 0:
+            allowed = allowed & (n[None, :] > (prefix + m)[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=mn[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -241,11 +256,12 @@ class TritonOps:
                                  HQ_P=_p2(HQ), HKV_P=_p2(HKV), HALF=D // 2, D=D, STORE=store, num_warps=1)
         return q_out
 
-    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float, splits: int | None = None,
-                         block_n: int = 64):
-        """Paged decode attention. The context of each row is split over ``splits`` programs per KV
-        head (flash-decoding) when rows x KV heads alone leave SMs idle: default, the power of two
-        (at most 8) that brings the programs to about two per SM."""
+    def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None,
+                         splits: int | None = None, block_n: int = 64):
+        """Paged decode attention (``window``: over each row's last ``window`` cached tokens). The
+        attended keys of each row are split over ``splits`` programs per KV head (flash-decoding)
+        when rows x KV heads alone leave SMs idle: default, the power of two (at most 8) that brings
+        the programs to about two per SM."""
         B, HQ, D = q_BHD.shape
         HKV, page = k_cache.shape[2], k_cache.shape[1]
         group = HQ // HKV
@@ -260,12 +276,12 @@ class TritonOps:
         _paged_decode_kernel[(B, HKV, splits)](q_BHD.contiguous(), k_cache, v_cache, bt, meta.context_lens_B, o, part, ml,
                                                scale, bt.stride(0), HKV, GROUP=group, GROUP_P=max(16, _p2(group)), D=D,
                                                PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q_BHD.dtype == torch.float32,
-                                               num_warps=4, num_stages=2)
+                                               WINDOW=window or 0, num_warps=4, num_stages=2)
         if splits > 1:
             _decode_combine_kernel[(B * HQ,)](part, ml, o, SPLITS=splits, D=D, num_warps=1)
         return o
 
-    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def prefill_attention(self, q_THD, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
         T, HQ, D = q_THD.shape
         HKV, page = k_cache.shape[2], k_cache.shape[1]
         o = torch.empty_like(q_THD)
@@ -276,5 +292,5 @@ class TritonOps:
         _paged_prefill_kernel[grid](q_THD.contiguous(), k_cache, v_cache, bt, meta.cu_seqlens_q_B1,
                                     meta.context_lens_B, o, scale, bt.stride(0), HQ, HKV, GROUP=HQ // HKV, D=D,
                                     PAGE=page, BLOCK_M=block_m, BLOCK_N=64, IEEE=q_THD.dtype == torch.float32,
-                                    num_warps=4, num_stages=2)
+                                    WINDOW=window or 0, num_warps=4, num_stages=2)
         return o

@@ -105,8 +105,12 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
 
-class DecoderLM(nn.Module):
-    """A causal LM whose parameters are named like the HF checkpoint, with q/k/v and gate/up packed."""
+class PagedLM(nn.Module):
+    """What every native engine model shares: parameters named like the HF checkpoint, with the
+    projections of :attr:`packed_modules_mapping` packed (q/k/v, gate/up); logits on TP rank 0;
+    loading and verifying HF-named weights; the paged attention modules the runner gives caches.
+    A subclass builds ``self.model`` (the HF ``model.*`` body), ``self.lm_head``, ``max_positions``
+    and a ``cos_sin_PD`` buffer (its dtype is the KV cache's), and defines ``forward``."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -115,37 +119,10 @@ class DecoderLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qk_norm = False
 
-    @staticmethod
-    def biases(cfg) -> dict[str, bool]:
-        raise NotImplementedError
-
-    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+    def __init__(self):
         super().__init__()
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported by the native engine")
-        self.config = cfg
         self._load_targets: dict = {}  # HF weight name -> (module, parameter, shard id) or None
-        self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
-        tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
-        self.max_positions = cfg.max_position_embeddings
-        self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
-
-    def forward(
-        self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata,
-        embeds_TH: torch.Tensor | None = None, cos_sin_TD: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Hidden states ``[T, H]``. ``embeds_TH`` replaces the token embeddings (image features in
-        place); ``cos_sin_TD`` gives each token its own RoPE row (M-RoPE), ``positions_T`` then unused."""
-        x, residual = self.model.embed_tokens(ids_T) if embeds_TH is None else embeds_TH, None
-        cos_sin = self.cos_sin_PD
-        if cos_sin_TD is not None:
-            cos_sin, positions_T = cos_sin_TD, torch.arange(ids_T.shape[0], device=ids_T.device)
-        for layer in self.model.layers:
-            x, residual = layer(positions_T, x, residual, cos_sin, meta)
-        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden_BH: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[B, vocab]`` on TP rank 0, None on the others."""
@@ -214,6 +191,41 @@ class DecoderLM(nn.Module):
             raise KeyError(f"weight {name!r} has no place in {type(self).__name__}")
         cache[name] = (module, param, shard_id)
         return cache[name]
+
+
+class DecoderLM(PagedLM):
+    """A Qwen2/Qwen3/Llama-style causal LM: pre-norm layers with a fused residual add, one RoPE table."""
+
+    qk_norm = False
+
+    @staticmethod
+    def biases(cfg) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def __init__(self, cfg, tp: TPGroup, ops, dtype: torch.dtype):
+        super().__init__()
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported by the native engine")
+        self.config = cfg
+        self.model = DecoderBody(cfg, tp, ops, dtype, self.biases(cfg), self.qk_norm)
+        tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, tie, tp, dtype)
+        self.max_positions = cfg.max_position_embeddings
+        self.register_buffer("cos_sin_PD", rope_cos_sin(cfg, head_dim_of(cfg), self.max_positions, dtype), False)
+
+    def forward(
+        self, ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttnMetadata,
+        embeds_TH: torch.Tensor | None = None, cos_sin_TD: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, H]``. ``embeds_TH`` replaces the token embeddings (image features in
+        place); ``cos_sin_TD`` gives each token its own RoPE row (M-RoPE), ``positions_T`` then unused."""
+        x, residual = self.model.embed_tokens(ids_T) if embeds_TH is None else embeds_TH, None
+        cos_sin = self.cos_sin_PD
+        if cos_sin_TD is not None:
+            cos_sin, positions_T = cos_sin_TD, torch.arange(ids_T.shape[0], device=ids_T.device)
+        for layer in self.model.layers:
+            x, residual = layer(positions_T, x, residual, cos_sin, meta)
+        return self.model.norm(x, residual)[0]
 
 
 class Qwen2ForCausalLM(DecoderLM):
