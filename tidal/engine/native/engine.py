@@ -115,6 +115,8 @@ class NativeEngine:
                           **{f"ahead_off_{r}": 0 for r in AHEAD_OFF})
         self.stats.update(self.runner.timings)
         self.stats.update(self.spec.stats)
+        if self.runner.routing is not None:
+            self.stats.update(self.runner.routing.stats)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig, *, device, dtype, tp_group=None) -> "NativeEngine":
