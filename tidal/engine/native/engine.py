@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tidal.config_base import ConfigError
 from tidal.engine import sizing
 from tidal.engine.base import Completion, Request, SamplingParams, eos_ids
 from tidal.engine.config import EngineConfig
@@ -47,6 +48,7 @@ from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
+from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative import Speculator
 from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
@@ -55,6 +57,10 @@ from tidal.host_memory import ParamHostCopy
 TIMERS = ("schedule_s", "postprocess_s", "prepare_s", "submit_s", "wait_s")
 # why a step was not scheduled ahead (``verify``: after a verify step; ``speculating``: the next step may draft)
 AHEAD_OFF = ("waiting", "not_in_step", "blocks_short", "all_finish", "verify", "speculating")
+
+
+def states_bytes(states: StatePool | None) -> int:
+    return 0 if states is None else states.nbytes
 
 
 class NativeEngine:
@@ -94,7 +100,13 @@ class NativeEngine:
         self.tp = TPGroup.of(tp_group)
         self.ops = get_ops(cfg.kernel_backend, self.device)
         self.model = build_model(hf_config, self.tp, self.ops, self.device, dtype)
-        graph_max_batch = sizing.graph_max_batch(cfg, self.device, getattr(self.ops, "graph_safe", False))
+        self.linear_layers = self.model.linear_layers() if hasattr(self.model, "linear_layers") else []
+        if self.linear_layers and cfg.speculative != "off":
+            raise ConfigError("engine.speculative", f"{type(self.model).__name__} has linear-attention layers, whose "
+                              "recurrent state cannot roll back rejected drafts: set engine.speculative: off")
+        # the decode graphs have no state-slot input: a hybrid model decodes eagerly
+        graph_safe = getattr(self.ops, "graph_safe", False) and not self.linear_layers
+        graph_max_batch = sizing.graph_max_batch(cfg, self.device, graph_safe)
         self.runner = ModelRunner(self.model, self.tp, block_size=cfg.block_size, device=self.device,
                                   graph_max_batch=graph_max_batch)
         self.eos_token_ids = eos_ids(hf_config)
@@ -161,9 +173,11 @@ class NativeEngine:
         sequences of full ``lengths`` need more. Returns the bytes allocated."""
         grows = not sizing.sized_by_memory(self.device) and self.cfg.kv_cache_max_tokens == 0 and lengths is not None
         if self.runner.kv_layers:
-            if not grows or not self._idle() or self.runner.num_blocks >= self._kv_blocks_wanted(lengths):
+            if not grows or not self._idle() or (self.runner.num_blocks >= self._kv_blocks_wanted(lengths)
+                                                 and self._state_slots_fit(lengths)):
                 return 0
-            self.runner.free_kv_cache()
+            self._free_caches()
+        states = self._allocate_states(lengths)
         need = self._kv_blocks_wanted(lengths)
         if need < 1:
             raise RuntimeError("no memory left for a single KV block")
@@ -184,10 +198,40 @@ class NativeEngine:
         need = self.tp.min_int(need, self.device)
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
-                                   max_num_batched_tokens=self.cfg.max_num_batched_tokens)
+                                   max_num_batched_tokens=self.cfg.max_num_batched_tokens, state_pool=states)
         if self.runner.routing is not None:
             self.scheduler.before_release = self._keep_routing
-        return nbytes
+        return nbytes + states_bytes(states)
+
+    # ---- recurrent state (hybrid models) --------------------------------------------------------
+    def _state_slots_wanted(self, lengths: list[int] | None) -> int:
+        """Slots of the recurrent-state pool (:func:`tidal.engine.sizing.state_slots`): on CUDA from
+        the memory available now, on CPU for the request's sequences."""
+        available = sizing.available_device_bytes(self.device) if sizing.sized_by_memory(self.device) else None
+        return sizing.state_slots(self.cfg, StatePool.bytes_per_slot(self.linear_layers), available,
+                                  None if lengths is None else len(lengths))
+
+    def _state_slots_fit(self, lengths: list[int] | None) -> bool:
+        states = self.scheduler.states if self.scheduler is not None else None
+        return states is None or states.num_slots >= self._state_slots_wanted(lengths)
+
+    def _allocate_states(self, lengths: list[int] | None) -> StatePool | None:
+        """The recurrent-state pool of a hybrid model, before the KV cache takes the memory left (None
+        without linear-attention layers); the runner applies its copies before each step."""
+        if not self.linear_layers:
+            return None
+        slots = self.tp.min_int(self._state_slots_wanted(lengths), self.device)
+        self.runner.states = StatePool(self.linear_layers, slots, self.device)
+        return self.runner.states
+
+    def _free_caches(self) -> int:
+        """Free the KV cache and the state pool; returns the bytes released."""
+        freed = self.runner.free_kv_cache()
+        if self.runner.states is not None:
+            freed += self.runner.states.nbytes
+            self.runner.states.release()
+            self.runner.states = None
+        return freed
 
     def _keep_routing(self, slots: np.ndarray) -> None:
         """MoE: the routing of every token the finishing sequences fed to the model, read through
@@ -205,7 +249,7 @@ class NativeEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._require_idle("sleep()")
-        freed = self.runner.free_kv_cache()
+        freed = self._free_caches()
         self.block_manager = self.scheduler = None
         if level == 2 and self.sleep_level < 2 and self.device.type != "cpu":
             freed += self.runner.drop_graphs()
@@ -240,6 +284,8 @@ class NativeEngine:
         self.model.load_weights(named_tensors)
         if self.block_manager is not None:
             self.block_manager.reset_prefix_cache()
+        if self.runner.states is not None:
+            self.runner.states.clear_checkpoints()
 
     def verify_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """The HF names whose values in this engine differ from the given full tensors (on this TP
@@ -249,7 +295,10 @@ class NativeEngine:
     def memory_report(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.numel())
         graphs = self.runner.graphs.bytes if self.runner.graphs is not None else 0
-        return {"weights": weights, "kv_cache": self.runner.kv_bytes, "graphs": graphs}
+        report = {"weights": weights, "kv_cache": self.runner.kv_bytes, "graphs": graphs}
+        if self.linear_layers:
+            report["recurrent_state"] = states_bytes(self.runner.states)
+        return report
 
     # ---- incremental requests -------------------------------------------------------------------
     @property
@@ -285,7 +334,8 @@ class NativeEngine:
 
     def _multimodal(self, prompt_ids: list[int], mm_inputs: dict, where: str):
         if not self.model.multimodal:
-            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__})")
+            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__}); for a "
+                             "vision-language checkpoint whose text tower alone runs natively (Qwen3.5) set engine.backend: hf")
         return self.model.multimodal_prompt(prompt_ids, mm_inputs, where=where)
 
     def _add(self, requests: Seq[Request], mm: list) -> None:
@@ -409,6 +459,7 @@ class NativeEngine:
         pending, self._pending = self._pending, None
         if pending is not None:
             self.runner.wait(pending[1])
+            self.scheduler.drop(pending[0])
         ids = list(self._requests) if request_ids is None else [i for i in request_ids if i in self._requests]
         if not ids:
             return []

@@ -30,6 +30,7 @@ from tidal.engine.native.moe.record import RoutingRecorder
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
 from tidal.engine.native.sequence import SequenceTable
+from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative.acceptance import VOID, accept
 from tidal.engine.sampler import fused_applies, sample
 
@@ -62,6 +63,7 @@ class ModelRunner:
             raise ValueError("the native engine's KV cache needs the same KV heads and head_dim in every attention layer")
         self.kv_shape_tail = (block_size, attns[0].num_kv_heads, attns[0].head_dim)
         self.num_layers = len(attns)
+        self.states: StatePool | None = None  # a hybrid model's recurrent-state slots (set by the engine with the KV cache)
         self.kv_dtype = model.cos_sin_PD.dtype
         self.kv_layers: list[torch.Tensor] = []  # K0, V0, K1, V1, ... (empty while freed)
         self.num_blocks = 0
@@ -180,6 +182,9 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_context_len=int(ctxs.max()),
         )
+        if self.states is not None:
+            slots = self.states.slots(rows)
+            meta.state_slots, meta.state_slots_B = slots.tolist(), self._tensor(slots, torch.int64)
         sample_rows = (cu[1:] - 1)[batch.sampling]
         extra = self._multimodal_inputs(batch, table, start, flat_dev[0]) if self.model.multimodal else {}
         return flat_dev[0], flat_dev[1], meta, sample_rows, extra, flat[2]
@@ -272,6 +277,8 @@ class ModelRunner:
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         verify = batch.draft_lens is not None  # a decode step verifying drafts
         routing = None  # the step's routing on its way to the host (MoE models)
+        if self.states is not None:
+            self.states.apply()  # the scheduler's state copies, before the step that reads them
         if batch.is_prefill:
             ids, pos, meta, rows, extra, slots_T = self._prefill_inputs(batch, table)
             t1 = time.perf_counter()
@@ -310,6 +317,8 @@ class ModelRunner:
                     context_lens_B=inputs_dev[3],
                     max_context_len=int(inputs[3].max()),
                 )
+                if self.states is not None:
+                    meta.state_slots_B = self._tensor(self.states.slots(batch.rows), torch.int64)
                 buf = self.routing.eager_buffer(n) if self.routing is not None else None
                 hidden = self.model(ids_dev if ids_dev is not None else inputs_dev[0], inputs_dev[1], meta)
                 if buf is not None:

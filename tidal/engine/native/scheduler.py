@@ -44,6 +44,7 @@ import numpy as np
 
 from tidal.engine.native.block_manager import BlockManager, block_digests, chain_hashes, prefix_hashes, seed_of
 from tidal.engine.native.sequence import ABORT, LENGTH, STOP, SequenceTable, Status
+from tidal.engine.native.state_pool import StatePool
 
 
 @dataclasses.dataclass
@@ -76,9 +77,15 @@ class Batch:
 
 class Scheduler:
     def __init__(self, table: SequenceTable, block_manager: BlockManager, *, max_num_seqs: int | None,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, state_pool: StatePool | None = None):
+        """``state_pool``: the recurrent-state slots of a hybrid model (None: KV only). With one, a
+        sequence is admitted only when it gets a state slot, a prefix hit is taken only up to a
+        checkpointed boundary, and the first of a group's samples prefills up to the last block
+        boundary before its last token in a chunk of its own, checkpointed for the others to fork
+        from (:mod:`~tidal.engine.native.state_pool`)."""
         self.table = table
         self.bm = block_manager
+        self.states = state_pool
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,6 +128,8 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> Batch:
+        if self.states is not None:
+            self.states.begin_step()
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
@@ -135,6 +144,7 @@ class Scheduler:
         rows, num_new, sampling, start = [], [], [], []
         budget = self.max_num_batched_tokens
         running = self.num_running if self.max_num_seqs is not None else 0
+        groups = self._waiting_groups() if self.states is not None and self.bm.prefix_caching else None
         while self.waiting and budget > 0 and (self.max_num_seqs is None or running + len(rows) < self.max_num_seqs):
             s = self.waiting[0]
             if t.num_blocks[s] == 0 and not self._allocate(s):
@@ -142,8 +152,13 @@ class Scheduler:
             cached = int(t.num_cached[s])
             todo = int(t.num_tokens[s]) - cached
             n = min(todo, budget)
+            fork_at = self._fork_point(s, cached, groups)
+            if fork_at:
+                n = min(n, fork_at - cached)
             budget -= n
             self._register(s, cached + n)
+            if fork_at and cached + n == fork_at:
+                self.states.save(s, int(t.last_hash[s]))
             t.num_cached[s] = cached + n  # computed by the step being scheduled (before any later one)
             rows.append(s)
             num_new.append(n)
@@ -167,14 +182,44 @@ class Scheduler:
         seed = seed_of(t.seqs[s].cache_key)
         hashes, hits = self.bm.lookup(t.tokens[s, :n], seed)
         need = -(-n // bs)
+        checkpoint = None
+        if self.states is not None:
+            if hits and self.states.pending(hashes[len(hits) - 1]):
+                return False  # its prefix's state is checkpointed by the step being scheduled: fork next step
+            k, checkpoint = self.states.lookup(hashes[: len(hits)])
+            hashes, hits = hashes[:k], hits[:k]  # KV hits only up to a boundary whose state is known
+            if not self.states.can_admit():
+                return False
         if not self.bm.can_allocate(need, hits):
             return False
+        if self.states is not None:
+            self.states.admit(s, checkpoint)
         t.block_table[s, :need] = self.bm.allocate(need, hits)
         t.num_blocks[s] = need
         t.num_cached[s] = len(hits) * bs
         t.num_hashed[s] = len(hits)
         t.last_hash[s] = hashes[-1] if hashes else seed
         return True
+
+    def _waiting_groups(self) -> dict:
+        """Waiting sequences per group id (the samples of one prompt share it)."""
+        counts: dict = {}
+        for s in self.waiting:
+            g = self.table.seqs[s].group_id
+            counts[g] = counts.get(g, 0) + 1
+        return counts
+
+    def _fork_point(self, s: int, cached: int, groups: dict | None) -> int:
+        """The block boundary before slot ``s``'s last token where its prefill stops for a checkpoint
+        the other waiting samples of its group fork from; 0 for none (no pool, no prefix caching,
+        no sibling waiting, or already past it)."""
+        if groups is None:
+            return 0
+        g = self.table.seqs[s].group_id
+        if g is None or groups.get(g, 0) < 2:
+            return 0
+        p = (int(self.table.num_tokens[s]) - 1) // self.block_size * self.block_size
+        return p if p > cached else 0
 
     def _register(self, s: int, num_tokens: int) -> None:
         """Register the full blocks among slot ``s``'s first ``num_tokens`` tokens (their KV is
@@ -206,7 +251,18 @@ class Scheduler:
             if not len(rows):
                 return None
         self._append_blocks(rows[need])
+        self._save_boundaries(rows, t.num_tokens[rows])
         return Batch(rows, t.gen[rows].copy(), False)
+
+    def _save_boundaries(self, rows: np.ndarray, covered: np.ndarray) -> None:
+        """Checkpoint the state of the decode ``rows`` whose step ends at a block boundary (after it
+        their state covers ``covered`` tokens): a later turn of the conversation, or the sequence
+        itself resumed after a preemption, continues from there (hash bound in postprocess)."""
+        if self.states is None or not self.bm.prefix_caching:
+            return
+        at = np.flatnonzero(covered % self.block_size == 0)
+        for s, b in zip(rows[at].tolist(), covered[at].tolist()):
+            self.states.save(s, None, b)
 
     def _append_blocks(self, slots: np.ndarray) -> None:
         t = self.table
@@ -249,6 +305,8 @@ class Scheduler:
         decode, unless sequences wait or a block would be short. Each is the step :meth:`schedule`
         would make once ``batch`` is postprocessed, but for the void rows of sequences that ``batch``
         stops."""
+        if self.states is not None:
+            self.states.begin_step()
         if batch.is_prefill:
             if self.waiting:
                 return self._schedule_prefill() or self._off("waiting")
@@ -297,6 +355,7 @@ class Scheduler:
         if int(need.sum()) > self.bm.num_free_blocks:
             return self._off("blocks_short")
         self._append_blocks(rows[need])
+        self._save_boundaries(rows, t.num_tokens[rows] + ahead)
         return Batch(rows, t.gen[rows].copy(), False, src_rows=np.where(ahead, src, -1))
 
     def _off(self, reason: str) -> None:
@@ -406,6 +465,9 @@ class Scheduler:
             blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
             hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
             self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
+            if self.states is not None:
+                for s, b, h in zip(filled.tolist(), ((j + 1) * bs).tolist(), hashes.tolist()):
+                    self.states.bind(s, b, h)
             t.last_hash[filled] = hashes
             t.num_hashed[filled] = j + 1
 
@@ -426,6 +488,9 @@ class Scheduler:
         held = [t.blocks_of(s)[::-1] for s in slots.tolist() if t.num_blocks[s]]
         if held:
             self.bm.release(np.concatenate(held))
+        if self.states is not None:
+            for s in slots.tolist():
+                self.states.free(s)
         for s in slots.tolist():  # block 0 pads the rows: the torch kernels gather up to the longest row
             t.block_table[s, : t.num_blocks[s]] = 0
         t.num_blocks[slots] = t.num_cached[slots] = t.num_hashed[slots] = 0
@@ -441,6 +506,18 @@ class Scheduler:
         self._release_blocks(np.array([s]))
         self.table.status[s] = Status.WAITING
         self.waiting.appendleft(s)
+
+    def drop(self, batch: Batch) -> None:
+        """``batch`` ran but is not postprocessed (dropped by an abort). Its decode rows compute their
+        token again, which is exact for KV (rewritten in place) but would apply it twice to a
+        recurrent state: with a state pool the live sequences of a dropped decode batch are
+        preempted (they re-prefill, from their last checkpoint)."""
+        if self.states is None or batch.is_prefill:
+            return
+        t, rows = self.table, batch.rows
+        live = (t.gen[rows] == batch.gens) & (t.status[rows] == Status.RUNNING)
+        for s in rows[live].tolist():
+            self._preempt(s)
 
     def abort(self, slots: np.ndarray) -> None:
         """Stop the unfinished sequences in ``slots`` (waiting or running): blocks released, status
