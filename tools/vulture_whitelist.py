@@ -65,4 +65,4 @@ gather_and_generate  # tidal.distributed: the rollout entry point of the public 
 # tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
 _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
-Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM
+Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM

@@ -1,6 +1,7 @@
-"""The native engine's MoE families (Qwen3-MoE, OLMoE) against Hugging Face on tiny random models
-(CPU, fp32): logprobs of prefill and decode, greedy outputs, the expert GEMM paths, TP shards of the
-stacked experts, weight read-back -- and a routing that is slightly wrong fails."""
+"""The native engine's MoE families (Qwen3-MoE, OLMoE, Qwen3.5-MoE on the hybrid backbone) against
+Hugging Face on tiny random models (CPU, fp32): logprobs of prefill and decode, greedy outputs, the
+expert GEMM paths, TP shards of the stacked experts, weight read-back -- and a routing or a shared
+expert gate that is slightly wrong fails."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tidal.engine.native.parallel import TPGroup
 
 from .helpers import PROMPTS, engine_for, hf_greedy, tiny_moe
 
-FAMILIES = ["qwen3_moe", "olmoe"]
+FAMILIES = ["qwen3_moe", "olmoe", "qwen3_5_moe"]
 
 
 def _hf_logprobs(hf, prompt, tokens):
@@ -64,6 +65,21 @@ def test_a_slightly_wrong_routing_fails(wrong):
     engine.model.routing_sink.top_k -= wrong == "top_k_minus_one"  # the record's width follows
     err, mag = _max_logprob_error(hf, engine)
     assert err > 1000 * rounding_tol(torch.float32, max(mag, 8.0)), err
+
+
+@pytest.mark.parametrize("wrong", ["ungated", "gate_scaled_1_percent"])
+def test_a_wrong_shared_expert_gate_fails(wrong):
+    """Qwen3.5-MoE's shared expert is scaled by sigmoid(x w_g): without the gate, or with w_g off by
+    1%, the engine's logprobs leave HF's by far more than rounding."""
+    hf = tiny_moe("qwen3_5_moe")
+    engine = engine_for(hf, block_size=4)
+    for layer in engine.model.model.layers:
+        if wrong == "ungated":
+            layer.mlp.shared_expert_gate.forward = lambda x_TH: torch.ones(x_TH.shape[0], 1)
+        else:
+            layer.mlp.shared_expert_gate.weight.data.mul_(1.01)
+    err, mag = _max_logprob_error(hf, engine)
+    assert err > 100 * rounding_tol(torch.float32, max(mag, 8.0)), err
 
 
 def _experts(tp=TPGroup(None, 0, 1), E=5, H=16, I=12, seed=0):
@@ -141,7 +157,8 @@ def _hf_routing(hf, tap, fed):
     return torch.stack([tap.chosen[l] for l in range(tap.num_layers)], 1).sort(-1).values  # [T, L, K]
 
 
-@pytest.mark.parametrize("family,kv_tokens", [("qwen3_moe", None), ("olmoe", None), ("qwen3_moe", 48)])
+@pytest.mark.parametrize("family,kv_tokens", [("qwen3_moe", None), ("olmoe", None), ("qwen3_moe", 48),
+                                               ("qwen3_5_moe", None), ("qwen3_5_moe", 48)])
 def test_engine_records_the_routing_of_every_token_it_fed(family, kv_tokens):
     """Prefix-cache hits (n=2 shares the prompt's blocks), chunked prefill, decode and (with a small
     cache) preemption and recompute: every fed token's experts, per MoE layer, are HF's."""

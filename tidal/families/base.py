@@ -73,7 +73,13 @@ class MoEShape:
     ``expert_intermediate`` each, ``top_k`` of them per token; ``shared_experts`` always-on experts
     of ``shared_intermediate`` each; ``router``: how the top-k weights are made (e.g.
     ``"softmax_topk"``, ``"softmax_topk_renorm"``). ``dense_layers``: the decoder layers that keep a
-    dense MLP of the config's ``intermediate_size`` instead (every other layer is sparse)."""
+    dense MLP of the config's ``intermediate_size`` instead (every other layer is sparse).
+    ``shared_expert_gate``: a per-token sigmoid gate (weight ``[1, H]``) scales the shared experts'
+    output (Qwen3.5-MoE). ``per_expert_checkpoint``: the family's checkpoints name each expert's
+    projections (``experts.{e}.down_proj``, the ``transformers`` 4 layout that version 5 stacks on
+    load), so PEFT maps ``target_modules`` names of expert projections onto the stacked experts;
+    False where checkpoints hold the stacks (Qwen3.5-MoE): ``target_modules`` then match only
+    ``nn.Linear`` modules (a shared expert's), and the routed experts take ``target_parameters``."""
 
     experts: int
     top_k: int
@@ -82,6 +88,8 @@ class MoEShape:
     shared_intermediate: int = 0
     router: str = "softmax_topk"
     dense_layers: tuple[int, ...] = ()
+    shared_expert_gate: bool = False
+    per_expert_checkpoint: bool = True
 
     def sparse_layers(self, num_layers: int) -> list[int]:
         """The indices of the decoder layers whose MLP is this MoE."""

@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from tidal import families
 from tidal.models.routing import replay_weights
 
 
@@ -36,22 +37,38 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     for name, module in model.named_modules():
         parent_name, _, leaf = name.rpartition(".")
         if leaf == "gate" and parent_name.endswith("mlp") and hasattr(model.get_submodule(parent_name), "experts"):
-            for attr in ("top_k", "num_experts", "norm_topk_prob"):
+            for attr in ("top_k", "num_experts"):
                 if not hasattr(module, attr):
                     raise NotImplementedError(f"{name} ({type(module).__name__}): only softmax top-k routers with "
-                                              f"top_k, num_experts and norm_topk_prob are supported in training")
+                                              f"top_k and num_experts are supported in training")
             routers.append(module)
     return routers
 
 
+def renormalises_top_k(model: torch.nn.Module, router: torch.nn.Module) -> bool:
+    """Whether ``router`` renormalises its top-k weights: its own ``norm_topk_prob`` (Qwen3-MoE,
+    OLMoE), else its family's router kind (Qwen3.5-MoE's router always renormalises and has no such
+    attribute; :class:`~tidal.families.MoEShape`)."""
+    if hasattr(router, "norm_topk_prob"):
+        return bool(router.norm_topk_prob)
+    config = getattr(model, "config", None)
+    family = families.find_family(config) if config is not None else None
+    shape = family.moe(families.text_config(config)) if family is not None else None
+    if shape is None:
+        raise NotImplementedError(f"{type(router).__name__} has no norm_topk_prob and its model is of no MoE family "
+                                  "Tidal knows: its routing cannot be replayed in training")
+    return shape.router == "softmax_topk_renorm"
+
+
 class RouterTap:
     """Hooks on ``routers`` (see the module docstring). ``start`` before a forward, ``aux_loss`` /
-    ``agreement`` after it."""
+    ``agreement`` after it. ``norm_topk_prob``: whether the routers renormalise their top-k weights
+    (:func:`renormalises_top_k`), as replayed weights must too."""
 
-    def __init__(self, routers: list[torch.nn.Module]):
+    def __init__(self, routers: list[torch.nn.Module], *, norm_topk_prob: bool):
         if not routers:
             raise ValueError("RouterTap needs at least one router (a dense model has none)")
-        self.routers = routers
+        self.routers, self.norm_topk_prob = routers, norm_topk_prob
         self.num_experts, self.top_k = routers[0].num_experts, routers[0].top_k
         self.logits: dict[int, torch.Tensor] = {}
         self.chosen: dict[int, torch.Tensor] = {}
@@ -87,7 +104,7 @@ class RouterTap:
             raise ValueError(f"routing replay has {replay_NK.shape[0]} rows, the forward {experts_NK.shape[0]}")
         own_N1 = replay_NK[:, :1] < 0
         experts_NK = torch.where(own_N1, experts_NK, replay_NK.long())
-        return logits_NE, replay_weights(logits_NE, experts_NK, module.norm_topk_prob), experts_NK
+        return logits_NE, replay_weights(logits_NE, experts_NK, self.norm_topk_prob), experts_NK
 
     def _layers(self) -> list[int]:
         if len(self.logits) != self.num_layers:
@@ -115,7 +132,7 @@ class RouterTap:
 def router_tap(model: torch.nn.Module) -> RouterTap | None:
     """A tap on ``model``'s routers, None for a dense model."""
     routers = find_routers(model)
-    return RouterTap(routers) if routers else None
+    return RouterTap(routers, norm_topk_prob=renormalises_top_k(model, routers[0])) if routers else None
 
 
 class MoETraining:
