@@ -1,6 +1,7 @@
 """MoE shapes as the families declare them: which layers are sparse, total vs active parameters in
 the memory plan, FLOPs by active parameters, and LoRA adapter counts on experts -- against the
-parameters of tiny models built by transformers."""
+parameters of tiny models built by transformers (Qwen3.5-MoE: on the hybrid backbone, with the
+shared expert and its gate)."""
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_qwen3_moe_sparse_layers_follow_the_step_and_mlp_only_layers():
     assert families.family_of(olmoe).moe(families.namespace(olmoe)).sparse_layers(2) == [0, 1]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen3_5_moe"])
 def test_total_and_active_parameters_are_the_models(family):
     hf = tiny_moe(family)
     c = hf.config
@@ -37,17 +38,23 @@ def test_total_and_active_parameters_are_the_models(family):
     assert shape.layer_params() + uncounted // c.num_hidden_layers == biggest  # what FSDP gathers at once: a sparse layer with all its experts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen3_5_moe"])
 def test_flops_count_the_active_experts(family):
     hf = tiny_moe(family)
-    fm = FlopModel.from_config(hf.config)
+    c = hf.config
+    fm = FlopModel.from_config(c)
     per_layer = []
     for layer in hf.model.layers:
-        mats = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 2)  # attention, router, dense MLP
-        experts = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 3)
-        per_layer.append(mats + experts * hf.config.num_experts_per_tok // hf.config.num_experts)
+        # attention (or Gated DeltaNet: its projections), router, dense MLP or shared expert and its gate
+        mats = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 2)
+        experts = sum(p.numel() for n, p in layer.named_parameters() if p.ndim == 3 and ".experts." in n)
+        delta_rule = 0
+        if getattr(layer, "linear_attn", None) is not None:  # the delta rule's 3 Hv dk dv per token
+            delta_rule = 3 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        per_layer.append(mats + experts * c.num_experts_per_tok // c.num_experts + delta_rule)
     assert fm.body == sum(per_layer) and fm.params == sum(per_layer) + hf.lm_head.weight.numel()
-    assert fm.train_flops([10], head_tokens=0) == pytest.approx(6 * fm.body * 10 + 6 * fm.num_layers * fm.attn_dim * 100)
+    attention_layers = len(fm.windows) or fm.num_layers  # a hybrid's linear layers compute no attention
+    assert fm.train_flops([10], head_tokens=0) == pytest.approx(6 * fm.body * 10 + 6 * attention_layers * fm.attn_dim * 100)
 
 
 def test_lora_parameter_count_matches_peft_on_attention_and_experts():
@@ -63,6 +70,32 @@ def test_lora_parameter_count_matches_peft_on_attention_and_experts():
     for targets, experts in [(("q_proj", "v_proj"), both), (("q_proj", "v_proj"), ()), (("q_proj", "down_proj"), ())]:
         shape, n = trained(targets, experts)
         assert lora_params(shape, 4, targets, experts) == n, (targets, experts)
+
+
+def test_qwen3_5_moe_lora_parameter_count_matches_peft():
+    """Attention, Gated DeltaNet and shared-expert projections, and PEFT's match of ``down_proj``
+    against every routed expert's stacked weight (the family's default targets)."""
+    from tidal.models.config import LoraConfig
+    from tidal.models.lora import apply_lora
+
+    targets = families.family_of({"model_type": "qwen3_5_moe_text"}).lora_targets
+    hf = tiny_moe("qwen3_5_moe")
+    actor = apply_lora(hf, LoraConfig(rank=4, target_modules=list(targets)))
+    n = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+    assert lora_params(ModelShape.from_hf_config(hf.config), 4, targets) == n
+
+
+def test_a_35b_a3b_shape_has_about_3b_active_parameters():
+    cfg = {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+           "num_experts": 256, "num_experts_per_tok": 8, "vocab_size": 248320, "tie_word_embeddings": False,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+           "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10}
+    shape = ModelShape.from_hf_config(cfg)
+    # Qwen3.5-35B-A3B: 35B total, 3B active (its vision tower and MTP head not counted: 34.7B, 3.45B with the embeddings)
+    assert 34.5e9 < shape.params() < 35.5e9 and 3.0e9 < shape.active_params() < 3.6e9
+    assert shape.state_bytes_per_sequence() > 0 and shape.kv_cache_bytes_per_token() == 10 * 2 * 2 * 256 * 2
 
 
 def test_a_30b_a3b_shape_has_about_3b_active_parameters():

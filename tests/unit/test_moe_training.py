@@ -42,7 +42,7 @@ def _batch(seed=0, lengths=(9, 14, 4, 11), prompts=(3, 5, 2, 6)):
     return ids * am, am, act
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen3_5_moe"])
 def test_packed_logprobs_and_aux_loss_equal_padded_hf(family):
     plain = tiny_moe(family)
     attach_logprob_method(plain)
@@ -104,7 +104,7 @@ def _engine_and_moved_trainer(family="qwen3_moe"):
     return engine, trainer
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen3_5_moe"])
 def test_replay_uses_the_engines_experts_for_every_token_and_layer(family):
     engine, trainer = _engine_and_moved_trainer(family)
     rows = _rollout(engine)
@@ -130,9 +130,10 @@ def test_a_replay_off_by_one_token_or_layer_is_caught(shift):
     assert not torch.equal(used_NLK[have].sort(-1).values, want_NLK[have].sort(-1).values)
 
 
-def test_replay_keeps_the_router_learning_and_makes_logprobs_match_the_engine():
-    engine, _ = _engine_and_moved_trainer()
-    trainer = _packed_lm("qwen3_moe")  # the engine's weights: replay changes nothing but the path
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_replay_keeps_the_router_learning_and_makes_logprobs_match_the_engine(family):
+    engine, _ = _engine_and_moved_trainer(family)
+    trainer = _packed_lm(family)  # the engine's weights: replay changes nothing but the path
     rows = _rollout(engine)
     logp, _, _, moe = _replayed(trainer, rows)
     mask = rows.action_mask_BT.bool()
@@ -142,10 +143,11 @@ def test_replay_keeps_the_router_learning_and_makes_logprobs_match_the_engine():
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
-def test_aux_loss_is_added_with_its_coefficient_and_not_without():
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_aux_loss_is_added_with_its_coefficient_and_not_without(family):
     ids, am, act = _batch()
     pb = PackedBatch.build(ids, am, targets_BT=act)
-    model = _packed_lm("qwen3_moe")
+    model = _packed_lm(family)
     for coef in (0.0, 0.5):
         moe = MoETraining(router_tap(model), aux_loss_coef=coef, replay=False)
         moe.begin(pb, None)

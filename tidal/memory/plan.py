@@ -151,16 +151,17 @@ class ModelShape:
         tied = getattr(top, "tie_word_embeddings", None)
         if tied is None:
             tied = getattr(text, "tie_word_embeddings", False)
+        moe = family.moe(text) if family else None
         return cls(
             layers=int(text.num_hidden_layers), hidden=hidden, heads=heads,
             kv_heads=families.kv_heads_of(text), head_dim=families.head_dim_of(text),
-            intermediate=int(text.intermediate_size), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
+            intermediate=_dense_intermediate(text, moe), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
             layer_caches=tuple(family.layer_caches(text)) if family else (),
             lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
-            moe=family.moe(text) if family else None,
+            moe=moe,
             linear_attention=_linear_attention_shape(text),
         )
 
@@ -221,7 +222,7 @@ class ModelShape:
     def _sparse_mlp_params(self, *, active: bool) -> int:
         """An MoE layer's MLP: router, routed experts (all, or the ``top_k`` a token uses) and shared experts."""
         m = self.moe
-        shared = m.shared_experts * 3 * self.hidden * m.shared_intermediate
+        shared = m.shared_experts * 3 * self.hidden * m.shared_intermediate + (self.hidden if m.shared_expert_gate else 0)
         return m.experts * self.hidden + self._expert_params(m.top_k if active else m.experts) + shared
 
     def _layer_list(self, *, active: bool) -> list[int]:
@@ -287,7 +288,8 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_t
     projections exist in its dense layers only); per expert of every sparse layer for the stacked
     experts named in ``expert_targets`` (``model.lora.target_parameters``: ``...gate_up_proj``,
     ``...down_proj``) or in ``targets`` (PEFT matches a ``target_modules`` name against the stacked
-    experts' parameters too: the default targets adapt every expert's ``down_proj``)."""
+    experts' parameters too when the family's checkpoints are per expert: the default targets adapt
+    every expert's ``down_proj``); a shared expert's projections as ``nn.Linear`` modules."""
     if rank <= 0:
         return 0
     mlp = _LORA_TARGETS_MLP
@@ -304,11 +306,21 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_t
         return mixers + shape.layers * dense
     H, Ie, m = shape.hidden, shape.moe.expert_intermediate, shape.moe
     per_expert = {"gate_up_proj": rank * (H + 2 * Ie), "down_proj": rank * (Ie + H)}
-    experts = m.experts * sum(n for p, n in per_expert.items() if p in targets or any(t.endswith(p) for t in expert_targets))
+    by_name = m.per_expert_checkpoint  # PEFT maps target_modules names onto the stacked experts
+    experts = m.experts * sum(n for p, n in per_expert.items()
+                              if (by_name and p in targets) or any(t.endswith(p) for t in expert_targets))
     Is = m.shared_intermediate  # a shared expert is a gated MLP of nn.Linear projections (Qwen3.5-MoE)
     shared = m.shared_experts * cost({"gate_proj": (H, Is), "up_proj": (H, Is), "down_proj": (Is, H)}, lambda n: True)
     sparse = shape.layers - len(m.dense_layers)
     return mixers + len(m.dense_layers) * dense + sparse * (experts + shared)
+
+
+def _dense_intermediate(text: Any, moe: families.MoEShape | None) -> int:
+    """:attr:`ModelShape.intermediate`: the dense MLP's ``intermediate_size``; 0 for an MoE whose
+    every layer is sparse and whose config has none (Qwen3.5-MoE)."""
+    if moe is not None and not moe.dense_layers and getattr(text, "intermediate_size", None) is None:
+        return 0
+    return int(text.intermediate_size)
 
 
 def _linear_attention_shape(text: Any) -> tuple[int, ...]:

@@ -124,9 +124,10 @@ def _mlp_params(c, moe: families.MoEShape | None, layer: int) -> int:
 
 def active_expert_params(moe: families.MoEShape, hidden: int) -> int:
     """Matmul weights one token goes through in an MoE layer's MLP: the router (``E x H``), its
-    ``top_k`` routed experts and the shared experts (a gated MLP each: ``3 x H x I``)."""
+    ``top_k`` routed experts and the shared experts (a gated MLP each: ``3 x H x I``; and their gate)."""
     routed = moe.top_k * 3 * hidden * moe.expert_intermediate
-    return moe.experts * hidden + routed + moe.shared_experts * 3 * hidden * moe.shared_intermediate
+    gate = hidden if moe.shared_expert_gate else 0  # the shared experts' sigmoid gate (1 x H)
+    return moe.experts * hidden + routed + moe.shared_experts * 3 * hidden * moe.shared_intermediate + gate
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:
