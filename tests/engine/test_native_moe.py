@@ -197,3 +197,23 @@ def test_decode_steps_count_the_distinct_experts_they_touch():
     assert steps == 1  # four rows decode their second token together: the union of their choices
     want = sum(len({e for c in out for e in c.routed_experts[-1, l].tolist()}) for l in range(layers))
     assert touched == want and layers * k < want <= layers * 8
+
+
+def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower():
+    """A Qwen3_5MoeForConditionalGeneration's weights (model.language_model.*, the vision tower
+    skipped) load into the same engine model, which then samples the text model's logprobs."""
+    import transformers
+
+    from .helpers import MOE_COMMON, MOE_FAMILIES
+
+    hf = tiny_moe("qwen3_5_moe")
+    text = {**MOE_COMMON, **MOE_FAMILIES["qwen3_5_moe"][2]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    vl = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+    vl.model.language_model.load_state_dict(hf.model.state_dict())
+    vl.lm_head.load_state_dict(hf.lm_head.state_dict())
+    engine = engine_for(vl.eval())
+    assert engine.verify_weights(vl.state_dict().items()) == []
+    (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=6, seed=0, ignore_eos=True))
+    ref = _hf_logprobs(hf, c.prompt_ids, c.token_ids)
+    assert (torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max() <= rounding_tol(torch.float32, 16.0)
