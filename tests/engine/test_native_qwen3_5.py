@@ -99,7 +99,10 @@ def test_logits_at_every_prefill_and_decode_position(hf):
 
 def test_greedy_64_tokens_equal_hf_generate(hf, engine):
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
-    for prompt, c in zip(PROMPTS, out):
+    for prompt, c in zip(PROMPTS, out):  # each token is HF's argmax after the ones before it
+        logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert c.token_ids == logits.argmax(-1).tolist()
+    for prompt, c in list(zip(PROMPTS, out))[1:2]:  # and HF's own generate (its cached decode) agrees
         ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert c.token_ids == ref

@@ -78,3 +78,9 @@ def test_task_architecture_builds_a_tiny_hybrid():
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="num_layers >= 2"):
         build_model(TaskConfig(name="arithmetic", architecture="qwen3_5", num_layers=1), tok, architecture="qwen3_5")
+
+
+def test_engine_line_says_hybrid_layers_decode_without_graphs(hf):
+    from tidal.engine.backends import engine_choice
+
+    assert engine_choice(hf.config, "native").endswith("family qwen3_5; its linear-attention layers decode without CUDA graphs)")

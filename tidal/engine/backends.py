@@ -33,7 +33,9 @@ def engine_choice(hf_config: Any, backend: str) -> str:
     family = families.find_family(hf_config)
     if backend == "native":
         family = families.native_family(hf_config)  # ConfigError naming what runs and the hf fallback
-        return f"engine: native (engine.backend: native; Tidal's paged engine runs family {family.name})"
+        caches = families.layer_caches(hf_config)
+        hybrid = "; its linear-attention layers decode without CUDA graphs" if any(c.kind == "recurrent" for c in caches) else ""
+        return f"engine: native (engine.backend: native; Tidal's paged engine runs family {family.name}{hybrid})"
     if backend == "hf":
         if family is None or not family.native:
             mt = getattr(families.namespace(hf_config), "model_type", "?")
