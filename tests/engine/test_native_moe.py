@@ -180,3 +180,18 @@ def test_decode_steps_count_the_distinct_experts_they_touch():
     assert steps == 1  # four rows decode their second token together: the union of their choices
     want = sum(len({e for c in out for e in c.routed_experts[-1, l].tolist()}) for l in range(layers))
     assert touched == want and layers * k < want <= layers * 8
+
+
+def test_first_tokens_follow_hfs_distribution_chi_square():
+    """2,000 samples of a prompt's next token from the MoE engine against HF's softmax (the sampler's
+    chi-square test at the 0.999 quantile)."""
+    from .test_sampler import _chi2_exceeds
+
+    hf = tiny_moe("qwen3_moe")
+    engine = engine_for(hf, max_num_seqs=512)
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=1, n=2000, seed=0, ignore_eos=True))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out]), minlength=hf.config.vocab_size)
+    with torch.no_grad():
+        p_V = torch.softmax(hf(torch.tensor([PROMPTS[0]])).logits[0, -1].double(), -1)
+    assert not _chi2_exceeds(counts, p_V)
+    assert _chi2_exceeds(counts, p_V.roll(1))  # the test can fail: a distribution off by one token id
