@@ -195,3 +195,18 @@ def test_first_tokens_follow_hfs_distribution_chi_square():
         p_V = torch.softmax(hf(torch.tensor([PROMPTS[0]])).logits[0, -1].double(), -1)
     assert not _chi2_exceeds(counts, p_V)
     assert _chi2_exceeds(counts, p_V.roll(1))  # the test can fail: a distribution off by one token id
+
+
+def test_routing_stays_exact_across_sleep_and_wake():
+    from tidal.models.moe import router_tap
+
+    hf = tiny_moe("qwen3_moe")
+    tap = router_tap(hf)
+    engine = engine_for(hf, block_size=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=1, ignore_eos=True)
+    engine.generate(PROMPTS[2:], params)
+    engine.sleep(1)
+    engine.wake_up()
+    for c in engine.generate(PROMPTS[:2], params):
+        fed = c.prompt_ids + c.token_ids[:-1]
+        assert torch.equal(torch.from_numpy(c.routed_experts).long().sort(-1).values, _hf_routing(hf, tap, fed))
