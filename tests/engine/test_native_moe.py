@@ -199,6 +199,37 @@ def test_decode_steps_count_the_distinct_experts_they_touch():
     assert touched == want and layers * k < want <= layers * 8
 
 
+def test_first_tokens_follow_hfs_distribution_chi_square():
+    """2,000 samples of a prompt's next token from the MoE engine against HF's softmax (the sampler's
+    chi-square test at the 0.999 quantile)."""
+    from .test_sampler import _chi2_exceeds
+
+    hf = tiny_moe("qwen3_moe")
+    engine = engine_for(hf, max_num_seqs=512)
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=1, n=2000, seed=0, ignore_eos=True))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out]), minlength=hf.config.vocab_size)
+    with torch.no_grad():
+        p_V = torch.softmax(hf(torch.tensor([PROMPTS[0]])).logits[0, -1].double(), -1)
+    assert not _chi2_exceeds(counts, p_V)
+    assert _chi2_exceeds(counts, p_V.roll(1))  # the test can fail: a distribution off by one token id
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_routing_stays_exact_across_sleep_and_wake(family):
+    from tidal.models.moe import router_tap
+
+    hf = tiny_moe(family)
+    tap = router_tap(hf)
+    engine = engine_for(hf, block_size=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=1, ignore_eos=True)
+    engine.generate(PROMPTS[2:], params)
+    engine.sleep(1)
+    engine.wake_up()
+    for c in engine.generate(PROMPTS[:2], params):
+        fed = c.prompt_ids + c.token_ids[:-1]
+        assert torch.equal(torch.from_numpy(c.routed_experts).long().sort(-1).values, _hf_routing(hf, tap, fed))
+
+
 def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower():
     """A Qwen3_5MoeForConditionalGeneration's weights (model.language_model.*, the vision tower
     skipped) load into the same engine model, which then samples the text model's logprobs."""

@@ -73,8 +73,11 @@ class RoutingRecorder:
         self.stats = {"moe_decode_steps": 0, "moe_experts_touched": 0}
 
     def resize(self, num_slots: int) -> None:
-        """A store for ``num_slots`` KV slots (a new KV cache: what the old store described is gone)."""
-        self.store = RoutingStore(num_slots, self.sink.num_layers, self.sink.top_k, self.block_size)
+        """A store for ``num_slots`` KV slots (a new KV cache); the same store when the size is the same
+        (each wake-up: every slot is written again before a finished sequence reads it, since the
+        prefix cache went with the old KV)."""
+        if self.store is None or self.store.slots_SLK.shape[0] != num_slots:
+            self.store = RoutingStore(num_slots, self.sink.num_layers, self.sink.top_k, self.block_size)
 
     def eager_buffer(self, num_tokens: int) -> torch.Tensor:
         """Point the sink at a fresh ``[num_tokens, L, K]`` buffer for the next eager forward."""
