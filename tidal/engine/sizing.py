@@ -25,9 +25,14 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int) -> int:
 
 
 def weight_bytes_per_rank(hf_config, dtype: torch.dtype, tp_size: int) -> int:
-    """Approximate device bytes of the weights on one TP rank (parameters counted on the meta device)."""
+    """Approximate device bytes of the weights on one TP rank (parameters counted on the meta device;
+    a ``text_only`` family's ForConditionalGeneration config counts its text decoder alone, which
+    is all the engine holds)."""
     from transformers import AutoModelForCausalLM
 
+    family = families.find_family(hf_config)
+    if family is not None and family.text_only:
+        hf_config = hf_config.get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     n = sum(p.numel() for p in model.parameters())
