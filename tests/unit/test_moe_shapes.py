@@ -125,3 +125,25 @@ def test_decode_floor_reads_the_experts_a_step_touches():
     one = generation_bound_s(s, prompt_len=1, unique_prompts=1, completion_lens=[3], c=c, experts_touched=48 * 8)
     many = generation_bound_s(s, prompt_len=1, unique_prompts=1, completion_lens=[3], c=c, experts_touched=48 * 64)
     assert many - one == pytest.approx(2 * 2 * (48 * 56) * expert / 1e12)  # two decode steps, bf16 bytes
+
+
+def test_qwen3_5_moe_family_covers_text_and_conditional_generation_configs_and_the_state_pool():
+    import json
+
+    import transformers
+
+    from tests.engine.helpers import MOE_COMMON, MOE_FAMILIES, engine_for
+    from tidal.engine.native.state_pool import StatePool
+
+    text = {**MOE_COMMON, **MOE_FAMILIES["qwen3_5_moe"][2]}
+    vl = transformers.Qwen3_5MoeConfig(text_config=text)
+    for cfg in (transformers.Qwen3_5MoeTextConfig(**text), vl, json.loads(vl.to_json_string())):
+        fam = families.family_of(cfg)
+        assert fam.name == "qwen3_5_moe" and "linear_attention" in fam.packed_kernels
+        assert [c.kind for c in families.layer_caches(cfg)] == ["recurrent", "recurrent", "full_kv"]
+        m = fam.moe(families.text_config(cfg))
+        assert (m.experts, m.top_k, m.shared_experts, m.shared_intermediate, m.router) == (8, 3, 1, 48, "softmax_topk_renorm")
+        assert ModelShape.from_hf_config(cfg).params() == ModelShape.from_hf_config(text | {"model_type": "qwen3_5_moe_text"}).params()
+    engine = engine_for(tiny_moe("qwen3_5_moe"))
+    per_slot = StatePool.bytes_per_slot(engine.model.linear_layers())
+    assert ModelShape.from_hf_config(vl).state_bytes_per_sequence() == per_slot > 0
