@@ -152,18 +152,19 @@ class MoETraining:
         replay = packed.pack(routed_BTLK.to(packed.input_ids_1N.device), fill=-1) if self.replay else None
         self.tap.start(replay)
 
-    def after_forward(self, packed, routed_BTLK: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, tuple]]:
-        """(the load-balancing loss of the forward's real tokens, ``{metric: (value, weight)}``):
-        ``aux_loss`` (the family's balance loss), ``aux_loss_term`` (``aux_loss_coef`` times it: what the
-        policy loss gets, 0 when the coefficient is) and, with engine routing, ``router_agreement``
-        (its weight the token-layers compared)."""
+    def after_forward(self, packed, routed_BTLK: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the load-balancing loss of the forward's real tokens, its metrics): ``aux_loss`` (the
+        family's balance loss), ``aux_loss_term`` (``aux_loss_coef`` times it: what the policy loss gets,
+        0 when the coefficient is) and, with engine routing, ``router_agreement`` (the fraction of the
+        token-layers the engine routed where the trainer's own top-k set is the engine's). The trainer
+        logs them as ``moe/<name>``, averaged over micro-batches by their response tokens, as every
+        policy metric."""
         valid_N = torch.arange(packed.num_tokens, device=packed.input_ids_1N.device) < packed.num_real
         aux = self.tap.aux_loss(valid_N)
-        n = float(packed.num_real)
-        metrics = {"aux_loss": (aux.detach(), n), "aux_loss_term": (self.aux_loss_coef * aux.detach(), n)}
+        metrics = {"aux_loss": aux.detach(), "aux_loss_term": self.aux_loss_coef * aux.detach()}
         if routed_BTLK is not None:
             same, compared = self.tap.agreement(packed.pack(routed_BTLK.to(valid_N.device), fill=-1))
-            metrics["router_agreement"] = (same / compared.clamp_min(1), compared)
+            metrics["router_agreement"] = same / compared.clamp_min(1)
         return aux, metrics
 
 

@@ -96,12 +96,11 @@ class UpdateResult:
 
     actor: dict[str, float]
     critic: dict[str, float]
-    moe: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def flat(self) -> dict[str, float]:
-        """``{"actor/<name>": ..., "critic/<name>": ..., "moe/<name>": ...}`` for logging (``moe``: an
-        MoE actor's ``aux_loss`` and ``router_agreement``, :class:`tidal.models.moe.MoETraining`)."""
-        return {f"{role}/{k}": v for role in ("actor", "critic", "moe") for k, v in getattr(self, role).items()}
+        """``{"actor/<name>": ..., "critic/<name>": ...}`` for logging; an MoE actor's ``moe/<name>``
+        metrics (:class:`tidal.models.moe.MoETraining`) keep their own namespace."""
+        return {k if k.startswith("moe/") else f"{role}/{k}": v for role in ("actor", "critic") for k, v in getattr(self, role).items()}
 
 
 class Updater:
@@ -120,7 +119,6 @@ class Updater:
         require_resolved(train, "train", "micro_batch_tokens")
         self.train_cfg = train
         self.model_cfg = model
-        self.moe_means = MetricMeans()  # an MoE actor's routing metrics of the current train() call
 
     @property
     def runtime(self) -> Runtime:
@@ -186,8 +184,7 @@ class Updater:
             aux, moe_metrics = moe.after_forward(packed, mb.routed_experts_BTLK)
             if moe.aux_loss_coef > 0:
                 loss = loss + moe.aux_loss_coef * aux * (mask_BT.sum() / norm.num_tokens)
-            for name, (value, weight) in moe_metrics.items():
-                self.moe_means.add({name: value}, weight)
+            metrics.update({f"moe/{name}": value for name, value in moe_metrics.items()})
         return nonfinite_guard(loss, logp_BT), metrics
 
     def _critic_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
@@ -204,12 +201,10 @@ class Updater:
                 f"{epochs} x {mini_batches}; set train.old_logprobs=recompute"
             )
         actor, critic = MetricMeans(), MetricMeans()
-        self.moe_means = MetricMeans()
         for _ in range(epochs):
             for rows in mini_batch_rows(exp, mini_batches, generator):
                 part = exp.select(rows)
                 self._step(self.models.actor, part, self._actor_loss, actor)
                 if self.models.critic is not None:
                     self._step(self.models.critic, part, self._critic_loss, critic)
-        return UpdateResult(actor=actor.result(self.runtime), critic=critic.result(self.runtime),
-                            moe=self.moe_means.result(self.runtime))
+        return UpdateResult(actor=actor.result(self.runtime), critic=critic.result(self.runtime))
