@@ -46,12 +46,17 @@ def enable_packed_linear_attention(decoder: torch.nn.Module) -> int:
     layers = [m for m in decoder.modules() if is_gated_deltanet(m)]
     if not layers:
         raise ValueError(f"{type(decoder).__name__}: its family packs linear attention but it has no Gated DeltaNet layer")
+    for m in decoder.modules():
+        # transformers re-kernelizes a model whose train/eval mode changes (the strategy's train()),
+        # which drops a layer's own forward: hand the hub kernels back to torch once, so it never does
+        if getattr(m, "use_kernels", False) and hasattr(m, "reset_kernels"):
+            m.reset_kernels()
     for layer in layers:
         if getattr(layer, "activation", "silu") != "silu":
             raise ValueError(f"{type(layer).__name__}: conv activation {layer.activation!r}; the packed forward has silu")
         if not hasattr(layer, "_hf_forward"):
             layer._hf_forward = layer.forward
-            layer.forward = types.MethodType(packed_gated_deltanet_forward, layer)
+        layer.forward = types.MethodType(packed_gated_deltanet_forward, layer)  # again if a kernelize dropped it
     return len(layers)
 
 
