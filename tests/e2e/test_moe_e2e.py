@@ -16,15 +16,19 @@ MOE = ["task.architecture=qwen3_moe", "task.sft_mistake_steps=0", "rollout.ignor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("coef,replay", [("auto", "rollout"), ("0", "off")])
-def test_moe_quickstart_logs_its_router_and_trains(coef, replay, tmp_path, tiny_task_overrides):
+@pytest.mark.parametrize("arch,coef,replay", [("qwen3_moe", "auto", "rollout"), ("qwen3_moe", "0", "off"),
+                                              ("qwen3_5_moe", "auto", "rollout")])
+def test_moe_quickstart_logs_its_router_and_trains(arch, coef, replay, tmp_path, tiny_task_overrides):
+    """Qwen3.5-MoE (a Gated DeltaNet layer, then gated full attention): the hybrid backbone's state
+    pool beside the routing record, the same metrics."""
     cfg = load_config("quickstart", tiny_task_overrides + MOE + [
-        f"run.output_dir={tmp_path}", "run.steps=2", f"moe.aux_loss_coef={coef}", f"moe.routing_replay={replay}"])
+        f"run.output_dir={tmp_path}", "run.steps=2", f"moe.aux_loss_coef={coef}", f"moe.routing_replay={replay}",
+        f"task.architecture={arch}"] + (["task.num_layers=2"] if arch == "qwen3_5_moe" else []))
     trainer = build_trainer(cfg)
     try:
         moe = trainer.models.moe
         assert moe is not None and moe.replay == (replay == "rollout")
-        assert moe.aux_loss_coef == (0.001 if coef == "auto" else 0.0)  # auto: Qwen3MoeConfig.router_aux_loss_coef
+        assert moe.aux_loss_coef == (0.001 if coef == "auto" else 0.0)  # auto: the config's router_aux_loss_coef
         before = {n: p.detach().clone() for n, p in trainer.models.actor.model.named_parameters()}
         metrics = trainer.fit()
         assert metrics["moe/aux_loss"] > 0 and math.isfinite(metrics["actor/loss"])
