@@ -66,3 +66,4 @@ gather_and_generate  # tidal.distributed: the rollout entry point of the public 
 _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
 Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+_.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers their packed subclass in place

@@ -71,6 +71,7 @@ def test_task_architecture_builds_a_tiny_hybrid():
     model = build_model(cfg, tok, architecture="qwen3_5")
     assert families.family_of(model.config).name == "qwen3_5"
     assert [c.kind for c in families.layer_caches(model.config)] == ["recurrent", "recurrent", "full_kv"]
+    model.train()  # transformers re-kernelizes on a mode switch (kernels installed): Tidal's forward stays
     assert model.model.layers[0].linear_attn.forward.__func__.__name__ == "packed_gated_deltanet_forward"
     ids = torch.tensor([tok.encode("Calculate 1+2")])
     loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
@@ -84,3 +85,19 @@ def test_engine_line_says_hybrid_layers_decode_without_graphs(hf):
     from tidal.engine.backends import engine_choice
 
     assert engine_choice(hf.config, "native").endswith("family qwen3_5; its linear-attention layers decode without CUDA graphs)")
+
+
+def test_conditional_generation_checkpoint_loads_its_text_decoder(hf, tmp_path):
+    """The trainer loads a Qwen3_5ForConditionalGeneration checkpoint as its text decoder (text-only RL)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from tidal.models.loading import load_causal_lm
+
+    vl = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)))
+    vl.save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    want = vl.model.language_model.state_dict()
+    for name, p in model.model.state_dict().items():
+        assert torch.equal(p, want[name]), name

@@ -2,8 +2,9 @@
 text tower is under ``text_config``, weights under ``model.language_model``): hybrid layers, as
 ``config.layer_types`` lists them: Gated DeltaNet (``linear_attention``: a fixed-size recurrent state
 per sequence: the short-conv state ``[2 * Hk * dk + Hv * dv, K - 1]`` and the delta-rule state
-``[Hv, dk, dv]``, float32) and gated full attention (``full_attention``: paged KV). Text-only in
-the native engine (:mod:`tidal.engine.native.models.qwen3_5`)."""
+``[Hv, dk, dv]``, float32) and gated full attention (``full_attention``: paged KV). Text-only
+(``text_only``): a ``ForConditionalGeneration`` checkpoint trains and rolls out its text tower, its
+vision tower is not loaded (:mod:`tidal.engine.native.models.qwen3_5`)."""
 
 from typing import Any
 
@@ -31,5 +32,5 @@ FAMILY = Family(
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                   "gate_proj", "up_proj", "down_proj"),
     packed_kernels=frozenset({"attention", "linear_attention"}),
-    text_prefix="model.language_model.",
+    text_prefix="model.language_model.", text_only=True,
 )

@@ -24,7 +24,7 @@ by the attention mask) runs the same kernels on every row at once; one with a ca
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,18 +46,27 @@ def enable_packed_linear_attention(decoder: torch.nn.Module) -> int:
     layers = [m for m in decoder.modules() if is_gated_deltanet(m)]
     if not layers:
         raise ValueError(f"{type(decoder).__name__}: its family packs linear attention but it has no Gated DeltaNet layer")
-    for m in decoder.modules():
-        # transformers re-kernelizes a model whose train/eval mode changes (the strategy's train()),
-        # which drops a layer's own forward: hand the hub kernels back to torch once, so it never does
-        if getattr(m, "use_kernels", False) and hasattr(m, "reset_kernels"):
-            m.reset_kernels()
     for layer in layers:
         if getattr(layer, "activation", "silu") != "silu":
             raise ValueError(f"{type(layer).__name__}: conv activation {layer.activation!r}; the packed forward has silu")
-        if not hasattr(layer, "_hf_forward"):
-            layer._hf_forward = layer.forward
-        layer.forward = types.MethodType(packed_gated_deltanet_forward, layer)  # again if a kernelize dropped it
+        if not hasattr(type(layer), "hf_class"):
+            layer.__class__ = _packed_class(type(layer))
     return len(layers)
+
+
+def _never(module) -> bool:
+    return False
+
+
+@functools.cache
+def _packed_class(hf_class: type) -> type:
+    """``hf_class`` with Tidal's forward. A subclass, not an instance attribute: ``transformers``
+    re-kernelizes a model when it switches to training (``kernels`` installed), resetting each
+    layer's forward to its class's; ``kernel_condition`` keeps ``kernels`` off these layers."""
+    return type(f"Packed{hf_class.__name__}", (hf_class,), {
+        "forward": packed_gated_deltanet_forward, "hf_class": hf_class, "kernel_condition": staticmethod(_never),
+        "__module__": __name__,
+    })
 
 
 def packed_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None,
@@ -67,7 +76,7 @@ def packed_gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None,
     if cache is not None:
         if cu_seq_lens_q is not None:
             raise ValueError(f"{type(self).__name__}: a packed forward takes no cache")
-        return self._hf_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return self.hf_class.forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     B, T = hidden_states.shape[:2]
     if cu_seq_lens_q is None:  # B padded rows: each row is one sequence, its padding zeroed (HF's semantics)
         if attention_mask is not None and attention_mask.dim() == 2:

@@ -193,7 +193,7 @@ def enable_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
             module.config = own
     family = families.find_family(shared)
     if family is not None and "linear_attention" in family.packed_kernels:
-        enable_packed_linear_attention(model)  # the whole model: its kernels are reset with the decoder's
+        enable_packed_linear_attention(decoder)
     return model
 
 

@@ -334,8 +334,9 @@ class NativeEngine:
 
     def _multimodal(self, prompt_ids: list[int], mm_inputs: dict, where: str):
         if not self.model.multimodal:
-            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__}); for a "
-                             "vision-language checkpoint whose text tower alone runs natively (Qwen3.5) set engine.backend: hf")
+            raise ValueError(f"{where}: image inputs given to a text-only model ({type(self.model).__name__}: a "
+                             "vision-language checkpoint of a text_only family trains and rolls out its text tower alone); "
+                             "drop the images (data.image_key) or use a Qwen2-VL / Qwen2.5-VL model")
         return self.model.multimodal_prompt(prompt_ids, mm_inputs, where=where)
 
     def _add(self, requests: Seq[Request], mm: list) -> None:
