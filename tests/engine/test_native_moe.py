@@ -230,10 +230,13 @@ def test_routing_stays_exact_across_sleep_and_wake(family):
         assert torch.equal(torch.from_numpy(c.routed_experts).long().sort(-1).values, _hf_routing(hf, tap, fed))
 
 
-def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower():
+def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower(tmp_path):
     """A Qwen3_5MoeForConditionalGeneration's weights (model.language_model.*, the vision tower
-    skipped) load into the same engine model, which then samples the text model's logprobs."""
+    skipped) load into the same engine model, which then samples the text model's logprobs; the
+    trainer loads the checkpoint as its text decoder (text-only RL)."""
     import transformers
+
+    from tidal.models.loading import load_causal_lm
 
     from .helpers import MOE_COMMON, MOE_FAMILIES
 
@@ -248,3 +251,8 @@ def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower():
     (c,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=6, seed=0, ignore_eos=True))
     ref = _hf_logprobs(hf, c.prompt_ids, c.token_ids)
     assert (torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max() <= rounding_tol(torch.float32, 16.0)
+    vl.save_pretrained(tmp_path)
+    actor = load_causal_lm(str(tmp_path))
+    assert type(actor).__name__ == "Qwen3_5MoeForCausalLM"
+    want = hf.model.state_dict()
+    assert all(torch.equal(p, want[name]) for name, p in actor.model.state_dict().items())
