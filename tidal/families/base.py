@@ -75,11 +75,11 @@ class MoEShape:
     ``"softmax_topk"``, ``"softmax_topk_renorm"``). ``dense_layers``: the decoder layers that keep a
     dense MLP of the config's ``intermediate_size`` instead (every other layer is sparse).
     ``shared_expert_gate``: a per-token sigmoid gate (weight ``[1, H]``) scales the shared experts'
-    output (Qwen3.5-MoE). ``per_expert_checkpoint``: the family's checkpoints name each expert's
-    projections (``experts.{e}.down_proj``, the ``transformers`` 4 layout that version 5 stacks on
-    load), so PEFT maps ``target_modules`` names of expert projections onto the stacked experts;
-    False where checkpoints hold the stacks (Qwen3.5-MoE): ``target_modules`` then match only
-    ``nn.Linear`` modules (a shared expert's), and the routed experts take ``target_parameters``."""
+    output (Qwen3.5-MoE). ``peft_maps_expert_names``: PEFT maps ``target_modules`` names of expert
+    projections (``down_proj``) onto the stacked experts for this model type (its
+    ``transformers`` 4 -> 5 conversion table has it: Qwen3-MoE, OLMoE); False for Qwen3.5-MoE,
+    whose ``target_modules`` then match only ``nn.Linear`` modules (the shared expert's), the routed
+    experts taking ``target_parameters``."""
 
     experts: int
     top_k: int
@@ -89,7 +89,7 @@ class MoEShape:
     router: str = "softmax_topk"
     dense_layers: tuple[int, ...] = ()
     shared_expert_gate: bool = False
-    per_expert_checkpoint: bool = True
+    peft_maps_expert_names: bool = True
 
     def sparse_layers(self, num_layers: int) -> list[int]:
         """The indices of the decoder layers whose MLP is this MoE."""

@@ -17,7 +17,7 @@ def moe(text: Any) -> MoEShape:
     return MoEShape(experts=int(text.num_experts), top_k=int(text.num_experts_per_tok),
                     expert_intermediate=int(text.moe_intermediate_size), shared_experts=1,
                     shared_intermediate=int(text.shared_expert_intermediate_size), shared_expert_gate=True,
-                    per_expert_checkpoint=False, router="softmax_topk_renorm")
+                    peft_maps_expert_names=False, router="softmax_topk_renorm")
 
 
 # LoRA defaults (Qwen3.5's): attention and Gated DeltaNet projections and the shared expert's

@@ -288,8 +288,9 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_t
     projections exist in its dense layers only); per expert of every sparse layer for the stacked
     experts named in ``expert_targets`` (``model.lora.target_parameters``: ``...gate_up_proj``,
     ``...down_proj``) or in ``targets`` (PEFT matches a ``target_modules`` name against the stacked
-    experts' parameters too when the family's checkpoints are per expert: the default targets adapt
-    every expert's ``down_proj``); a shared expert's projections as ``nn.Linear`` modules."""
+    experts' parameters too where the family says so (``MoEShape.peft_maps_expert_names``): the
+    default targets adapt every expert's ``down_proj``); a shared expert's projections as
+    ``nn.Linear`` modules."""
     if rank <= 0:
         return 0
     mlp = _LORA_TARGETS_MLP
@@ -306,7 +307,7 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_t
         return mixers + shape.layers * dense
     H, Ie, m = shape.hidden, shape.moe.expert_intermediate, shape.moe
     per_expert = {"gate_up_proj": rank * (H + 2 * Ie), "down_proj": rank * (Ie + H)}
-    by_name = m.per_expert_checkpoint  # PEFT maps target_modules names onto the stacked experts
+    by_name = m.peft_maps_expert_names  # PEFT maps target_modules names onto the stacked experts
     experts = m.experts * sum(n for p, n in per_expert.items()
                               if (by_name and p in targets) or any(t.endswith(p) for t in expert_targets))
     Is = m.shared_intermediate  # a shared expert is a gated MLP of nn.Linear projections (Qwen3.5-MoE)
