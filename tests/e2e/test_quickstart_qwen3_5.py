@@ -12,7 +12,7 @@ import pytest
 SETTINGS = [
     "task.architecture=qwen3_5", "task.digits=1", "task.num_train=150", "task.num_eval=40", "task.hidden_size=64",
     "task.num_layers=2", "task.num_heads=4", "task.num_kv_heads=2", "task.intermediate_size=128", "task.sft_steps=200",
-    "task.sft_mistake_steps=80", "task.sft_batch_size=32", "run.steps=20", "rollout.prompts_per_step=16",
+    "task.sft_mistake_steps=80", "task.sft_batch_size=32", "run.steps=40", "rollout.prompts_per_step=16",
     "rollout.n_samples=8", "rollout.max_new_tokens=4", "eval.every=0", "eval.at_start=true", "eval.at_end=true",
     "checkpoint.every=0", "checkpoint.at_end=false", "logging.backends=[jsonl]",
 ]
@@ -31,4 +31,4 @@ def test_qwen3_5_quickstart_learns(tmp_path):
     steps = [r for r in rows if r["step"] > 0]
     first = sum(r["reward/mean"] for r in steps[:5]) / 5
     last = sum(r["reward/mean"] for r in steps[-5:]) / 5
-    assert last > first + 0.05, (first, last, evals)  # measured 0.25 -> 0.36 (held-out greedy 0.225 -> 0.225 in 20 steps)
+    assert last > first + 0.05 and evals[-1] > evals[0], (first, last, evals)  # measured 0.25 -> 0.39, greedy 0.225 -> 0.325
