@@ -45,6 +45,8 @@ from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, model_positions, tokenizer_fingerprint
 from tidal.models.lora import adapter_disabled_reference, apply_lora
+from tidal.models.moe import moe_training
+from tidal.families import find_family, text_config
 from tidal.models.varlen import enable_packed_attention
 from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
@@ -183,6 +185,8 @@ def check_model_and_data(cfg: TidalConfig, paths: ResolvedPaths, hf_config) -> t
     against the model, the chat template, then every source's sampled rows. ``tidal check`` and
     ``tidal train`` both call it."""
     check_context_budget(cfg, hf_config)
+    family = find_family(hf_config)  # an unknown family runs on engine.backend: hf, as a dense model
+    cfg.moe.check_model(family is not None and family.moe(text_config(hf_config)) is not None, hf_config.model_type)
     tokenizer = load_tokenizer(paths.tokenizer)
     if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
         check_tokenizer_fits(tokenizer, hf_config)
@@ -231,7 +235,8 @@ def build_models(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy, alg
         remote_teacher = RemoteTeacher(t)
         check_same_tokenizer(tokenizer, remote_teacher.info()["tokenizer_sha256"], key="model.teacher.url")
     models = Models(tokenizer=tokenizer, actor=actor, critic=critic, reference=reference, teacher=teacher,
-                    remote_teacher=remote_teacher, positions=model_positions(hf_config))
+                    remote_teacher=remote_teacher, positions=model_positions(hf_config),
+                    moe=moe_training(actor.model, cfg.moe, hf_config))
     return models, hf_config
 
 

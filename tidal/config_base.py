@@ -74,6 +74,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(e.message)
         raise ConfigError(key, f"{value!r} matches none of {[_type_name(a) for a in args]}: {errors}")
     if origin is Literal:
+        word = {True: "on", False: "off"}.get(value) if isinstance(value, bool) else None
+        if word in get_args(tp):  # YAML 1.1 reads the words on/off as true/false
+            value = word
         check_choice(value, get_args(tp), key)
         return value
     if dataclasses.is_dataclass(tp):

@@ -69,5 +69,5 @@ _.live_pids  # WorkerPool: the live workers' pids (tests check a hung worker is 
 # tidal/families: the family interface's fields, read by the engine models and the memory plan of each family.
 _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_experts, _.shared_intermediate
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
-Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3_5ForCausalLM
+Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 _.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers their packed subclass in place

@@ -27,21 +27,22 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_model_dir(path: str, shape: dict, device: str) -> int:
-    """Save a random-initialised Qwen2 model of ``shape`` (bf16 weights) into ``path``; returns its
-    parameter count. (The tokenizer lives in its own folder: next to a qwen2 config.json,
-    transformers 5 would load the WordLevel files as a Qwen2Tokenizer, which encodes these prompts
-    to nothing.)"""
+    """Save a random-initialised Qwen2 model of ``shape`` (bf16 weights) into ``path`` (of its
+    ``model_type``'s family when it names one, e.g. ``qwen3_moe``); returns its parameter count.
+    (The tokenizer lives in its own folder: next to a qwen2 config.json, transformers 5 would load
+    the WordLevel files as a Qwen2Tokenizer, which encodes these prompts to nothing.)"""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     v = shape["vocab_size"]
-    cfg = Qwen2Config(**shape, bos_token_id=None, eos_token_id=v - 2, pad_token_id=v - 1)
+    kwargs = {k: x for k, x in shape.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(shape.get("model_type", "qwen2"), **kwargs, bos_token_id=None, eos_token_id=v - 2, pad_token_id=v - 1)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # a 7B model is built directly in bf16 (no fp32 copy)
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg)
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg)  # constructed as is: in the default dtype
     finally:
         torch.set_default_dtype(default)
     n = sum(p.numel() for p in model.parameters())

@@ -15,7 +15,10 @@ per second) and ``matmul`` (bf16 FLOP/s).
 - generate: prefill of the unique prompts (forward FLOPs of P tokens, the LM head on the last) over
   ``matmul``, then one decode step per k = 1 .. max(L) - 1 with the r_k sequences still running
   (L > k), each ``max((2 N_mm + r_k (P + k) kv_bytes) / copy_bw, (2 N_mm r_k + 4 l d r_k (P + k)) /
-  matmul)``: bf16 weights read once, the KV of every running sequence read once.
+  matmul)``: bf16 weights read once, the KV of every running sequence read once. For a mixture of
+  experts, ``N_mm`` of a decode step is its dense weights, the LM head and the routed experts the step
+  touched (the union over its rows: the engine's ``moe_experts_touched`` per decode step, or without
+  it the ``top_k`` per MoE layer no step can go below); FLOPs count the active experts.
 - weight sync: ``6 N / copy_bw`` (read the fp32 master weights, write the bf16 engine copy).
 - No bound for engine wake/sleep, reward, advantages.
 """
@@ -27,7 +30,7 @@ import statistics
 
 import numpy as np
 
-from bench.grpo.shapes import attention_dim, body_matmul_params, head_params, kv_bytes_per_token, matmul_params, param_count
+from bench.grpo.shapes import attention_dim, body_matmul_params, decode_matmul_params, head_params, kv_bytes_per_token, param_count
 
 ADAMW_BYTES_PER_PARAM = 28
 WEIGHT_SYNC_BYTES_PER_PARAM = 6
@@ -103,30 +106,34 @@ def train_flops(shape: dict, prompt_len: int, completion_lens) -> float:
     return 3.0 * forward_flops(shape, prompt_len, completion_lens)
 
 
-def generation_bound_s(shape: dict, *, prompt_len: int, unique_prompts: int, completion_lens, c: Ceilings) -> float:
-    """Prefill of the unique prompts, then every decode step with the sequences still running."""
+def generation_bound_s(shape: dict, *, prompt_len: int, unique_prompts: int, completion_lens, c: Ceilings,
+                       experts_touched: float | None = None) -> float:
+    """Prefill of the unique prompts, then every decode step with the sequences still running
+    (``experts_touched``: an MoE's distinct experts per decode step, summed over its layers)."""
     prefill = unique_prompts * (2.0 * body_matmul_params(shape) * prompt_len + 2.0 * head_params(shape)) \
         + attention_flops(shape, [prompt_len] * unique_prompts)
     lens = np.sort(np.asarray(completion_lens, dtype=np.int64))
     k = np.arange(1, int(lens.max()) if len(lens) else 1, dtype=np.float64)  # decode steps 1 .. max(L) - 1
     running = len(lens) - np.searchsorted(lens, k, side="right")  # sequences with L > k
     ctx = running * (prompt_len + k)  # KV tokens read at step k
-    n_mm = matmul_params(shape)
-    read_s = (2.0 * n_mm + ctx * kv_bytes_per_token(shape)) / c.copy_bw
-    flops_s = (2.0 * n_mm * running + 4.0 * shape["num_hidden_layers"] * attention_dim(shape) * ctx) / c.matmul_flops
+    read_s = (2.0 * decode_matmul_params(shape, experts_touched) + ctx * kv_bytes_per_token(shape)) / c.copy_bw
+    active = body_matmul_params(shape) + head_params(shape)
+    flops_s = (2.0 * active * running + 4.0 * shape["num_hidden_layers"] * attention_dim(shape) * ctx) / c.matmul_flops
     return prefill / c.matmul_flops + float(np.maximum(read_s, flops_s).sum())
 
 
 def phase_bounds(shape: dict, *, prompt_len: int, unique_prompts: int, completion_lens, c: Ceilings,
-                 old_logprobs: bool, kl: bool, teacher_shape: dict | None = None) -> dict[str, float]:
+                 old_logprobs: bool, kl: bool, teacher_shape: dict | None = None,
+                 experts_touched: float | None = None) -> dict[str, float]:
     """Lower bound in seconds of each phase that has one (module docstring). ``old_logprobs``: the
     run had a separate old-logprob pass (else the update's forward gave them); ``kl``: a reference
-    pass; ``teacher_shape``: a distillation teacher's shape (its forward, ``teacher_logprobs``), or None."""
+    pass; ``teacher_shape``: a distillation teacher's shape (its forward, ``teacher_logprobs``), or None;
+    ``experts_touched``: an MoE's distinct experts per decode step (:func:`generation_bound_s`)."""
     n = param_count(shape)
     fwd = forward_flops(shape, prompt_len, completion_lens) / c.matmul_flops
     out = {
         "generate": generation_bound_s(shape, prompt_len=prompt_len, unique_prompts=unique_prompts,
-                                       completion_lens=completion_lens, c=c),
+                                       completion_lens=completion_lens, c=c, experts_touched=experts_touched),
         "train": 3.0 * fwd + ADAMW_BYTES_PER_PARAM * n / c.copy_bw,
         "weight_sync": WEIGHT_SYNC_BYTES_PER_PARAM * n / c.copy_bw,
     }

@@ -134,7 +134,8 @@ class E2E:
     def bounds(self, case: Case, sm: dict) -> dict[str, float]:
         """Median per phase of each steady iteration's bounds, from that iteration's completion lengths."""
         return median_bounds(self.session.bounds_per_step(self.workloads[case], sm["lengths_per_step"],
-                                                          old_logprobs="actor_logprobs" in sm["phases"]))
+                                                          old_logprobs="actor_logprobs" in sm["phases"],
+                                                          experts_touched_per_step=sm.get("experts_touched_per_step")))
 
     def report_tidal_extras(self, base: dict, sm: dict, bounds: dict) -> None:
         measured = median_or_none(sm["steady_s"])

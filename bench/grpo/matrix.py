@@ -135,7 +135,8 @@ class Matrix:
     def emit_case(self, w: Workload, tidal: dict | None, trl: dict | None, error: str | None = None) -> None:
         s = self.session
         per_step = s.bounds_per_step(w, (tidal or {}).get("lengths_per_step") or [],
-                                     old_logprobs="actor_logprobs" in ((tidal or {}).get("phases") or {}))
+                                     old_logprobs="actor_logprobs" in ((tidal or {}).get("phases") or {}),
+                                     experts_touched_per_step=(tidal or {}).get("experts_touched_per_step"))
         line = case_line(w, tidal, trl, shape=s.models[w.size]["shape"] if w.size in s.models else {},
                          ceilings=s.ceilings, bounds_per_step=per_step, tidal_set=list(self.args.tidal_set))
         if error:

@@ -100,16 +100,20 @@ class Session:
         summary["rc"] = rc
         return summary, tail
 
-    def bounds_per_step(self, w: Workload, lengths_per_step: list[list[int]], *, old_logprobs: bool) -> list[dict]:
-        """Each steady iteration's phase bounds from its own completion lengths ([] without ceilings);
-        a distillation case's include its teacher's forward."""
+    def bounds_per_step(self, w: Workload, lengths_per_step: list[list[int]], *, old_logprobs: bool,
+                        experts_touched_per_step: list[float | None] | None = None) -> list[dict]:
+        """Each steady iteration's phase bounds from its own completion lengths ([] without ceilings)
+        and, for an MoE, the experts its decode steps touched; a distillation case's include its
+        teacher's forward."""
         if self.ceilings is None:
             return []
         shape = self.models[w.size]["shape"]
         teacher_shape = self.models[w.teacher]["shape"] if w.teacher else None
+        touched = experts_touched_per_step or [None] * len(lengths_per_step)
         return [phase_bounds(shape, prompt_len=w.prompt_len, unique_prompts=w.prompts, completion_lens=lens,
-                             c=self.ceilings, old_logprobs=old_logprobs, kl=w.kl, teacher_shape=teacher_shape)
-                for lens in lengths_per_step]
+                             c=self.ceilings, old_logprobs=old_logprobs, kl=w.kl, teacher_shape=teacher_shape,
+                             experts_touched=t)
+                for lens, t in zip(lengths_per_step, touched)]
 
     def finish(self) -> None:
         self.recorder.write()

@@ -1,10 +1,14 @@
 """Model shapes: the real Qwen2.5 configs (random weights) and two tiny ones for CPU runs (``tiny``,
 and ``tiny2``, a wider and deeper one over the same vocabulary: the CPU matrix's distillation
-teacher), with the counts the bounds need. A shape is the keyword set of ``transformers.Qwen2Config``."""
+teacher), with the counts the bounds need. A shape is the keyword set of ``transformers.Qwen2Config``,
+or with a ``model_type`` that of its family's config (``30b-a3b``: Qwen3-30B-A3B's shape, a
+mixture of experts: its counts come from :class:`tidal.memory.plan.ModelShape` and the family's
+:class:`~tidal.families.MoEShape`)."""
 
 from __future__ import annotations
 
 from tidal import families
+from tidal.memory.plan import ModelShape
 
 _QWEN25 = dict(rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)
 
@@ -24,11 +28,34 @@ SHAPES: dict[str, dict] = {
                   intermediate_size=192, vocab_size=1024, tie_word_embeddings=True, rope_theta=10000.0,
                   max_position_embeddings=4096, rms_norm_eps=1e-6),
 }
+SHAPES["30b-a3b"] = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                        tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)
 SIZE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
 
 
+def moe_shape(shape: dict) -> ModelShape | None:
+    """The memory plan's shape of a mixture-of-experts ``shape`` (its ``moe`` set), None for a dense one."""
+    if "model_type" not in shape:
+        return None
+    ms = ModelShape.from_hf_config(shape)
+    return ms if ms.moe is not None else None
+
+
 def head_dim(shape: dict) -> int:
-    return shape["hidden_size"] // shape["num_attention_heads"]
+    return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+
+
+def expert_matmul_params(shape: dict) -> int:
+    """One routed expert's weights (gate, up, down); 0 for a dense model."""
+    ms = moe_shape(shape)
+    return 0 if ms is None else 3 * ms.hidden * ms.moe.expert_intermediate
+
+
+def sparse_layers(shape: dict) -> int:
+    ms = moe_shape(shape)
+    return 0 if ms is None else ms.layers - len(ms.moe.dense_layers)
 
 
 def attention_dim(shape: dict) -> int:
@@ -44,8 +71,34 @@ def layer_matmul_params(shape: dict) -> int:
 
 
 def body_matmul_params(shape: dict) -> int:
-    """Matmul weights that every token goes through (all decoder layers)."""
-    return shape["num_hidden_layers"] * layer_matmul_params(shape)
+    """Matmul weights that every token goes through (all decoder layers; an MoE layer's router and
+    its top-k experts)."""
+    ms = moe_shape(shape)
+    if ms is None:
+        return shape["num_hidden_layers"] * layer_matmul_params(shape)
+    return _non_expert_body(shape) + sparse_layers(shape) * ms.moe.top_k * expert_matmul_params(shape)
+
+
+def _non_expert_body(shape: dict) -> int:
+    """An MoE's layer matmul weights but its routed experts: attention, routers, dense layers' MLPs."""
+    ms = moe_shape(shape)
+    h, q = shape["hidden_size"], attention_dim(shape)
+    kv = shape["num_key_value_heads"] * head_dim(shape)
+    attention = h * q + 2 * h * kv + q * h
+    dense = len(ms.moe.dense_layers) * 3 * h * shape["intermediate_size"]
+    return ms.layers * attention + dense + sparse_layers(shape) * ms.moe.experts * h
+
+
+def decode_matmul_params(shape: dict, experts_touched: float | None = None) -> float:
+    """Matmul weights one decode step reads: every dense weight and the LM head, and of the routed
+    experts those the step's rows touched, ``experts_touched`` summed over the MoE layers (the
+    engine's ``moe_experts_touched / moe_decode_steps``); None: the fewest any step touches, its
+    ``top_k`` per MoE layer. A dense model: :func:`matmul_params`."""
+    ms = moe_shape(shape)
+    if ms is None:
+        return matmul_params(shape)
+    touched = sparse_layers(shape) * ms.moe.top_k if experts_touched is None else experts_touched
+    return _non_expert_body(shape) + touched * expert_matmul_params(shape) + head_params(shape)
 
 
 def head_params(shape: dict) -> int:
@@ -60,7 +113,10 @@ def matmul_params(shape: dict) -> int:
 
 def param_count(shape: dict) -> int:
     """All parameters of a Qwen2 model (q/k/v biases, no o bias, 2 norms per layer, final norm; the
-    embedding once when tied, twice when not)."""
+    embedding once when tied, twice when not); of an MoE, every expert (:meth:`ModelShape.params`)."""
+    ms = moe_shape(shape)
+    if ms is not None:
+        return ms.params()
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     kv = shape["num_key_value_heads"] * head_dim(shape)
     per_layer = layer_matmul_params(shape) + attention_dim(shape) + 2 * kv + 2 * h

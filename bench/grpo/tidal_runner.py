@@ -167,6 +167,13 @@ def split_steps(steps: list[dict], warmup: int) -> tuple[list[dict], list[dict]]
     return steps[:warmup], steps[warmup:]
 
 
+def experts_touched(engine: dict) -> float | None:
+    """An MoE run's distinct experts per decode step, summed over the MoE layers (the native engine's
+    ``moe_experts_touched`` over ``moe_decode_steps`` in one iteration); None for a dense model."""
+    steps = engine.get("moe_decode_steps", 0)
+    return engine["moe_experts_touched"] / steps if steps else None
+
+
 def tidal_checks(init: dict, steps: list[dict], w: Workload) -> dict[str, bool]:
     """Each iteration ran the workload it claims: prompt length, one rollout of ``seqs`` completions
     with the expected lengths (forced: all ``max_new_tokens``, ``length``; natural: the draws, each
@@ -216,6 +223,7 @@ def summarize_tidal(records: list[dict], w: Workload, s: RunSettings) -> dict:
         "phases": {p: statistics.median([r["metrics"].get(f"time/{p}", 0.0) for r in steady]) for p in names},
         "phases_per_step": [{k[5:]: v for k, v in r["metrics"].items() if k.startswith("time/")} for r in steady],
         "lengths_per_step": [(r.get("rollout") or {}).get("lengths") or r["expected_lengths"] or [] for r in steady],
+        "experts_touched_per_step": [experts_touched(r.get("engine") or {}) for r in steady],
         "partial": {k: statistics.median([r["metrics"].get(k, 0.0) for r in steady])
                     for k in sorted({k for r in steady for k in r["metrics"] if k.startswith("partial/")})} or None,
         "checks": tidal_checks(init, all_steps, w),

@@ -86,3 +86,39 @@ class OracleDrafter:
         elif self.mode == "partly":
             nxt = nxt[: len(nxt) // 2] + [(x + 1) % self.vocab for x in nxt[len(nxt) // 2 :]]
         return np.array(nxt, dtype=np.int64) if nxt else None
+
+
+MOE_COMMON = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+    max_position_embeddings=256, initializer_range=0.2, num_experts=8, num_experts_per_tok=3,
+)
+MOE_FAMILIES = {
+    # layer 1 keeps a dense MLP (mlp_only_layers): a mixed stack, as released Qwen3-MoE configs allow
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=32, clip_qkv=3.0, norm_topk_prob=False)),
+    # the hybrid backbone (two Gated DeltaNet layers, then gated full attention), every layer sparse
+    # with the shared expert and its sigmoid gate
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"])),
+}
+
+
+def tiny_moe(family: str = "qwen3_moe", seed: int = 0, **overrides):
+    """A tiny random MoE built by ``transformers`` (8 experts, top-3)."""
+    import transformers
+
+    cfg_name, model_name, extra = MOE_FAMILIES[family]
+    config = getattr(transformers, cfg_name)(**{**MOE_COMMON, **extra, **overrides})
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    if family == "qwen3_5_moe":  # HF initialises the norms to 0/1 and A_log, dt_bias to fixed values
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model

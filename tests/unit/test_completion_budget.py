@@ -58,6 +58,12 @@ def test_cut_to_budget_keeps_a_completion_within_it():
     assert cut_to_budget(c, 3) is c and cut_to_budget(c, 7) is c
     cut = cut_to_budget(c, 2)
     assert (cut.token_ids, cut.logprobs, cut.finish_reason) == ([4, 5], [-1.0, -2.0], "length")
+    import numpy as np  # an MoE completion's routing covers the tokens fed: prompt and all but the last
+
+    routed = np.arange(3 * 2 * 1, dtype=np.int16).reshape(3, 2, 1)
+    cut = cut_to_budget(Completion(prompt_ids=[1], token_ids=[4, 5, 6], logprobs=[0.0] * 3, finish_reason="length",
+                                   routed_experts=routed), 2)
+    assert np.array_equal(cut.routed_experts, routed[:2])
 
 
 @pytest.mark.parametrize("budgets, match", [([1, 2, 3], "3 budgets for 4 sequences"), ([1, 2, 9, 1], r"in 1\.\.8"),

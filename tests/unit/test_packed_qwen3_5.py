@@ -116,3 +116,20 @@ def test_conditional_generation_text_rows_pack_exactly():
         want = token_logprobs(vl, ids, am, positions_BT=act)[0]
         got = _packed(packed, ids, am, act)
     torch.testing.assert_close(got[act.bool()], want[act.bool()], **LOGP)
+
+
+def test_the_packed_forward_survives_train_and_eval_switches(tmp_path):
+    """transformers re-kernelizes a loaded model whose train/eval mode changes (the training strategy
+    calls train()), dropping a layer's own forward: the packed forward must still be there after."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.helpers import tiny_moe
+    from tidal.models.varlen import enable_packed_attention
+
+    tiny_moe("qwen3_5_moe").save_pretrained(tmp_path)
+    model = enable_packed_attention(AutoModelForCausalLM.from_pretrained(tmp_path))
+    model.train()
+    model.eval()
+    model.train()
+    layer = model.model.layers[0].linear_attn
+    assert layer.forward.__func__.__name__ == "packed_gated_deltanet_forward"

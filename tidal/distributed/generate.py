@@ -276,10 +276,13 @@ def _generate_requests(engine, prompts: list[list[int]], params: SamplingParams,
 
 
 def cut_to_budget(c: Completion, budget: int) -> Completion:
-    """``c`` as generated with ``max_new_tokens=budget``: its first ``budget`` tokens, ``length``."""
+    """``c`` as generated with ``max_new_tokens=budget``: its first ``budget`` tokens, ``length`` (an
+    MoE's routing of the tokens fed before them)."""
     if len(c.token_ids) <= budget:
         return c
-    return dataclasses.replace(c, token_ids=c.token_ids[:budget], logprobs=c.logprobs[:budget], finish_reason="length")
+    routed = c.routed_experts[: len(c.prompt_ids) + budget - 1] if c.routed_experts is not None else None
+    return dataclasses.replace(c, token_ids=c.token_ids[:budget], logprobs=c.logprobs[:budget], finish_reason="length",
+                               routed_experts=routed)
 
 
 def force_end(c: Completion, budget: int, end_token_id: int) -> Completion:

@@ -31,6 +31,7 @@ import json
 import os
 from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from tidal.config_base import check
@@ -95,6 +96,11 @@ class Completion:
     versions: ``versions[i]`` is the policy version that sampled ``token_ids[i]`` (tokens of a
         resumed request keep theirs; new ones get the engine's ``policy_version``); None from
         engines that do not track it (every token is then from the current weights).
+    routed_experts: MoE models on the native engine: int16 ``[P + G - 1, L, K]`` (``P`` prompt, ``G``
+        generated tokens), the ``K`` experts the router chose for every token the engine fed to the
+        model (the prompt's and all but the last generated token), in each of the model's ``L`` MoE
+        layers in layer order; -1 for a token whose routing is unknown. None for dense models and
+        engines that do not record it. Routing replay (``moe.routing_replay``) trains with it.
     """
 
     prompt_ids: list[int]
@@ -104,6 +110,7 @@ class Completion:
     request_id: int | str | None = None
     group_id: int | None = None
     versions: list[int] | None = None
+    routed_experts: "np.ndarray | None" = None
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,8 @@ class PackedRows:
     trajectories: the packed trajectories, in order (all of them).
     mm_inputs: each row's prompt images (its trajectory's ``row.mm_inputs``, None for a text row),
         or None when no row has images.
+    routed_BTLK: MoE routing replay data (int16 ``[B, T, L, K]``, -1 where the engine did not route
+        the token, see :mod:`tidal.models.moe`), or None when no row has any.
     """
 
     sequences_BT: torch.Tensor
@@ -44,6 +46,7 @@ class PackedRows:
     valid_B: torch.Tensor
     trajectories: list[Trajectory]
     mm_inputs: list[dict | None] | None = None
+    routed_BTLK: torch.Tensor | None = None
 
     @property
     def multi_row(self) -> bool:
@@ -61,6 +64,18 @@ class PackedRows:
     def row_list(self, xs: list) -> list:
         """A per-trajectory list repeated on each row, as a list of B."""
         return [xs[i] for i in self.trajectory_ids_B.tolist()]
+
+
+def _routed(rows: list, T: int) -> torch.Tensor | None:
+    """The rows' engine routing as ``[B, T, L, K]`` (-1 where none), or None when no row has any."""
+    have = [r.routed_experts for _, r in rows if r.routed_experts is not None]
+    if not have:
+        return None
+    out = torch.full((len(rows), T, *have[0].shape[1:]), -1, dtype=torch.int16)
+    for b, (_, r) in enumerate(rows):
+        if r.routed_experts is not None:
+            out[b, : len(r.routed_experts)] = torch.from_numpy(r.routed_experts)
+    return out
 
 
 def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows:
@@ -88,6 +103,7 @@ def pack_trajectories(trajectories: list[Trajectory], pad_id: int) -> PackedRows
                 turn_r[b, len(t.rows[turn.row].prompt_ids) + turn.start + turn.num_sampled - 1] += turn.reward
     mm = [trajectories[i].row.mm_inputs for i, _ in rows]
     return PackedRows(
+        routed_BTLK=_routed(rows, T),
         sequences_BT=seq, attention_mask_BT=attn, action_mask_BT=act, rollout_logp_BT=logp, token_rewards_BT=turn_r,
         trajectory_ids_B=torch.tensor([i for i, _ in rows], dtype=torch.long),
         group_ids_B=torch.tensor([trajectories[i].group_id for i, _ in rows], dtype=torch.long),

@@ -467,7 +467,8 @@ class _Run:
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"the engine returned an unfinished turn ({c.finish_reason}) for trajectory {i}")
             ep = self.episodes[i]
-            ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text)
+            ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text,
+                                                c.routed_experts)
             self.pool.submit(i, ep.env.step, ep.last_turn)
 
     # ---- continuous decoding (an engine with incremental requests) -----------------------------------------

@@ -28,12 +28,16 @@ FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)
 class TrajectoryRow:
     """One token sequence: ``prompt_ids`` then ``token_ids`` (everything after the prompt).
     ``action_mask[i]`` is 1 where ``token_ids[i]`` was sampled by the model and 0 on observation
-    tokens; ``logprobs[i]`` is its sampling logprob (0.0 on observation tokens)."""
+    tokens; ``logprobs[i]`` is its sampling logprob (0.0 on observation tokens).
+    ``routed_experts``: MoE models, the engine's routing of ``input_ids[:len(routed_experts)]``
+    (``Completion.routed_experts`` of the row's last turn, whose prompt was the row so far; int16
+    ``[n, L, K]``), None when the engine recorded none."""
 
     prompt_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     action_mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    routed_experts: Any = None
 
     @property
     def input_ids(self) -> list[int]:
@@ -140,8 +144,10 @@ class TrajectoryBuilder:
     def num_response_tokens(self) -> int:
         return sum(t.num_sampled + t.num_observation for t in self.turns)
 
-    def add_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: Literal["stop", "length"], text: str) -> ModelTurn:
-        """Append the engine's sampled ids (mask 1) with their logprobs, exactly as given."""
+    def add_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: Literal["stop", "length"], text: str,
+                 routed_experts=None) -> ModelTurn:
+        """Append the engine's sampled ids (mask 1) with their logprobs, exactly as given;
+        ``routed_experts``: the completion's (MoE), which covers the row so far and the new ids."""
         if not token_ids or len(token_ids) != len(logprobs):
             raise ValueError(f"a turn needs >= 1 sampled token and one logprob per token, got {len(token_ids)} and {len(logprobs)}")
         row = self.rows[-1]
@@ -150,6 +156,7 @@ class TrajectoryBuilder:
         row.token_ids += token_ids
         row.action_mask += [1] * len(token_ids)
         row.logprobs += [float(x) for x in logprobs]
+        row.routed_experts = routed_experts
         self.messages.append({"role": "assistant", "content": text})
         return ModelTurn(token_ids=list(token_ids), text=text, finish_reason=finish_reason, index=len(self.turns) - 1)
 

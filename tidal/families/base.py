@@ -72,7 +72,14 @@ class MoEShape:
     """The mixture-of-experts MLP of a family (None for dense models). ``experts`` routed experts of
     ``expert_intermediate`` each, ``top_k`` of them per token; ``shared_experts`` always-on experts
     of ``shared_intermediate`` each; ``router``: how the top-k weights are made (e.g.
-    ``"softmax_topk"``, ``"softmax_topk_renorm"``)."""
+    ``"softmax_topk"``, ``"softmax_topk_renorm"``). ``dense_layers``: the decoder layers that keep a
+    dense MLP of the config's ``intermediate_size`` instead (every other layer is sparse).
+    ``shared_expert_gate``: a per-token sigmoid gate (weight ``[1, H]``) scales the shared experts'
+    output (Qwen3.5-MoE). ``peft_maps_expert_names``: PEFT maps ``target_modules`` names of expert
+    projections (``down_proj``) onto the stacked experts for this model type (its
+    ``transformers`` 4 -> 5 conversion table has it: Qwen3-MoE, OLMoE); False for Qwen3.5-MoE,
+    whose ``target_modules`` then match only ``nn.Linear`` modules (the shared expert's), the routed
+    experts taking ``target_parameters``."""
 
     experts: int
     top_k: int
@@ -80,6 +87,13 @@ class MoEShape:
     shared_experts: int = 0
     shared_intermediate: int = 0
     router: str = "softmax_topk"
+    dense_layers: tuple[int, ...] = ()
+    shared_expert_gate: bool = False
+    peft_maps_expert_names: bool = True
+
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        """The indices of the decoder layers whose MLP is this MoE."""
+        return [i for i in range(num_layers) if i not in self.dense_layers]
 
 
 def full_attention_caches(text: Any) -> list[LayerCache]:

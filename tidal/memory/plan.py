@@ -136,6 +136,7 @@ class ModelShape:
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
     lora_targets: tuple[str, ...] = families.DEFAULT_LORA_TARGETS  # the family's default model.lora.target_modules
+    moe: families.MoEShape | None = None  # the family's MoE MLP (None: dense); sparse layers hold every expert
     linear_attention: tuple[int, ...] = ()
 
     @classmethod
@@ -151,15 +152,17 @@ class ModelShape:
         tied = getattr(top, "tie_word_embeddings", None)
         if tied is None:
             tied = getattr(text, "tie_word_embeddings", False)
+        moe = family.moe(text) if family else None
         return cls(
             layers=int(text.num_hidden_layers), hidden=hidden, heads=heads,
             kv_heads=families.kv_heads_of(text), head_dim=families.head_dim_of(text),
-            intermediate=int(text.intermediate_size), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
+            intermediate=_dense_intermediate(text, moe), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
             qk_norm=model_type.startswith("qwen3"), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
             layer_caches=tuple(family.layer_caches(text)) if family else (),
             lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
+            moe=moe,
             linear_attention=_linear_attention_shape(text),
         )
 
@@ -193,35 +196,78 @@ class ModelShape:
         return {"in_proj_qkv": (H, 2 * hk * dk + hv * dv), "in_proj_z": (H, hv * dv), "in_proj_b": (H, hv),
                 "in_proj_a": (H, hv), "out_proj": (hv * dv, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
-    def _attention_layer_params(self) -> int:
+    def linear_layers(self) -> frozenset[int]:
+        """The indices of the Gated DeltaNet layers: the family's ``recurrent`` caches (a shape written
+        by hand without caches: the first ``linear_attention[0]`` layers)."""
+        if self.layer_caches:
+            return frozenset(i for i, lc in enumerate(self.layer_caches) if lc.kind == "recurrent")
+        return frozenset(range(self.linear_attention[0] if self.linear_attention else 0))
+
+    def _attention_params(self) -> int:
+        """A full-attention layer's projections (a gated attention's ``q_proj`` also yields the
+        gate), their biases and the layer's norms."""
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm or self.linear_attention else 0)
-        return sum(i * o for i, o in self.linear_shapes().values()) + bias + norms
+        return sum(i * o for n, (i, o) in self.linear_shapes().items() if n not in _LORA_TARGETS_MLP) + bias + norms
 
-    def _linear_layer_params(self) -> int:
+    def _linear_attention_params(self) -> int:
+        """A Gated DeltaNet layer's projections, short conv, decay parameters and the layer's norms."""
         _, hk, hv, dk, dv, conv = self.linear_attention
         extra = (2 * hk * dk + hv * dv) * conv + 2 * hv + dv + 2 * self.hidden  # conv, A_log, dt_bias, norms
-        return sum(i * o for i, o in self.linear_attention_shapes().values()) + extra
+        return sum(i * o for n, (i, o) in self.linear_attention_shapes().items() if n not in _LORA_TARGETS_MLP) + extra
+
+    def _expert_params(self, experts: int) -> int:
+        """``experts`` routed experts of an MoE layer (gated MLPs of ``expert_intermediate``)."""
+        return experts * 3 * self.hidden * self.moe.expert_intermediate
+
+    def _sparse_mlp_params(self, *, active: bool) -> int:
+        """An MoE layer's MLP: router, routed experts (all, or the ``top_k`` a token uses) and shared experts."""
+        m = self.moe
+        shared = m.shared_experts * 3 * self.hidden * m.shared_intermediate + (self.hidden if m.shared_expert_gate else 0)
+        return m.experts * self.hidden + self._expert_params(m.top_k if active else m.experts) + shared
+
+    def _layer_list(self, *, active: bool) -> list[int]:
+        """Each decoder layer's parameters: its token mixer (full attention, or Gated DeltaNet in a
+        hybrid's linear layers) plus its MLP (dense, or the MoE: all experts, or the active ones)."""
+        linear = self.linear_layers()
+        out = []
+        for i in range(self.layers):
+            mixer = self._linear_attention_params() if i in linear else self._attention_params()
+            dense = self.moe is None or i in self.moe.dense_layers
+            out.append(mixer + (3 * self.hidden * self.intermediate if dense else self._sparse_mlp_params(active=active)))
+        return out
 
     def layer_params(self) -> int:
-        """The largest decoder layer's parameters (what a backend gathers for one layer)."""
-        if not self.linear_attention:
-            return self._attention_layer_params()
-        return max(self._attention_layer_params(), self._linear_layer_params())
+        """The largest decoder layer's parameters (an MoE layer holds all its experts): what a
+        sharded backend gathers at once."""
+        return max(self._layer_list(active=False))
 
     def body_params(self) -> int:
         """Every decoder layer's parameters."""
-        if not self.linear_attention:
-            return self.layers * self._attention_layer_params()
-        linear = self.linear_attention[0]
-        return (self.layers - linear) * self._attention_layer_params() + linear * self._linear_layer_params()
+        return sum(self._layer_list(active=False))
 
     def embedding_params(self) -> int:
         """Input embedding plus the LM head (a second matrix unless tied)."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     def params(self) -> int:
+        """Every parameter (an MoE: all experts), what weights, gradients and optimizer state hold."""
         return self.body_params() + self.embedding_params() + self.hidden
+
+    def active_params(self) -> int:
+        """The parameters one token goes through (an MoE layer: its router, ``top_k`` routed and its
+        shared experts); ``params()`` for a dense model."""
+        return sum(self._layer_list(active=True)) + self.embedding_params() + self.hidden
+
+    def mlp_width(self) -> int:
+        """The MLP's intermediate activations per token, averaged over the layers (an MoE layer's
+        ``top_k`` routed rows of ``expert_intermediate``, and its shared experts)."""
+        if self.moe is None:
+            return self.intermediate
+        m = self.moe
+        sparse = m.top_k * m.expert_intermediate + m.shared_experts * m.shared_intermediate
+        n_dense = len(m.dense_layers)
+        return (n_dense * self.intermediate + (self.layers - n_dense) * sparse) // self.layers
 
     def critic_params(self) -> int:
         """A value model on this body: no LM head, a scalar head."""
@@ -238,15 +284,45 @@ class ModelShape:
         return families.state_bytes_per_sequence(self.caches(), tp_size)
 
 
-def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
-    """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer."""
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], expert_targets: tuple[str, ...] = ()) -> int:
+    """Adapter parameters: ``rank x (in + out)`` per targeted projection per layer (an MoE's MLP
+    projections exist in its dense layers only); per expert of every sparse layer for the stacked
+    experts named in ``expert_targets`` (``model.lora.target_parameters``: ``...gate_up_proj``,
+    ``...down_proj``) or in ``targets`` (PEFT matches a ``target_modules`` name against the stacked
+    experts' parameters too where the family says so (``MoEShape.peft_maps_expert_names``): the
+    default targets adapt every expert's ``down_proj``); a shared expert's projections as
+    ``nn.Linear`` modules."""
     if rank <= 0:
         return 0
-    per_layer = [shape.linear_shapes()] * shape.layers
-    if shape.linear_attention:
-        linear = shape.linear_attention[0]
-        per_layer = [shape.linear_shapes()] * (shape.layers - linear) + [shape.linear_attention_shapes()] * linear
-    return sum(rank * (i + o) for shapes in per_layer for name, (i, o) in shapes.items() if name in targets)
+    mlp = _LORA_TARGETS_MLP
+
+    def cost(shapes: dict[str, tuple[int, int]], keep) -> int:
+        return sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets and keep(name))
+
+    attn = cost(shape.linear_shapes(), lambda n: n not in mlp)
+    gdn = cost(shape.linear_attention_shapes(), lambda n: n not in mlp)
+    dense = cost(shape.linear_shapes(), lambda n: n in mlp)
+    linear = shape.linear_layers()
+    mixers = sum(gdn if i in linear else attn for i in range(shape.layers))
+    if shape.moe is None:
+        return mixers + shape.layers * dense
+    H, Ie, m = shape.hidden, shape.moe.expert_intermediate, shape.moe
+    per_expert = {"gate_up_proj": rank * (H + 2 * Ie), "down_proj": rank * (Ie + H)}
+    by_name = m.peft_maps_expert_names  # PEFT maps target_modules names onto the stacked experts
+    experts = m.experts * sum(n for p, n in per_expert.items()
+                              if (by_name and p in targets) or any(t.endswith(p) for t in expert_targets))
+    Is = m.shared_intermediate  # a shared expert is a gated MLP of nn.Linear projections (Qwen3.5-MoE)
+    shared = m.shared_experts * cost({"gate_proj": (H, Is), "up_proj": (H, Is), "down_proj": (Is, H)}, lambda n: True)
+    sparse = shape.layers - len(m.dense_layers)
+    return mixers + len(m.dense_layers) * dense + sparse * (experts + shared)
+
+
+def _dense_intermediate(text: Any, moe: families.MoEShape | None) -> int:
+    """:attr:`ModelShape.intermediate`: the dense MLP's ``intermediate_size``; 0 for an MoE whose
+    every layer is sparse and whose config has none (Qwen3.5-MoE)."""
+    if moe is not None and not moe.dense_layers and getattr(text, "intermediate_size", None) is None:
+        return 0
+    return int(text.intermediate_size)
 
 
 def _linear_attention_shape(text: Any) -> tuple[int, ...]:
@@ -264,7 +340,7 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, 
     attention within each sequence, no mask, K/V not repeated to the query heads). ``lora_targets``
     projections with rank-``lora_rank`` adapters each keep their ``[T, r]`` bf16 down-projection,
     and the frozen base's norms need not keep their normalised input (eager)."""
-    H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    H, q, kv, I, n = shape.hidden, shape.q_dim, shape.kv_dim, shape.mlp_width(), shape.heads
     if compiled:
         b = 8 * H + 4 * q + 4 * kv + 6 * I + 4 * n + 8
     else:
@@ -273,6 +349,8 @@ def layer_saved_bytes(shape: ModelShape, *, compiled: bool, lora_rank: int = 0, 
         b += (2 if compiled else 6) * (q + kv) + 4 * (shape.heads + shape.kv_heads)
     if lora_rank and not compiled:  # frozen norm weights: their bf16 inputs are not kept (estimated kept when compiled)
         b -= 4 * H
+    if shape.moe is not None:  # estimated (not calibrated): fp32 router logits, the routed rows' bf16 inputs and outputs
+        b += 4 * shape.moe.experts + 4 * shape.moe.top_k * H
     return b + 2 * lora_rank * lora_targets
 
 
@@ -298,7 +376,7 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, *, compiled: bool, chec
     """What a layer's backward adds on top of the saved tensors: its gradient buffers (``3I`` per
     token, measured eager on CPU), with checkpointing also the recomputed layer's saved tensors."""
     recomputed = layer_saved_bytes(shape, compiled=compiled, lora_rank=lora_rank, lora_targets=lora_targets)
-    return tokens * (3 * shape.intermediate + (recomputed if checkpointing else 0))
+    return tokens * (3 * shape.mlp_width() + (recomputed if checkpointing else 0))
 
 
 def attention_workspace_bytes(shape: ModelShape, tokens: int) -> int:
@@ -320,7 +398,8 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens:
     and product, the residual stream and norms, ``6I + 8H`` per token, and 64 bytes of token ids,
     positions and masks), and at the LM head (the final hidden states, the response rows' inputs
     and one chunk of logits: ``2cV`` compiled, ``14cV`` eager). Measured eager on CPU."""
-    body = tokens * (6 * shape.intermediate + 8 * shape.hidden + 64)
+    routed = 4 * shape.moe.top_k * shape.hidden if shape.moe is not None else 0  # an MoE's routed rows (estimated)
+    body = tokens * (6 * shape.mlp_width() + 8 * shape.hidden + 64 + routed)
     if not lm_head:
         return body
     head = tokens * (2 * shape.hidden + 64) + (2 * shape.hidden + 16) * response_tokens + (2 if compiled else 14) * chunk_rows * shape.vocab
@@ -575,7 +654,7 @@ class _Sizes:
 
 
 def _trainable_params(inp: PlanInputs) -> int:
-    return lora_params(inp.shape, inp.lora_rank, inp.lora_targets) if inp.lora else inp.shape.params()
+    return lora_params(inp.shape, inp.lora_rank, inp.lora_targets, tuple(inp.model.lora.target_parameters)) if inp.lora else inp.shape.params()
 
 
 def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
@@ -660,7 +739,7 @@ def _engine(inp: PlanInputs) -> engine_sizing.EngineLayout:
 
 def _decode_bytes(inp: PlanInputs, batch: int) -> int:
     sh = inp.shape
-    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.intermediate, vocab=sh.vocab, max_num_seqs=batch,
+    return engine_sizing.decode_bytes(hidden=sh.hidden, intermediate=sh.mlp_width(), vocab=sh.vocab, max_num_seqs=batch,
                                       tp_size=inp.engine.tp_size)
 
 def _graph_pool(inp: PlanInputs) -> Part:
@@ -703,7 +782,7 @@ def _lora_targets(inp: PlanInputs) -> int:
 
 
 def _phase_rollout(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.intermediate,
+    prefill = engine_sizing.prefill_bytes(hidden=inp.shape.hidden, intermediate=inp.shape.mlp_width(),
                                           max_num_batched_tokens=inp.engine.max_num_batched_tokens, tp_size=inp.engine.tp_size)
     graphs = _engine(inp).graphs
     # decode batches above the graphs' largest run eagerly, their activations in the allocator
@@ -790,7 +869,7 @@ def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
     blocks a micro-batch allocates (the MLP's ``[T, I]`` bf16 intermediate, or a chunk of fp32
     logits). Not allocated: it counts against the budget, not in ``max_memory_allocated``."""
     chunk = min(inp.model.logprob_chunk_tokens, _response_tokens(inp, tokens))
-    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.intermediate, 4 * chunk * inp.shape.vocab),
+    return Part("allocator slack (one largest block, bound)", max(2 * tokens * inp.shape.mlp_width(), 4 * chunk * inp.shape.vocab),
                 allocated=False)
 
 
@@ -1079,7 +1158,8 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     shape = inp.shape
     lines = [
         f"memory plan: {inp.device.name}, {gib(inp.device.total):.1f} GiB, budget {inp.memory.device_fraction:.0%} = {gib(inp.budget):.1f} GiB; "
-        f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden})"
+        f"model {shape.params() / 1e9:.2f}B parameters ({shape.model_type or 'decoder'}, {shape.layers} layers, hidden {shape.hidden}"
+        + (f"; MoE {shape.moe.experts} experts, top-{shape.moe.top_k}, {shape.active_params() / 1e9:.2f}B active" if shape.moe else "") + ")"
         + (f", LoRA rank {inp.lora_rank} ({_trainable_params(inp) / 1e6:.1f}M trained)" if inp.lora else "")
         + f"; {inp.world_size} rank(s)" + (f" on {inp.num_nodes} nodes" if inp.num_nodes > 1 else "")
         + f", {inp.strategy.backend}" + (f" sharded over {inp.shard_size} (hybrid)" if inp.shard_size < inp.world_size else ""),

@@ -20,13 +20,19 @@ class LoraConfig:
     target_modules: names (last path component) of the ``nn.Linear`` modules that get adapters.
         None (default): the model family's ``lora_targets`` (:mod:`tidal.families`; for the dense
         families the attention and MLP projections, ``q_proj`` ... ``down_proj``; a model of no
-        family gets those too). Resolved by :meth:`targets`.
+        family gets those too). Resolved by :meth:`targets`. On an MoE model the routed experts are
+        stacked parameters, not linears; PEFT still matches a name here against them (``down_proj``
+        adapts every expert's ``down_proj``).
+    target_parameters: stacked-experts parameters that get adapters through PEFT's
+        ``target_parameters`` (one rank-``rank`` adapter per expert), named by their path suffix, e.g.
+        ``[mlp.experts.gate_up_proj, mlp.experts.down_proj]`` (Qwen3-MoE, OLMoE). Default none.
     """
 
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] | None = None
+    target_parameters: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         check(self.rank >= 0, "rank", "must be >= 0 (0 disables LoRA)")
@@ -83,6 +89,37 @@ class TeacherConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.path or self.url)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts training (``moe.*``): read only when the actor is an MoE model (a family whose
+    ``moe()`` is not None, e.g. ``qwen3_moe``, ``olmoe``); set away from its defaults on a dense model
+    it is a config error.
+
+    aux_loss_coef: weight of the router load-balancing loss (Switch Transformer; the family's own
+        ``load_balancing_loss_func`` over every MoE layer of the micro-batch's real tokens) added to
+        the policy loss, token-weighted like it. ``auto``: the model config's ``router_aux_loss_coef``
+        (Qwen3-MoE 0.001, OLMoE 0.01). 0: not added (``moe/aux_loss`` is still logged).
+    routing_replay: ``off``: the trainer routes every token itself. ``rollout``: the trainer's forward
+        and backward use the experts the rollout engine routed each token to (per token and MoE
+        layer; the gate weights still come from the trainer's router logits over those experts, so
+        the router learns). Needs the native engine (it records the routing).
+    """
+
+    aux_loss_coef: Literal["auto"] | float = "auto"
+    routing_replay: Literal["off", "rollout"] = "off"
+
+    def __post_init__(self):
+        check(self.aux_loss_coef == "auto" or self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0 or auto")
+
+    def check_model(self, is_moe: bool, model_type: str) -> None:
+        """On a dense model every ``moe.*`` key must stay at its default (no silent ignores)."""
+        if is_moe:
+            return
+        for key, default in (("aux_loss_coef", "auto"), ("routing_replay", "off")):
+            check(getattr(self, key) == default, f"moe.{key}",
+                  f"model.path is a dense model ({model_type}): leave it at its default ({default!r})")
 
 
 @dataclasses.dataclass(kw_only=True)

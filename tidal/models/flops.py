@@ -12,9 +12,11 @@ Only real tokens count (packing's padding and dummy sequences do not), and recom
 counted (gradient checkpointing re-runs forwards; model FLOPs stay the same). The LM head counts on
 ``head_tokens`` tokens (default: all; Tidal's head runs on response tokens only, pass their count to
 count what it computes). Embedding lookups, norms, activations and the softmax are left out (a few
-percent), as in the convention. A LoRA update skips the frozen weights' gradients (about ``4 * P``
-per token of real work); its MFU is still reported against ``6 * P``, like every full-model figure.
-The vision tower of a VL model is not counted.
+percent), as in the convention. A mixture-of-experts layer counts the weights a token goes through:
+its router and its ``top_k`` routed experts (and any shared experts), not the experts it skips (the
+active parameters; the family's :class:`~tidal.families.MoEShape`). A LoRA update skips the
+frozen weights' gradients (about ``4 * P`` per token of real work); its MFU is still reported
+against ``6 * P``, like every full-model figure. The vision tower of a VL model is not counted.
 
 Hybrid models (Qwen3.5: Gated DeltaNet layers beside full-attention ones, as the family's layer
 caches say): the projections of each kind of layer count as above, causal attention only in the
@@ -35,57 +37,66 @@ from tidal import families
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlopModel:
-    """A decoder-only LM's matmul shape. layer_params: matmul weights per decoder layer (attention
-    projections and the gated MLP). head_params: the output head's (vocab x hidden). attn_dim:
-    query heads x head dim. windows: the sliding window of each attention layer (None: full
-    attention; empty: every layer full). A hybrid model's linear-attention layers have no attention:
-    layer_params is the mean over its layers (delta-rule work included as weights)."""
+    """A decoder-only LM's matmul shape. layer_params: matmul weights a token goes through per decoder
+    layer (attention projections and the gated MLP; an MoE layer's router and active experts).
+    head_params: the output head's (vocab x hidden). attn_dim: query heads x head dim. windows: the
+    sliding window of each attention layer (None: full attention; empty: every layer full).
+    body_params: the weights a token goes through in all layers when they differ (an MoE with dense
+    layers, a hybrid's linear-attention layers beside its full ones: layer_params is then their
+    mean, delta-rule work included as weights), None when every layer is ``layer_params``."""
 
     num_layers: int
     layer_params: int
     head_params: int
     attn_dim: int
     windows: tuple[int | None, ...] = ()
+    body_params: int | None = None
 
     @classmethod
     def from_config(cls, config) -> "FlopModel":
-        """From an HF config of a dense decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral); a VL
-        config's text part."""
-        c = getattr(config, "text_config", None) or config
-        if getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None):
-            raise NotImplementedError(f"{c.model_type}: mixture-of-experts FLOPs are not counted (active experts vary)")
+        """From an HF config of a decoder with a gated MLP (Qwen2/2.5/3, Llama, Mistral; the MoE
+        families by their active experts); a VL config's text part."""
+        c = families.text_config(config)
+        family = families.find_family(config)
+        moe = family.moe(c) if family is not None else None
+        if moe is None and (getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)):
+            raise NotImplementedError(f"{c.model_type}: a mixture-of-experts model of no known family; its FLOPs are not counted")
         H, heads = int(c.hidden_size), int(c.num_attention_heads)
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
         hd = int(getattr(c, "head_dim", None) or H // heads)
         attn = H * heads * hd + 2 * H * kv * hd + heads * hd * H
-        mlp = 3 * H * int(c.intermediate_size)
-        layers = int(c.num_hidden_layers)
-        family = families.find_family(config)
-        caches = family.layer_caches(families.text_config(config)) if family else []
+        caches = family.layer_caches(c) if family else []
         windows = tuple(lc.window for lc in caches if lc.has_kv)
-        linear = sum(lc.kind == "recurrent" for lc in caches)
+        linear = {i for i, lc in enumerate(caches) if lc.kind == "recurrent"}
+        gdn = 0
         if linear:
             attn += H * heads * hd  # the gated attention's q_proj also yields the output gate
             hk, hv = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
             dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
             gdn = H * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * H + 3 * hv * dk * dv
-            per_layer = ((layers - linear) * (attn + mlp) + linear * (gdn + mlp)) // layers
-        else:
-            per_layer = attn + mlp
-        return cls(num_layers=layers, layer_params=per_layer, head_params=int(c.vocab_size) * H,
-                   attn_dim=heads * hd, windows=windows)
+        layers = int(c.num_hidden_layers)
+        per_layer = [(gdn if i in linear else attn) + _mlp_params(c, moe, i) for i in range(layers)]
+        common = dict(num_layers=layers, head_params=int(c.vocab_size) * H, attn_dim=heads * hd, windows=windows)
+        if len(set(per_layer)) == 1:
+            return cls(layer_params=per_layer[0], **common)
+        return cls(layer_params=sum(per_layer) // layers, body_params=sum(per_layer), **common)
+
+    @property
+    def body(self) -> int:
+        """Matmul weights a token goes through in all decoder layers."""
+        return self.num_layers * self.layer_params if self.body_params is None else self.body_params
 
     @property
     def params(self) -> int:
         """Matmul weights in all: ``P`` of ``6 * P`` per token."""
-        return self.num_layers * self.layer_params + self.head_params
+        return self.body + self.head_params
 
     def train_flops(self, seq_lens: list[int], head_tokens: int | None = None) -> float:
         """Forward + backward model FLOPs of sequences of ``seq_lens`` real tokens (see the module
         docstring): ``6 * (layers * P_layer * tokens + P_head * head_tokens) + 6 * layers * d_attn * sum(len^2)``."""
         tokens = sum(seq_lens)
         head = tokens if head_tokens is None else head_tokens
-        dense = 6.0 * (self.num_layers * self.layer_params * tokens + self.head_params * head)
+        dense = 6.0 * (self.body * tokens + self.head_params * head)
         windows = self.windows or (None,) * self.num_layers
         pairs = sum(_visible_pairs(n, w) for w in windows for n in seq_lens)  # L^2/2 per full layer and sequence
         return dense + 12.0 * self.attn_dim * pairs
@@ -101,6 +112,22 @@ def _visible_pairs(n: int, window: int | None) -> float:
     if window is None or n <= window:
         return n * n / 2.0
     return window * window / 2.0 + (n - window) * window
+
+
+def _mlp_params(c, moe: families.MoEShape | None, layer: int) -> int:
+    """Matmul weights a token goes through in decoder layer ``layer``'s MLP: the dense gated MLP of
+    ``intermediate_size``, or an MoE layer's active experts."""
+    if moe is None or layer in moe.dense_layers:
+        return 3 * int(c.hidden_size) * int(c.intermediate_size)
+    return active_expert_params(moe, int(c.hidden_size))
+
+
+def active_expert_params(moe: families.MoEShape, hidden: int) -> int:
+    """Matmul weights one token goes through in an MoE layer's MLP: the router (``E x H``), its
+    ``top_k`` routed experts and the shared experts (a gated MLP each: ``3 x H x I``; and their gate)."""
+    routed = moe.top_k * 3 * hidden * moe.expert_intermediate
+    gate = hidden if moe.shared_expert_gate else 0  # the shared experts' sigmoid gate (1 x H)
+    return moe.experts * hidden + routed + moe.shared_experts * 3 * hidden * moe.shared_intermediate + gate
 
 
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:

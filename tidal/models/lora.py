@@ -64,7 +64,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
     import peft
 
     targets = cfg.targets(model.config)
-    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none")
+    experts = {"target_parameters": list(cfg.target_parameters)} if cfg.target_parameters else {}
+    if experts and "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+        raise ValueError(f"model.lora.target_parameters={list(cfg.target_parameters)}: PEFT {peft.__version__} cannot "
+                         "adapt stacked expert parameters (target_parameters needs peft >= 0.17); upgrade peft or leave it empty")
+    peft_cfg = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
+                               **experts)
     if getattr(model, "is_gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
@@ -72,7 +77,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0) -> tor
             torch.manual_seed(seed)
             wrapped = peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
     except ValueError as e:
-        raise ValueError(f"model.lora.target_modules={targets}: {e}") from None
+        raise ValueError(f"model.lora.target_modules={targets}, model.lora.target_parameters={list(cfg.target_parameters)}: "
+                         f"{e}") from None
     attach_logprob_method(wrapped, wrapped.get_base_model())
     return wrapped
 
@@ -112,6 +118,8 @@ class WeightEntry:
     lora_a: str | None = None
     lora_b: str | None = None
     scaling: float = 0.0
+    experts: int = 0  # a stacked-experts parameter ([E, ...], PEFT ``target_parameters``): its expert count
+    swapped: bool = False  # ... stored [E, out, in] (PEFT's ``_did_swap_in_out_features``), else [E, in, out]
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -122,34 +130,39 @@ class WeightEntry:
 def hf_name(peft_name: str) -> str:
     """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
     name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
-    return name.replace(".base_layer.", ".")
+    while ".base_layer." in name:  # a parameter adapted twice (two target_parameters of one module) is nested twice
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def weight_plan(model: torch.nn.Module) -> list[WeightEntry]:
     """Every HF weight of ``model`` in ``named_parameters`` order (a tied weight once), with the
     adapter parameters that merge into it. The same on every rank."""
     names = {id(p): n for n, p in model.named_parameters()}
-    merges: dict[str, tuple[str, str, float]] = {}
+    merges: dict[str, dict] = {}
     adapter_params: set[str] = set()
     if is_lora(model):
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer, ParamWrapper
 
         for _, m in model.named_modules():
             if not isinstance(m, LoraLayer) or ADAPTER not in m.lora_A:
                 continue
+            a, b = names[id(m.lora_A[ADAPTER].weight)], names[id(m.lora_B[ADAPTER].weight)]
+            adapter_params.update((a, b))
+            if isinstance(m, ParamWrapper):  # model.lora.target_parameters: a stacked-experts parameter
+                merges[names[id(m.get_param())]] = dict(lora_a=a, lora_b=b, scaling=float(m.scaling[ADAPTER]),
+                                                         experts=int(m.num_experts), swapped=bool(m._did_swap_in_out_features))
+                continue
             if not isinstance(m.get_base_layer(), torch.nn.Linear):
                 raise ValueError(f"LoRA on {type(m.get_base_layer()).__name__} is not supported (nn.Linear only); check model.lora.target_modules")
-            a, b = names[id(m.lora_A[ADAPTER].weight)], names[id(m.lora_B[ADAPTER].weight)]
-            merges[names[id(m.get_base_layer().weight)]] = (a, b, float(m.scaling[ADAPTER]))
-            adapter_params.update((a, b))
+            merges[names[id(m.get_base_layer().weight)]] = dict(lora_a=a, lora_b=b, scaling=float(m.scaling[ADAPTER]))
     plan = []
     for name in names.values():
         if name in adapter_params:
             continue
         if ".lora_" in name:
             raise ValueError(f"unsupported adapter parameter {name!r} (only plain LoRA on nn.Linear)")
-        a, b, s = merges.get(name, (None, None, 0.0))
-        plan.append(WeightEntry(hf_name=hf_name(name), source=name, lora_a=a, lora_b=b, scaling=s))
+        plan.append(WeightEntry(hf_name=hf_name(name), source=name, **merges.get(name, {})))
     return plan
 
 
@@ -162,6 +175,12 @@ def merged(entry: WeightEntry, get: Callable[[str], torch.Tensor]) -> torch.Tens
     # in fp32, returned in the wider of the base's and the adapters' dtypes (a bf16 base with fp32
     # adapters stays fp32 until the caller casts it once)
     out_dtype = torch.promote_types(w.dtype, a_RI.dtype)
+    if entry.experts:  # PEFT's ParamWrapper: A [E*r, in] and B [out, r*E], one adapter per expert
+        E = entry.experts
+        a_ERI = a_RI.float().reshape(E, -1, a_RI.shape[-1])
+        b_ORE = b_OR.float().reshape(b_OR.shape[0], -1, E)
+        delta = torch.einsum("ore,eri->eoi" if entry.swapped else "ore,eri->eio", b_ORE, a_ERI)
+        return (w.float() + entry.scaling * delta).to(out_dtype)
     return (w.float() + entry.scaling * (b_OR.float() @ a_RI.float())).to(out_dtype)
 
 

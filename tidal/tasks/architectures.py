@@ -12,24 +12,36 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+# the tiny Qwen3-MoE's (and Qwen3.5-MoE's) experts: MOE_EXPERTS of intermediate_size / 2 each,
+# top-MOE_TOP_K renormalised
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 # the sliding window of the tiny Gemma 3 / OLMo 3 (tokens): shorter than a quickstart prompt and its
 # answer (~15-20 tokens), so the window shapes what the model computes
 TINY_SLIDING_WINDOW = 8
 
 
-def family_settings(architecture: str, *, head_dim: int, num_layers: int) -> dict:
+def family_settings(architecture: str, *, head_dim: int, num_layers: int, intermediate_size: int) -> dict:
     """The config keywords a family needs beyond the task's shape: an explicit ``head_dim`` (Qwen3
     and Gemma 3 default to 128 / 256), and for the sliding-window families every layer but the last
     a ``sliding_attention`` one (the last is ``full_attention``) with :data:`TINY_SLIDING_WINDOW`;
-    Qwen3.5: :func:`qwen3_5_settings`."""
+    Qwen3.5: :func:`qwen3_5_settings` (Qwen3.5-MoE: with the MoE of the tiny Qwen3-MoE and a shared expert)."""
     if architecture in ("qwen2", "llama"):
         return {}
     if architecture == "qwen3":
         return {"head_dim": head_dim}
+    if architecture == "qwen3_moe":  # every layer sparse: MOE_EXPERTS experts of intermediate_size / 2, top-MOE_TOP_K
+        return {"head_dim": head_dim, "num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K,
+                "moe_intermediate_size": max(1, intermediate_size // 2), "norm_topk_prob": True}
     if architecture == "qwen3_5":
         return qwen3_5_settings(head_dim=head_dim, num_layers=num_layers)
+    if architecture == "qwen3_5_moe":  # the tiny Qwen3.5, every layer sparse with a shared expert of intermediate_size / 2
+        width = max(1, intermediate_size // 2)
+        return {**qwen3_5_settings(head_dim=head_dim, num_layers=num_layers), "num_experts": MOE_EXPERTS,
+                "num_experts_per_tok": MOE_TOP_K, "moe_intermediate_size": width, "shared_expert_intermediate_size": width}
     layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     sliding = {"head_dim": head_dim, "sliding_window": TINY_SLIDING_WINDOW, "layer_types": layer_types}
     if architecture == "gemma3":

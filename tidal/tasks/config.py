@@ -87,8 +87,11 @@ class TaskConfig:
         depends on the seed). References stay plain integers (``"92"``).
     num_train / num_eval: distinct problems in the train and held-out eval sets (disjoint).
     architecture: the model family built (:data:`tidal.tasks.architectures.ARCHITECTURES`: ``qwen2``,
-        ``qwen3``, ``llama``, ``gemma3``, ``olmo3``), tiny and randomly initialised, then warm-started.
-        The sliding-window families (Gemma 3, OLMo 3) slide every layer but the last over 8 tokens.
+        ``qwen3``, ``llama``, ``gemma3``, ``olmo3``, ``qwen3_moe``, ``qwen3_5_moe``), tiny and randomly
+        initialised, then warm-started. The sliding-window families (Gemma 3, OLMo 3) slide every layer
+        but the last over 8 tokens; ``qwen3_moe`` is a mixture of experts in every layer (8 experts of
+        ``intermediate_size / 2``, top-2 renormalised; docs/moe.md); ``qwen3_5_moe`` the hybrid
+        Qwen3.5 with those experts and a shared expert.
     hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size: the model's shape.
     sft_steps / sft_lr / sft_batch_size: phase 1 of the supervised warm start, on correct
         demonstrations (AdamW, linear warmup over 10% of the steps then linear decay to zero; loss

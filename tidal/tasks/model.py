@@ -32,7 +32,8 @@ def build_model(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MA
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **family_settings(architecture, head_dim=cfg.hidden_size // cfg.num_heads, num_layers=cfg.num_layers),
+        **family_settings(architecture, head_dim=cfg.hidden_size // cfg.num_heads, num_layers=cfg.num_layers,
+                          intermediate_size=cfg.intermediate_size),
     )
     torch.manual_seed(cfg.seed)
     model = getattr(transformers, model_name)(config)

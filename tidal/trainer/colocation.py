@@ -42,6 +42,7 @@ from tidal.distill.remote import RemoteTeacher
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import RolloutEngine, supports_incremental
 from tidal.logging.timer import PhaseTimer
+from tidal.models.moe import MoETraining
 from tidal.strategy.base import Strategy, TrainState
 from tidal.sync import update_engine_weights
 from tidal.trainer.config import require_resolved
@@ -64,6 +65,7 @@ class Models:
     teacher: torch.nn.Module | None = None
     remote_teacher: RemoteTeacher | None = None
     positions: int | None = None
+    moe: MoETraining | None = None  # an MoE actor's router tap, aux loss and routing replay
 
 
 class Placement:

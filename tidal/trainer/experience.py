@@ -53,6 +53,10 @@ class Experience:
     loss_mask_B: 1 for sequences that enter the loss (0: e.g. dropped reward, masked truncation).
     mm_inputs: per-sequence pixel inputs of the prompt's images (a dict, see :mod:`tidal.models.vision`;
         None for a text row), kept on CPU and collated per micro-batch; None when no row has images.
+    routed_experts_BTLK: MoE models on the native engine: int16 ``[B, T, L, K]``, the ``K`` experts the
+        engine routed token ``sequences_BT[b, t]`` to in each of the ``L`` MoE layers (-1 where it
+        routed none: a row's last token, padding); routing replay and ``moe/router_agreement`` read
+        it (:mod:`tidal.models.moe`). None otherwise.
     """
 
     sequences_BT: torch.Tensor
@@ -68,6 +72,7 @@ class Experience:
     ref_logp_BT: torch.Tensor | None = None
     values_BT: torch.Tensor | None = None
     mm_inputs: list[dict | None] | None = None
+    routed_experts_BTLK: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences_BT.shape[0]
@@ -89,7 +94,7 @@ class Experience:
         T = int(self.attention_mask_BT[idx_t].sum(-1).max()) if len(idx_t) else 0
         for name in self._tensor_fields():
             t = getattr(self, name)[idx_t]
-            setattr(out, name, t[:, :T] if t.dim() == 2 else t)
+            setattr(out, name, t[:, :T] if t.dim() >= 2 else t)
         return out
 
     def row(self, i: int) -> dict[str, Any]:

@@ -230,6 +230,8 @@ class ExperienceMaker:
             packed = PackedBatch.build(ids, am, targets_BT=rows.action_mask_BT[idx, :T],
                                        cap=self.train_cfg.forward_micro_batch_tokens).to(dev)
             mm = collate_mm_inputs([rows.mm_inputs[i] for i in idx] if rows.mm_inputs else None, dev)
+            if self.models.moe is not None:  # the actor's routers replay the engine's routing (moe.routing_replay)
+                self.models.moe.begin(packed, rows.routed_BTLK[idx, :T] if rows.routed_BTLK is not None else None)
             x_BT = forward(ids.to(dev), am.to(dev), packed, mm)
             if real:
                 out_BT[idx, :T] = x_BT.float().cpu()
@@ -328,6 +330,7 @@ class ExperienceMaker:
             old_logp_BT=old_logp_BT, rollout_logp_BT=packed.rollout_logp_BT, ref_logp_BT=ref_logp_BT,
             values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
             rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=packed.mm_inputs,
+            routed_experts_BTLK=packed.routed_BTLK,
         )
         metrics = self._metrics(exp, packed, scores, adv.kl_BT)
         metrics.update(adv.metrics)

@@ -98,8 +98,9 @@ class UpdateResult:
     critic: dict[str, float]
 
     def flat(self) -> dict[str, float]:
-        """``{"actor/<name>": ..., "critic/<name>": ...}`` for logging."""
-        return {f"{role}/{k}": v for role in ("actor", "critic") for k, v in getattr(self, role).items()}
+        """``{"actor/<name>": ..., "critic/<name>": ...}`` for logging; an MoE actor's ``moe/<name>``
+        metrics (:class:`tidal.models.moe.MoETraining`) keep their own namespace."""
+        return {k if k.startswith("moe/") else f"{role}/{k}": v for role in ("actor", "critic") for k, v in getattr(self, role).items()}
 
 
 class Updater:
@@ -160,6 +161,9 @@ class Updater:
         means.add(step_metrics, 1.0)
 
     def _actor_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):
+        moe = self.models.moe
+        if moe is not None:
+            moe.begin(packed, mb.routed_experts_BTLK)
         logp_BT, entropy_BT = token_logprobs(
             self.models.actor.model, mb.sequences_BT, mb.attention_mask_BT,
             temperature=self.rollout_cfg.temperature, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
@@ -174,6 +178,13 @@ class Updater:
             logp_BT, old_logp_BT, mb.advantages_BT, mask_BT, norm,
             ref_logp_BT=mb.ref_logp_BT, rollout_logp_BT=mb.rollout_logp_BT, entropy_BT=entropy_BT,
         )
+        if moe is not None:
+            # the load-balancing loss, weighted like the policy loss's token mean: sum over the micro-batches
+            # and ranks of one optimizer step = aux_loss_coef x the token-weighted mean of their aux losses
+            aux, moe_metrics = moe.after_forward(packed, mb.routed_experts_BTLK)
+            if moe.aux_loss_coef > 0:
+                loss = loss + moe.aux_loss_coef * aux * (mask_BT.sum() / norm.num_tokens)
+            metrics.update({f"moe/{name}": value for name, value in moe_metrics.items()})
         return nonfinite_guard(loss, logp_BT), metrics
 
     def _critic_loss(self, mb: Experience, packed: PackedBatch, mask_BT: torch.Tensor, norm: LossNormalizer):

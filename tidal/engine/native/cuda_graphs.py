@@ -68,6 +68,9 @@ class DecodeGraphs:
             "bt": z(n, self.max_blocks, dt=torch.int32),
             "u": z(n, dt=torch.float32),  # each row's uniform (padded rows: 0)
         }
+        sink = getattr(self.model, "routing_sink", None)
+        if sink is not None:  # MoE: each row's experts, written by the graph (tidal.engine.native.moe.record)
+            self.bufs["routing"] = sink.new_buffer(n, self.device)
         self.host = [(torch.zeros(4 * n, dtype=torch.int64, pin_memory=True),
                       torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True),
                       torch.zeros(n, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
@@ -81,7 +84,12 @@ class DecodeGraphs:
 
     def _step(self, bs: int, temperature: float | None) -> torch.Tensor:
         inputs, meta = self.bufs["inputs"], self._meta(bs)
+        sink = getattr(self.model, "routing_sink", None)
+        if sink is not None:
+            sink.buf = self.bufs["routing"][:bs]
         hidden_BH = self.model(inputs[0, :bs], inputs[1, :bs], meta)
+        if sink is not None:
+            sink.buf = None
         if temperature is None:
             return hidden_BH
         from tidal.engine.native.kernels.triton_sampling import fused_sample

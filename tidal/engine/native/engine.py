@@ -77,7 +77,9 @@ class NativeEngine:
     fractions); and host
     wall seconds spent in ``schedule_s``, ``postprocess_s`` and the runner's ``prepare_s`` (inputs),
     ``submit_s`` (model + sampling enqueued) and ``wait_s`` (waiting for the sampled tokens); and the
-    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`).
+    speculation counters ``spec_*`` (:class:`~tidal.engine.native.speculative.Speculator`); for MoE
+    models ``moe_decode_steps`` and ``moe_experts_touched`` (the distinct experts of each decode step,
+    summed over its MoE layers: :class:`~tidal.engine.native.moe.record.RoutingRecorder`).
     :meth:`host_ms_per_step` turns two snapshots of ``stats`` into milliseconds per step.
 
     ``policy_version``: stamped on every token sampled from now on (``Completion.versions``); set it
@@ -126,6 +128,8 @@ class NativeEngine:
                           **{f"ahead_off_{r}": 0 for r in AHEAD_OFF})
         self.stats.update(self.runner.timings)
         self.stats.update(self.spec.stats)
+        if self.runner.routing is not None:
+            self.stats.update(self.runner.routing.stats)
 
     @classmethod
     def from_pretrained(cls, path: str, cfg: EngineConfig, *, device, dtype, tp_group=None) -> "NativeEngine":
@@ -196,6 +200,8 @@ class NativeEngine:
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
                                    max_num_batched_tokens=self.cfg.max_num_batched_tokens, state_pool=states)
+        if self.runner.routing is not None:
+            self.scheduler.before_release = self._keep_routing
         return nbytes + states_bytes(states)
 
     # ---- recurrent state (hybrid models) --------------------------------------------------------
@@ -227,6 +233,14 @@ class NativeEngine:
             self.runner.states.release()
             self.runner.states = None
         return freed
+
+    def _keep_routing(self, slots: np.ndarray) -> None:
+        """MoE: the routing of every token the finishing sequences fed to the model, read through
+        their blocks before they are released (``Completion.routed_experts``)."""
+        t = self.table
+        for s in slots.tolist():
+            seq = t.seqs[s]
+            seq.routed_experts = self.runner.routing.gather(t.blocks_of(s), int(t.num_cached[s]), int(t.num_tokens[s]) - 1)
 
     def sleep(self, level: int = 1) -> int:
         """Level 1: free the KV cache (prefix cache forgotten); the CUDA graphs are kept when the cache
@@ -425,6 +439,8 @@ class NativeEngine:
         stats["postprocess_s"] += time.perf_counter() - t0
         stats.update(runner.timings)
         stats.update(self.spec.stats)
+        if runner.routing is not None:
+            stats.update(runner.routing.stats)
         return [c for _, c in done]
 
     def _complete(self, slot: int) -> tuple[int, Completion]:
@@ -436,7 +452,7 @@ class NativeEngine:
             prompt_ids=seq.prompt_ids, token_ids=t.token_list(slot, len(seq.prompt_ids)),
             logprobs=seq.old_logprobs + t.logprobs[slot, start : start + new].tolist(),
             finish_reason=FINISH_REASONS[int(t.finish[slot])], request_id=seq.request_id, group_id=seq.group_id,
-            versions=seq.old_versions + [seq.version] * new,
+            versions=seq.old_versions + [seq.version] * new, routed_experts=seq.routed_experts,
         )
         del self._requests[seq.request_id]
         self.spec.finish(seq, t.tokens[slot, : t.num_tokens[slot]])

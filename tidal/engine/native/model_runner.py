@@ -26,6 +26,7 @@ from tidal.engine.native import fixed_memory
 from tidal.engine.native.attention import AttnMetadata
 from tidal.engine.native.cuda_graphs import DecodeGraphs
 from tidal.engine.native.models import PagedLM
+from tidal.engine.native.moe.record import RoutingRecorder
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Batch
 from tidal.engine.native.sequence import SequenceTable
@@ -71,6 +72,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, graph_max_batch, self.max_blocks_per_seq, device) if graph_max_batch else None
         self._pin = device.type == "cuda"
         self.timings = {"prepare_s": 0.0, "submit_s": 0.0, "wait_s": 0.0}  # host wall seconds, cumulative
+        # MoE models: each computed token's experts, by KV slot (tidal.engine.native.moe.record)
+        sink = getattr(model, "routing_sink", None)
+        self.routing = RoutingRecorder(sink, block_size, device) if sink is not None else None
 
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -116,6 +120,8 @@ class ModelRunner:
             whole = torch.zeros((2 * self.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
             self.kv_layers = list(whole.unbind(0))
         self.num_blocks = num_blocks
+        if self.routing is not None:
+            self.routing.resize((num_blocks + 1) * self.block_size)
         for i, attn in enumerate(self.model.layer_attentions()):
             attn.k_cache, attn.v_cache = self.kv_layers[2 * i], self.kv_layers[2 * i + 1]
         return self.kv_bytes
@@ -182,7 +188,7 @@ class ModelRunner:
         sample_rows = (cu[1:] - 1)[batch.sampling]
         extra = self._multimodal_inputs(batch, table, start, flat_dev[0]) if self.model.multimodal else {}
         draws = (rows[batch.sampling], ctxs[batch.sampling])  # each sampled token's slot and index
-        return flat_dev[0], flat_dev[1], meta, sample_rows, extra, draws
+        return flat_dev[0], flat_dev[1], meta, sample_rows, extra, draws, flat[2]
 
     def _multimodal_inputs(self, batch: Batch, table: SequenceTable, start: np.ndarray, ids_T: torch.Tensor) -> dict:
         """For a prefill batch holding image prompts: the embeddings with the image features in the
@@ -271,13 +277,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         verify = batch.draft_lens is not None  # a decode step verifying drafts
+        routing = None  # the step's routing on its way to the host (MoE models)
         if self.states is not None:
             self.states.apply()  # the scheduler's state copies, before the step that reads them
         if batch.is_prefill:
-            ids, pos, meta, rows, extra, (slots, index) = self._prefill_inputs(batch, table)
+            ids, pos, meta, rows, extra, (slots, index), slots_T = self._prefill_inputs(batch, table)
             u = self._uniforms(table, slots, index, sampling)
             t1 = time.perf_counter()
+            buf = self.routing.eager_buffer(ids.shape[0]) if self.routing is not None else None
             hidden = self.model(ids, pos, meta, **extra)
+            if buf is not None:
+                routing = self.routing.copy_out(buf, slots_T, decode=False)
             n = len(rows)
             logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]) if n else None
         else:
@@ -300,6 +310,8 @@ class ModelRunner:
                     samples = res.contiguous()
                 else:
                     hidden = res
+                if self.routing is not None:
+                    routing = self.routing.copy_out(self.graphs.bufs["routing"], inputs[2], decode=True)
             else:
                 inputs_dev = self._tensor(inputs, torch.int64)
                 meta = AttnMetadata(
@@ -311,7 +323,10 @@ class ModelRunner:
                 )
                 if self.states is not None:
                     meta.state_slots_B = self._tensor(self.states.slots(batch.rows), torch.int64)
+                buf = self.routing.eager_buffer(n) if self.routing is not None else None
                 hidden = self.model(ids_dev if ids_dev is not None else inputs_dev[0], inputs_dev[1], meta)
+                if buf is not None:
+                    routing = self.routing.copy_out(buf, inputs[2], decode=True)
             if samples is None:
                 logits = self.model.compute_logits(hidden)
         self.timings["prepare_s"] += t1 - t0
@@ -321,6 +336,7 @@ class ModelRunner:
             handle = self._verify(logits, draft_T, group_T, u, sampling)
         else:
             handle = self._sample(logits, n, u, sampling)
+        handle.routing = routing
         self.timings["submit_s"] += time.perf_counter() - t1
         return handle
 
@@ -383,6 +399,9 @@ class ModelRunner:
         if handle.done is not None:
             handle.done.synchronize()
         self.timings["wait_s"] += time.perf_counter() - t0
+        if handle.routing is not None:
+            self.routing.commit(handle.routing)
+            handle.routing = None  # written once (a handle may be waited for twice)
         host = handle.host.numpy()
         return host[0].astype(np.int64), host[1]
 
@@ -395,3 +414,4 @@ class StepHandle:
     out: torch.Tensor
     host: torch.Tensor
     done: "torch.cuda.Event | None"
+    routing: tuple | None = None  # MoE: the step's routing copy (RoutingRecorder.copy_out), until waited for

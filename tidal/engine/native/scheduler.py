@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -94,6 +95,9 @@ class Scheduler:
         self._order = itertools.count()
         self.stop_sets: list[np.ndarray] = []
         self._stop_set_ids: dict[frozenset[int], int] = {}
+        # called with the slots that finish, while they still hold their blocks (the engine reads an MoE
+        # sequence's routing through them)
+        self.before_release: Callable[[np.ndarray], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------------
     def stop_set(self, ids: frozenset[int]) -> int:
@@ -493,6 +497,8 @@ class Scheduler:
 
     def _finish(self, slots: np.ndarray) -> None:
         self.table.status[slots] = Status.FINISHED
+        if self.before_release is not None:
+            self.before_release(slots)
         self._release_blocks(slots)
 
     def _preempt(self, s: int) -> None:

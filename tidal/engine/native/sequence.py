@@ -55,7 +55,7 @@ class Sequence:
     see ``rng_seed`` in the module docstring)."""
 
     __slots__ = ("seq_id", "request_id", "group_id", "prompt_ids", "slot", "stop_set", "mm",
-                 "old_logprobs", "old_versions", "version", "seed", "key")
+                 "old_logprobs", "old_versions", "version", "seed", "key", "routed_experts")
 
     def __init__(self, seq_id: int, request_id, group_id, prompt_ids: list[int], *, stop_set: int,
                  mm: "MultimodalPrompt | None" = None, old_logprobs: list[float] | None = None,
@@ -72,6 +72,7 @@ class Sequence:
         self.version = version
         self.seed = seed
         self.key = key
+        self.routed_experts: np.ndarray | None = None  # MoE: set when it finishes (NativeEngine._keep_routing)
 
     @property
     def num_resumed(self) -> int:

@@ -65,11 +65,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, tp: TPGroup, ops, dtype, bias: bool):
+    """The gated MLP ``down(silu(gate x) * up x)`` of ``intermediate`` (default: the config's
+    ``intermediate_size``; an MoE's shared expert has its own)."""
+
+    def __init__(self, cfg, tp: TPGroup, ops, dtype, bias: bool, intermediate: int | None = None):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: only silu is supported")
-        i = cfg.intermediate_size
+        i = cfg.intermediate_size if intermediate is None else intermediate
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias, tp, dtype)
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias, tp, dtype)
         self.ops = ops
