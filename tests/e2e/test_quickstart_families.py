@@ -21,6 +21,7 @@ TINY = [
 
 
 @pytest.mark.slow
+@pytest.mark.family_learning
 @pytest.mark.timeout(1800)
 def test_gemma3_quickstart_learns(tmp_path):
     cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", "task.architecture=gemma3",

@@ -19,6 +19,7 @@ SETTINGS = [
 
 
 @pytest.mark.slow
+@pytest.mark.family_learning
 def test_qwen3_5_quickstart_learns(tmp_path):
     cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={tmp_path / 'run'}",
            f"task.workdir={tmp_path / 'tasks'}", *SETTINGS]
