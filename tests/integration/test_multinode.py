@@ -115,6 +115,20 @@ def _ppid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def _line_to(pid: int, agent: int) -> list[int]:
+    """The processes from ``pid`` up to (not including) the launch agent ``agent``: the rank and the
+    ``tidal`` command supervising it (tidal/run/supervise.py); empty when ``agent`` is not an ancestor
+    or a process on the way has ended (a heartbeat left by an earlier process)."""
+    line = []
+    try:
+        while pid > 1 and pid != agent:
+            line.append(pid)
+            pid = _ppid(pid)
+    except (OSError, ValueError, IndexError):
+        return []
+    return line if pid == agent else []
+
+
 def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_task_overrides):
     out = tmp_path / "run"
     overrides = tiny_task_overrides + ["checkpoint.every=1", "run.steps=4", "run.collective_timeout_s=300"]
@@ -136,10 +150,11 @@ def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_
                     beats[r] = json.loads((out / "heartbeat" / f"rank{r}.json").read_text())
                 except (OSError, ValueError):
                     pass
-            hung = sorted(r for r, b in beats.items() if _ppid(b["pid"]) == victim.pid and (b["step"], b["stage"]) == (2, "reward"))
+            lines = {r: _line_to(b["pid"], victim.pid) for r, b in beats.items() if (b["step"], b["stage"]) == (2, "reward")}
+            hung = sorted(r for r, line in lines.items() if line)
             if len(hung) == 2:
                 break
-        for pid in [victim.pid] + [beats[r]["pid"] for r in hung]:
+        for pid in [victim.pid] + [pid for r in hung for pid in lines[r]]:
             os.kill(pid, signal.SIGKILL)
         code = procs[0].wait(timeout=300)
     finally:
