@@ -30,7 +30,8 @@ import statistics
 
 import numpy as np
 
-from bench.grpo.shapes import attention_dim, body_matmul_params, decode_matmul_params, head_params, kv_bytes_per_token, param_count
+from bench.grpo.shapes import (attention_dim, attention_layers, body_matmul_params, decode_matmul_params, head_params,
+                               kv_bytes_per_sequence, param_count)
 
 ADAMW_BYTES_PER_PARAM = 28
 WEIGHT_SYNC_BYTES_PER_PARAM = 6
@@ -88,9 +89,10 @@ def _event_times(fn, total: int, skip: int) -> list[float]:
 
 # ---- FLOPs and bytes --------------------------------------------------------------------------------
 def attention_flops(shape: dict, seq_lens) -> float:
-    """Causal self-attention forward FLOPs of whole sequences: ``2 l d S (S + 1)`` each."""
+    """Causal self-attention forward FLOPs of whole sequences: ``2 l d S (S + 1)`` each (``l``: the
+    layers that attend; a window layer counted as full: an upper count, kept for simplicity)."""
     s = np.asarray(seq_lens, dtype=np.float64)
-    return float(2.0 * shape["num_hidden_layers"] * attention_dim(shape) * (s * (s + 1)).sum())
+    return float(2.0 * attention_layers(shape) * attention_dim(shape) * (s * (s + 1)).sum())
 
 
 def forward_flops(shape: dict, prompt_len: int, completion_lens) -> float:
@@ -116,9 +118,11 @@ def generation_bound_s(shape: dict, *, prompt_len: int, unique_prompts: int, com
     k = np.arange(1, int(lens.max()) if len(lens) else 1, dtype=np.float64)  # decode steps 1 .. max(L) - 1
     running = len(lens) - np.searchsorted(lens, k, side="right")  # sequences with L > k
     ctx = running * (prompt_len + k)  # KV tokens read at step k
-    read_s = (2.0 * decode_matmul_params(shape, experts_touched) + ctx * kv_bytes_per_token(shape)) / c.copy_bw
+    # KV bytes each running sequence reads at step k (a window layer: its window's tokens at most)
+    kv_seq = kv_bytes_per_sequence(shape, prompt_len + k)
+    read_s = (2.0 * decode_matmul_params(shape, experts_touched) + running * kv_seq) / c.copy_bw
     active = body_matmul_params(shape) + head_params(shape)
-    flops_s = (2.0 * active * running + 4.0 * shape["num_hidden_layers"] * attention_dim(shape) * ctx) / c.matmul_flops
+    flops_s = (2.0 * active * running + 4.0 * attention_layers(shape) * attention_dim(shape) * ctx) / c.matmul_flops
     return prefill / c.matmul_flops + float(np.maximum(read_s, flops_s).sum())
 
 

@@ -35,15 +35,18 @@ from bench.grpo.profile import PROFILE_EXTRA_S, profile_figure
 from bench.grpo.record import REPO, gib, git_commit
 from bench.grpo.session import Session, median_bounds, median_or_none
 from bench.grpo.settings import RunSettings
-from bench.grpo.workloads import Workload, long_tail_matrix, matrix, select, tiny_matrix
+from bench.grpo.shapes import FAMILY_SHAPES
+from bench.grpo.workloads import Workload, family_matrix, long_tail_matrix, matrix, select, tiny_matrix
 
 DEFAULT_RECORD = os.path.join(REPO, "bench", "results", "matrix.jsonl")
 # Seconds each framework's subprocess of a case may take (--case-timeout-s overrides), and the
 # least a case needs left in the run's budget to start.
-CASE_TIMEOUT_S = {"tiny": 120, "tiny2": 120, "0.5b": 300, "1.5b": 360, "3b": 480, "7b": 570}
+CASE_TIMEOUT_S = {"tiny": 120, "tiny2": 120, "0.5b": 300, "1.5b": 360, "3b": 480, "7b": 570,
+                  **{size: 240 for size in FAMILY_SHAPES}}
 CASE_MIN_S = 60
 MATRIX_SETTINGS = dict(tidal_warmup=1, tidal_steps=3, trl_warmup=1, trl_steps=2)
 TINY_SETTINGS = dict(tidal_warmup=1, tidal_steps=2, trl_warmup=1, trl_steps=1)
+FAMILY_SETTINGS = dict(tidal_warmup=1, tidal_steps=1, trl_warmup=1, trl_steps=1)  # two GRPO iterations
 
 
 def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict, ceilings, bounds_per_step: list[dict],
@@ -74,6 +77,9 @@ def case_line(w: Workload, tidal: dict | None, trl: dict | None, *, shape: dict,
         "mfu": median_or_none(mfu),
         "peak_allocated_gib": gib(t.get("peak_allocated")), "peak_reserved_gib": gib(t.get("peak_reserved")),
         "predicted_peak_gib": t.get("predicted_peak_gib"),
+        "peak_over_plan": (gib(t["peak_allocated"]) / t["predicted_peak_gib"] - 1.0
+                           if t.get("peak_allocated") and t.get("predicted_peak_gib") else None),
+        "mismatch": t.get("mismatch"),
         "host_ms_per_decode_step": host.get("host"), "device_ms_per_decode_step": host.get("device"),
         "wait_ms_per_decode_step": host.get("wait"), "engine_steps": host.get("engine_steps"),
         "decode_steps": host.get("decode_steps"), "ahead_frac": host.get("ahead_frac"),
@@ -163,6 +169,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--list", action="store_true", help="print the case names (after --cases) and exit")
     p.add_argument("--long-tail", action="store_true", help="the long-tail matrix (reasoning-shaped natural lengths: "
                                                                "two tails, groups of 8 and 16, 2k-16k new tokens) instead of the matrix")
+    p.add_argument("--families", action="store_true", help="the GPU check of every model family (bench.grpo.shapes."
+                                                              "FAMILY_SHAPES, about 1-2B, and the dense 0.5B): two GRPO "
+                                                              "iterations each, mismatch and peak against plan recorded")
     p.add_argument("--case-timeout-s", type=float, default=None,
                    help=f"seconds each framework's subprocess of a case may take (default by size: {CASE_TIMEOUT_S})")
     p.add_argument("--warmup", type=int, default=None, help="untimed first iterations of each case (default 1)")
@@ -188,7 +197,7 @@ def trl_selection(workloads: list[Workload], patterns: list[str]) -> list[Worklo
 
 
 def settings_of(args) -> RunSettings:
-    kw = dict(TINY_SETTINGS if args.tiny else MATRIX_SETTINGS)
+    kw = dict(TINY_SETTINGS if args.tiny else FAMILY_SETTINGS if args.families else MATRIX_SETTINGS)
     if args.steps:
         kw["tidal_steps"] = kw["trl_steps"] = args.steps
     if args.warmup is not None:
@@ -199,7 +208,8 @@ def settings_of(args) -> RunSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    everything = tiny_matrix() if args.tiny else long_tail_matrix() if args.long_tail else matrix()
+    everything = (tiny_matrix() if args.tiny else long_tail_matrix() if args.long_tail else family_matrix() if args.families
+                  else matrix())
     try:
         workloads = select(everything, _patterns(args.cases))
         trl_cases = {w.name for w in trl_selection(workloads, _patterns(args.trl))}

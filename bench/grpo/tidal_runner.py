@@ -231,12 +231,24 @@ def summarize_tidal(records: list[dict], w: Workload, s: RunSettings) -> dict:
         "peak_allocated": _max([init.get("peak_allocated")] + [r["peak_allocated"] for r in all_steps]),
         "peak_reserved": _max([init.get("peak_reserved")] + [r["peak_reserved"] for r in all_steps]),
         "predicted_peak_gib": init.get("predicted_peak_gib"),
+        "mismatch": mismatch_of(all_steps),
         "weight_sync": {"bytes": syncs[-1]["returned"] if syncs else None, "seconds": [c["seconds"] for c in syncs]},
         "engine_host": engine_host_ms(steady),
         "timeline": last["timeline"] if last else [], "timeline_calls": last["calls"] if last else [],
         "timeline_step": last["step"] if last else None,
         "profile": _profile_of(records),
     }
+
+
+def mismatch_of(steps: list[dict]) -> dict | None:
+    """The engine-versus-trainer logprob mismatch of every iteration (warm-up included: the first
+    one's weights are those the engine sampled with): per step the mean and max absolute difference
+    (``mismatch/abs_logp_diff_mean``, ``mismatch/logp_diff_max``); None when the run logged none."""
+    rows = [(r["metrics"].get("mismatch/abs_logp_diff_mean"), r["metrics"].get("mismatch/logp_diff_max")) for r in steps]
+    rows = [(m, x) for m, x in rows if m is not None]
+    if not rows:
+        return None
+    return {"abs_logp_diff_mean": [m for m, _ in rows], "logp_diff_max": [x for _, x in rows]}
 
 
 HOST_TIMERS = ("schedule", "postprocess", "prepare", "submit")  # the native engine's host work (``wait``: blocked on the device)

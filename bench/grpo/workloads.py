@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from bench.grpo.shapes import SHAPES, SIZE_ORDER
+from bench.grpo.shapes import FAMILY_SHAPES, SHAPES, SIZE_ORDER
 
 LengthMode = Literal["forced", "natural"]
 LENGTH_MODES: tuple[str, ...] = ("forced", "natural")
@@ -199,6 +199,17 @@ def tiny_matrix() -> list[Workload]:
     plain = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8, 16), distill=())
     distill = matrix(["tiny"], samples=2, prompt_len=8, seqs=(4,), new_tokens=(8,), distill=TINY_DISTILL_PAIRS)
     return plain + [w for w in distill if w.teacher is not None and w.lengths == "natural"]
+
+
+# The GPU check of every family (issue 50 item 2): 32 prompts x 8 samples, 256 prompt tokens, 512 new
+# tokens forced, each family's shape (:data:`~bench.grpo.shapes.FAMILY_SHAPES`) and the dense 0.5B
+# baseline; two GRPO iterations each (``matrix --families``: one warm-up, one timed).
+FAMILY_CASE = dict(prompts=32, samples=8, prompt_len=256, max_new_tokens=512, lengths="forced")
+
+
+def family_matrix() -> list[Workload]:
+    """One case per family shape plus the dense Qwen2.5-0.5B baseline (the mismatch reference)."""
+    return [Workload(size=size, **FAMILY_CASE) for size in ["0.5b", *FAMILY_SHAPES]]
 
 
 def select(workloads: list[Workload], patterns: list[str], *, option: str = "--cases") -> list[Workload]:
