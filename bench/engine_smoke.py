@@ -46,6 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="generate / sleep / wake rounds")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-fla", action="store_true", help="Gated DeltaNet through the torch forms, not flash-linear-attention's kernels")
+    p.add_argument("--check-finite", action="store_true",
+                   help="hooks on every layer's mixer and MLP: the first non-finite output is reported (module, step, batch shape)")
+    p.add_argument("--compare-hf", type=int, default=0, metavar="K",
+                   help="teacher-force K completions through the HF model (bf16, same device) and report the logprob difference")
     p.add_argument("--set", action="append", default=[], help="engine config override KEY=VALUE (e.g. kv_cache_max_tokens=4096)")
     args = p.parse_args(argv)
 
@@ -71,11 +76,35 @@ def main(argv=None) -> int:
         key, _, value = item.partition("=")
         overrides[key] = type(getattr(EngineConfig(), key))(value) if hasattr(EngineConfig(), key) else value
     cfg = EngineConfig(**overrides)
+    if args.no_fla:
+        import tidal.engine.native.models.qwen3_5 as hybrid
+
+        hybrid.fla_available = lambda: False
     engine = NativeEngine(model.config, cfg, device=torch.device(args.device), dtype=torch.bfloat16)
     engine.load_weights(model.state_dict().items())
+    hf_model = model if args.compare_hf else None
     del model
     if args.device == "cuda":
         torch.cuda.empty_cache()
+    bad: list[dict] = []
+    if args.check_finite:
+        calls = {"n": 0}
+
+        def hook(name):
+            def check(module, inputs, output):
+                calls["n"] += 1
+                out = output[0] if isinstance(output, tuple) else output
+                if not bad and not torch.isfinite(out).all():
+                    x = inputs[0] if inputs else None
+                    bad.append({"module": name, "call": calls["n"], "shape": list(out.shape),
+                                "input_finite": None if x is None or not torch.is_tensor(x) else bool(torch.isfinite(x).all()),
+                                "nonfinite_rows": int((~torch.isfinite(out.reshape(out.shape[0], -1))).any(-1).sum())})
+                    print(json.dumps({"figure": "nonfinite", **bad[0]}), flush=True)
+            return check
+
+        for name, module in engine.model.named_modules():
+            if name.endswith(("linear_attn", "self_attn", "mlp")) or name == "model.embed_tokens":
+                module.register_forward_hook(hook(name))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, v - 2, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, n=args.n, ignore_eos=True, seed=3)
@@ -94,8 +123,20 @@ def main(argv=None) -> int:
         engine.wake_up()
         rounds.append({"round": r, "generate_s": round(gen_s, 3), "lengths": lengths, "logprobs_ok": finite,
                        "completions": len(outs)})
+    compare = None
+    if hf_model is not None:
+        diffs = []
+        with torch.no_grad():
+            for i, o in enumerate(outs[: args.compare_hf]):
+                ids = torch.tensor([prompts[i // args.n] + list(o.token_ids)], device=args.device)
+                logits = hf_model(ids).logits[0, args.prompt_len - 1 : -1].float()
+                ref = torch.log_softmax(logits, -1).gather(-1, ids[0, args.prompt_len:, None])[:, 0]
+                diffs.append((ref - torch.tensor(o.logprobs, device=args.device)).abs())
+        d = torch.cat(diffs)
+        compare = {"abs_logp_diff_mean": float(d.mean()), "abs_logp_diff_max": float(d.max()), "tokens": int(d.numel())}
     print(json.dumps({"figure": "engine_smoke", "family": args.family, "size": args.size, "prompts": args.prompts,
                       "n": args.n, "prompt_len": args.prompt_len, "new": args.new, "rounds": rounds,
+                      "nonfinite": bad, "fla": not args.no_fla, "set": args.set, "compare_hf": compare,
                       "memory": engine.memory_report()}), flush=True)
     return 0
 

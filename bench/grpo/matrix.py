@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         for w in workloads:
             print(w.name + ("  (+ TRL)" if w.name in trl_cases else ""))
         return 0
+    if args.families and not any(x.startswith("train.old_logprobs=") for x in args.tidal_set):
+        # the check records the engine-versus-trainer mismatch: the trainer's own old-logprob pass
+        args.tidal_set = [*args.tidal_set, "train.old_logprobs=recompute"]
     args.device = resolve_device(args.device, args.tiny)
     run = Matrix(args, settings_of(args))
     if trl_cases and not trl_available():

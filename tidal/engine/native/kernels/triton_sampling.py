@@ -90,7 +90,9 @@ def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, u_ptr, part_p
         cdf = _monotone_prefix(mass)
         target = tl.load(u_ptr + row).to(tl.float32) * tl.max(cdf, axis=0)  # as inverse_cdf: u * total
         last = tl.max(tl.where(mass > 0, c, -1), axis=0)
-        ch = tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), last)  # first prefix above the target
+        # first prefix above the target; a row without positive mass (non-finite logits: last == -1)
+        # scans chunk 0 and finds no token (tok -1, logp NaN), never memory before the row
+        ch = tl.maximum(tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), last), 0)
         rest = target - tl.sum(tl.where(c == ch - 1, cdf, 0.0), axis=0)
         # the chosen chunk's tokens, BLOCK at a time: the first whose running mass exceeds ``rest``
         lane = tl.arange(0, BLOCK)
