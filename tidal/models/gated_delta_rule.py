@@ -159,7 +159,7 @@ def fla_chunk_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens, state_SHKV=
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     q, k = _repeat_heads(q_NHK, k_NHK, v_NHV.shape[-2])
-    o, final = fla_chunk(q[None], k[None], v_NHV[None], g_NH[None].float(), beta_NH[None], initial_state=state_SHKV,
+    o, final = fla_chunk(q[None], k[None], v_NHV[None], g=g_NH[None].float(), beta=beta_NH[None], initial_state=state_SHKV,
                          output_final_state=state_SHKV is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     return o[0], None if final is None else final.float()
 
@@ -169,7 +169,9 @@ def fla_recurrent_step(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV):  # pragm
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
 
     q, k = _repeat_heads(q_BHK, k_BHK, v_BHV.shape[-2])
-    o, final = fla_step(q[:, None], k[:, None], v_BHV[:, None], g_BH[:, None].float(), beta_BH[:, None],
+    # every argument after q, k, v by keyword: fla 0.6 put ``gk`` and ``gv`` between ``g`` and ``beta``, and a
+    # positional ``beta`` became a key-wise gate read out of its bounds (the Qwen3.5 GPU crash, issue 50)
+    o, final = fla_step(q[:, None], k[:, None], v_BHV[:, None], g=g_BH[:, None].float(), beta=beta_BH[:, None],
                         initial_state=state_BHKV, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state_BHKV.copy_(final)
     return o[:, 0]
