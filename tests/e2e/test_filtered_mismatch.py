@@ -13,6 +13,7 @@ from tidal.config import load_config
 from tidal.distributed import shutdown
 
 
+@pytest.mark.slow  # two tiny runs of one step, ~25 s each
 @pytest.mark.parametrize("filters", [["rollout.top_k=5", "rollout.top_p=0.9"], ["rollout.temperature=0.7", "rollout.min_p=0.1"]])
 def test_step0_mismatch_is_zero_with_filtering(filters, tmp_path, tiny_task_overrides):
     cfg = load_config("quickstart", tiny_task_overrides + filters + [
