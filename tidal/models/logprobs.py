@@ -1,8 +1,9 @@
 """Token log-probabilities and entropies of a causal LM: the body's hidden states (padded, or
 packed: :mod:`tidal.models.packing`) through the chunked LM head (:mod:`tidal.models.lm_head`).
 
-Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``;
-position 0 has no prediction and is 0. A model gets the computation as a method of its own
+Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under the processed
+distribution of a :class:`~tidal.sampling_filter.SamplingFilter` (temperature, top-k, min-p, top-p:
+the distribution the engine samples from); position 0 has no prediction and is 0. A model gets the computation as a method of its own
 (:func:`attach_logprob_method`), whose LM-head compile flag is bound per model
 (:func:`set_head_compile`, set by the strategy that prepares it).
 """
@@ -16,6 +17,7 @@ import torch
 from tidal.models.lm_head import lm_head_logprobs
 from tidal.models.packing import pack_on_the_fly, packed_token_logprobs
 from tidal.models.varlen import uses_packed_attention
+from tidal.sampling_filter import SamplingFilter
 
 LOGPROB_METHOD = "tidal_token_logprobs"
 
@@ -47,7 +49,7 @@ def _token_logprobs(
     hf_model: torch.nn.Module,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
-    temperature: float = 1.0,
+    sampling: SamplingFilter = SamplingFilter(),
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
     mm_inputs: dict | None = None,
@@ -66,13 +68,13 @@ def _token_logprobs(
         if positions_BT is not None:
             raise ValueError("with packed=, the positions are the packed batch's targets (PackedBatch.build(targets_BT=...)); pass positions_BT=None")
         return packed_token_logprobs(
-            hf_model, packed, input_ids_BT, attention_mask_BT, temperature=temperature, with_entropy=with_entropy,
+            hf_model, packed, input_ids_BT, attention_mask_BT, sampling=sampling, with_entropy=with_entropy,
             chunk_tokens=chunk_tokens, mm_inputs=mm_inputs, entropy_grad=entropy_grad, compile_head=compile_head,
         )
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
-        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
+        sampling=sampling, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
         positions_BT=positions_BT, compile_head=compile_head,
     )
 
@@ -103,9 +105,11 @@ def set_head_compile(model: torch.nn.Module, enabled: bool) -> None:
     setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, *method.args, **{**method.keywords, "compile_head": bool(enabled)}))
 
 
-def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,
-                   entropy_grad=True, positions_BT=None, packed=None):
-    """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
+def token_logprobs(model, input_ids_BT, attention_mask_BT, *, sampling=SamplingFilter(), with_entropy=False, chunk_tokens=2048,
+                   mm_inputs=None, entropy_grad=True, positions_BT=None, packed=None):
+    """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``sampling``: the
+    processed distribution scored (:class:`~tidal.sampling_filter.SamplingFilter`; a training run passes
+    ``rollout.filter``, the one its engine sampled from; default: temperature 1, no filter). ``mm_inputs``:
     the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
     None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`.
 
@@ -115,5 +119,5 @@ def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, w
     [B, T] layout, non-zero only at the packed batch's targets (``positions_BT`` must be None).
     A model switched to packed attention packs a call without ``packed`` itself (the targets are
     ``positions_BT``; a host synchronisation to build the layout): same results, zero off the targets."""
-    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
+    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, sampling, with_entropy, chunk_tokens, mm_inputs or None,
                                           entropy_grad, positions_BT, packed)
