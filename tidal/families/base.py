@@ -133,7 +133,11 @@ class Family:
     ``text_prefix``: where a ``ForConditionalGeneration`` checkpoint keeps the text tower
     (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
     checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
-    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded."""
+    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded.
+    ``qk_norm``: its attention normalises q and k (per head or over the whole projection: the same
+    bytes kept for the backward). ``norms_per_layer``: RMSNorms on a decoder layer's residual path
+    (2: pre-attention and pre-MLP; Gemma 3's sandwich adds post-attention and post-MLP ones). Both
+    size the training activations in the memory plan."""
 
     name: str
     model_types: tuple[str, ...]
@@ -144,6 +148,8 @@ class Family:
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
     text_only: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
 
     def __post_init__(self):
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)

@@ -329,15 +329,17 @@ class ModelRunner:
 
     def _ahead_ids(self, src_rows: np.ndarray, prev: StepHandle, host_ids: np.ndarray) -> torch.Tensor:
         """The input tokens of a batch scheduled ahead, on the device: ``prev``'s samples at
-        ``src_rows``, and ``host_ids`` where ``src_rows`` is -1 (tokens known on the host)."""
+        ``src_rows``, and ``host_ids`` where ``src_rows`` is -1 (tokens known on the host). A sample
+        of -1 (non-finite logits: :class:`NonFiniteLogits` when ``prev`` is waited for) enters as
+        token 0, never as an index outside the embedding."""
         out, k = prev.out[0], len(src_rows)
         if src_rows.max() < 0:
             return self._tensor(host_ids, torch.int64)
         if src_rows.min() >= 0:
             same = k <= out.shape[0] and np.array_equal(src_rows, np.arange(k))  # a prefix of the samples
-            return (out[:k] if same else out[self._tensor(src_rows, torch.int64)]).long()
+            return (out[:k] if same else out[self._tensor(src_rows, torch.int64)]).long().clamp_min(0)
         idx = self._tensor(np.stack([np.maximum(src_rows, 0), src_rows >= 0, host_ids]), torch.int64)
-        return torch.where(idx[1].bool(), out[idx[0]].long(), idx[2])
+        return torch.where(idx[1].bool(), out[idx[0]].long().clamp_min(0), idx[2])
 
     def _uniforms(self, table: SequenceTable, slots: np.ndarray, index: np.ndarray, sampling: SamplingFilter
                   ) -> np.ndarray | None:
@@ -390,7 +392,21 @@ class ModelRunner:
             self.routing.commit(handle.routing)
             handle.routing = None  # written once (a handle may be waited for twice)
         host = handle.host.numpy()
-        return host[0].astype(np.int64), host[1]
+        tokens, logprobs = host[0].astype(np.int64), host[1]
+        if (tokens < 0).any():
+            raise NonFiniteLogits(np.flatnonzero(tokens < 0))
+        return tokens, logprobs
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step's logits held no token of positive probability (NaN or infinite logits): the sampler
+    returns token -1 for such a row instead of reading outside it."""
+
+    def __init__(self, rows: np.ndarray):
+        super().__init__(f"the model's logits are not finite (NaN or inf) in {len(rows)} row(s) of this engine step "
+                         f"(rows {rows[:8].tolist()}): no token can be sampled. The weights or a kernel produced them: "
+                         "check the checkpoint for NaN/inf (tidal check), or run the step with engine.kernel_backend=torch "
+                         "to tell a kernel fault from the weights")
 
 
 @dataclasses.dataclass
