@@ -7,6 +7,8 @@ mixture of experts: its counts come from :class:`tidal.memory.plan.ModelShape` a
 
 from __future__ import annotations
 
+import numpy as np
+
 from tidal import families
 from tidal.memory.plan import ModelShape
 
@@ -122,6 +124,26 @@ def param_count(shape: dict) -> int:
     per_layer = layer_matmul_params(shape) + attention_dim(shape) + 2 * kv + 2 * h
     embeddings = head_params(shape) * (1 if shape.get("tie_word_embeddings", True) else 2)
     return layers * per_layer + embeddings + h
+
+
+def kv_bytes_per_sequence(shape: dict, seq_lens, dtype_bytes: int = 2) -> np.ndarray:
+    """K and V bytes that sequences of ``seq_lens`` tokens keep, and a decode step of each reads:
+    every token in a full-attention layer, at most its window in a sliding-window one."""
+    caches = families.layer_caches({"model_type": "qwen2", **shape})
+    s = np.asarray(seq_lens, dtype=np.float64)
+    total = np.zeros_like(s)
+    for c in caches:
+        if c.has_kv:
+            total += families.kv_bytes_per_token([c], dtype_bytes, 1) * (s if c.window is None else np.minimum(s, c.window))
+    return total
+
+
+def attended_tokens(shape: dict, seq_lens) -> np.ndarray:
+    """Keys that one query at the end of each sequence of ``seq_lens`` tokens meets, summed over the
+    layers (a sliding-window layer's at most its window; every other layer counted at the length)."""
+    caches = families.layer_caches({"model_type": "qwen2", **shape})
+    s = np.asarray(seq_lens, dtype=np.float64)
+    return sum(s if c.window is None else np.minimum(s, c.window) for c in caches)
 
 
 def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:

@@ -196,9 +196,7 @@ class NativeEngine:
         sequences of full ``lengths`` need more. Returns the bytes allocated."""
         grows = not sizing.sized_by_memory(self.device) and self.cfg.kv_cache_max_tokens == 0 and lengths is not None
         if self.runner.kv_layers:
-            want, want_window = self._kv_blocks_wanted(lengths)
-            if not grows or not self._idle() or (self.runner.num_blocks >= want and self.runner.window_blocks >= want_window
-                                                 and self._state_slots_fit(lengths)):
+            if not grows or not self._idle() or (self._kv_fits(lengths) and self._state_slots_fit(lengths)):
                 return 0
             self._free_caches()
         states = self._allocate_states(lengths)
@@ -231,6 +229,11 @@ class NativeEngine:
         if self.runner.routing is not None:
             self.scheduler.before_release = self._keep_routing
         return nbytes + states_bytes(states)
+
+    def _kv_fits(self, lengths: list[int] | None) -> bool:
+        """Whether the allocated cache has the blocks that sequences of full ``lengths`` want (CPU)."""
+        want, want_window = self._kv_blocks_wanted(lengths)
+        return self.runner.num_blocks >= want and self.runner.window_blocks >= want_window
 
     # ---- recurrent state (hybrid models) --------------------------------------------------------
     def _state_slots_wanted(self, lengths: list[int] | None) -> int:
