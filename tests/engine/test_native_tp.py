@@ -63,7 +63,8 @@ def _worker(rank: int, store_path: str, out_dir: str):
         engine.load_weights(hf.state_dict().items())
         assert engine.tp.size == 2 and engine.model.model.layers[0].mlp.down_proj.weight.shape[1] == 48
         results.append((_run(engine), _incremental(engine, family, overrides)))
-    torch.save((results, _blocks_with_unequal_memory(rank, group), _windowed(group)), os.path.join(out_dir, f"rank{rank}.pt"))
+    windowed = _windowed(group)  # before _blocks_with_unequal_memory, which makes sizing think it is on a GPU
+    torch.save((results, _blocks_with_unequal_memory(rank, group), windowed), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 

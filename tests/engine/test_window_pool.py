@@ -94,6 +94,24 @@ def test_a_tight_window_pool_stays_exact(family, monkeypatch):
 
 
 @pytest.mark.parametrize("family", WINDOWED)
+def test_a_window_pool_short_in_decode_preempts_and_stays_exact(family, monkeypatch):
+    """Four short prompts (1 to 5 tokens) of 20 new tokens beside a full pool that holds all four
+    (7 + 6 + 6 + 6 blocks) and a window pool of 10 blocks: all four start, and each grows to 3 window
+    blocks as it decodes (12 > 10), so the window pool preempts the latest; resumed, every output is
+    HF's greedy one."""
+    monkeypatch.setattr(sizing, "window_blocks_for_lengths", lambda lengths, full, **kw: 10)
+    hf = tiny(family)
+    prompts = [[5, 9, 77, 2, 31], [11, 12], [7], [40, 41, 40]]
+    engine = engine_for(hf, block_size=4, max_num_batched_tokens=8)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=20, **GREEDY))
+    assert engine.block_manager.num_blocks == 7 + 6 + 6 + 6 and engine.stats["preemptions"] > 0
+    for prompt, c in zip(prompts, out):
+        assert c.token_ids == hf_greedy(hf, prompt, 20)
+        assert_logprobs_match(hf, prompt, c.token_ids, c.logprobs)
+    assert engine.window_blocks.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("family", WINDOWED)
 def test_forks_share_the_window_blocks_of_their_prompt(family):
     """Four samples of a 20-token prompt: the first prefills it; the others reuse its 4 full blocks
     and the window blocks of their last window (columns 2 and 3: positions 9..15 precede position

@@ -233,7 +233,7 @@ class NativeEngine:
     def _kv_fits(self, lengths: list[int] | None) -> bool:
         """Whether the allocated cache has the blocks that sequences of full ``lengths`` want (CPU)."""
         want, want_window = self._kv_blocks_wanted(lengths)
-        return self.runner.num_blocks >= want and self.runner.window_blocks >= want_window
+        return self.runner.num_blocks >= want and self.runner.num_window_blocks >= want_window
 
     # ---- recurrent state (hybrid models) --------------------------------------------------------
     def _state_slots_wanted(self, lengths: list[int] | None) -> int:

@@ -82,7 +82,7 @@ class ModelRunner:
         self.kv_layers: list[torch.Tensor] = []  # K0, V0, K1, V1, ... of the full layers (empty while freed)
         self.window_kv_layers: list[torch.Tensor] = []  # the same for the window layers (their own pool)
         self.num_blocks = 0
-        self.window_blocks = 0
+        self.num_window_blocks = 0
         self._kv_regions: fixed_memory.FixedAddressRegions | None = None  # the layers' address regions, kept
         self._window_regions: fixed_memory.FixedAddressRegions | None = None
         self.max_blocks_per_seq = (model.max_positions + block_size - 1) // block_size
@@ -173,7 +173,7 @@ class ModelRunner:
                 raise ValueError("a model with sliding-window layers needs window_blocks >= 1")
             self.window_kv_layers = self._allocate_layers(self.num_window_layers, window_blocks,
                                                           self._window_regions_of if fixed else None)
-            self.window_blocks = window_blocks
+            self.num_window_blocks = window_blocks
         if self.routing is not None:
             self.routing.resize((num_blocks + 1) * self.block_size)
         for i, attn in enumerate(self.full_attns):
@@ -191,7 +191,7 @@ class ModelRunner:
         for attn in self.model.layer_attentions():
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.kv_layers, self.window_kv_layers = [], []
-        self.num_blocks = self.window_blocks = 0
+        self.num_blocks = self.num_window_blocks = 0
         if self._kv_regions is not None:
             self._kv_regions.unmap()  # no tensor over the regions is left
             if self._window_regions is not None:
@@ -324,8 +324,8 @@ class ModelRunner:
         _within("full-attention block id", bt, self.num_blocks + 1)
         if wslots_T is None:
             return
-        _within("sliding-window KV slot", wslots_T, (self.window_blocks + 1) * bs)
-        _within("sliding-window block id", wbt, self.window_blocks + 1)
+        _within("sliding-window KV slot", wslots_T, (self.num_window_blocks + 1) * bs)
+        _within("sliding-window block id", wbt, self.num_window_blocks + 1)
         first = np.maximum(0, q0_B - self.window + 1) // bs
         lo = table.win_lo[rows]
         if (first < lo).any():
@@ -405,7 +405,7 @@ class ModelRunner:
                 in_graph = sampling.fused_on(self.device) and not verify
                 res = self.graphs.run(inputs, bt, self.num_blocks, ids_dev,
                                       temperature=sampling.temperature if in_graph else None, uniforms=u,
-                                      window_bt=wbt, window_scratch=self.window_blocks)
+                                      window_bt=wbt, window_scratch=self.num_window_blocks)
                 if in_graph:
                     samples = res.contiguous()
                 else:
