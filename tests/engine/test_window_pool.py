@@ -212,3 +212,38 @@ def test_more_sequences_fit_in_the_same_bytes():
     assert (full, window) == (33600, 700 * 33 + 560)
     assert bytes_of(full, window) <= budget < bytes_of(full + 1, sizing.window_pool_blocks(full + 1, **kw))
     assert budget // (26 * 2 * 16 * 256 * 2) // 48 == 525
+
+
+def test_both_pools_follow_the_memory_at_fixed_addresses(monkeypatch):
+    """Sized by memory (a CUDA engine's rule, fixed-address regions faked on the host), for sequences
+    of 40 tokens: a full block is 1 layer x (K, V) x 4 tokens x 2 heads x 16 x 4 bytes = 1024 bytes,
+    a window block 3072; W(n) = ceil(n / 10) x 3 + 12 window blocks beside n full ones. A budget of
+    101 x 1024 + 43 x 3072 holds n = 100 (W = 42; n = 101 would need 102 x 1024 + 46 x 3072); half
+    of it, n = 50 (W = 27). Each pool's regions keep their addresses across wake-ups."""
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.native import NativeEngine
+
+    from .test_native_memory import _FakeRegions, _memory_sized
+
+    budgets = [101 * 1024 + 43 * 3072, 51 * 1024 + 28 * 3072]
+    _memory_sized(monkeypatch, [2 * b for b in budgets], fixed=True)  # kv_cache_memory_fraction 0.5
+    hf = tiny("gemma3")
+    engine = NativeEngine(hf.config, EngineConfig(block_size=4, max_num_batched_tokens=8), device=torch.device("cpu"),
+                          dtype=torch.float32, seq_len=40)
+    engine.load_weights(hf.state_dict().items())
+    want = [hf_greedy(hf, p, 6) for p in PROMPTS]
+    ptrs = None
+    for (full, window), budget in zip([(100, 42), (50, 27)], budgets):
+        engine.wake_up()
+        runner = engine.runner
+        assert (runner.num_blocks, runner.num_window_blocks) == (full, window)
+        assert (engine.block_manager.num_blocks, engine.window_blocks.num_blocks) == (full, window)
+        assert engine.memory_report()["kv_cache"] == (full + 1) * 1024 + (window + 1) * 3072 == budget
+        full_regions, window_regions = _FakeRegions.instances  # reserved once each: 2 and 6 regions
+        assert (full_regions.num_regions, window_regions.num_regions) == (2, 6)
+        now = [t.data_ptr() for t in runner.kv_layers + runner.window_kv_layers]
+        assert now == (ptrs or [b.data_ptr() for b in full_regions.bufs + window_regions.bufs])
+        ptrs = now
+        out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, **GREEDY))
+        assert [c.token_ids for c in out] == want
+        engine.sleep(1)
