@@ -246,6 +246,18 @@ def kv_bytes_per_token(caches: list[LayerCache], dtype_bytes: int, tp_size: int)
     return sum(2 * _kv_heads_per_rank(c, tp_size) * c.head_dim * dtype_bytes for c in caches if c.has_kv)
 
 
+def pool_window(caches: list[LayerCache]) -> int | None:
+    """The window of the window layers' own block pool in the native engine: the largest window of
+    the ``window_kv`` layers when ``full_kv`` layers sit beside them (None otherwise: every
+    attention layer's blocks in one pool; :mod:`tidal.engine.native.window_blocks`)."""
+    windows = [c.window for c in caches if c.kind == "window_kv"]
+    return max(windows) if windows and any(c.kind == "full_kv" for c in caches) else None
+
+
+def has_window_pool(caches: list[LayerCache]) -> bool:
+    return pool_window(caches) is not None
+
+
 def kv_bytes_per_sequence(caches: list[LayerCache], seq_len: int, dtype_bytes: int, tp_size: int) -> int:
     """K and V bytes one sequence of ``seq_len`` tokens keeps on one TP rank: every token in a
     ``full_kv`` layer, at most ``window`` tokens in a ``window_kv`` layer (in tokens; the engine's

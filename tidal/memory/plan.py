@@ -60,7 +60,10 @@ Every byte count is per rank. Where a figure comes from:
   is the engine's rule (:func:`tidal.engine.sizing.kv_budget_bytes`: ``engine.kv_cache_memory_fraction``
   of the memory available when it wakes up for a rollout, i.e. with the steady state's resident
   weights and optimizer state), or ``engine.kv_cache_max_tokens``; the plan applies that rule to
-  its predicted free memory and never changes the engine's settings.
+  its predicted free memory and never changes the engine's settings. A model with sliding-window
+  layers beside full ones splits that budget between two block pools by the engine's rule
+  (:func:`tidal.engine.sizing.split_kv_pools`): its window layers hold at most a window's blocks
+  per sequence, sized for sequences of ``data.max_prompt_len + rollout.max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -699,11 +702,32 @@ def _kv_tokens(inp: PlanInputs, sz: _Sizes) -> int:
     when set, else the engine's own rule (:func:`tidal.engine.sizing.kv_budget_bytes`) applied to the
     memory available when it wakes up: the device less what is outside the allocator and what stays
     allocated (the resident weights and optimizer state, the engine's weights), in whole blocks."""
+    return _kv_pools(inp, sz)[0] * inp.engine.block_size
+
+
+def _kv_block_bytes(inp: PlanInputs) -> tuple[int, int]:
+    """Bytes of one block of the engine's full-layer pool and of its window-layer pool (0: none)."""
+    caches, bs, tp = inp.shape.caches(), inp.engine.block_size, inp.engine.tp_size
+    if not families.has_window_pool(caches):
+        return bs * families.kv_bytes_per_token(caches, 2, tp), 0
+    return (bs * families.kv_bytes_per_token([c for c in caches if c.kind == "full_kv"], 2, tp),
+            bs * families.kv_bytes_per_token([c for c in caches if c.kind == "window_kv"], 2, tp))
+
+
+def _kv_pools(inp: PlanInputs, sz: _Sizes) -> tuple[int, int]:
+    """The engine's (full-layer, window-layer) KV blocks at a steady-state rollout, by its own rules
+    (:func:`tidal.engine.sizing.split_kv_pools`: the window layers' pool sized for sequences of
+    ``max_len``, which the trainer hands the engine too); window blocks 0 without a window pool."""
+    bs, mnbt = inp.engine.block_size, inp.engine.max_num_batched_tokens
+    window = families.pool_window(inp.shape.caches())
     if inp.engine.kv_cache_max_tokens:
-        return inp.engine.kv_cache_max_tokens // inp.engine.block_size * inp.engine.block_size
+        full = inp.engine.kv_cache_max_tokens // bs
+        return full, 0 if window is None else engine_sizing.window_pool_blocks(
+            full, block_size=bs, window=window, seq_len=inp.max_len, max_num_batched_tokens=mnbt)
     available = max(0, _wake_available(inp, sz) - _state_pool_bytes(inp, sz))
-    per_block = inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size) * inp.engine.block_size
-    return engine_sizing.kv_budget_bytes(inp.engine, available) // per_block * inp.engine.block_size
+    full_b, window_b = _kv_block_bytes(inp)
+    return engine_sizing.split_kv_pools(lambda n, w: n * full_b + w * window_b, engine_sizing.kv_budget_bytes(inp.engine, available),
+                                        block_size=bs, window=window, seq_len=inp.max_len, max_num_batched_tokens=mnbt)
 
 
 def _wake_available(inp: PlanInputs, sz: _Sizes) -> int:
@@ -772,9 +796,12 @@ def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
 
 def _cache_parts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
     """The engine's KV cache and, for a hybrid model, its recurrent-state pool."""
-    kv_tokens = _kv_tokens(inp, sz)
-    parts = [Part(f"engine KV cache ({kv_tokens} tokens)", kv_tokens * inp.shape.kv_cache_bytes_per_token(inp.engine.tp_size),
-                  allocated=not inp.kv_outside_allocator)]
+    full, window = _kv_pools(inp, sz)
+    full_b, window_b = _kv_block_bytes(inp)
+    bs = inp.engine.block_size
+    label = f"engine KV cache ({full * bs} tokens)" if not window_b else (
+        f"engine KV cache ({full * bs} tokens; sliding-window layers {window * bs})")
+    parts = [Part(label, full * full_b + window * window_b, allocated=not inp.kv_outside_allocator)]
     states = _state_pool_bytes(inp, sz) if _engine(inp).own_kv_rule else 0
     if states:
         per_slot = inp.shape.state_bytes_per_sequence(inp.engine.tp_size)
