@@ -185,3 +185,88 @@ def test_resume_on_another_world_size(tmp_path, capsys):
     check_world_change(point, lone_runtime(), reshards=False)
     check_world_change(None, lone_runtime(), reshards=False)
     assert capsys.readouterr().out == ""
+
+
+def _lost_node_watchdog(tmp_path, rank):
+    """Rank ``rank`` of 2 nodes x 2 ranks (hostA, hostB) at t=100 s, every other rank's heartbeat
+    written at 120 s except node 1's (ranks 2, 3), silent since 101 s."""
+    import json
+
+    from tidal.run.watchdog import Watchdog
+
+    wd = Watchdog(rank=rank, world_size=4, run_dir=tmp_path, timeout_s=10.0,
+                  topology=Topology.from_ranks([(0, "hostA"), (0, "hostA"), (1, "hostB"), (1, "hostB")]))
+    wd.session, wd._started = "s1", 0.0
+    wd.dir.mkdir(parents=True, exist_ok=True)
+    wd._state = {**wd._make_state("generate", "in"), "session": "s1", "entered": 100.0}
+    for r, beat in ((0, 120.0), (1, 120.0), (2, 101.0), (3, 101.0)):
+        if r != rank:
+            (wd.dir / f"rank{r}.json").write_text(json.dumps({"rank": r, "session": "s1", "pid": 1, "step": 0, "k": 0,
+                                                              "stage": "generate", "state": "in", "entered": 100.0, "beat": beat}))
+    return wd
+
+
+def test_the_first_rank_of_every_node_watches_for_lost_ranks(tmp_path):
+    """With several nodes the first rank of each node checks for silent ranks (a lost node 0 has
+    no rank 0 left to report it), only for those: a divergence stays rank 0's report."""
+    from tidal.run.watchdog import Watchdog, format_report
+
+    checks = [_lost_node_watchdog(tmp_path / str(r), r)._checks() for r in range(4)]
+    assert checks == [True, False, True, False]
+    assert not Watchdog(rank=1, world_size=2, run_dir=tmp_path, timeout_s=10.0)._checks()  # one node: rank 0 alone
+    wd = _lost_node_watchdog(tmp_path / "x", 1)
+    report = wd.check(now=110.0, gone_only=True)
+    assert report["lost"] and report["behind"] == [2, 3]
+    text = format_report(report, "ranks lost")
+    assert text.splitlines()[0].startswith("[tidal.watchdog] ranks lost: ranks [2, 3] on node 1 (host hostB) wrote no "
+                                           "heartbeat for 9.0 s (their processes or node are gone)")
+    assert text.splitlines()[-1] == "  lost: ranks [2, 3] on node 1 (host hostB)"
+    # a rank behind in position while every heartbeat is fresh: rank 0's divergence, not a lost node
+    import json
+    for r in (2, 3):
+        (wd.dir / f"rank{r}.json").write_text(json.dumps({"rank": r, "session": "s1", "pid": 1, "step": 0, "k": 0,
+                                                          "stage": "setup", "state": "in", "entered": 50.0, "beat": 120.0}))
+    wd._state = {**wd._state, "k": 3}
+    assert wd.check(now=121.0, gone_only=True) is None and wd.check(now=121.0)["behind"] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("rank,prints", [(0, True), (1, False)])
+def test_a_collective_error_with_a_node_gone_ends_the_rank_with_the_watchdog_code(tmp_path, monkeypatch, rank, prints):
+    """Issue 48 item 2: gloo's error for a closed connection, with node 1's ranks silent, ends the
+    surviving ranks with exit code 3 (not the error's 1): the lowest surviving rank prints the
+    report naming the lost node, the others end without a word."""
+    from tidal.run import watchdog as wdm
+
+    wd = _lost_node_watchdog(tmp_path, rank)
+    monkeypatch.setattr(wdm.time, "time", lambda: 110.0)
+    monkeypatch.setattr(wdm.time, "sleep", lambda s: None)
+    ended = []
+
+    def fire(report, title="ranks diverged"):
+        ended.append((report, title))
+        raise SystemExit(wdm.EXIT_CODE)
+
+    monkeypatch.setattr(wd, "_fire", fire)
+    err = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    with pytest.raises(SystemExit):
+        wd.note(err, f"rank {rank} failed in step 0, stage 'generate'")
+    report, title = ended[0]
+    if prints:
+        assert title == "ranks lost" and report["behind"] == [2, 3] and report["lost"]
+        assert report["why"].startswith("rank 0 failed in step 0, stage 'generate': ranks [2, 3] on node 1 (host hostB) "
+                                        "wrote no heartbeat for 9.0 s")
+        assert report["why"].endswith("the collective's error: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                      "Connection closed by peer [127.0.0.1]:4242")
+    else:
+        assert report is None  # rank 0 says it
+
+
+def test_a_collective_error_with_every_rank_alive_raises_with_the_stage_report(tmp_path, monkeypatch):
+    from tidal.run import watchdog as wdm
+
+    wd = _lost_node_watchdog(tmp_path, 0)
+    monkeypatch.setattr(wdm.time, "time", lambda: 102.0)  # node 1 silent 1 s only: not gone
+    monkeypatch.setattr(wdm.time, "sleep", lambda s: None)
+    err = RuntimeError("gloo timeout")
+    wd.note(err, "rank 0 failed in step 0, stage 'generate'")
+    assert "[tidal.watchdog] stage report: rank 0 failed in step 0" in err.__notes__[0]

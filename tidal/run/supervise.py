@@ -15,6 +15,14 @@ Signals: the child runs in its own process group, so a Ctrl-C at the terminal (o
 to its worker's group) reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on to
 the child once: Tidal's graceful stop counts signals, and a second one aborts at once. The child
 dies with this process (``PR_SET_PDEATHSIG``) if this one is killed.
+
+Under torchrun (a torch elastic agent started this process: ``TORCHELASTIC_RUN_ID`` is set) the
+agent is this process's parent, and a rank is useless without it: the agent is what stops, restarts
+or reports the node's ranks. When the agent is gone (killed alone, its node's other processes alive)
+this process says so in one line and kills the child's process group, so the other nodes' ranks find
+this node's ranks gone (their collectives fail, their heartbeats stop: the watchdog reports the lost
+node, exit code 3) instead of training beside orphans, and the command exits with
+:data:`AGENT_LOST_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ OUTCOME_FD_ENV = "TIDAL_OUTCOME_FD"  # set in the child: the pipe it reports its
 SUPERVISED_COMMANDS = ("train", "check", "eval", "export")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+AGENT_LOST_EXIT_CODE = 3  # the watchdog's code (tidal.run.watchdog.EXIT_CODE): this rank's part of the job is lost
+AGENT_POLL_S = 0.5  # how often the supervisor looks whether its torchrun agent is still its parent
 
 
 def wanted(argv: list[str]) -> bool:
@@ -87,10 +97,12 @@ def run_supervised(argv: list[str]) -> int:
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
-        code = child.wait()
+        code = _wait(child, argv[0], agent=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if code is None:
+        return AGENT_LOST_EXIT_CODE
     os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there
     try:
         said = os.read(read_fd, 64).decode(errors="replace").strip()
@@ -99,6 +111,36 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         os.close(read_fd)
     return _outcome(argv[0], child.pid, code, said)
+
+
+def _wait(child: subprocess.Popen, command: str, *, agent: int | None) -> int | None:
+    """The child's exit code; with ``agent`` (the torchrun agent's pid, this process's parent), None
+    once the agent is gone (this process was re-parented), after killing the child's process group."""
+    if agent is None:
+        return child.wait()
+    while True:
+        try:
+            return child.wait(timeout=AGENT_POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if os.getppid() != agent:
+            break
+    print(f"tidal: {_who()}: the torchrun agent that started this rank (pid {agent}) is gone; ending the rank's "
+          f"{command} process (pid {child.pid}), so that the other nodes stop and "
+          "report this node lost instead of training beside it", file=sys.stderr, flush=True)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and what it started (reward workers) in its group
+    except ProcessLookupError:
+        pass
+    child.wait()
+    return None
+
+
+def _who() -> str:
+    """``rank R (node G, host H)`` from torchrun's environment."""
+    import socket
+
+    return f"rank {os.environ.get('RANK', '?')} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
 
 
 def _child_code() -> str:
