@@ -80,3 +80,49 @@ def test_without_torchrun_the_supervisor_does_not_watch_its_parent(monkeypatch):
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(5)"])
     assert supervise._wait(child, "train", agent=os.getppid()) == 5  # the agent alive: the child's own code
     assert supervise.AGENT_LOST_EXIT_CODE == __import__("tidal.run.watchdog", fromlist=["EXIT_CODE"]).EXIT_CODE
+
+
+def test_a_signal_passed_on_by_the_supervisor_within_the_window_is_the_same_signal(monkeypatch):
+    """Slurm signals every process of a job step: a rank's child gets SIGTERM itself and again from
+    its supervising command (which notes it in the pipe first). The copy is the same signal; two
+    signals sent to the process itself still count as two, and so does a copy past the window."""
+    from tidal.run import stop, supervise
+
+    with stop.StopRequest() as req:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert req.signum == signal.SIGINT
+        monkeypatch.setattr(supervise, "forwarded", lambda: True)
+        os.kill(os.getpid(), signal.SIGINT)  # the supervisor's copy: no KeyboardInterrupt
+        monkeypatch.setattr(supervise, "forwarded", lambda: False)
+        req._last = (time.monotonic() - 2 * supervise.REPEAT_S, True)  # long after: a second signal
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            raise AssertionError("a second signal past the window did not abort")
+        except KeyboardInterrupt:
+            pass
+    with stop.StopRequest() as req:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # sent to the process itself twice: a second signal
+            time.sleep(0.1)
+            raise AssertionError("a second direct signal did not abort")
+        except KeyboardInterrupt:
+            pass
+
+
+def test_the_supervisors_signal_note_is_read_once(tmp_path):
+    """forwarded() reads what the supervisor wrote before signalling, once; nothing: False."""
+    from tidal.run import supervise
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    old, supervise._forward_fd = supervise._forward_fd, r
+    try:
+        assert not supervise.forwarded()
+        os.write(w, b"f")
+        assert supervise.forwarded() and not supervise.forwarded()
+    finally:
+        supervise._forward_fd = old
+        os.close(r)
+        os.close(w)

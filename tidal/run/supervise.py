@@ -13,8 +13,13 @@ was 0. A child ended by a signal ends the command by the same signal (torchrun r
 
 Signals: the child runs in its own process group, so a Ctrl-C at the terminal (or torchrun's signal
 to its worker's group) reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on to
-the child once: Tidal's graceful stop counts signals, and a second one aborts at once. The child
-dies with this process (``PR_SET_PDEATHSIG``) if this one is killed.
+the child once: Tidal's graceful stop counts signals, and a second one aborts at once. One signal
+may come several ways at once: Slurm signals every process of a job step (the agent, this process
+and the child), and the agent passes its own on to this process. So this process passes a signal on
+at most once per :data:`REPEAT_S`, and says so to the child through a pipe before it signals it
+(:func:`forwarded`): the child counts a copy passed on within :data:`REPEAT_S` of another signal as
+that signal (:class:`tidal.run.stop.StopRequest`). The child dies with this process
+(``PR_SET_PDEATHSIG``) if this one is killed.
 
 Under torchrun (a torch elastic agent started this process: ``TORCHELASTIC_RUN_ID`` is set) the
 agent is this process's parent, and a rank is useless without it: the agent is what stops, restarts
@@ -31,8 +36,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 OUTCOME_FD_ENV = "TIDAL_OUTCOME_FD"  # set in the child: the pipe it reports its exit code into
+FORWARD_FD_ENV = "TIDAL_FORWARD_FD"  # set in the child: the pipe that says a signal was passed on
+REPEAT_S = 2.0  # copies of one signal arrive within this (a scheduler's, the agent's, this process's)
 SUPERVISED_COMMANDS = ("train", "check", "eval", "export")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
@@ -46,17 +54,23 @@ def wanted(argv: list[str]) -> bool:
 
 
 _outcome_fd: int | None = None  # in a supervised child: the pipe's write end (set once, by start_child)
+_forward_fd: int | None = None  # in a supervised child: the read end of the supervisor's signal notes
 
 
 def start_child() -> None:
     """In a supervised child (a no-op elsewhere): take the pipe from the environment (no process
     this one starts inherits it), and be killed when the supervisor dies (Linux)."""
-    global _outcome_fd
+    global _outcome_fd, _forward_fd
     fd = os.environ.pop(OUTCOME_FD_ENV, None)
+    forward = os.environ.pop(FORWARD_FD_ENV, None)
     if fd is None:
         return
     _outcome_fd = int(fd)
     os.set_inheritable(_outcome_fd, False)
+    if forward is not None:
+        _forward_fd = int(forward)
+        os.set_inheritable(_forward_fd, False)
+        os.set_blocking(_forward_fd, False)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -66,6 +80,17 @@ def start_child() -> None:
             pass
         if os.getppid() == 1:  # the supervisor died before the call
             os._exit(1)
+
+
+def forwarded() -> bool:
+    """In a supervised child, in a signal handler: whether the supervisor passed a signal on since
+    the last call (it writes to the pipe before it signals); False elsewhere."""
+    if _forward_fd is None:
+        return False
+    try:
+        return bool(os.read(_forward_fd, 64))
+    except (BlockingIOError, OSError):
+        return False
 
 
 def report_outcome(code: int | None) -> None:
@@ -85,11 +110,24 @@ def report_outcome(code: int | None) -> None:
 def run_supervised(argv: list[str]) -> int:
     """Run ``tidal ARGV`` as a supervised child; its exit code, checked (module docstring)."""
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd)})
-    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd,), process_group=0)
+    note_r, note_w = os.pipe()
+    env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd), FORWARD_FD_ENV: str(note_r)})
+    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd, note_r),
+                             process_group=0)
     os.close(write_fd)
+    os.close(note_r)
+    os.set_blocking(note_w, False)
+    last: dict[int, float] = {}
 
     def forward(signum, _frame):
+        now = time.monotonic()
+        if now - last.get(signum, -REPEAT_S) < REPEAT_S:
+            return  # a copy of the signal just passed on (module docstring)
+        last[signum] = now
+        try:
+            os.write(note_w, b"f")
+        except OSError:  # the child is gone, or its notes are unread: it learns no more from them
+            pass
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -101,6 +139,7 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        os.close(note_w)
     if code is None:
         return AGENT_LOST_EXIT_CODE
     os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there

@@ -27,8 +27,8 @@ silent, so a lost node 0 is reported by the others; and a collective's error (a 
 ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a collective raises when a peer's
 connection closes) waits ``4 * beat_s`` for ranks that are gone to show as silent: when some are,
 the node is lost, and the rank ends with :data:`EXIT_CODE` and the report (``ranks lost``, naming
-the silent ranks' node and host; the lowest surviving rank prints it, the others end without a
-word) instead of raising the connection's error (exit code 1).
+the silent ranks' node and host) instead of raising the connection's error (exit code 1): the
+lowest surviving rank at once, the others only if the job has not ended within ``timeout_s``.
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
 none afterwards. ``<run_dir>`` must be visible to every rank (as checkpoints already require).
@@ -263,20 +263,28 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
     def _end_if_lost(self, e: BaseException, headline: str) -> None:
-        """After a collective's error: when ranks are silent (gone), end the process with the report
-        (the lowest surviving rank prints it; the others end a little later, without a word, so that
-        their node's agent does not stop the reporter first); else return."""
+        """After a collective's error: when ranks are silent (gone), end the process with the report;
+        else return. The lowest surviving rank ends at once; the others wait, their heartbeats going
+        on, for its agent to end the job (which stops them too), so that the report names the lost
+        ranks alone; one that is still there after ``timeout_s`` reports and ends itself."""
+        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        report = self._lost_report(headline, f"the collective's error: {cause}")
+        if report is None:
+            return
+        if self.rank != min(r for r in range(self.world_size) if r not in report["behind"]):
+            time.sleep(self.timeout_s)
+            report = self._lost_report(headline, f"the collective's error: {cause}") or report
+        self._fire(report, "ranks lost")
+
+    def _lost_report(self, headline: str, tail: str) -> dict | None:
+        """The report of the ranks silent now (gone), or None when none is."""
         now = time.time()
         beats = {r: self._read(r) for r in range(self.world_size)}
         gone = self._silent(beats, now)
         if not gone:
-            return
-        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        why = f"{headline}: {self._gone_why(beats, gone, now)}; the collective's error: {cause}"
-        if self.rank == min(r for r in range(self.world_size) if r not in gone):
-            self._fire({**self._report(beats, now, behind=gone, why=why), "lost": True}, "ranks lost")
-        time.sleep(2 * self.beat_s)
-        self._fire(None)
+            return None
+        why = f"{headline}: {self._gone_why(beats, gone, now)}; {tail}"
+        return {**self._report(beats, now, behind=gone, why=why), "lost": True}
 
     def describe(self, headline: str) -> str:
         """Every rank's stage now (from the heartbeats), under ``headline``; silent ranks are behind
