@@ -149,9 +149,7 @@ def _announce_restarts(args) -> None:
     a failure (a new node joining restarts them too: that is said by torch and needs no wait)."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
 
-    restart_workers = SimpleElasticAgent._restart_workers
-    if getattr(restart_workers, "_tidal", False):
-        return
+    restart_workers = getattr(SimpleElasticAgent._restart_workers, "__wrapped__", SimpleElasticAgent._restart_workers)
 
     def announced(agent, worker_group):
         if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -159,7 +157,7 @@ def _announce_restarts(args) -> None:
             print(waiting_line(args, spec.max_restarts - agent._remaining_restarts), file=sys.stderr, flush=True)
         return restart_workers(agent, worker_group)
 
-    announced._tidal = True
+    announced.__wrapped__ = restart_workers  # a second launch in this process wraps torch's, not this
     SimpleElasticAgent._restart_workers = announced
 
 
