@@ -77,7 +77,7 @@ class Watchdog:
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ending = threading.Lock()  # held by the one thread that ends the process (_end)
+        self._ending = threading.Lock()  # held by the one thread that ends the process (_fire)
 
     # ---- recording (training thread) ------------------------------------------------------------
     def _make_state(self, stage: str, state: str) -> dict:
@@ -248,18 +248,17 @@ class Watchdog:
                 })
         return {"timeout_s": self.timeout_s, "beat_s": self.beat_s, "why": why, "behind": behind, "ranks": ranks}
 
-    def _fire(self, report: dict | None, title: str = "ranks diverged") -> None:
-        """Print ``report`` under ``title`` (None: nothing), write it to ``divergence.json`` and end
-        the process with :data:`EXIT_CODE`; a second thread getting here waits for the first to end it."""
+    def _fire(self, report: dict, title: str = "ranks diverged") -> None:
+        """Print ``report`` under ``title``, write it to ``divergence.json`` and end the process with
+        :data:`EXIT_CODE`; a second thread getting here waits for the first to end it."""
         if not self._ending.acquire(blocking=False):
             threading.Event().wait()  # another thread of this rank is ending the process
-        if report is not None:
-            print(format_report(report, title), file=sys.stderr, flush=True)
-            with contextlib.suppress(OSError):
-                (self.dir / "divergence.json").write_text(json.dumps(report, indent=1))
+        print(format_report(report, title), file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            (self.dir / "divergence.json").write_text(json.dumps(report, indent=1))
         from tidal.run.supervise import report_outcome
 
-        report_outcome(EXIT_CODE)  # said above (or by the reporting rank): the supervising command adds nothing
+        report_outcome(EXIT_CODE)  # said above: the supervising command adds nothing
         os._exit(EXIT_CODE)
 
     def _end_if_lost(self, e: BaseException, headline: str) -> None:
