@@ -240,8 +240,9 @@ def test_a_collective_error_with_a_node_gone_ends_the_rank_with_the_watchdog_cod
 
     wd = _lost_node_watchdog(tmp_path, rank)
     monkeypatch.setattr(wdm.time, "time", lambda: 110.0)
-    slept = []
-    monkeypatch.setattr(wdm.time, "sleep", slept.append)
+    clock = [0.0]  # monotonic seconds, advanced by sleep
+    monkeypatch.setattr(wdm.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(wdm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     ended = []
 
     def fire(report, title="ranks diverged"):
@@ -257,15 +258,44 @@ def test_a_collective_error_with_a_node_gone_ends_the_rank_with_the_watchdog_cod
     assert report["why"] == (f"rank {rank} failed in step 0, stage 'generate': ranks [2, 3] on node 1 (host hostB) "
                              "wrote no heartbeat for 9.0 s (their processes or node are gone); the collective's error: "
                              "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
-    assert slept == ([] if prints else [10.0])  # rank 1 waits run.collective_timeout_s for rank 0's report first
+    assert clock[0] == 0 if prints else 4 * wd.beat_s <= clock[0] < 4 * wd.beat_s + 0.2  # rank 1 waits 4 beats first
 
 
-def test_a_collective_error_with_every_rank_alive_raises_with_the_stage_report(tmp_path, monkeypatch):
+def test_a_surviving_rank_that_is_not_the_reporter_ends_quietly_once_reported(tmp_path, monkeypatch):
+    """Rank 1 waits a few beats for rank 0's report: once ``divergence.json`` holds this session's
+    report it ends with exit code 3 and no second report; stopped by its agent without one, it
+    reports at once."""
+    import json
+    import os
+    import signal
+
     from tidal.run import watchdog as wdm
 
-    wd = _lost_node_watchdog(tmp_path, 0)
-    monkeypatch.setattr(wdm.time, "time", lambda: 102.0)  # node 1 silent 1 s only: not gone
-    monkeypatch.setattr(wdm.time, "sleep", lambda s: None)
-    err = RuntimeError("gloo timeout")
-    wd.note(err, "rank 0 failed in step 0, stage 'generate'")
-    assert "[tidal.watchdog] stage report: rank 0 failed in step 0" in err.__notes__[0]
+    for stop in ("report", "sigterm"):
+        wd = _lost_node_watchdog(tmp_path / stop, 1)
+        monkeypatch.setattr(wdm.time, "time", lambda: 110.0)
+        fired = []
+
+        def fire(report, title, fired=fired):
+            fired.append(title)
+            raise SystemExit(3)
+
+        monkeypatch.setattr(wd, "_fire", fire)
+        monkeypatch.setattr(wdm, "_exit", lambda: (_ for _ in ()).throw(SystemExit(wdm.EXIT_CODE)))
+        sleep, waits = wdm.time.sleep, []
+
+        def waiting(s, wd=wd, stop=stop):
+            waits.append(s)
+            if stop == "report":
+                (wd.dir / "divergence.json").write_text(json.dumps({"session": "s1", "why": "rank 0's"}))
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+            sleep(s)
+
+        monkeypatch.setattr(wdm.time, "sleep", waiting)
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(SystemExit):
+            wd.note(RuntimeError("Connection closed by peer"), "rank 1 failed in step 0, stage 'generate'")
+        assert signal.getsignal(signal.SIGTERM) is handler  # restored
+        assert len(waits) == 1 and fired == ([] if stop == "report" else ["ranks lost"])
+        monkeypatch.undo()

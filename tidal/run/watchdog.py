@@ -27,8 +27,9 @@ silent, so a lost node 0 is reported by the others; and a collective's error (a 
 ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a collective raises when a peer's
 connection closes) waits ``4 * beat_s`` for ranks that are gone to show as silent: when some are,
 the node is lost, and the rank ends with :data:`EXIT_CODE` and the report (``ranks lost``, naming
-the silent ranks' node and host) instead of raising the connection's error (exit code 1): the
-lowest surviving rank at once, the others only if the job has not ended within ``timeout_s``.
+the silent ranks' node and host) instead of raising the connection's error (exit code 1). One
+report per session: the lowest surviving rank reports at once, another a few beats later unless a
+report of this session is in ``divergence.json`` by then (it ends quietly).
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
 none afterwards. ``<run_dir>`` must be visible to every rank (as checkpoints already require).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -253,27 +255,49 @@ class Watchdog:
         :data:`EXIT_CODE`; a second thread getting here waits for the first to end it."""
         if not self._ending.acquire(blocking=False):
             threading.Event().wait()  # another thread of this rank is ending the process
-        print(format_report(report, title), file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
-            (self.dir / "divergence.json").write_text(json.dumps(report, indent=1))
-        from tidal.run.supervise import report_outcome
+            (self.dir / "divergence.json").write_text(json.dumps({**report, "session": self.session}, indent=1))
+        print(format_report(report, title), file=sys.stderr, flush=True)
+        _exit()
 
-        report_outcome(EXIT_CODE)  # said above: the supervising command adds nothing
-        os._exit(EXIT_CODE)
+    def _reported(self) -> bool:
+        """Whether a rank has written its report of this session (``divergence.json``)."""
+        try:
+            return json.loads((self.dir / "divergence.json").read_text()).get("session") == self.session
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def _end_if_lost(self, e: BaseException, headline: str) -> None:
-        """After a collective's error: when ranks are silent (gone), end the process with the report;
-        else return. The lowest surviving rank ends at once; the others wait, their heartbeats going
-        on, for its agent to end the job (which stops them too), so that the report names the lost
-        ranks alone; one that is still there after ``timeout_s`` reports and ends itself."""
+        """After a collective's error: when ranks are silent (gone), end the process with the report
+        (once per session: a rank that finds another's report ends quietly); else return. The lowest
+        surviving rank reports at once; another waits ``4 * beat_s`` more, its heartbeat going on,
+        for that report (the lowest may be blocked in a collective with this rank, not with the lost
+        ones), or for its agent to stop it, before it reports itself."""
         cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         report = self._lost_report(headline, f"the collective's error: {cause}")
         if report is None:
             return
         if self.rank != min(r for r in range(self.world_size) if r not in report["behind"]):
-            time.sleep(self.timeout_s)
+            self._await_report(4 * self.beat_s)
             report = self._lost_report(headline, f"the collective's error: {cause}") or report
+        if self._reported():
+            _exit()  # said by another rank
         self._fire(report, "ranks lost")
+
+    def _await_report(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for another rank's report of this session, or for this rank's agent
+        to stop it (SIGTERM, SIGINT: another rank's exit ended the job)."""
+        stopped: list[int] = []
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, lambda signum, _frame: stopped.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            end = time.monotonic() + seconds
+            while not stopped and time.monotonic() < end and not self._reported():
+                time.sleep(min(0.1, self.poll_s))
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     def _lost_report(self, headline: str, tail: str) -> dict | None:
         """The report of the ranks silent now (gone), or None when none is."""
@@ -302,6 +326,14 @@ class Watchdog:
         """Give ranks that are gone the time to show as silent (3 beats and one more), for a note."""
         if self._thread is not None:
             time.sleep(4 * self.beat_s)
+
+
+def _exit() -> None:
+    """End the process with :data:`EXIT_CODE`, its cause said (the supervising command adds nothing)."""
+    from tidal.run.supervise import report_outcome
+
+    report_outcome(EXIT_CODE)
+    os._exit(EXIT_CODE)
 
 
 def is_collective_error(e: BaseException) -> bool:
