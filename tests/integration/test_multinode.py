@@ -235,6 +235,7 @@ def test_a_lost_node_ends_the_other_with_exit_code_3_naming_it(tmp_path, tiny_ta
             if p.poll() is None:
                 p.kill()
     log = (tmp_path / "node0.log").read_text()
+    print(f"node 0 ended {took:.1f} s after the kill, exit code {code}")
     assert code == 3, log[-5000:]
     assert took < LOST_TIMEOUT_S, took
     node = 0 if ranks == [0, 1] else 1
