@@ -299,3 +299,17 @@ def test_a_surviving_rank_that_is_not_the_reporter_ends_quietly_once_reported(tm
         assert signal.getsignal(signal.SIGTERM) is handler  # restored
         assert len(waits) == 1 and fired == ([] if stop == "report" else ["ranks lost"])
         monkeypatch.undo()
+
+
+def test_a_collective_error_after_another_ranks_report_ends_at_once(tmp_path, monkeypatch):
+    """The reporter's own exit fails its node peers' collectives: they end quietly at once."""
+    import json
+
+    from tidal.run import watchdog as wdm
+
+    wd = _lost_node_watchdog(tmp_path, 0)
+    (wd.dir / "divergence.json").write_text(json.dumps({"session": "s1"}))
+    monkeypatch.setattr(wd, "_await_silence", lambda: (_ for _ in ()).throw(AssertionError("waited")))
+    monkeypatch.setattr(wdm, "_exit", lambda: (_ for _ in ()).throw(SystemExit(wdm.EXIT_CODE)))
+    with pytest.raises(SystemExit):
+        wd.note(RuntimeError("Connection closed by peer"), "rank 0 failed in step 0")

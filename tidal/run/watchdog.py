@@ -120,6 +120,8 @@ class Watchdog:
         if getattr(e, "_tidal_stage_noted", False):
             return
         if self.topology is not None and is_collective_error(e):  # a peer's node may be gone
+            if self._reported():
+                _exit()  # a rank reported a lost node (its exit may be what failed this collective)
             self._await_silence()
             self._end_if_lost(e, headline)
         e.add_note(self.describe(headline))
