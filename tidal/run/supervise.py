@@ -141,6 +141,7 @@ def run_supervised(argv: list[str]) -> int:
             signal.signal(s, handler)
         os.close(note_w)
     if code is None:
+        os.close(read_fd)
         return AGENT_LOST_EXIT_CODE
     os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there
     try:
