@@ -134,8 +134,9 @@ class Family:
     (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
     checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
     decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded.
-    ``qk_norm``: its attention normalises q and k (per head or over the whole projection: the same
-    bytes kept for the backward). ``norms_per_layer``: RMSNorms on a decoder layer's residual path
+    ``qk_norm``: how its attention normalises q and k: ``""`` not at all, ``"head"`` per head (Qwen3,
+    Gemma 3: ``2 x head_dim`` weights), ``"projection"`` over the whole q and k projections (OLMo 3,
+    OLMoE: ``q_dim + kv_dim`` weights); either keeps the same activation bytes for the backward. ``norms_per_layer``: RMSNorms on a decoder layer's residual path
     (2: pre-attention and pre-MLP; Gemma 3's sandwich adds post-attention and post-MLP ones). Both
     size the training activations in the memory plan."""
 
@@ -148,10 +149,12 @@ class Family:
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
     text_only: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""
     norms_per_layer: int = 2
 
     def __post_init__(self):
+        if self.qk_norm not in ("", "head", "projection"):
+            raise ValueError(f"Family {self.name}: qk_norm {self.qk_norm!r} must be '', 'head' or 'projection'")
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)
         if unknown or "attention" not in self.packed_kernels:
             raise ValueError(f"Family {self.name}: packed_kernels {sorted(self.packed_kernels)} must hold 'attention' "

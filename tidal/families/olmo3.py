@@ -5,4 +5,4 @@ from tidal.families.base import Family, layer_type_caches
 
 FAMILY = Family(name="olmo3", model_types=("olmo3",), engine_model="tidal.engine.native.models.olmo3:Olmo3ForCausalLM",
                 layer_caches=layer_type_caches, packed_kernels=frozenset({"attention", "sliding_window"}),
-                qk_norm=True)
+                qk_norm="projection")

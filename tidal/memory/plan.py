@@ -134,7 +134,7 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""  # the family's: "" none, "head" per head, "projection" over the q and k projections
     model_type: str = ""
     vision: bool = False  # a vision-language model (its vision tower is not counted)
     layer_caches: tuple[families.LayerCache, ...] = ()
@@ -162,7 +162,7 @@ class ModelShape:
             kv_heads=families.kv_heads_of(text), head_dim=families.head_dim_of(text),
             intermediate=_dense_intermediate(text, moe), vocab=int(text.vocab_size), tied_embeddings=bool(tied),
             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
-            qk_norm=family.qk_norm if family else model_type.startswith("qwen3"), model_type=model_type,
+            qk_norm=family.qk_norm if family else ("head" if model_type.startswith("qwen3") else ""), model_type=model_type,
             vision=getattr(top, "vision_config", None) is not None,
             layer_caches=tuple(family.layer_caches(text)) if family else (),
             lora_targets=family.lora_targets if family else families.DEFAULT_LORA_TARGETS,
@@ -212,7 +212,8 @@ class ModelShape:
         """A full-attention layer's projections (a gated attention's ``q_proj`` also yields the
         gate), their biases and the layer's norms."""
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm or self.linear_attention else 0)
+        qk = self.q_dim + self.kv_dim if self.qk_norm == "projection" else 2 * self.head_dim
+        norms = self.norms_per_layer * self.hidden + (qk if self.qk_norm or self.linear_attention else 0)
         return sum(i * o for n, (i, o) in self.linear_shapes().items() if n not in _LORA_TARGETS_MLP) + bias + norms
 
     def _linear_attention_params(self) -> int:
