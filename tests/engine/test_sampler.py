@@ -244,15 +244,15 @@ def test_greedy_takes_the_argmax_with_the_untempered_logprob():
 
 
 def test_a_row_of_non_finite_logits_samples_no_token_and_reads_nothing_outside_it():
-    """A NaN row (the Qwen3.5 GPU crash of issue 50 started as one) gets token -1 and a NaN logprob,
-    in the two-level inverse CDF too (its chunk index stays in the row); the other rows are untouched."""
+    """A NaN row (the Qwen3.5 GPU crash of issue 50 started as one) gets NO_TOKEN and a NaN logprob
+    (the two-level inverse CDF: -1, its chunk index kept in the row); the other rows are untouched."""
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     u = torch.tensor([0.3, 0.6, 0.9])
     want_tok, want_logp = sample(logits, 1.0, u_B=u)
     bad = logits.clone()
     bad[1] = float("nan")
     tok, logp = sample(bad, 1.0, u_B=u)
-    assert tok[1] == -1 and torch.isnan(logp[1])
+    assert tok[1] == sampler.NO_TOKEN and torch.isnan(logp[1])
     assert tok[[0, 2]].tolist() == want_tok[[0, 2]].tolist() and torch.equal(logp[[0, 2]], want_logp[[0, 2]])
     assert inverse_cdf(torch.zeros(2, 700), torch.tensor([0.1, 0.99])).tolist() == [-1, -1]
 

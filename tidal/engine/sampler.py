@@ -37,6 +37,9 @@ from tidal.sampling_filter import SamplingFilter, processed_logits, processed_lo
 CHUNK = 1024  # tokens per chunk of the two-level CDF (the fused kernel splits a row into 16 chunks)
 
 
+NO_TOKEN = -2  # the sample of a row without a token of positive probability (non-finite logits)
+
+
 def process_logits(logits_BV: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                    min_p: float = 0.0) -> torch.Tensor:
     """Log-probabilities of the processed distribution, ``-inf`` outside its support:
@@ -56,7 +59,8 @@ def sample(
     """Sample one token per row: row b takes the token whose CDF interval holds ``u_B[b]`` (fp32
     uniforms in [0, 1) on the logits' device, e.g. :func:`keyed_uniforms`; unused, and may be None,
     when ``temperature == 0``: the argmax). Returns (token_B int64, logp_B fp32): the logprob is
-    ``z[token] - logsumexp(z)`` over the support (:mod:`tidal.sampling_filter`), the trainer's formula."""
+    ``z[token] - logsumexp(z)`` over the support (:mod:`tidal.sampling_filter`), the trainer's formula.
+    A row of non-finite logits samples :data:`NO_TOKEN` with a NaN logprob."""
     if temperature > 0 and (u_B is None or u_B.shape != logits_BV.shape[:1]):
         raise ValueError(f"sample: temperature {temperature} needs one uniform per row ({logits_BV.shape[0]}), got "
                          f"{None if u_B is None else tuple(u_B.shape)}")
@@ -71,9 +75,9 @@ def sample(
         token_B = z_BV.argmax(-1)
     else:
         token_B = inverse_cdf(torch.exp(z_BV - logz_B[:, None]), u_B)
-    # token -1: a row without a token of positive probability (non-finite logits); its logprob is NaN
+    # NO_TOKEN: a row without a token of positive probability (non-finite logits); its logprob is NaN
     logp_B = z_BV.gather(-1, token_B.clamp_min(0)[:, None]).squeeze(-1) - logz_B
-    return token_B, torch.where(token_B < 0, float("nan"), logp_B)
+    return torch.where(token_B < 0, NO_TOKEN, token_B), torch.where(token_B < 0, float("nan"), logp_B)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2**64 / golden ratio, odd)

@@ -39,7 +39,7 @@ from tidal.engine.native.scheduler import Batch
 from tidal.engine.native.sequence import SequenceTable
 from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative.acceptance import VOID, accept
-from tidal.engine.sampler import fused_applies, keyed_uniforms, sample
+from tidal.engine.sampler import NO_TOKEN, fused_applies, keyed_uniforms, sample
 from tidal.sampling_filter import SamplingFilter
 
 
@@ -433,8 +433,8 @@ class ModelRunner:
     def _ahead_ids(self, src_rows: np.ndarray, prev: StepHandle, host_ids: np.ndarray) -> torch.Tensor:
         """The input tokens of a batch scheduled ahead, on the device: ``prev``'s samples at
         ``src_rows``, and ``host_ids`` where ``src_rows`` is -1 (tokens known on the host). A sample
-        of -1 (non-finite logits: :class:`NonFiniteLogits` when ``prev`` is waited for) enters as
-        token 0, never as an index outside the embedding."""
+        of NO_TOKEN (non-finite logits: :class:`NonFiniteLogits` when ``prev`` is waited for) enters
+        as token 0, never as an index outside the embedding."""
         out, k = prev.out[0], len(src_rows)
         if src_rows.max() < 0:
             return self._tensor(host_ids, torch.int64)
@@ -496,14 +496,14 @@ class ModelRunner:
             handle.routing = None  # written once (a handle may be waited for twice)
         host = handle.host.numpy()
         tokens, logprobs = host[0].astype(np.int64), host[1]
-        if (tokens < 0).any():
-            raise NonFiniteLogits(np.flatnonzero(tokens < 0))
+        if (tokens == NO_TOKEN).any():  # (a speculative step's VOID, -1, is a rejected position, not this)
+            raise NonFiniteLogits(np.flatnonzero(tokens == NO_TOKEN))
         return tokens, logprobs
 
 
 class NonFiniteLogits(RuntimeError):
     """A step's logits held no token of positive probability (NaN or infinite logits): the sampler
-    returns token -1 for such a row instead of reading outside it."""
+    returns :data:`~tidal.engine.sampler.NO_TOKEN` for such a row instead of reading outside it."""
 
     def __init__(self, rows: np.ndarray):
         super().__init__(f"the model's logits are not finite (NaN or inf) in {len(rows)} row(s) of this engine step "

@@ -91,7 +91,7 @@ def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, u_ptr, part_p
         target = tl.load(u_ptr + row).to(tl.float32) * tl.max(cdf, axis=0)  # as inverse_cdf: u * total
         last = tl.max(tl.where(mass > 0, c, -1), axis=0)
         # first prefix above the target; a row without positive mass (non-finite logits: last == -1)
-        # scans chunk 0 and finds no token (tok -1, logp NaN), never memory before the row
+        # scans chunk 0 and finds no token (tok -2, tidal.engine.sampler.NO_TOKEN), never memory before the row
         ch = tl.maximum(tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), last), 0)
         rest = target - tl.sum(tl.where(c == ch - 1, cdf, 0.0), axis=0)
         # the chosen chunk's tokens, BLOCK at a time: the first whose running mass exceeds ``rest``
@@ -118,7 +118,7 @@ def _sample_combine_kernel(logits_ptr, stride, V, CHUNK, inv_temp, u_ptr, part_p
             last_pos = tl.maximum(last_pos, pos_last)
             acc = tl.max(run, axis=0)
         x_tok = tl.where(tok < 0, x_last, x_tok)
-        tok = tl.where(tok < 0, last_pos, tok)
+        tok = tl.where(tok < 0, tl.where(last_pos < 0, -2, last_pos), tok)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(logp_ptr + row, x_tok - m_all - tl.log(l_all))
 
