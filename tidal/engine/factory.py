@@ -19,6 +19,9 @@ def create_engine(
     """An engine with the model's architecture and ``dtype`` weights (``engine.dtype`` resolved by the
     caller, :func:`tidal.dtypes.resolve_dtype`); its weights are loaded by weight sync. ``tp_group``:
     the rollout TP group (None for one rank); the engine's TP size is that group's size."""
+    if cfg.sleep_level == "auto":  # the memory plan's to choose, before any engine is built
+        raise ValueError("engine.sleep_level=auto reached the engine unresolved: build it from the run's config with the "
+                         "memory plan's settings (MemorySettings.run_config), or give engine.sleep_level")
     if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
         raise ValueError(
             f"engine.backend={cfg.backend} cannot generate from image prompts yet ({type(hf_config).__name__} is a "
