@@ -8,7 +8,8 @@ pinned or parked), :func:`apply_plan` -> :class:`MemorySettings` (the values the
 :class:`~tidal.config_base.ConfigError` that says what to change when nothing fits. A setting the
 user gave is kept and only checked; only ``auto`` settings are chosen:
 ``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``, ``model.gradient_checkpointing``,
-and ``strategy.offload_optimizer``. The engine's KV cache is the engine's to size
+``strategy.offload_optimizer`` and ``engine.sleep_level``, the cheapest combination that fits
+(:func:`_candidates`). The engine's KV cache is the engine's to size
 (:mod:`tidal.engine.sizing`, at each wake-up, from the memory available then); the plan predicts
 it with the same rule and checks that it holds a sequence.
 
