@@ -154,16 +154,16 @@ def test_an_engine_is_never_built_with_auto():
 def test_other_processes_are_named_for_what_they_hold():
     # the issue's case: 24 GB held by an earlier crashed process
     held = DeviceMemory(name="H100 80GB", total=int(79.2 * GiB), context=600 * MiB, others=24 * GiB,
-                        others_source="1 process(es) by NVML: pid 4242")
+                        others_source="1 process(es) by nvidia-smi: pid 4242")
     plan = plan_memory(inputs("7b", device=held))
     assert not plan.fits
     update = {p.label: p for p in phase(plan, "update").parts}
     assert update["held by other processes"].nbytes == 24 * GiB and not update["held by other processes"].allocated
     assert update["CUDA context and library reserve"].nbytes < 2 * GiB  # this process's own, not the others'
-    assert any("24.0 GiB of this device are held by other processes (1 process(es) by NVML: pid 4242)" in n for n in plan.notes)
+    assert any("24.0 GiB of this device are held by other processes (1 process(es) by nvidia-smi: pid 4242)" in n for n in plan.notes)
     with pytest.raises(ConfigError) as e:
         apply_plan(plan)
-    assert "24.0 GiB of the device are held by other processes (1 process(es) by NVML: pid 4242): end them" in \
+    assert "24.0 GiB of the device are held by other processes (1 process(es) by nvidia-smi: pid 4242): end them" in \
         e.value.message.splitlines()[0]
     # they leave less for the KV cache at wake-up, byte for byte
     free = plan_memory(inputs("7b", device=H100, kv_cache_max_tokens=0))
@@ -173,7 +173,7 @@ def test_other_processes_are_named_for_what_they_hold():
 def test_other_processes_measured_by_pid_or_beyond_this_context():
     outside = 25 * GiB  # in use on the device beyond this process's allocator
     # NVML lists this process (pid 10) and another (pid 11): the other's bytes are the others'
-    assert other_processes_bytes(outside, {10: GiB, 11: 24 * GiB}, pid=10) == (24 * GiB, "1 process(es) by NVML: pid 11")
+    assert other_processes_bytes(outside, {10: GiB, 11: 24 * GiB}, pid=10) == (24 * GiB, "1 process(es) by nvidia-smi: pid 11")
     assert other_processes_bytes(outside, {10: GiB}, pid=10) == (0, "")
     # no per-process figures: what is beyond an assumed CUDA context, when it is at least 1 GiB
     held, source = other_processes_bytes(outside, None, pid=10)
@@ -182,3 +182,29 @@ def test_other_processes_measured_by_pid_or_beyond_this_context():
     # a container: NVML's host pids are not ours
     held, source = other_processes_bytes(outside, {777: 24 * GiB}, pid=10)
     assert held == outside - ASSUMED_CUDA_CONTEXT and "pid 777" in source
+
+
+def test_nvidia_smi_processes_of_this_device_only(monkeypatch):
+    import subprocess
+    import types
+
+    from tidal.memory import probe
+
+    out = ("GPU-aaaa, 4242, 24576\n"  # the crashed process, on this device
+           "GPU-aaaa, 100, 900\n"
+           "GPU-bbbb, 555, 8000\n"  # another device
+           "GPU-aaaa, 7, [N/A]\n")  # no figure: skipped
+    monkeypatch.setattr(probe.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(probe.subprocess, "run", lambda *a, **kw: types.SimpleNamespace(stdout=out))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="aaaa"))
+    per_pid = probe._processes_on(torch.device("cuda", 0))
+    assert per_pid == {4242: 24576 * MiB, 100: 900 * MiB}
+    assert other_processes_bytes(26 * GiB, per_pid, pid=100) == (24 * GiB, "1 process(es) by nvidia-smi: pid 4242")
+
+    def fails(*a, **kw):
+        raise subprocess.CalledProcessError(9, "nvidia-smi")
+
+    monkeypatch.setattr(probe.subprocess, "run", fails)
+    assert probe._processes_on(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(probe.shutil, "which", lambda name: None)
+    assert probe._processes_on(torch.device("cuda", 0)) is None

@@ -69,7 +69,7 @@ def other_processes_bytes(outside: int, per_pid: dict[int, int] | None, pid: int
     if per_pid and pid in per_pid:
         theirs = {p: b for p, b in per_pid.items() if p != pid}
         held = min(outside, sum(theirs.values()))
-        return held, f"{len(theirs)} process(es) by NVML: pid {', '.join(map(str, sorted(theirs)))}" if held else ""
+        return held, f"{len(theirs)} process(es) by nvidia-smi: pid {', '.join(map(str, sorted(theirs)))}" if held else ""
     beyond = outside - ASSUMED_CUDA_CONTEXT
     if beyond < OTHERS_MIN_BYTES:
         return 0, ""
