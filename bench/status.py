@@ -9,7 +9,7 @@ newest (by the record's ``time``, then file order) is shown. Lines with an ``err
     python -m bench.status --print    # print the table
 
 Sources: ``e2e_grpo.jsonl`` (``summary``: per case, the median steady iteration and peak; the speed
-targets), ``matrix.jsonl`` (``case``), ``memory_check.jsonl`` (``summary``: the memory plan's
+targets), ``matrix.jsonl`` (``case``), ``families.jsonl`` (``case``: the GPU check of every family), ``memory_check.jsonl`` (``summary``: the memory plan's
 predicted peak against the measured one), ``multiturn.jsonl`` (``case``), ``rollout.jsonl`` (engine
 throughput lines: those with an ``engine``), ``speculative.jsonl`` (``part``: overhead and structured).
 """
@@ -127,6 +127,26 @@ def matrix_rows(records: list[dict]) -> list[Row]:
     return rows
 
 
+def families_rows(records: list[dict]) -> list[Row]:
+    """The GPU check of every family (``matrix --families``): per family and device, its iteration,
+    phases against their bounds, peak against the plan, and the engine-versus-trainer mismatch."""
+    cases = [r for r in records if r.get("figure") == "case" and not r.get("error")]
+    rows = []
+    for r in newest(cases, lambda r: (r["case"], r.get("device"))):
+        ph, bd = r["phases"], r["bounds"]
+        value = f"{num(r['iteration_s'])} s per iteration; " + ", ".join(
+            f"{p} {num(ph[p])} s (bound {num(bd[p])})" for p in ("generate", "train") if p in bd and p in ph)
+        if r.get("mfu"):
+            value += f"; MFU {num(r['mfu'])}"
+        if r.get("predicted_peak_gib"):
+            value += f"; peak {num(r['peak_allocated_gib'])} GiB, plan {num(r['predicted_peak_gib'])} GiB"
+        mm = r.get("mismatch") or {}
+        if mm.get("abs_logp_diff_mean"):
+            value += f"; mismatch mean {num(max(mm['abs_logp_diff_mean']))}, max {num(max(mm['logp_diff_max']))}"
+        rows.append(row("model family on the GPU", f"`{r['case']}`", value, r))
+    return rows
+
+
 def memory_rows(records: list[dict]) -> list[Row]:
     summaries = [r for r in records if r.get("figure") == "memory_plan" and r.get("kind") == "summary"]
     key = lambda r: (r["size"], r["lora"], r["sequences"], r["prompt_len"], r["new_tokens"], tuple(r.get("set", ())))  # noqa: E731
@@ -188,7 +208,7 @@ def speculative_rows(records: list[dict]) -> list[Row]:
     return rows
 
 
-SOURCES = (("e2e_grpo", e2e_rows), ("matrix", matrix_rows), ("memory_check", memory_rows),
+SOURCES = (("e2e_grpo", e2e_rows), ("matrix", matrix_rows), ("families", families_rows), ("memory_check", memory_rows),
            ("multiturn", multiturn_rows), ("rollout", rollout_rows), ("speculative", speculative_rows))
 
 

@@ -319,7 +319,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
     with stage(f"starting the {run_cfg.engine.backend} rollout engine and syncing its weights", enabled=runtime.is_main):
         engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
-                               tp_group=runtime.tp_group)
+                               tp_group=runtime.tp_group, seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens)
         colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
 
     rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
@@ -374,7 +374,8 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
                               eval_seed=step_seed(cfg.run.seed, point.step, runtime.rank, salt=EVAL_SEED_SALT))
     if evaluate:
         engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
-        engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype, tp_group=runtime.tp_group)
+        engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype, tp_group=runtime.tp_group,
+                               seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens)
         colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
         rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
         policy.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=run_cfg.rollout,

@@ -78,8 +78,24 @@ def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
     lines.append(f"memory: KV cache {per_token / 1024:.1f} KiB per token ({cache_summary(families.layer_caches(hf_config))})")
     if sizing.sized_by_memory(device) and per_token:
         budget = sizing.kv_budget_bytes(cfg.engine, sizing.available_device_bytes(device))
-        lines.append(f"memory: KV budget {_gib(budget)} now free x engine.kv_cache_memory_fraction = {budget // per_token:,} tokens")
+        lines.append(f"memory: KV budget {_gib(budget)} now free x engine.kv_cache_memory_fraction = "
+                     f"{_kv_budget_tokens(cfg, families.layer_caches(hf_config), dtype, budget)}")
     return lines
+
+
+def _kv_budget_tokens(cfg: TidalConfig, caches: list[families.LayerCache], dtype: torch.dtype, budget: int) -> str:
+    """The tokens a KV budget holds in the native engine's pools (full layers; window layers')."""
+    eng, bs = cfg.engine, cfg.engine.block_size
+    nbytes = torch.empty(0, dtype=dtype).element_size()
+    window = families.pool_window(caches)
+    full_b = bs * families.kv_bytes_per_token([c for c in caches if window is None or c.kind == "full_kv"], nbytes, eng.tp_size)
+    window_b = 0 if window is None else bs * families.kv_bytes_per_token([c for c in caches if c.kind == "window_kv"], nbytes, eng.tp_size)
+    full, win = sizing.split_kv_pools(lambda n, w: n * full_b + w * window_b, budget, block_size=bs, window=window,
+                                      seq_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                                      max_num_batched_tokens=eng.max_num_batched_tokens)
+    if window is None:
+        return f"{full * bs:,} tokens"
+    return f"{full * bs:,} tokens ({win * bs:,} in the sliding-window layers' pool)"
 
 
 def memory_plan_lines(cfg: TidalConfig, hf_config, algorithm, *, device: torch.device, world_size: int) -> list[str]:
@@ -112,8 +128,9 @@ def cache_summary(caches: list[families.LayerCache]) -> str:
         parts.append(f"{kinds.count('full_kv')} full-attention layers")
     windows = sorted({c.window for c in caches if c.kind == "window_kv"})
     if windows:
-        parts.append(f"{kinds.count('window_kv')} sliding-window layers ({', '.join(map(str, windows))} tokens; the native "
-                     "engine keeps their full KV and applies the window)")
+        kept = ("the native engine keeps at most a window of KV per sequence in their own block pool"
+                if families.has_window_pool(caches) else "the native engine keeps their full KV and applies the window")
+        parts.append(f"{kinds.count('window_kv')} sliding-window layers ({', '.join(map(str, windows))} tokens; {kept})")
     if kinds.count("recurrent"):
         per_seq = families.state_bytes_per_sequence(caches, 1)
         parts.append(f"{kinds.count('recurrent')} recurrent layers (no KV; {per_seq / 1024:.1f} KiB of state per sequence)")

@@ -15,6 +15,12 @@ Several nodes: one ``tidal launch`` per node with torchrun's rendezvous options 
 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID``, ``--max-restarts`` for elastic
 restarts); see docs/multinode.md and tests/integration/test_multinode.py, which runs them on one machine.
 
+Restarts (``--max-restarts``) and the rendezvous: when the agent restarts the ranks after a failure
+it says in one line what it waits for (how many nodes, where, for how long: torch's
+``join_timeout``, 600 s unless ``--rdzv-conf join_timeout=S``); a rendezvous that ends without the
+nodes ``--nnodes`` asks for (a lost node that never came back) ends the launcher with one line and
+exit code 3, as a lost node does, instead of torch's ``RendezvousTimeoutError`` traceback.
+
 Under plain torchrun a config error also reaches torch's failure report: every rank writes it to
 its elastic error file (``TORCHELASTIC_ERROR_FILE``, torch's ``errors`` support), so the report's
 ``traceback`` says the config error instead of pointing at the docs; torchrun still exits 1.
@@ -39,7 +45,9 @@ SAID_EXIT_CODES = (CONFIG_EXIT_CODE, STOP_EXIT_CODE, WATCHDOG_EXIT_CODE)
 USAGE = "tidal launch [torchrun options] {train,check,eval,export} CONFIG [key.sub=value ...]"
 EPILOG = ("The Tidal command and its arguments take the place of torchrun's training_script. The launcher "
           "exits with the exit code of the first rank that failed: 0 done, 2 config error, 75 stopped by "
-          "SIGINT/SIGTERM after a saved step, 3 a collective that a rank never entered.")
+          "SIGINT/SIGTERM after a saved step, 3 a collective that a rank never entered or a node lost (also "
+          "when the rendezvous ends without the nodes --nnodes asks for).")
+RDZV_JOIN_TIMEOUT_S = 600  # torch's c10d rendezvous default for join_timeout
 
 
 def record_error_file(message: str) -> None:
@@ -95,17 +103,80 @@ def exit_code(exitcode: int) -> int:
     return exitcode if exitcode > 0 else 128 + (-exitcode or signal.SIGTERM)
 
 
+def _nodes(args) -> tuple[int, int]:
+    """``(min, max)`` nodes of ``--nnodes`` (``N`` or ``MIN:MAX``)."""
+    low, _, high = str(args.nnodes).partition(":")
+    return int(low), int(high or low)
+
+
+def _join_timeout(args) -> float:
+    """The rendezvous' join timeout in seconds: ``--rdzv-conf join_timeout=S``, else torch's default."""
+    for item in (args.rdzv_conf or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "join_timeout" and value.strip():
+            return float(value)
+    return RDZV_JOIN_TIMEOUT_S
+
+
+def waiting_line(args, restart: int) -> str:
+    """What the agent waits for when it restarts the ranks after a failure (restart ``restart``)."""
+    low, high = _nodes(args)
+    where = f"at the rendezvous {args.rdzv_endpoint} (--rdzv-id {args.rdzv_id})" if low > 1 or high > 1 else "on this node"
+    if low == high:
+        wants = (f"for the {low} nodes --nnodes {args.nnodes} asks for (a lost node must come back, e.g. restarted by "
+                 "the scheduler; --nnodes 1:N goes on with the nodes left)") if low > 1 else "for this node"
+    else:
+        wants = f"for {low} to {high} nodes (--nnodes {args.nnodes}: the job goes on with the nodes that come)"
+    return (f"tidal launch: restarting the ranks (restart {restart} of --max-restarts {args.max_restarts}), resuming "
+            f"from the newest checkpoint: waiting {wants} {where}, up to join_timeout={_join_timeout(args):g} s "
+            "(--rdzv-conf join_timeout=S)")
+
+
+def rendezvous_failed_line(args, e: BaseException) -> str:
+    """One line for a rendezvous that ended without the nodes ``--nnodes`` asks for."""
+    low, _ = _nodes(args)
+    what = {"RendezvousTimeoutError": f"timed out after join_timeout={_join_timeout(args):g} s (--rdzv-conf join_timeout=S)",
+            "RendezvousClosedError": "was closed by another node's agent (that node's job ended)"}.get(
+                type(e).__name__, f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    return (f"tidal launch: the rendezvous {args.rdzv_endpoint} (--rdzv-id {args.rdzv_id}) {what} without the {low} "
+            f"node(s) --nnodes {args.nnodes} asks for: a node was lost or never started. The job ends here; its newest "
+            "checkpoint stays in run.output_dir: rerun the same command on the nodes you have to resume "
+            "(checkpoint.resume: auto; an --nnodes MIN:MAX range goes on without a lost node)")
+
+
+def _announce_restarts(args) -> None:
+    """Make this process's elastic agent say :func:`waiting_line` before it restarts the ranks after
+    a failure (a new node joining restarts them too: that is said by torch and needs no wait)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+
+    restart_workers = getattr(SimpleElasticAgent._restart_workers, "__wrapped__", SimpleElasticAgent._restart_workers)
+
+    def announced(agent, worker_group):
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            spec = worker_group.spec
+            print(waiting_line(args, spec.max_restarts - agent._remaining_restarts), file=sys.stderr, flush=True)
+        return restart_workers(agent, worker_group)
+
+    announced.__wrapped__ = restart_workers  # a second launch in this process wraps torch's, not this
+    SimpleElasticAgent._restart_workers = announced
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import determine_local_world_size, run
 
     args, _ = parse_launch_args(argv)
     if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its five-line banner
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietSaidFailures())
+    _announce_restarts(args)
     try:
         run(args)
+    except RendezvousError as e:
+        print(rendezvous_failed_line(args, e), file=sys.stderr, flush=True)
+        return WATCHDOG_EXIT_CODE
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
         if failure.exitcode not in SAID_EXIT_CODES:

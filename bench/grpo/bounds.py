@@ -30,8 +30,8 @@ import statistics
 
 import numpy as np
 
-from bench.grpo.shapes import (attention_dim, attention_layers, body_matmul_params, decode_matmul_params, head_params,
-                               kv_bytes_per_sequence, param_count)
+from bench.grpo.shapes import (attended_tokens, attention_dim, attention_layers, body_matmul_params, decode_matmul_params,
+                               head_params, kv_bytes_per_sequence, param_count)
 
 ADAMW_BYTES_PER_PARAM = 28
 WEIGHT_SYNC_BYTES_PER_PARAM = 6
@@ -117,12 +117,11 @@ def generation_bound_s(shape: dict, *, prompt_len: int, unique_prompts: int, com
     lens = np.sort(np.asarray(completion_lens, dtype=np.int64))
     k = np.arange(1, int(lens.max()) if len(lens) else 1, dtype=np.float64)  # decode steps 1 .. max(L) - 1
     running = len(lens) - np.searchsorted(lens, k, side="right")  # sequences with L > k
-    ctx = running * (prompt_len + k)  # KV tokens read at step k
-    # KV bytes each running sequence reads at step k (a window layer: its window's tokens at most)
-    kv_seq = kv_bytes_per_sequence(shape, prompt_len + k)
-    read_s = (2.0 * decode_matmul_params(shape, experts_touched) + running * kv_seq) / c.copy_bw
+    # KV read and keys attended at step k: every token of a full layer, at most its window of a window layer
+    kv_read = running * kv_bytes_per_sequence(shape, prompt_len + k)
+    read_s = (2.0 * decode_matmul_params(shape, experts_touched) + kv_read) / c.copy_bw
     active = body_matmul_params(shape) + head_params(shape)
-    flops_s = (2.0 * active * running + 4.0 * attention_layers(shape) * attention_dim(shape) * ctx) / c.matmul_flops
+    flops_s = (2.0 * active * running + 4.0 * attention_dim(shape) * running * attended_tokens(shape, prompt_len + k)) / c.matmul_flops
     return prefill / c.matmul_flops + float(np.maximum(read_s, flops_s).sum())
 
 

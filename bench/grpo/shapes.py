@@ -201,6 +201,15 @@ def param_count(shape: dict) -> int:
     return layers * per_layer + embeddings + h
 
 
+def attended_tokens(shape: dict, seq_lens) -> np.ndarray:
+    """Keys that one query at the end of each sequence of ``seq_lens`` tokens meets, summed over the
+    layers that attend (a sliding-window layer's at most its window; a hybrid's linear layers none)."""
+    ms = model_shape(shape)
+    caches = ms.caches() if ms is not None else families.layer_caches({"model_type": "qwen2", **shape})
+    s = np.asarray(seq_lens, dtype=np.float64)
+    return sum(s if c.window is None else np.minimum(s, c.window) for c in caches if c.has_kv)
+
+
 def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:
     """K and V of every layer for one token, as the shape's family (Qwen2 for a hand-written one)
     declares its layers' caches (a window layer counted whole: see :func:`kv_bytes_per_sequence`)."""

@@ -2,7 +2,9 @@
 
 Covers sharded q/k/v with bias (Qwen2), a replicated single KV head and a vocabulary that does not
 divide by the TP size (Llama), greedy and seeded sampling, identical outputs on both ranks, and the
-incremental requests in lockstep (partial rollout stopped at complete groups, resumed under new weights).
+incremental requests in lockstep (partial rollout stopped at complete groups, resumed under new weights),
+and Gemma 3's sliding-window layers in their own block pool (KV heads split over the ranks, both
+pools' block counts agreed on by the group).
 """
 
 import os
@@ -61,8 +63,24 @@ def _worker(rank: int, store_path: str, out_dir: str):
         engine.load_weights(hf.state_dict().items())
         assert engine.tp.size == 2 and engine.model.model.layers[0].mlp.down_proj.weight.shape[1] == 48
         results.append((_run(engine), _incremental(engine, family, overrides)))
-    torch.save((results, _blocks_with_unequal_memory(rank, group)), os.path.join(out_dir, f"rank{rank}.pt"))
+    windowed = _windowed(group)  # before _blocks_with_unequal_memory, which makes sizing think it is on a GPU
+    torch.save((results, _blocks_with_unequal_memory(rank, group), windowed), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _windowed(group):
+    """Gemma 3 (window 8 beside full layers) under TP: its window pool's blocks given back and reused."""
+    from tests.engine.test_families import tiny
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.native import NativeEngine
+
+    hf = tiny("gemma3")
+    engine = NativeEngine(hf.config, EngineConfig(block_size=4, max_num_batched_tokens=16), device=torch.device("cpu"),
+                          dtype=torch.float32, tp_group=group)
+    engine.load_weights(hf.state_dict().items())
+    assert engine.runner.window == 8 and engine.window_blocks is None  # allocated with the first request
+    out = _run(engine)
+    return out, engine.window_blocks.num_blocks
 
 
 def _blocks_with_unequal_memory(rank, group):
@@ -86,8 +104,16 @@ def _blocks_with_unequal_memory(rank, group):
 @pytest.mark.slow
 def test_tp2_gloo_equals_tp1(tmp_path):
     mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
-    (r0, sized0), (r1, sized1) = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert r0 == r1  # every TP rank returns the same completions
+    (r0, sized0, win0), (r1, sized1, win1) = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0 == r1 and win0 == win1  # every TP rank returns the same completions
+    from tests.engine.test_families import tiny
+
+    tp1 = engine_for(tiny("gemma3"), block_size=4, max_num_batched_tokens=16)
+    for runs1, runs2 in zip(_run(tp1), win0[0]):
+        assert [t for t, _ in runs1] == [t for t, _ in runs2]
+        for (_, lp1), (_, lp2) in zip(runs1, runs2):
+            assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
+    assert win0[1] == tp1.window_blocks.num_blocks
     assert (sized0[0], sized1[0]) == (31, 63)  # half of 64 or 128 blocks, less the scratch block
     assert sized0[1] == sized1[1] == 31 and sized0[2] == sized1[2]  # both schedule over the smaller cache
     for (family, overrides), (tp2, inc2) in zip(CASES, r0):

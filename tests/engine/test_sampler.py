@@ -241,3 +241,30 @@ def test_greedy_takes_the_argmax_with_the_untempered_logprob():
     tok, lp = sample(logits, 0.0)
     assert torch.equal(tok, logits.argmax(-1))
     assert torch.allclose(lp, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1))
+
+
+def test_a_row_of_non_finite_logits_samples_no_token_and_reads_nothing_outside_it():
+    """A NaN row (the Qwen3.5 GPU crash of issue 50 started as one) gets token -1 and a NaN logprob,
+    in the two-level inverse CDF too (its chunk index stays in the row); the other rows are untouched."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    u = torch.tensor([0.3, 0.6, 0.9])
+    want_tok, want_logp = sample(logits, 1.0, u_B=u)
+    bad = logits.clone()
+    bad[1] = float("nan")
+    tok, logp = sample(bad, 1.0, u_B=u)
+    assert tok[1] == -1 and torch.isnan(logp[1])
+    assert tok[[0, 2]].tolist() == want_tok[[0, 2]].tolist() and torch.equal(logp[[0, 2]], want_logp[[0, 2]])
+    assert inverse_cdf(torch.zeros(2, 700), torch.tensor([0.1, 0.99])).tolist() == [-1, -1]
+
+
+def test_an_engine_step_with_non_finite_logits_says_so():
+    from tests.engine.helpers import engine_for, tiny_hf
+    from tidal.engine.base import SamplingParams
+    from tidal.engine.native.model_runner import NonFiniteLogits
+
+    hf = tiny_hf("qwen2")
+    with torch.no_grad():
+        hf.lm_head.weight[3, 0] = float("nan")  # every row's logit of token 3 is NaN
+    engine = engine_for(hf)
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))

@@ -70,6 +70,27 @@ def test_a_checkpoint_without_its_config_has_nothing_to_compare(tmp_path):
     assert config_changes({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}}) == {"a.c": (None, 2)}
 
 
+def test_a_relative_and_an_absolute_path_naming_one_folder_are_no_change(tmp_path, monkeypatch, capsys):
+    """Issue 48 item 5: a restart that names the run directory (or the data, the model) by its
+    absolute path where the first run named it relative to the working directory changes nothing;
+    another folder still does (and data.train stays fixed)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    saved = {**SAVED, "run": {**SAVED["run"], "output_dir": "runs/x"}, "model": {"path": "~/m"},
+             "data": {**SAVED["data"], "train": [{"path": "d/a.jsonl", "weight": 1.0}]}}
+    point = _point(tmp_path, saved)
+    same = {**saved, "run": {**saved["run"], "output_dir": str(tmp_path / "runs" / "x") + "/"},
+            "model": {"path": str(tmp_path / "home" / "m")},
+            "data": {**saved["data"], "train": [{"path": str(tmp_path / "d" / "a.jsonl"), "weight": 1.0}]}}
+    assert check_config_change(point, same, is_main=True) == {} and capsys.readouterr().out == ""
+    other = {**same, "run": {**same["run"], "output_dir": str(tmp_path / "runs" / "y")}}
+    assert check_config_change(point, other, is_main=True) == {"run.output_dir": ("runs/x", str(tmp_path / "runs" / "y"))}
+    moved = {**same, "data": {**same["data"], "train": [{"path": str(tmp_path / "e" / "a.jsonl"), "weight": 1.0}]}}
+    with pytest.raises(ConfigError) as info:
+        check_config_change(point, moved, is_main=True)
+    assert info.value.key == "data.train"
+
+
 def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 

@@ -140,3 +140,22 @@ def test_tidal_train_in_a_directory_another_run_holds_exits_2_naming_it(tmp_path
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_an_earlier_attempt_of_the_same_torchrun_job_is_taken_over_on_any_host(tmp_path, monkeypatch, capsys):
+    """Issue 48 item 3: after an elastic restart on the nodes left, rank 0 may be on another host
+    than the lock's; a lock of an earlier attempt of the same torchrun job (TORCHELASTIC_RUN_ID,
+    a lower TORCHELASTIC_RESTART_COUNT) is taken over; another job's, or this attempt's, is not."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "grpo-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    owner = {"pid": 1, "host": "gpu-node-7", "start_ticks": 5, "started": "yesterday", "argv": ["tidal", "train"],
+             "token": "y", "elastic": {"run_id": "grpo-1", "restart": 0}}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
+    lock = acquire_run_lock(tmp_path, 0)
+    assert lock.held and json.loads((tmp_path / LOCK_NAME).read_text())["elastic"] == {"run_id": "grpo-1", "restart": 1}
+    assert "taking over the stale run lock of pid 1 on host 'gpu-node-7'" in capsys.readouterr().err
+    lock.release()
+    for elastic in ({"run_id": "grpo-1", "restart": 1}, {"run_id": "grpo-2", "restart": 0}, None):
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**owner, "elastic": elastic}))
+        with pytest.raises(ConfigError, match="is in use by another run: pid 1 on host 'gpu-node-7'"):
+            acquire_run_lock(tmp_path, 0)

@@ -76,3 +76,46 @@ def test_ctrl_c_in_the_task_build_says_one_line_exits_75_and_keeps_the_finished_
     assert said[0].endswith(": rerun the same command to continue") and "its finished phase(s) 1 are kept" in said[0]
     phases = [p for p in (tmp_path / "tasks").iterdir()]
     assert len(phases) == 1 and phases[0].name.endswith(".phases") and [p.name for p in phases[0].iterdir()] == ["1"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_one_sigterm_to_every_process_of_the_command_is_one_signal(tmp_path, tiny_task_overrides):
+    """Issue 48 item 4: Slurm's `--signal` (and its time limit) signals every process of a job step:
+    the `tidal` command and the child it supervises each get SIGTERM, and the command (and torchrun's
+    agent, to the command) passes one on. The copies are one signal: the run stops after its step,
+    saves it and exits 75 (before, the copies aborted the child at once, with no checkpoint)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={out}", *tiny_task_overrides,
+           "run.steps=500", "checkpoint.every=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        (child,) = _children(proc.pid)
+        for pid in (proc.pid, child, proc.pid):  # Slurm's to each, then the agent's to the command
+            os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_CODE, err[-3000:]
+    step = max(metrics(out))
+    assert f"stopped by SIGTERM: checkpoint of step {step} saved" in err, err[-3000:]
+    assert (out / "checkpoints" / f"step_{step:06d}" / "trainer.json").is_file()

@@ -6,7 +6,11 @@
 - that run resumes on 2 ranks, then on 4 again (DCP resharding; the sampler's position re-split);
 - a node killed mid-step: the other node's ranks stop with the watchdog's report naming the killed
   ranks and their host, and with ``--max-restarts 1`` the job comes back on the surviving node
-  (``--nnodes 1:2``), resumes from the newest checkpoint and finishes.
+  (``--nnodes 1:2``), resumes from the newest checkpoint and finishes;
+- issue 48: a node's agent killed alone (its ranks end, the other node exits 3 naming it), a whole
+  node killed without restarts (exit 3, not gloo's 1), and a fixed ``--nnodes 2`` with
+  ``--max-restarts 1`` whose lost node never comes back (the survivor says what it waits for, and
+  ends after ``join_timeout`` with one line and exit 3).
 """
 
 import json
@@ -170,3 +174,100 @@ def test_killed_node_is_reported_and_the_job_restarts_without_it(tmp_path, tiny_
     assert "resuming step_000001, saved on 4 ranks (2 node(s) x 2), on 2 ranks (1 node(s) x 2)" in log, log[-5000:]
     m = metrics(out)
     assert sorted(m) == [1, 2, 3, 4] and all(math.isfinite(m[s]["actor/loss"]) for s in m)
+
+
+def _node_lines(out: Path, victim: int, step: int) -> dict[int, list[int]]:
+    """``{rank: its process line up to the agent victim}`` for the ranks of the agent ``victim`` once
+    both of its ranks have reached step ``step`` (their heartbeats say so), else ``{}``."""
+    lines = {}
+    for r in range(4):
+        try:
+            beat = json.loads((out / "heartbeat" / f"rank{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        line = _line_to(beat["pid"], victim)
+        if line and beat["step"] >= step:
+            lines[r] = line
+    return lines if len(lines) == 2 else {}
+
+
+def _kill_node_in_step(procs, out: Path, step: int, *, ranks_too: bool) -> tuple[list[int], list[int], float]:
+    """SIGKILL the second node's agent (``procs[1]``, not the rendezvous' host) once its ranks are in
+    step ``step``, and its ranks too when ``ranks_too``: ``(its ranks, their pids, when)``."""
+    victim = procs[1]
+    deadline = time.monotonic() + 300
+    while not (lines := _node_lines(out, victim.pid, step)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "node 1 never reached step 2"
+        time.sleep(0.1)
+    pids = [pid for line in lines.values() for pid in line]
+    for pid in [victim.pid] + (pids if ranks_too else []):
+        os.kill(pid, signal.SIGKILL)
+    return sorted(lines), pids, time.monotonic()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+LOST_TIMEOUT_S = 20  # run.collective_timeout_s of the lost-node tests: each must end well within it
+
+
+@pytest.mark.parametrize("whole_node", [False, True], ids=["agent-only", "whole-node"])
+def test_a_lost_node_ends_the_other_with_exit_code_3_naming_it(tmp_path, tiny_task_overrides, whole_node):
+    """Issue 48 items 1-2, fixed ``--nnodes 2`` and no restarts. Node 1's agent killed alone: its
+    ranks end (they used to train on as orphans, and node 0 exited 0); the whole node killed: node
+    0 ends with the watchdog's code 3 (it used to end with 1 from the closed gloo connection). Either
+    way within the collective timeout, with the report naming the lost node's ranks and host."""
+    out = tmp_path / "run"
+    overrides = tiny_task_overrides + ["run.steps=200", f"run.collective_timeout_s={LOST_TIMEOUT_S}"]
+    procs = start_nodes(out, overrides)
+    try:
+        ranks, pids, killed = _kill_node_in_step(procs, out, 2, ranks_too=whole_node)
+        code = procs[0].wait(timeout=120)
+        took = time.monotonic() - killed
+        assert all(not _alive(pid) for pid in pids)  # no orphan trains on
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = (tmp_path / "node0.log").read_text()
+    print(f"node 0 ended {took:.1f} s after the kill, exit code {code}")
+    assert code == 3, log[-5000:]
+    assert took < LOST_TIMEOUT_S, took
+    node = 0 if ranks == [0, 1] else 1
+    host = socket.gethostname()
+    assert f"[tidal.watchdog] ranks lost: " in log and f"ranks {ranks} on node {node} (host {host}) wrote no heartbeat for" in log, log[-5000:]
+    assert f"  lost: ranks {ranks} on node {node} (host {host})" in log, log[-5000:]
+    assert "Traceback" not in log, log[-5000:]
+    if not whole_node:
+        said = (tmp_path / "node1.log").read_text()
+        assert f"the torchrun agent that started this rank (pid {procs[1].pid}) is gone" in said, said[-3000:]
+
+
+def test_a_fixed_node_count_that_lost_a_node_says_what_it_waits_for_and_ends(tmp_path, tiny_task_overrides):
+    """Issue 48 item 3: ``--nnodes 2 --max-restarts 1`` (a fixed size) whose lost node never comes
+    back: the survivor's agent restarts, says what it waits for (2 nodes, where, join_timeout), and
+    after the join timeout (here 5 s, --rdzv-conf) ends with one line and exit code 3."""
+    out = tmp_path / "run"
+    overrides = tiny_task_overrides + ["run.steps=200", f"run.collective_timeout_s={LOST_TIMEOUT_S}"]
+    procs = start_nodes(out, overrides, rdzv=["--max-restarts", "1"], conf=",join_timeout=5")
+    try:
+        _kill_node_in_step(procs, out, 2, ranks_too=True)
+        code = procs[0].wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = (tmp_path / "node0.log").read_text()
+    assert code == 3, log[-5000:]
+    assert ("tidal launch: restarting the ranks (restart 1 of --max-restarts 1), resuming from the newest checkpoint: "
+            "waiting for the 2 nodes --nnodes 2 asks for") in log, log[-5000:]
+    assert "up to join_timeout=5 s (--rdzv-conf join_timeout=S)" in log, log[-5000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("tidal launch: the rendezvous 127.0.0.1:") and "timed out after join_timeout=5 s" in last and \
+        "without the 2 node(s) --nnodes 2 asks for" in last, log[-5000:]
+    assert "RendezvousTimeoutError" not in log, log[-5000:]

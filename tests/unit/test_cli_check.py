@@ -79,7 +79,8 @@ def test_check_names_the_engine_and_a_sliding_window_family(config, tmp_path, ca
     out = capsys.readouterr().out
     assert "engine: native (engine.backend: native; Tidal's paged engine runs family gemma3)" in out
     # 4 layers x 2 KV heads x 16 x (K, V) x 4 bytes = 1 KiB per token; 3 of the 4 layers slide
-    assert "KV cache 1.0 KiB per token (1 full-attention layers; 3 sliding-window layers (512 tokens;" in out
+    assert ("KV cache 1.0 KiB per token (1 full-attention layers; 3 sliding-window layers (512 tokens; the native engine "
+            "keeps at most a window of KV per sequence in their own block pool)") in out
 
 
 def test_an_unknown_family_is_a_config_error_on_native_and_runs_on_hf(config, tmp_path, capsys):

@@ -8,7 +8,7 @@
   ``torchrun``) go through the CLI's own parser, and train/eval/export load and validate their config
   with the overrides as written; ``pip install`` extras exist in pyproject.toml; scripts, test files and
   modules named exist; an ``sbatch`` script's and a ``kubectl apply -f`` manifest's (Kubeflow
-  ``PyTorchJob``) ``tidal`` commands are checked as above, and a manifest's ``--nnodes`` is its pods.
+  ``PyTorchJob``) ``tidal`` commands are checked as above, and a manifest's ``--nnodes`` (its maximum) is its pods.
   A program this test does not know fails it, so a new kind of command gets a check here.
 - no language: text (diagrams, file listings); a block whose first word is a known program must be
   marked ``bash``.
@@ -173,7 +173,8 @@ def check_pytorchjob(manifest: Path, where: str) -> None:
                 check_tidal(argv, f"{where} ({manifest.name})", {})
                 from tidal.launch import parse_launch_args
 
-                assert parse_launch_args(argv[1:])[0].nnodes == str(pods), f"{where}: {manifest}'s --nnodes is not its {pods} pods"
+                nnodes = parse_launch_args(argv[1:])[0].nnodes  # N, or MIN:MAX with MAX the pods
+                assert nnodes.rpartition(":")[2] == str(pods), f"{where}: {manifest}'s --nnodes {nnodes} is not its {pods} pods"
 
 
 def check_other(words: list[str], where: str) -> None:

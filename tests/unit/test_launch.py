@@ -78,3 +78,57 @@ def test_a_signal_to_the_launcher_ends_it_like_a_shell(monkeypatch, capsys):
     assert launch.main(["--nproc_per_node", "2", "train", "quickstart"]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert err.startswith("tidal launch: stopped by SIGTERM") and err.count("\n") == 1
+
+
+def test_a_rendezvous_without_the_nodes_asked_for_is_one_line_and_exit_3(monkeypatch, capsys):
+    """Issue 48 item 3: a rendezvous that times out (a lost node that never came back) ends the
+    launcher with one line naming the wait and what to do, exit 3 (as a lost node), not a traceback."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    def run(args):
+        raise RendezvousTimeoutError("The node failed to join the rendezvous in time")
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    argv = ["--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node-0:29500",
+            "--rdzv-id", "grpo-1", "--rdzv-conf", "join_timeout=120,last_call_timeout=5", "train", "quickstart"]
+    assert launch.main(argv) == 3
+    err = capsys.readouterr().err
+    assert err == ("tidal launch: the rendezvous node-0:29500 (--rdzv-id grpo-1) timed out after join_timeout=120 s "
+                   "(--rdzv-conf join_timeout=S) without the 2 node(s) --nnodes 2 asks for: a node was lost or never "
+                   "started. The job ends here; its newest checkpoint stays in run.output_dir: rerun the same command on "
+                   "the nodes you have to resume (checkpoint.resume: auto; an --nnodes MIN:MAX range goes on without a "
+                   "lost node)\n")
+
+
+@pytest.mark.parametrize("nnodes,conf,wants", [
+    ("2", "", "for the 2 nodes --nnodes 2 asks for (a lost node must come back, e.g. restarted by the scheduler; "
+              "--nnodes 1:N goes on with the nodes left) at the rendezvous h:1 (--rdzv-id r), up to join_timeout=600 s"),
+    ("1:2", "join_timeout=30", "for 1 to 2 nodes (--nnodes 1:2: the job goes on with the nodes that come) at the "
+                               "rendezvous h:1 (--rdzv-id r), up to join_timeout=30 s"),
+])
+def test_a_restart_says_what_it_waits_for(nnodes, conf, wants):
+    args, _ = launch.parse_launch_args(["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1",
+                                        "--rdzv-id", "r", "--rdzv-conf", conf, "--max-restarts", "2", "train", "quickstart"])
+    assert launch.waiting_line(args, 1) == ("tidal launch: restarting the ranks (restart 1 of --max-restarts 2), resuming "
+                                            f"from the newest checkpoint: waiting {wants} (--rdzv-conf join_timeout=S)")
+
+
+def test_the_agent_says_the_wait_before_a_restart_after_a_failure_only(monkeypatch, capsys):
+    """The wrapped agent method prints the line for a failed group (not for a node joining), and a
+    second launch in one process wraps torch's method again, not the first wrapper."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+
+    calls = []
+    monkeypatch.setattr(SimpleElasticAgent, "_restart_workers", lambda agent, group: calls.append(group.state))
+    for _ in range(2):
+        args, _ = launch.parse_launch_args(["--nnodes", "2", "--max-restarts", "1", "train", "quickstart"])
+        launch._announce_restarts(args)
+    agent = SimpleNamespace(_remaining_restarts=0)
+    spec = SimpleNamespace(max_restarts=1)
+    SimpleElasticAgent._restart_workers(agent, SimpleNamespace(state=WorkerState.FAILED, spec=spec))
+    SimpleElasticAgent._restart_workers(agent, SimpleNamespace(state=WorkerState.HEALTHY, spec=spec))
+    assert calls == [WorkerState.FAILED, WorkerState.HEALTHY]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("tidal launch: restarting the ranks (restart 1 of --max-restarts 1)")

@@ -73,6 +73,17 @@ def test_importing_tidal_makes_waiting_openmp_threads_sleep():
     assert "GOMP_SPINCOUNT = '0'" in shown, shown[-2000:]
 
 
+def test_importing_tidal_keeps_transformers_off_the_hub_for_kernels():
+    """transformers 5.x fetches kernels from the Hub unless USE_HUB_KERNELS says no: Tidal sets it
+    before transformers loads (an explicit setting wins), so an offline GPU machine loads models."""
+    env = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}
+    for given, want in ((None, "NO"), ("YES", "YES")):
+        run_env = dict(env, PYTHONPATH=str(REPO), **({"USE_HUB_KERNELS": given} if given else {}))
+        out = subprocess.run([sys.executable, "-c", "import tidal, os; print(os.environ['USE_HUB_KERNELS'])"], env=run_env,
+                             capture_output=True, text=True, timeout=120).stdout.split()
+        assert out == [want], out
+
+
 def test_the_builds_progress_counts_every_phase(tmp_path, monkeypatch, capsys):
     """The build's own line counts the SFT steps of both phases, so its remaining time is the
     build's, not the current phase's (off a terminal: the plain lines)."""

@@ -185,3 +185,131 @@ def test_resume_on_another_world_size(tmp_path, capsys):
     check_world_change(point, lone_runtime(), reshards=False)
     check_world_change(None, lone_runtime(), reshards=False)
     assert capsys.readouterr().out == ""
+
+
+def _lost_node_watchdog(tmp_path, rank):
+    """Rank ``rank`` of 2 nodes x 2 ranks (hostA, hostB) at t=100 s, every other rank's heartbeat
+    written at 120 s except node 1's (ranks 2, 3), silent since 101 s."""
+    import json
+
+    from tidal.run.watchdog import Watchdog
+
+    wd = Watchdog(rank=rank, world_size=4, run_dir=tmp_path, timeout_s=10.0,
+                  topology=Topology.from_ranks([(0, "hostA"), (0, "hostA"), (1, "hostB"), (1, "hostB")]))
+    wd.session, wd._started = "s1", 0.0
+    wd.dir.mkdir(parents=True, exist_ok=True)
+    wd._state = {**wd._make_state("generate", "in"), "session": "s1", "entered": 100.0}
+    for r, beat in ((0, 120.0), (1, 120.0), (2, 101.0), (3, 101.0)):
+        if r != rank:
+            (wd.dir / f"rank{r}.json").write_text(json.dumps({"rank": r, "session": "s1", "pid": 1, "step": 0, "k": 0,
+                                                              "stage": "generate", "state": "in", "entered": 100.0, "beat": beat}))
+    return wd
+
+
+def test_the_first_rank_of_every_node_watches_for_lost_ranks(tmp_path):
+    """With several nodes the first rank of each node checks for silent ranks (a lost node 0 has
+    no rank 0 left to report it), only for those: a divergence stays rank 0's report."""
+    from tidal.run.watchdog import Watchdog, format_report
+
+    checks = [_lost_node_watchdog(tmp_path / str(r), r)._checks() for r in range(4)]
+    assert checks == [True, False, True, False]
+    assert not Watchdog(rank=1, world_size=2, run_dir=tmp_path, timeout_s=10.0)._checks()  # one node: rank 0 alone
+    wd = _lost_node_watchdog(tmp_path / "x", 1)
+    report = wd.check(now=110.0, gone_only=True)
+    assert report["lost"] and report["behind"] == [2, 3]
+    text = format_report(report, "ranks lost")
+    assert text.splitlines()[0].startswith("[tidal.watchdog] ranks lost: ranks [2, 3] on node 1 (host hostB) wrote no "
+                                           "heartbeat for 9.0 s (their processes or node are gone)")
+    assert text.splitlines()[-1] == "  lost: ranks [2, 3] on node 1 (host hostB)"
+    # a rank behind in position while every heartbeat is fresh: rank 0's divergence, not a lost node
+    import json
+    for r in (2, 3):
+        (wd.dir / f"rank{r}.json").write_text(json.dumps({"rank": r, "session": "s1", "pid": 1, "step": 0, "k": 0,
+                                                          "stage": "setup", "state": "in", "entered": 50.0, "beat": 120.0}))
+    wd._state = {**wd._state, "k": 3}
+    assert wd.check(now=121.0, gone_only=True) is None and wd.check(now=121.0)["behind"] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("rank,prints", [(0, True), (1, False)])
+def test_a_collective_error_with_a_node_gone_ends_the_rank_with_the_watchdog_code(tmp_path, monkeypatch, rank, prints):
+    """Issue 48 item 2: gloo's error for a closed connection, with node 1's ranks silent, ends the
+    surviving ranks with exit code 3 (not the error's 1) and the report naming the lost node: the
+    lowest surviving rank at once; the others first wait the collective timeout for its agent to end
+    the job (exiting early, they would show as lost themselves in its report)."""
+    from tidal.run import watchdog as wdm
+
+    wd = _lost_node_watchdog(tmp_path, rank)
+    monkeypatch.setattr(wdm.time, "time", lambda: 110.0)
+    clock = [0.0]  # monotonic seconds, advanced by sleep
+    monkeypatch.setattr(wdm.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(wdm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    ended = []
+
+    def fire(report, title="ranks diverged"):
+        ended.append((report, title))
+        raise SystemExit(wdm.EXIT_CODE)
+
+    monkeypatch.setattr(wd, "_fire", fire)
+    err = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    with pytest.raises(SystemExit):
+        wd.note(err, f"rank {rank} failed in step 0, stage 'generate'")
+    report, title = ended[0]
+    assert title == "ranks lost" and report["behind"] == [2, 3] and report["lost"]
+    assert report["why"] == (f"rank {rank} failed in step 0, stage 'generate': ranks [2, 3] on node 1 (host hostB) "
+                             "wrote no heartbeat for 9.0 s (their processes or node are gone); the collective's error: "
+                             "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    assert clock[0] == 0 if prints else 4 * wd.beat_s <= clock[0] < 4 * wd.beat_s + 0.2  # rank 1 waits 4 beats first
+
+
+def test_a_surviving_rank_that_is_not_the_reporter_ends_quietly_once_reported(tmp_path, monkeypatch):
+    """Rank 1 waits a few beats for rank 0's report: once ``divergence.json`` holds this session's
+    report it ends with exit code 3 and no second report; stopped by its agent without one, it
+    reports at once."""
+    import json
+    import os
+    import signal
+
+    from tidal.run import watchdog as wdm
+
+    for stop in ("report", "sigterm"):
+        wd = _lost_node_watchdog(tmp_path / stop, 1)
+        monkeypatch.setattr(wdm.time, "time", lambda: 110.0)
+        fired = []
+
+        def fire(report, title, fired=fired):
+            fired.append(title)
+            raise SystemExit(3)
+
+        monkeypatch.setattr(wd, "_fire", fire)
+        monkeypatch.setattr(wdm, "_exit", lambda: (_ for _ in ()).throw(SystemExit(wdm.EXIT_CODE)))
+        sleep, waits = wdm.time.sleep, []
+
+        def waiting(s, wd=wd, stop=stop):
+            waits.append(s)
+            if stop == "report":
+                (wd.dir / "divergence.json").write_text(json.dumps({"session": "s1", "why": "rank 0's"}))
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+            sleep(s)
+
+        monkeypatch.setattr(wdm.time, "sleep", waiting)
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(SystemExit):
+            wd.note(RuntimeError("Connection closed by peer"), "rank 1 failed in step 0, stage 'generate'")
+        assert signal.getsignal(signal.SIGTERM) is handler  # restored
+        assert len(waits) == 1 and fired == ([] if stop == "report" else ["ranks lost"])
+        monkeypatch.undo()
+
+
+def test_a_collective_error_after_another_ranks_report_ends_at_once(tmp_path, monkeypatch):
+    """The reporter's own exit fails its node peers' collectives: they end quietly at once."""
+    import json
+
+    from tidal.run import watchdog as wdm
+
+    wd = _lost_node_watchdog(tmp_path, 0)
+    (wd.dir / "divergence.json").write_text(json.dumps({"session": "s1"}))
+    monkeypatch.setattr(wd, "_await_silence", lambda: (_ for _ in ()).throw(AssertionError("waited")))
+    monkeypatch.setattr(wdm, "_exit", lambda: (_ for _ in ()).throw(SystemExit(wdm.EXIT_CODE)))
+    with pytest.raises(SystemExit):
+        wd.note(RuntimeError("Connection closed by peer"), "rank 0 failed in step 0")

@@ -71,7 +71,9 @@ def sample(
         token_B = z_BV.argmax(-1)
     else:
         token_B = inverse_cdf(torch.exp(z_BV - logz_B[:, None]), u_B)
-    return token_B, z_BV.gather(-1, token_B[:, None]).squeeze(-1) - logz_B
+    # token -1: a row without a token of positive probability (non-finite logits); its logprob is NaN
+    logp_B = z_BV.gather(-1, token_B.clamp_min(0)[:, None]).squeeze(-1) - logz_B
+    return token_B, torch.where(token_B < 0, float("nan"), logp_B)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2**64 / golden ratio, odd)
@@ -110,7 +112,8 @@ def inverse_cdf(p_BV: torch.Tensor, u_B: torch.Tensor, chunk: int = CHUNK) -> to
     """The token of each row whose CDF interval holds ``u_B * total``: ``p_BV`` non-negative weights
     (unnormalised; each row with some positive weight), ``u_B`` uniforms in [0, 1). Two levels: the
     row's chunk sums of ``chunk`` tokens, then the tokens of the chosen chunk. Token i is drawn with
-    probability ``p_i / total`` (up to float rounding of the sums); a token of zero weight never is."""
+    probability ``p_i / total`` (up to float rounding of the sums); a token of zero weight never is.
+    A row of no positive weight (NaN logits upstream) gets -1, never an index outside the row."""
     B, V = p_BV.shape
     full, n = V // chunk, -(-V // chunk)
     mass_BN = p_BV.new_zeros(B, n)  # each chunk's mass (no padded copy of the row: it may be 100k+ wide)
@@ -119,12 +122,13 @@ def inverse_cdf(p_BV: torch.Tensor, u_B: torch.Tensor, chunk: int = CHUNK) -> to
         mass_BN[:, full] = p_BV[:, full * chunk :].sum(-1)
     cdf_BN = monotone_cdf(mass_BN)
     target_B = u_B.to(cdf_BN.dtype) * cdf_BN[:, -1]
-    c_B = search(cdf_BN, mass_BN > 0, target_B)
+    found_B = search(cdf_BN, mass_BN > 0, target_B)
+    c_B = found_B.clamp_min(0)  # a row without positive weight (non-finite logits) reads chunk 0, and returns -1
     before_B = torch.where(c_B > 0, cdf_BN.gather(-1, (c_B - 1).clamp_min(0)[:, None]).squeeze(-1), 0.0)
     idx_BC = c_B[:, None] * chunk + torch.arange(chunk, device=p_BV.device)
     p_BC = p_BV.gather(-1, idx_BC.clamp_max(V - 1)).masked_fill(idx_BC >= V, 0.0)  # the chosen chunk's weights
     i_B = search(monotone_cdf(p_BC), p_BC > 0, target_B - before_B)
-    return c_B * chunk + i_B
+    return torch.where(found_B < 0, -1, c_B * chunk + i_B)
 
 
 def monotone_cdf(w_BK: torch.Tensor) -> torch.Tensor:

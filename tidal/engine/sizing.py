@@ -110,6 +110,86 @@ def blocks_for_lengths(lengths: list[int], block_size: int, max_seqs: int | None
     return sum(blocks if max_seqs is None else blocks[:max_seqs])
 
 
+# ---- the sliding-window layers' pool (issue 50 item 3) -------------------------------------------
+# A model with both full-attention and sliding-window layers keeps the window layers' KV blocks in a
+# pool of their own (tidal.engine.native.window_blocks): a decoding sequence holds at most
+# ``(window - 1) // block_size + 2`` of them, whatever its length. The two pools split the KV budget
+# for sequences of ``seq_len`` tokens (the rollout's longest: ``data.max_prompt_len +
+# rollout.max_new_tokens``, which the trainer hands the engine and the plan reads): the window pool
+# holds the windows of the sequences of that length the full pool holds, plus the transient of
+# prefill (a step's new tokens and one sequence prefilled whole, a resumed one: each holds its new
+# tokens' window blocks for the step). Without ``seq_len`` both pools get the same block count.
+
+
+def window_blocks_per_sequence(num_tokens: int, *, block_size: int, window: int) -> int:
+    """The most window-layer blocks a decoding sequence of ``num_tokens`` tokens holds."""
+    return min(-(-num_tokens // block_size), (window - 1) // block_size + 2)
+
+
+def window_pool_blocks(full_blocks: int, *, block_size: int, window: int, seq_len: int | None,
+                       max_num_batched_tokens: int) -> int:
+    """Blocks of the window layers' pool beside a full pool of ``full_blocks`` (see above)."""
+    if seq_len is None:
+        return full_blocks
+    f = -(-seq_len // block_size)
+    seqs = -(-full_blocks // f)
+    extra = -(-max_num_batched_tokens // block_size) + f
+    return min(full_blocks, seqs * window_blocks_per_sequence(seq_len, block_size=block_size, window=window) + extra)
+
+
+def window_blocks_for_lengths(lengths: list[int], full_blocks: int, *, block_size: int, window: int, max_seqs: int | None,
+                              max_num_batched_tokens: int) -> int:
+    """The window pool beside a full pool of ``full_blocks`` for the longest ``max_seqs`` (all when
+    None) of sequences of full ``lengths`` tokens running together (CPU sizing)."""
+    f = sorted((-(-n // block_size) for n in lengths), reverse=True)
+    f = f if max_seqs is None else f[:max_seqs]
+    w = sum(min(b, (window - 1) // block_size + 2) for b in f)
+    return min(full_blocks, w + -(-max_num_batched_tokens // block_size) + f[0])
+
+
+def split_kv_pools(bytes_of, nbytes: int, *, block_size: int, window: int | None, seq_len: int | None,
+                   max_num_batched_tokens: int, max_blocks: int | None = None) -> tuple[int, int]:
+    """(full blocks, window blocks): the largest full pool whose cache, with its window pool
+    (:func:`window_pool_blocks`; 0 without window layers), takes at most ``nbytes``
+    (``bytes_of(full, window)``: the cache's bytes, monotone); (0, 0) when not even one block fits.
+    ``max_blocks``: a cap on either pool (a fixed-address region's size)."""
+    def win(n: int) -> int:
+        if window is None:
+            return 0
+        return window_pool_blocks(n, block_size=block_size, window=window, seq_len=seq_len,
+                                  max_num_batched_tokens=max_num_batched_tokens)
+
+    def fits(n: int) -> bool:
+        return bytes_of(n, win(n)) <= nbytes and (max_blocks is None or n <= max_blocks)
+
+    if not fits(1):
+        return 0, 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, win(lo)
+
+
+def kv_cache_bytes(caches, *, full_blocks: int, window_blocks: int, block_size: int, dtype_bytes: int,
+                   tp_size: int, granule: int = 1) -> int:
+    """Device bytes of the native engine's cache of ``full_blocks`` (+ 1 scratch) blocks in the
+    full-attention layers and ``window_blocks`` (+ 1) in the window layers (``caches``: the
+    family's layer caches; without a window pool every attention layer has ``full_blocks``), each
+    layer's K and V rounded up to ``granule`` bytes (the driver's mapping granularity of a cache
+    at a fixed address)."""
+    split = families.has_window_pool(caches)
+    total = 0
+    for c in caches:
+        if c.has_kv:
+            blocks = window_blocks if split and c.window is not None else full_blocks
+            half = (blocks + 1) * block_size * families.kv_bytes_per_token([c], dtype_bytes, tp_size) // 2
+            total += 2 * (-(-half // granule) * granule)
+    return total
+
+
 def graph_max_batch(cfg: EngineConfig, device: torch.device, graph_safe: bool) -> int:
     """The largest decode batch replayed from a CUDA graph (0: no graphs). Above
     ``cuda_graph_max_batch`` a decode step runs eagerly: its device time (a few ms at 0.5B and

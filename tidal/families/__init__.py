@@ -22,21 +22,24 @@ from tidal.families.base import (
     MoEShape,
     expert_weight,
     full_attention_caches,
+    has_window_pool,
     head_dim_of,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     kv_heads_of,
     layer_type_caches,
     namespace,
+    pool_window,
     state_bytes_per_sequence,
     text_config,
     text_tower_name,
 )
 
 __all__ = [
-    "CACHE_KINDS", "DEFAULT_LORA_TARGETS", "PACKED_KERNELS", "ExpertWeight", "Family", "LayerCache", "MoEShape", "expert_weight", "families", "family_of", "find_family",
-    "full_attention_caches", "head_dim_of", "kv_bytes_per_sequence", "kv_bytes_per_token", "kv_heads_of",
-    "layer_caches", "layer_type_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config", "text_tower_name",
+    "CACHE_KINDS", "DEFAULT_LORA_TARGETS", "PACKED_KERNELS", "ExpertWeight", "Family", "LayerCache", "MoEShape", "expert_weight",
+    "families", "family_of", "find_family", "full_attention_caches", "has_window_pool", "head_dim_of", "kv_bytes_per_sequence",
+    "kv_bytes_per_token", "kv_heads_of", "layer_caches", "layer_type_caches", "namespace", "native_family", "native_model_types",
+    "pool_window", "state_bytes_per_sequence", "text_config", "text_tower_name",
 ]
 
 _NOT_FAMILIES = {"base"}

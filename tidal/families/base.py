@@ -133,7 +133,12 @@ class Family:
     ``text_prefix``: where a ``ForConditionalGeneration`` checkpoint keeps the text tower
     (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
     checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
-    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded."""
+    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded.
+    ``qk_norm``: how its attention normalises q and k: ``""`` not at all, ``"head"`` per head (Qwen3,
+    Gemma 3: ``2 x head_dim`` weights), ``"projection"`` over the whole q and k projections (OLMo 3,
+    OLMoE: ``q_dim + kv_dim`` weights); either keeps the same activation bytes for the backward. ``norms_per_layer``: RMSNorms on a decoder layer's residual path
+    (2: pre-attention and pre-MLP; Gemma 3's sandwich adds post-attention and post-MLP ones). Both
+    size the training activations in the memory plan."""
 
     name: str
     model_types: tuple[str, ...]
@@ -144,8 +149,12 @@ class Family:
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
     text_only: bool = False
+    qk_norm: str = ""
+    norms_per_layer: int = 2
 
     def __post_init__(self):
+        if self.qk_norm not in ("", "head", "projection"):
+            raise ValueError(f"Family {self.name}: qk_norm {self.qk_norm!r} must be '', 'head' or 'projection'")
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)
         if unknown or "attention" not in self.packed_kernels:
             raise ValueError(f"Family {self.name}: packed_kernels {sorted(self.packed_kernels)} must hold 'attention' "
@@ -238,6 +247,18 @@ def kv_bytes_per_token(caches: list[LayerCache], dtype_bytes: int, tp_size: int)
     ``window_kv``; a window layer's total is bounded per sequence: :func:`kv_bytes_per_sequence`).
     Recurrent layers add none."""
     return sum(2 * _kv_heads_per_rank(c, tp_size) * c.head_dim * dtype_bytes for c in caches if c.has_kv)
+
+
+def pool_window(caches: list[LayerCache]) -> int | None:
+    """The window of the window layers' own block pool in the native engine: the largest window of
+    the ``window_kv`` layers when ``full_kv`` layers sit beside them (None otherwise: every
+    attention layer's blocks in one pool; :mod:`tidal.engine.native.window_blocks`)."""
+    windows = [c.window for c in caches if c.kind == "window_kv"]
+    return max(windows) if windows and any(c.kind == "full_kv" for c in caches) else None
+
+
+def has_window_pool(caches: list[LayerCache]) -> bool:
+    return pool_window(caches) is not None
 
 
 def kv_bytes_per_sequence(caches: list[LayerCache], seq_len: int, dtype_bytes: int, tp_size: int) -> int:

@@ -2,4 +2,5 @@
 
 from tidal.families.base import Family
 
-FAMILY = Family(name="qwen3", model_types=("qwen3",), engine_model="tidal.engine.native.models.dense:Qwen3ForCausalLM")
+FAMILY = Family(name="qwen3", model_types=("qwen3",), engine_model="tidal.engine.native.models.dense:Qwen3ForCausalLM",
+                qk_norm="head")

@@ -128,12 +128,39 @@ def _is_fixed(key: str) -> bool:
     return hits(FIXED) and not hits(NOT_FIXED)
 
 
+# Keys that name a file or folder: compared as the paths they resolve to (from the working directory),
+# so `runs/x` and `/home/me/runs/x` (or `~/x` and `/home/me/x`) naming one folder are no change.
+PATH_KEYS = ("run.output_dir", "model.path", "model.tokenizer_path", "model.critic_path", "model.reference_path",
+             "task.workdir", "reward_model.task.workdir")
+PATH_LIST_KEYS = ("data.train", "data.eval")  # lists of sources, each with a `path`
+
+
+def _resolved(path: Any) -> Any:
+    return str(Path(path).expanduser().resolve()) if isinstance(path, str) and path else path
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Whether ``old`` and ``new`` of ``key`` are one setting (paths: one file or folder)."""
+    if old == new:
+        return True
+    if key in PATH_KEYS:
+        return _resolved(old) == _resolved(new)
+    if key in PATH_LIST_KEYS and isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        def norm(source):
+            return {**source, "path": _resolved(source.get("path"))} if isinstance(source, dict) else _resolved(source)
+
+        return [norm(s) for s in old] == [norm(s) for s in new]
+    return False
+
+
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved value, value now)}`` for every key whose value differs (a key only on
-    one side has ``None`` on the other), ``checkpoint.resume`` aside."""
+    one side has ``None`` on the other; paths differ when they resolve to different places),
+    ``checkpoint.resume`` aside."""
     a, b = _flat(saved), _flat(now)
     keys = sorted(set(a) | set(b))
-    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and not any(k.startswith(n) for n in NOT_COMPARED)}
+    return {k: (a.get(k), b.get(k)) for k in keys
+            if not _same(k, a.get(k), b.get(k)) and not any(k.startswith(n) for n in NOT_COMPARED)}
 
 
 def check_config_change(point: ResumePoint | None, config: dict[str, Any], *, is_main: bool) -> dict[str, tuple[Any, Any]]:

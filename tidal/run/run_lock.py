@@ -9,7 +9,11 @@ name exists), so two runs starting at once cannot both get it, and a reader neve
 
 A lock whose owner is gone is *stale* and is taken over: on the same host, when no process has
 that pid (or one has it but started at another time). On another host liveness cannot be checked,
-so the error says which host and pid hold it and which file to delete if that run is dead.
+so the error says which host and pid hold it and which file to delete if that run is dead; except
+after an elastic restart: a lock written by an earlier attempt of the same torchrun job (the same
+``TORCHELASTIC_RUN_ID``, a lower ``TORCHELASTIC_RESTART_COUNT``: ``elastic`` in the lock) is stale
+on any host, since torch's agents stopped every rank of that attempt before they restarted the job
+(a lost node's rank 0 included), so the job comes back on the nodes left.
 
 Contract: only rank 0 takes the lock (``acquire_run_lock(run_dir, rank)`` returns a lock that owns
 nothing on other ranks); the caller makes the ranks agree on the outcome (this module runs no
@@ -58,7 +62,26 @@ def _pid_alive(pid: int) -> bool:
 
 def _me() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv[:8], "token": secrets.token_hex(8)}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv[:8], "token": secrets.token_hex(8),
+            "elastic": _elastic()}
+
+
+def _elastic() -> dict[str, Any] | None:
+    """This process's torchrun job and attempt (``{"run_id", "restart"}``), None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    try:
+        return {"run_id": run_id, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    except ValueError:
+        return None
+
+
+def _earlier_attempt(owner: dict[str, Any]) -> bool:
+    """The lock was taken by an earlier attempt of this torchrun job (restarted since)."""
+    mine, theirs = _elastic(), owner.get("elastic")
+    return (mine is not None and isinstance(theirs, dict) and theirs.get("run_id") == mine["run_id"]
+            and isinstance(theirs.get("restart"), int) and theirs["restart"] < mine["restart"])
 
 
 def _describe(owner: dict[str, Any]) -> str:
@@ -110,7 +133,10 @@ def _read(path: Path) -> dict[str, Any] | None | str:
 def _stale(owner: dict[str, Any]) -> bool:
     """The owner is certainly gone (same host, and no process with its pid and start time), or is
     this very process: a process runs one run at a time, so its earlier lock on the directory
-    (a run built and not released, e.g. in a notebook) is over."""
+    (a run built and not released, e.g. in a notebook) is over; or an earlier attempt of this
+    torchrun job (:func:`_earlier_attempt`, any host)."""
+    if _earlier_attempt(owner):
+        return True
     if owner["host"] != socket.gethostname():
         return False
     pid = owner["pid"]
@@ -186,7 +212,8 @@ def acquire_run_lock(run_dir: str | os.PathLike, rank: int, *, key: str = "run.o
             where = "" if owner["host"] == socket.gethostname() else f"; if that run is dead, delete {path}"
             raise ConfigError(key, f"{path.parent} is in use by another run: {_describe(owner)}. "
                               f"Wait for it to end or choose another run.output_dir{where}")
-        print(f"[tidal] warning: taking over the stale run lock of {_describe(owner)} (that process is gone)",
-              file=sys.stderr, flush=True)
+        why = ("an earlier attempt of this job, restarted by torchrun" if _earlier_attempt(owner)
+               else "that process is gone")
+        print(f"[tidal] warning: taking over the stale run lock of {_describe(owner)} ({why})", file=sys.stderr, flush=True)
         _take_over(path, owner)
     raise ConfigError(key, f"could not take the run lock {path}: other runs keep taking it over")

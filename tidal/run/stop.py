@@ -5,8 +5,11 @@ workers). The first SIGINT or SIGTERM a rank receives only sets a flag; after ea
 learns whether any rank was signalled (one host all-reduce), so all stop after the same step. The
 trainer then saves a checkpoint of that step (when checkpoints are enabled) and raises
 :class:`StopRun`, which the ``tidal`` command turns into exit code :data:`EXIT_CODE` (75,
-EX_TEMPFAIL: "stopped, rerun to resume"). A second signal aborts at once (the default handler is
-restored after the first), for when the step or the save takes too long.
+EX_TEMPFAIL: "stopped, rerun to resume"). A second signal aborts at once (by the handler that was
+there before), for when the step or the save takes too long; but a copy of the first passed on by
+the supervising ``tidal`` command within :data:`~tidal.run.supervise.REPEAT_S` of it is that signal,
+not a second one (Slurm signals every process of a job step, the supervisor passes its copy on:
+:mod:`tidal.run.supervise`). Two signals sent to this process itself always count as two.
 
 Handlers are installed only in the main thread (Python's rule) and restored on exit.
 """
@@ -15,6 +18,9 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
+
+from tidal.run import supervise
 
 EXIT_CODE = 75
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -36,11 +42,20 @@ class StopRequest:
     def __init__(self):
         self.signum = 0
         self._previous: dict[int, object] = {}
+        self._last = (0.0, False)  # (when, passed on by the supervisor) of the last signal
 
     def _handle(self, signum, _frame) -> None:
-        self.signum = signum
-        for sig in SIGNALS:  # a second signal takes the default way out
+        now, passed_on = time.monotonic(), supervise.forwarded()
+        if not self.signum:
+            self.signum, self._last = signum, (now, passed_on)
+            return
+        then, was_passed_on = self._last
+        if now - then < supervise.REPEAT_S and (passed_on or was_passed_on):
+            self._last = (now, True)
+            return  # the same signal come another way (module docstring)
+        for sig in SIGNALS:  # a second signal takes the way out that was there before
             signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))
+        signal.raise_signal(signum)
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():

@@ -13,8 +13,21 @@ was 0. A child ended by a signal ends the command by the same signal (torchrun r
 
 Signals: the child runs in its own process group, so a Ctrl-C at the terminal (or torchrun's signal
 to its worker's group) reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on to
-the child once: Tidal's graceful stop counts signals, and a second one aborts at once. The child
-dies with this process (``PR_SET_PDEATHSIG``) if this one is killed.
+the child once: Tidal's graceful stop counts signals, and a second one aborts at once. One signal
+may come several ways at once: Slurm signals every process of a job step (the agent, this process
+and the child), and the agent passes its own on to this process. So this process passes a signal on
+at most once per :data:`REPEAT_S`, and says so to the child through a pipe before it signals it
+(:func:`forwarded`): the child counts a copy passed on within :data:`REPEAT_S` of another signal as
+that signal (:class:`tidal.run.stop.StopRequest`). The child dies with this process
+(``PR_SET_PDEATHSIG``) if this one is killed.
+
+Under torchrun (a torch elastic agent started this process: ``TORCHELASTIC_RUN_ID`` is set) the
+agent is this process's parent, and a rank is useless without it: the agent is what stops, restarts
+or reports the node's ranks. When the agent is gone (killed alone, its node's other processes alive)
+this process says so in one line and kills the child's process group, so the other nodes' ranks find
+this node's ranks gone (their collectives fail, their heartbeats stop: the watchdog reports the lost
+node, exit code 3) instead of training beside orphans, and the command exits with
+:data:`AGENT_LOST_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -23,11 +36,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 OUTCOME_FD_ENV = "TIDAL_OUTCOME_FD"  # set in the child: the pipe it reports its exit code into
+FORWARD_FD_ENV = "TIDAL_FORWARD_FD"  # set in the child: the pipe that says a signal was passed on
+REPEAT_S = 2.0  # copies of one signal arrive within this (a scheduler's, the agent's, this process's)
 SUPERVISED_COMMANDS = ("train", "check", "eval", "export")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+AGENT_LOST_EXIT_CODE = 3  # the watchdog's code (tidal.run.watchdog.EXIT_CODE): this rank's part of the job is lost
+AGENT_POLL_S = 0.5  # how often the supervisor looks whether its torchrun agent is still its parent
 
 
 def wanted(argv: list[str]) -> bool:
@@ -36,17 +54,23 @@ def wanted(argv: list[str]) -> bool:
 
 
 _outcome_fd: int | None = None  # in a supervised child: the pipe's write end (set once, by start_child)
+_forward_fd: int | None = None  # in a supervised child: the read end of the supervisor's signal notes
 
 
 def start_child() -> None:
     """In a supervised child (a no-op elsewhere): take the pipe from the environment (no process
     this one starts inherits it), and be killed when the supervisor dies (Linux)."""
-    global _outcome_fd
+    global _outcome_fd, _forward_fd
     fd = os.environ.pop(OUTCOME_FD_ENV, None)
+    forward = os.environ.pop(FORWARD_FD_ENV, None)
     if fd is None:
         return
     _outcome_fd = int(fd)
     os.set_inheritable(_outcome_fd, False)
+    if forward is not None:
+        _forward_fd = int(forward)
+        os.set_inheritable(_forward_fd, False)
+        os.set_blocking(_forward_fd, False)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -56,6 +80,17 @@ def start_child() -> None:
             pass
         if os.getppid() == 1:  # the supervisor died before the call
             os._exit(1)
+
+
+def forwarded() -> bool:
+    """In a supervised child, in a signal handler: whether the supervisor passed a signal on since
+    the last call (it writes to the pipe before it signals); False elsewhere."""
+    if _forward_fd is None:
+        return False
+    try:
+        return bool(os.read(_forward_fd, 64))
+    except (BlockingIOError, OSError):
+        return False
 
 
 def report_outcome(code: int | None) -> None:
@@ -75,11 +110,24 @@ def report_outcome(code: int | None) -> None:
 def run_supervised(argv: list[str]) -> int:
     """Run ``tidal ARGV`` as a supervised child; its exit code, checked (module docstring)."""
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd)})
-    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd,), process_group=0)
+    note_r, note_w = os.pipe()
+    env = dict(os.environ, **{OUTCOME_FD_ENV: str(write_fd), FORWARD_FD_ENV: str(note_r)})
+    child = subprocess.Popen([sys.executable, "-c", _child_code(), *argv], env=env, pass_fds=(write_fd, note_r),
+                             process_group=0)
     os.close(write_fd)
+    os.close(note_r)
+    os.set_blocking(note_w, False)
+    last: dict[int, float] = {}
 
     def forward(signum, _frame):
+        now = time.monotonic()
+        if now - last.get(signum, -REPEAT_S) < REPEAT_S:
+            return  # a copy of the signal just passed on (module docstring)
+        last[signum] = now
+        try:
+            os.write(note_w, b"f")
+        except OSError:  # the child is gone, or its notes are unread: it learns no more from them
+            pass
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -87,10 +135,14 @@ def run_supervised(argv: list[str]) -> int:
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
-        code = child.wait()
+        code = _wait(child, argv[0], agent=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        os.close(note_w)
+    if code is None:
+        os.close(read_fd)
+        return AGENT_LOST_EXIT_CODE
     os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there
     try:
         said = os.read(read_fd, 64).decode(errors="replace").strip()
@@ -99,6 +151,36 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         os.close(read_fd)
     return _outcome(argv[0], child.pid, code, said)
+
+
+def _wait(child: subprocess.Popen, command: str, *, agent: int | None) -> int | None:
+    """The child's exit code; with ``agent`` (the torchrun agent's pid, this process's parent), None
+    once the agent is gone (this process was re-parented), after killing the child's process group."""
+    if agent is None:
+        return child.wait()
+    while True:
+        try:
+            return child.wait(timeout=AGENT_POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if os.getppid() != agent:
+            break
+    print(f"tidal: {_who()}: the torchrun agent that started this rank (pid {agent}) is gone; ending the rank's "
+          f"{command} process (pid {child.pid}), so that the other nodes stop and "
+          "report this node lost instead of training beside it", file=sys.stderr, flush=True)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and what it started (reward workers) in its group
+    except ProcessLookupError:
+        pass
+    child.wait()
+    return None
+
+
+def _who() -> str:
+    """``rank R (node G, host H)`` from torchrun's environment."""
+    import socket
+
+    return f"rank {os.environ.get('RANK', '?')} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
 
 
 def _child_code() -> str:

@@ -19,13 +19,17 @@ report naming every rank's step and stage and the ranks that are behind, writes 
 stops (or, with ``--max-restarts``, restarts) the job instead of it hanging until the backend's own
 timeout (the report comes before ``timeout_s`` is over, so before the backend's timeout of the same
 length fires without naming stages). A rank that wrote no heartbeat within ``timeout_s`` of the start is reported the same way.
-An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note; with
-several nodes, for a collective's error (a plain ``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a
-collective raises when a peer's connection closes) the note waits ``4 * beat_s`` first, so that ranks
-that are gone show as silent in it.
+An exception leaving a stage (such as gloo's own collective timeout) gets the report as a note.
 With several nodes (a :class:`~tidal.distributed.topology.Topology`) the report names each rank's
 node and host, and the hosts of the ranks behind: a node that died shows as its ranks' missing or
-stalled heartbeats.
+stalled heartbeats. Then, too, the first rank of every node (not rank 0 alone) looks for ranks gone
+silent, so a lost node 0 is reported by the others; and a collective's error (a plain
+``RuntimeError`` from gloo, a ``torch.distributed.DistError``: what a collective raises when a peer's
+connection closes) waits ``4 * beat_s`` for ranks that are gone to show as silent: when some are,
+the node is lost, and the rank ends with :data:`EXIT_CODE` and the report (``ranks lost``, naming
+the silent ranks' node and host) instead of raising the connection's error (exit code 1). One
+report per session: the lowest surviving rank reports at once, another a few beats later unless a
+report of this session is in ``divergence.json`` by then (it ends quietly).
 
 Does not know what the stages do; enters one collective, in :meth:`start` (all ranks, once), and
 none afterwards. ``<run_dir>`` must be visible to every rank (as checkpoints already require).
@@ -36,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -74,6 +79,7 @@ class Watchdog:
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending = threading.Lock()  # held by the one thread that ends the process (_fire)
 
     # ---- recording (training thread) ------------------------------------------------------------
     def _make_state(self, stage: str, state: str) -> dict:
@@ -114,7 +120,10 @@ class Watchdog:
         if getattr(e, "_tidal_stage_noted", False):
             return
         if self.topology is not None and is_collective_error(e):  # a peer's node may be gone
+            if self._reported():
+                _exit()  # a rank reported a lost node (its exit may be what failed this collective)
             self._await_silence()
+            self._end_if_lost(e, headline)
         e.add_note(self.describe(headline))
         e._tidal_stage_noted = True
 
@@ -148,11 +157,18 @@ class Watchdog:
             if state is not self._written or time.time() - self._beat >= self.beat_s:
                 with contextlib.suppress(OSError):  # a full disk must not end the watchdog
                     self._write(state)
-            if self.rank == 0 and time.monotonic() - last_check >= self.poll_s:
+            if self._checks() and time.monotonic() - last_check >= self.poll_s:
                 last_check = time.monotonic()
-                report = self.check()
+                report = self.check(gone_only=self.rank != 0)
                 if report is not None:
-                    self._fire(report)
+                    self._fire(report, "ranks lost" if report.get("lost") else "ranks diverged")
+
+    def _checks(self) -> bool:
+        """Whether this rank's thread checks the others: rank 0 (for everything), and with several
+        nodes the first rank of every other node (for ranks gone silent: a lost node 0)."""
+        if self.rank == 0:
+            return True
+        return self.topology is not None and self.topology.nodes[self.topology.node_of(self.rank)][0] == self.rank
 
     def _path(self, rank: int) -> Path:
         return self.dir / f"rank{rank}.json"
@@ -175,21 +191,23 @@ class Watchdog:
         return beat if beat.get("session") == self.session else None
 
     # ---- divergence -----------------------------------------------------------------------------
-    def check(self, now: float | None = None) -> dict | None:
-        """A divergence report when ranks have been at different positions for > timeout_s, else None."""
+    def check(self, now: float | None = None, *, gone_only: bool = False) -> dict | None:
+        """A divergence report when ranks have been at different positions for > timeout_s, or (with
+        ``lost`` true) when ranks have been silent for that long, else None; ``gone_only``: only the latter."""
         now = time.time() if now is None else now
         beats = {r: self._read(r) for r in range(self.world_size)}
         if any(b is not None and b["state"] == "closed" for b in beats.values()):
             return None  # the run is ending
         missing = [r for r, b in beats.items() if b is None]
         if missing:
-            if now - self._started <= self.deadline_s:
+            if now - self._started <= self.deadline_s or gone_only:
                 return None
             return self._report(beats, now, behind=missing, why=f"ranks {missing} wrote no heartbeat")
         gone = [r for r in self._silent(beats, now) if now - beats[r]["beat"] > self.deadline_s]
         if gone:
-            return self._report(beats, now, behind=gone, why=f"ranks {gone}{self._where(gone)} wrote no heartbeat for "
-                                f"{now - max(beats[r]['beat'] for r in gone):.1f} s (their processes or node are gone)")
+            return {**self._report(beats, now, behind=gone, why=self._gone_why(beats, gone, now)), "lost": True}
+        if gone_only:
+            return None
         pos = {r: (b["step"], b["k"]) for r, b in beats.items()}
         top = max(pos.values())
         ahead = [r for r, p in pos.items() if p == top]
@@ -208,6 +226,10 @@ class Watchdog:
             return []
         return [r for r, b in beats.items()
                 if b is not None and r != self.rank and b.get("state") != "closed" and now - b.get("beat", now) > 3 * self.beat_s]
+
+    def _gone_why(self, beats: dict, gone: list[int], now: float) -> str:
+        return (f"ranks {gone}{self._where(gone)} wrote no heartbeat for {now - max(beats[r]['beat'] for r in gone):.1f} s "
+                "(their processes or node are gone)")
 
     def _where(self, ranks: list[int]) -> str:
         """`` on node 1 (host b)`` for ranks of known nodes, else empty."""
@@ -230,15 +252,64 @@ class Watchdog:
                 })
         return {"timeout_s": self.timeout_s, "beat_s": self.beat_s, "why": why, "behind": behind, "ranks": ranks}
 
-    def _fire(self, report: dict) -> None:
-        text = format_report(report, "ranks diverged")
-        print(text, file=sys.stderr, flush=True)
+    def _fire(self, report: dict, title: str = "ranks diverged") -> None:
+        """Print ``report`` under ``title``, write it to ``divergence.json`` and end the process with
+        :data:`EXIT_CODE`; a second thread getting here waits for the first to end it."""
+        if not self._ending.acquire(blocking=False):
+            threading.Event().wait()  # another thread of this rank is ending the process
         with contextlib.suppress(OSError):
-            (self.dir / "divergence.json").write_text(json.dumps(report, indent=1))
-        from tidal.run.supervise import report_outcome
+            (self.dir / "divergence.json").write_text(json.dumps({**report, "session": self.session}, indent=1))
+        print(format_report(report, title), file=sys.stderr, flush=True)
+        _exit()
 
-        report_outcome(EXIT_CODE)  # said above: the supervising command adds nothing
-        os._exit(EXIT_CODE)
+    def _reported(self) -> bool:
+        """Whether a rank has written its report of this session (``divergence.json``)."""
+        try:
+            return json.loads((self.dir / "divergence.json").read_text()).get("session") == self.session
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _end_if_lost(self, e: BaseException, headline: str) -> None:
+        """After a collective's error: when ranks are silent (gone), end the process with the report
+        (once per session: a rank that finds another's report ends quietly); else return. The lowest
+        surviving rank reports at once; another waits ``4 * beat_s`` more, its heartbeat going on,
+        for that report (the lowest may be blocked in a collective with this rank, not with the lost
+        ones), or for its agent to stop it, before it reports itself."""
+        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        report = self._lost_report(headline, f"the collective's error: {cause}")
+        if report is None:
+            return
+        if self.rank != min(r for r in range(self.world_size) if r not in report["behind"]):
+            self._await_report(4 * self.beat_s)
+            report = self._lost_report(headline, f"the collective's error: {cause}") or report
+        if self._reported():
+            _exit()  # said by another rank
+        self._fire(report, "ranks lost")
+
+    def _await_report(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for another rank's report of this session, or for this rank's agent
+        to stop it (SIGTERM, SIGINT: another rank's exit ended the job)."""
+        stopped: list[int] = []
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, lambda signum, _frame: stopped.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            end = time.monotonic() + seconds
+            while not stopped and time.monotonic() < end and not self._reported():
+                time.sleep(min(0.1, self.poll_s))
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _lost_report(self, headline: str, tail: str) -> dict | None:
+        """The report of the ranks silent now (gone), or None when none is."""
+        now = time.time()
+        beats = {r: self._read(r) for r in range(self.world_size)}
+        gone = self._silent(beats, now)
+        if not gone:
+            return None
+        why = f"{headline}: {self._gone_why(beats, gone, now)}; {tail}"
+        return {**self._report(beats, now, behind=gone, why=why), "lost": True}
 
     def describe(self, headline: str) -> str:
         """Every rank's stage now (from the heartbeats), under ``headline``; silent ranks are behind
@@ -257,6 +328,14 @@ class Watchdog:
         """Give ranks that are gone the time to show as silent (3 beats and one more), for a note."""
         if self._thread is not None:
             time.sleep(4 * self.beat_s)
+
+
+def _exit() -> None:
+    """End the process with :data:`EXIT_CODE`, its cause said (the supervising command adds nothing)."""
+    from tidal.run.supervise import report_outcome
+
+    report_outcome(EXIT_CODE)
+    os._exit(EXIT_CODE)
 
 
 def is_collective_error(e: BaseException) -> bool:
@@ -279,7 +358,7 @@ def format_report(report: dict, title: str) -> str:
     if report["behind"]:
         hosts = sorted({(r["node"], r["host"]) for r in report["ranks"] if r["behind"] and "node" in r})
         on = f" on {', '.join(f'node {g} (host {h})' for g, h in hosts)}" if hosts else ""
-        lines.append(f"  diverged (behind): ranks {report['behind']}{on}")
+        lines.append(f"  {'lost' if report.get('lost') else 'diverged (behind)'}: ranks {report['behind']}{on}")
     return "\n".join(lines)
 
 

@@ -6,9 +6,11 @@ Every step first writes the new tokens' (rotated) K and V into their slots, then
 cache only, so prefill with a cached prefix, chunked prefill and decode are one code path.
 
 A sliding-window layer (``window``, HF's ``sliding_window``) lets a query at position ``p`` attend
-to the keys at ``p - window < j <= p`` only (:class:`tidal.families.LayerCache`). Its cache holds
-every token like a full layer's (the window is applied in the kernels, exactly; the blocks that
-leave the window are not freed yet).
+to the keys at ``p - window < j <= p`` only (:class:`tidal.families.LayerCache`). Beside full
+layers, its cache is a pool of its own whose blocks are given back once they leave the window
+(:mod:`~tidal.engine.native.window_blocks`): it writes and reads through the step's ``window``
+metadata (its own slot mapping and block tables, :meth:`PagedAttention.meta_of`), and its kernels
+read only the blocks inside each query's window.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class AttnMetadata:
     max_query_len / max_context_len: maxima of the above.
     state_slots_B / state_slots: the recurrent-state slot of each sequence (hybrid models: int64 on
     the device; prefill also as Python ints), None for models without recurrent layers.
+    window: the same step as the sliding-window layers' pool addresses it (its ``slot_mapping_T``
+    and ``block_tables_BN``; every other field the same), None without a window pool.
     """
 
     is_prefill: bool
@@ -44,6 +48,7 @@ class AttnMetadata:
     max_context_len: int = 1
     state_slots_B: torch.Tensor | None = None
     state_slots: list[int] | None = None
+    window: "AttnMetadata | None" = None
 
 
 class PagedAttention(nn.Module):
@@ -69,7 +74,12 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def meta_of(self, meta: AttnMetadata) -> AttnMetadata:
+        """The step's metadata as this layer's cache addresses it (a window layer's own pool)."""
+        return meta.window if self.window is not None and meta.window is not None else meta
+
     def forward(self, q_THD: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        meta = self.meta_of(meta)
         if meta.is_prefill:
             return self.ops.prefill_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale, window=self.window)
         return self.ops.decode_attention(q_THD, self.k_cache, self.v_cache, meta, self.scale, window=self.window)

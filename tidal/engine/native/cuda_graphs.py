@@ -3,7 +3,8 @@
 A graph bakes in the addresses of the weights, the KV cache and its static input buffers: it stays
 valid across in-place weight loads, and is dropped (:meth:`free`) whenever the KV cache or the
 weights are released. A batch of B rows replays the smallest bucket >= B; padded rows attend to
-one token of the scratch block and write their K/V there. Needs a kernel backend whose decode
+one token of the scratch block and write their K/V there (with a window pool, of each pool: its own
+slot mapping and block tables are static buffers too). Needs a kernel backend whose decode
 attention reads the context lengths from device memory (``ops.graph_safe``).
 
 Two kinds of graph, keyed by (bucket, temperature): with a temperature, the step's logits and its
@@ -31,8 +32,10 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device, window_pool: bool = False):
         self.model = model
+        self.window_pool = window_pool
+        self.rows = 5 if window_pool else 4  # input rows: ids, positions, slots, context lengths[, window slots]
         self.max_bs = max_bs
         self.buckets = graph_buckets(max_bs)
         self.device = device
@@ -64,23 +67,30 @@ class DecodeGraphs:
         n = self.max_bs
         z = lambda *shape, dt: torch.zeros(*shape, dtype=dt, device=self.device)  # noqa: E731
         self.bufs = {
-            "inputs": z(4, n, dt=torch.int64),  # ids, positions, slots, context lengths
+            "inputs": z(self.rows, n, dt=torch.int64),  # ids, positions, slots, context lengths[, window slots]
             "bt": z(n, self.max_blocks, dt=torch.int32),
+            "wbt": z(n if self.window_pool else 0, self.max_blocks, dt=torch.int32),
             "u": z(n, dt=torch.float32),  # each row's uniform (padded rows: 0)
         }
         sink = getattr(self.model, "routing_sink", None)
         if sink is not None:  # MoE: each row's experts, written by the graph (tidal.engine.native.moe.record)
             self.bufs["routing"] = sink.new_buffer(n, self.device)
-        self.host = [(torch.zeros(4 * n, dtype=torch.int64, pin_memory=True),
+        self.host = [(torch.zeros(self.rows * n, dtype=torch.int64, pin_memory=True),
                       torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=True),
-                      torch.zeros(n, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
+                      torch.zeros(n, dtype=torch.float32, pin_memory=True),
+                      torch.zeros(n * self.max_blocks if self.window_pool else 0, dtype=torch.int32, pin_memory=True))
+                     for _ in range(2)]
 
     def _meta(self, bs: int) -> AttnMetadata:
         inputs = self.bufs["inputs"]
-        return AttnMetadata(
+        meta = AttnMetadata(
             is_prefill=False, slot_mapping_T=inputs[2, :bs], block_tables_BN=self.bufs["bt"][:bs],
             context_lens_B=inputs[3, :bs], max_context_len=1,
         )
+        if self.window_pool:
+            meta.window = AttnMetadata(is_prefill=False, slot_mapping_T=inputs[4, :bs], block_tables_BN=self.bufs["wbt"][:bs],
+                                       context_lens_B=inputs[3, :bs], max_context_len=1)
+        return meta
 
     def _step(self, bs: int, temperature: float | None) -> torch.Tensor:
         inputs, meta = self.bufs["inputs"], self._meta(bs)
@@ -126,10 +136,12 @@ class DecodeGraphs:
         return graph
 
     def run(self, inputs: np.ndarray, bt: np.ndarray, scratch_block: int, ids_dev=None,
-            temperature: float | None = None, uniforms: np.ndarray | None = None) -> torch.Tensor:
+            temperature: float | None = None, uniforms: np.ndarray | None = None,
+            window_bt: np.ndarray | None = None, window_scratch: int = 0) -> torch.Tensor:
         """Replay the bucket for ``B`` rows: ``inputs`` ``[4, B]`` (input token, position, cache slot,
-        context length), ``bt`` the block tables ``[B, width]``; input tokens from ``ids_dev`` on the
-        device if given. Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples
+        context length; with a window pool a fifth row, the slot in it), ``bt`` the block tables
+        ``[B, width]`` (``window_bt``: the window pool's, whose scratch block is ``window_scratch``);
+        input tokens from ``ids_dev`` on the device if given. Returns the final hidden states ``[B, H]``, or with ``temperature`` the samples
         ``[2, B]`` (a view of the graph's output, valid until the next replay), the row's token drawn
         with ``uniforms[b]`` (fp32 ``[B]``; None on TP ranks other than the first: their graphs do
         not sample)."""
@@ -139,13 +151,14 @@ class DecodeGraphs:
             before = torch.cuda.memory_reserved(self.device)
             self._alloc_buffers()
             self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
-        host_flat, host_bt, host_u = self.host[self.parity]
+        host_flat, host_bt, host_u, host_wbt = self.host[self.parity]
         self.parity ^= 1
-        host = host_flat[: 4 * bs].view(4, bs)  # contiguous, so the copy below stays asynchronous
+        host = host_flat[: self.rows * bs].view(self.rows, bs)  # contiguous, so the copy below stays asynchronous
         staged = host.numpy()
         staged[:, :n] = inputs
         page = self.model.layer_attentions()[0].k_cache.shape[1]
-        staged[:, n:bs] = np.array([[0], [0], [scratch_block * page], [1]])
+        pad = [[0], [0], [scratch_block * page], [1]] + ([[window_scratch * page]] if self.window_pool else [])
+        staged[:, n:bs] = np.array(pad)
         inputs = self.bufs["inputs"]
         inputs[:, :bs].copy_(host, non_blocking=True)
         if ids_dev is not None:
@@ -156,6 +169,12 @@ class DecodeGraphs:
         bt_dev[:n, :w].copy_(host_bt[: n * w].view(n, w), non_blocking=True)
         if bs > n:
             bt_dev[n:bs, 0] = scratch_block
+        if self.window_pool:
+            host_wbt.numpy()[: n * w] = window_bt.reshape(-1)
+            wbt_dev = self.bufs["wbt"]
+            wbt_dev[:n, :w].copy_(host_wbt[: n * w].view(n, w), non_blocking=True)
+            if bs > n:
+                wbt_dev[n:bs, 0] = window_scratch
         key = (bs, temperature)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)

@@ -50,6 +50,7 @@ from tidal.engine.native.scheduler import Scheduler
 from tidal.engine.native.sequence import FINISH_REASONS, Sequence, SequenceTable
 from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative import Speculator
+from tidal.engine.native.window_blocks import WindowBlocks
 from tidal.engine.sampler import request_key
 from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
@@ -95,8 +96,13 @@ class NativeEngine:
         device: torch.device,
         dtype: torch.dtype,
         tp_group: dist.ProcessGroup | None = None,
+        seq_len: int | None = None,
     ):
+        """``seq_len``: the longest sequence (prompt + new tokens) the caller expects, which sizes the
+        sliding-window layers' block pool of a model that has one (:func:`tidal.engine.sizing.window_pool_blocks`;
+        None: as many blocks as the full layers' pool, or on CPU the requests' lengths)."""
         self.cfg = cfg
+        self.seq_len = seq_len
         self.device = torch.device(device)
         self.dtype = dtype
         self.tp = TPGroup.of(tp_group)
@@ -114,6 +120,7 @@ class NativeEngine:
         self.eos_token_ids = eos_ids(hf_config)
         self.table = SequenceTable(cfg.block_size)
         self.block_manager: BlockManager | None = None  # with the KV cache
+        self.window_blocks: WindowBlocks | None = None  # with the KV cache, for a model with a window pool
         self.scheduler: Scheduler | None = None  # with the KV cache
         self.sleep_level = 0  # 0 awake; 1 KV freed; 2 KV freed and weights on the host
         self._host_weights = ParamHostCopy(pin=self.device.type == "cuda")  # the weights while asleep at level 2
@@ -156,54 +163,78 @@ class NativeEngine:
         return engine
 
     # ---- memory ---------------------------------------------------------------------------------
-    def _kv_blocks_wanted(self, lengths: list[int] | None) -> int:
-        """Blocks for a new KV cache: ``kv_cache_max_tokens`` when set; on CUDA the memory available
-        now (:mod:`tidal.engine.sizing`); on CPU the sequences of full ``lengths`` that run together
-        (without ``lengths``: ``max_num_seqs`` (or one) sequences of the model's full context)."""
-        cfg, bs = self.cfg, self.cfg.block_size
+    def _kv_blocks_wanted(self, lengths: list[int] | None) -> tuple[int, int]:
+        """(full-layer, window-layer) blocks for a new KV cache (window: 0 without a window pool):
+        ``kv_cache_max_tokens`` full-layer tokens when set; on CUDA the memory available now
+        (:mod:`tidal.engine.sizing`); on CPU the sequences of full ``lengths`` that run together
+        (without ``lengths``: ``max_num_seqs`` (or one) sequences of the model's full context). The
+        window pool follows the full one for sequences of ``seq_len`` tokens (the longest of
+        ``lengths`` when given)."""
+        cfg, bs, window = self.cfg, self.cfg.block_size, self.runner.window
+        seq_len = max(lengths) if lengths else self.seq_len
+        mnbt = cfg.max_num_batched_tokens
+
+        def with_window(full: int) -> tuple[int, int]:
+            return full, 0 if window is None else sizing.window_pool_blocks(
+                full, block_size=bs, window=window, seq_len=seq_len, max_num_batched_tokens=mnbt)
+
         if cfg.kv_cache_max_tokens > 0:
-            return cfg.kv_cache_max_tokens // bs
+            return with_window(cfg.kv_cache_max_tokens // bs)
         if sizing.sized_by_memory(self.device):
-            return self.runner.blocks_for_bytes(sizing.kv_budget_bytes(cfg, sizing.available_device_bytes(self.device)))
+            budget = sizing.kv_budget_bytes(cfg, sizing.available_device_bytes(self.device))
+            return self.runner.blocks_for_bytes(budget, seq_len, mnbt)
         cap = sizing.max_running(cfg)
         if lengths is None:
             lengths = [self.model.max_positions] * (cap or 1)
-        return sizing.blocks_for_lengths(lengths, bs, cap)
+        full = sizing.blocks_for_lengths(lengths, bs, cap)
+        if window is None:
+            return full, 0
+        return full, sizing.window_blocks_for_lengths(lengths, full, block_size=bs, window=window, max_seqs=cap,
+                                                      max_num_batched_tokens=mnbt)
 
     def _ensure_kv(self, lengths: list[int] | None = None) -> int:
         """Allocate the KV cache if absent; on CPU without a cap, regrow it (while idle) when the
         sequences of full ``lengths`` need more. Returns the bytes allocated."""
         grows = not sizing.sized_by_memory(self.device) and self.cfg.kv_cache_max_tokens == 0 and lengths is not None
         if self.runner.kv_layers:
-            if not grows or not self._idle() or (self.runner.num_blocks >= self._kv_blocks_wanted(lengths)
-                                                 and self._state_slots_fit(lengths)):
+            if not grows or not self._idle() or (self._kv_fits(lengths) and self._state_slots_fit(lengths)):
                 return 0
             self._free_caches()
         states = self._allocate_states(lengths)
-        need = self._kv_blocks_wanted(lengths)
+        need, need_window = self._kv_blocks_wanted(lengths)
         if need < 1:
             raise RuntimeError("no memory left for a single KV block")
         try:
-            nbytes = self.runner.allocate_kv_cache(need)
+            nbytes = self.runner.allocate_kv_cache(need, need_window)
         except torch.OutOfMemoryError:
             if self.device.type != "cuda":
                 raise
             # the allocator's cached blocks counted as available but were fragmented: hand back what
             # it can and size again from what is really free
             torch.cuda.empty_cache()
-            need = self._kv_blocks_wanted(lengths)
+            need, need_window = self._kv_blocks_wanted(lengths)
             if need < 1:
                 raise RuntimeError("no memory left for a single KV block") from None
-            nbytes = self.runner.allocate_kv_cache(need)
+            nbytes = self.runner.allocate_kv_cache(need, need_window)
         # every TP rank must schedule alike: the ranks sized their caches from their own free memory,
-        # so all use the smallest block count (a larger cache leaves its last blocks unused)
+        # so all use the smallest block counts (a larger cache leaves its last blocks unused)
         need = self.tp.min_int(need, self.device)
         self.block_manager = BlockManager(need, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.window_blocks = None
+        if self.runner.window is not None:
+            self.window_blocks = WindowBlocks(self.table, self.tp.min_int(need_window, self.device), self.cfg.block_size,
+                                              self.runner.window, self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.table, self.block_manager, max_num_seqs=sizing.max_running(self.cfg),
-                                   max_num_batched_tokens=self.cfg.max_num_batched_tokens, state_pool=states)
+                                   max_num_batched_tokens=self.cfg.max_num_batched_tokens, state_pool=states,
+                                   window_blocks=self.window_blocks)
         if self.runner.routing is not None:
             self.scheduler.before_release = self._keep_routing
         return nbytes + states_bytes(states)
+
+    def _kv_fits(self, lengths: list[int] | None) -> bool:
+        """Whether the allocated cache has the blocks that sequences of full ``lengths`` want (CPU)."""
+        want, want_window = self._kv_blocks_wanted(lengths)
+        return self.runner.num_blocks >= want and self.runner.num_window_blocks >= want_window
 
     # ---- recurrent state (hybrid models) --------------------------------------------------------
     def _state_slots_wanted(self, lengths: list[int] | None) -> int:
@@ -252,7 +283,7 @@ class NativeEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._require_idle("sleep()")
         freed = self._free_caches()
-        self.block_manager = self.scheduler = None
+        self.block_manager = self.scheduler = self.window_blocks = None
         if level == 2 and self.sleep_level < 2 and self.device.type != "cpu":
             freed += self.runner.drop_graphs()
             # into one pinned host buffer of exactly the weights' size, made at the first such sleep and
@@ -286,6 +317,8 @@ class NativeEngine:
         self.model.load_weights(named_tensors)
         if self.block_manager is not None:
             self.block_manager.reset_prefix_cache()
+        if self.window_blocks is not None:
+            self.window_blocks.reset_prefix_cache()
         if self.runner.states is not None:
             self.runner.states.clear_checkpoints()
 

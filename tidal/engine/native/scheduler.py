@@ -11,6 +11,10 @@ Policy (the nano-vllm shape):
   included) with the tokens they had generated.
 - Finished sequences (stop token, or their length limit) release their blocks at once, so waiting
   ones join the next step.
+- Sliding-window layers (a model with both kinds of layer): their blocks come from a pool of their
+  own (:class:`~tidal.engine.native.window_blocks.WindowBlocks`), taken with the full layers' blocks
+  and given back as each step's window moves past them; a sequence is admitted, and decodes, only
+  when both pools have its blocks.
 - Speculation: :meth:`attach_drafts` turns a decode batch into a verify batch (blocks for the
   drafted positions taken from the free ones, drafts cut to fit, never preempting);
   :meth:`postprocess` appends each row's accepted tokens and gives back the blocks past the last
@@ -45,6 +49,7 @@ import numpy as np
 from tidal.engine.native.block_manager import BlockManager, block_digests, chain_hashes, prefix_hashes, seed_of
 from tidal.engine.native.sequence import ABORT, LENGTH, STOP, SequenceTable, Status
 from tidal.engine.native.state_pool import StatePool
+from tidal.engine.native.window_blocks import WindowBlocks
 
 
 @dataclasses.dataclass
@@ -77,13 +82,19 @@ class Batch:
 
 class Scheduler:
     def __init__(self, table: SequenceTable, block_manager: BlockManager, *, max_num_seqs: int | None,
-                 max_num_batched_tokens: int, state_pool: StatePool | None = None):
+                 max_num_batched_tokens: int, state_pool: StatePool | None = None,
+                 window_blocks: WindowBlocks | None = None):
         """``state_pool``: the recurrent-state slots of a hybrid model (None: KV only). With one, a
         sequence is admitted only when it gets a state slot, a prefix hit is taken only up to a
         checkpointed boundary, and the first of a group's samples prefills up to the last block
         boundary before its last token in a chunk of its own, checkpointed for the others to fork
-        from (:mod:`~tidal.engine.native.state_pool`)."""
+        from (:mod:`~tidal.engine.native.state_pool`). ``window_blocks``: the sliding-window layers'
+        block pool (None: every attention layer's blocks are ``block_manager``'s)."""
+        if state_pool is not None and window_blocks is not None:
+            raise ValueError("a model with both recurrent and sliding-window layers is not supported by the native engine "
+                             "(its prefix hits would need a state checkpoint and a cached window at one boundary)")
         self.table = table
+        self.win = window_blocks
         self.bm = block_manager
         self.states = state_pool
         self.block_size = block_manager.block_size
@@ -115,6 +126,12 @@ class Scheduler:
             raise ValueError(
                 f"{what} of {num_prompt} prompt tokens + {max_len - num_prompt} new ones needs more KV blocks than the "
                 f"cache has ({self.bm.num_blocks} of {self.block_size} tokens)"
+            )
+        # resumed after a preemption, it prefills all but its last token at once: every window block of them for a step
+        if self.win is not None and -(-kv_tokens // self.block_size) > self.win.num_blocks:
+            raise ValueError(
+                f"{what} of {num_prompt} prompt tokens + {max_len - num_prompt} new ones needs more KV blocks than the "
+                f"sliding-window layers' cache has ({self.win.num_blocks} of {self.block_size} tokens)"
             )
 
     def add(self, slot: int) -> None:
@@ -156,6 +173,8 @@ class Scheduler:
             if fork_at:
                 n = min(n, fork_at - cached)
             budget -= n
+            if self.win is not None:
+                self.win.slide(np.array([s]), np.array([cached]))
             self._register(s, cached + n)
             if fork_at and cached + n == fork_at:
                 self.states.save(s, int(t.last_hash[s]))
@@ -190,10 +209,17 @@ class Scheduler:
             hashes, hits = hashes[:k], hits[:k]  # KV hits only up to a boundary whose state is known
             if not self.states.can_admit():
                 return False
+        if self.win is not None:
+            k, win_hits = self.win.lookup(hashes[: len(hits)], t.tokens[s, :n])
+            hashes, hits = hashes[:k], hits[:k]  # KV hits only up to a boundary whose last window is cached too
+            if not self.win.can_admit(need, k, win_hits):
+                return False
         if not self.bm.can_allocate(need, hits):
             return False
         if self.states is not None:
             self.states.admit(s, checkpoint)
+        if self.win is not None:
+            self.win.admit(s, need, len(hits), win_hits)
         t.block_table[s, :need] = self.bm.allocate(need, hits)
         t.num_blocks[s] = need
         t.num_cached[s] = len(hits) * bs
@@ -231,6 +257,8 @@ class Scheduler:
         blocks_KB = t.tokens[s, lo * bs : hi * bs].reshape(hi - lo, bs)
         hashes = prefix_hashes(blocks_KB, int(t.last_hash[s]))
         self.bm.register(t.block_table[s, lo:hi], hashes, blocks_KB)
+        if self.win is not None:
+            self.win.register(np.full(hi - lo, s), np.arange(lo, hi), hashes, blocks_KB)
         t.num_hashed[s], t.last_hash[s] = hi, hashes[-1]
 
     def _schedule_decode(self) -> Batch | None:
@@ -238,12 +266,14 @@ class Scheduler:
         rows = t.slots_with(Status.RUNNING)
         if not len(rows):
             return None
+        if self.win is not None:
+            self.win.slide(rows, t.num_tokens[rows] - 1)
         need = t.num_tokens[rows] > t.num_blocks[rows] * self.block_size  # KV of the last token needs a new block
-        short = int(need.sum()) - self.bm.num_free_blocks
+        short = int(need.sum()) - self._free_blocks()
         if short > 0:
             keep = np.ones(len(rows), dtype=bool)
             for i in np.argsort(-t.order[rows], kind="stable").tolist():  # the most recently admitted first
-                if int(need[keep].sum()) <= self.bm.num_free_blocks:
+                if int(need[keep].sum()) <= self._free_blocks():
                     break
                 keep[i] = False
                 self._preempt(int(rows[i]))
@@ -264,10 +294,17 @@ class Scheduler:
         for s, b in zip(rows[at].tolist(), covered[at].tolist()):
             self.states.save(s, None, b)
 
+    def _free_blocks(self) -> int:
+        """Blocks a step may take for new columns: free in the full pool and, with window layers, in theirs."""
+        free = self.bm.num_free_blocks
+        return free if self.win is None else min(free, self.win.num_free_blocks)
+
     def _append_blocks(self, slots: np.ndarray) -> None:
         t = self.table
         if len(slots):
             t.block_table[slots, t.num_blocks[slots]] = self.bm.take(len(slots))
+            if self.win is not None:
+                self.win.append(slots)
             t.num_blocks[slots] += 1
 
     def attach_drafts(self, batch: Batch, drafts: list[np.ndarray | None], max_rows: int | None = None) -> Batch:
@@ -282,8 +319,9 @@ class Scheduler:
             lens = np.minimum(lens, np.maximum(0, budget - (np.cumsum(lens) - lens)))
         n, have = t.num_tokens[batch.rows], t.num_blocks[batch.rows]
         need = np.maximum(0, -(-(n + lens) // bs) - have)  # blocks for positions up to n - 1 + k
-        if need.sum() > self.bm.num_free_blocks:  # cut the drafts in row order to the free blocks
-            room = np.maximum(0, self.bm.num_free_blocks - (np.cumsum(need) - need))
+        free = self._free_blocks()
+        if need.sum() > free:  # cut the drafts in row order to the free blocks
+            room = np.maximum(0, free - (np.cumsum(need) - need))
             lens = np.minimum(lens, np.maximum(0, (have + room) * bs - n))
             need = np.minimum(need, np.maximum(0, -(-(n + lens) // bs) - have))
         if need.any():
@@ -291,6 +329,8 @@ class Scheduler:
             r = np.repeat(np.arange(len(need)), need)
             j = np.arange(len(got)) - np.repeat(np.cumsum(need) - need, need)
             t.block_table[batch.rows[r], have[r] + j] = got
+            if self.win is not None:
+                self.win.place(batch.rows[r], have[r] + j)
             t.num_blocks[batch.rows] = have + need
         if not lens.any():
             return batch
@@ -351,8 +391,10 @@ class Scheduler:
         if not len(rows):
             return self._off("all_finish")
         t = self.table
+        if self.win is not None:
+            self.win.slide(rows, t.num_tokens[rows] - 1 + ahead)
         need = t.num_tokens[rows] + ahead > t.num_blocks[rows] * self.block_size
-        if int(need.sum()) > self.bm.num_free_blocks:
+        if int(need.sum()) > self._free_blocks():
             return self._off("blocks_short")
         self._append_blocks(rows[need])
         self._save_boundaries(rows, t.num_tokens[rows] + ahead)
@@ -449,6 +491,8 @@ class Scheduler:
         extra = t.num_blocks[slots] - keep
         for s, k, e in zip(slots.tolist(), keep.tolist(), extra.tolist()):
             if e > 0:
+                if self.win is not None:
+                    self.win.trim(s, k)
                 self.bm.release(t.block_table[s, k : k + e][::-1].copy())
                 t.block_table[s, k : k + e] = 0
                 t.num_blocks[s] = k
@@ -465,6 +509,8 @@ class Scheduler:
             blocks_KB = t.tokens[filled[:, None], j[:, None] * bs + np.arange(bs)]
             hashes = chain_hashes(t.last_hash[filled], block_digests(blocks_KB))
             self.bm.register(t.block_table[filled, j], hashes, blocks_KB)
+            if self.win is not None:
+                self.win.register(filled, j, hashes, blocks_KB)
             if self.states is not None:
                 for s, b, h in zip(filled.tolist(), ((j + 1) * bs).tolist(), hashes.tolist()):
                     self.states.bind(s, b, h)
@@ -488,6 +534,8 @@ class Scheduler:
         held = [t.blocks_of(s)[::-1] for s in slots.tolist() if t.num_blocks[s]]
         if held:
             self.bm.release(np.concatenate(held))
+        if self.win is not None:
+            self.win.release(slots)
         if self.states is not None:
             for s in slots.tolist():
                 self.states.free(s)

@@ -14,6 +14,9 @@ Per slot ``s`` (``N = num_tokens[s]``, ``P = num_prompt[s]``):
 - ``max_len[s]``: the length at which it stops (prompt + max new tokens).
 - KV of tokens ``[0, num_cached[s])`` is computed, or computed by a step already scheduled (and so
   before any later step reads it), in blocks ``block_table[s, :num_blocks[s]]``.
+- A model with sliding-window layers (:mod:`~tidal.engine.native.window_blocks`): those layers'
+  blocks in ``window_table[s, win_lo[s]:num_blocks[s]]`` (the columns before ``win_lo`` left the
+  window and were given back).
 - ``num_hashed[s]`` leading full blocks are in the prefix cache; ``last_hash[s]`` is the chain hash
   of the last of them (the sequence's ``cache_key`` seed when none).
 - ``gen[s]`` counts the slot's owners: a batch scheduled ahead tells a live row from a row whose
@@ -105,7 +108,7 @@ class SequenceTable:
         "status": np.int8, "finish": np.int8, "gen": np.int64, "num_tokens": np.int64, "num_prompt": np.int64,
         "max_len": np.int64, "num_cached": np.int64, "num_blocks": np.int64, "num_hashed": np.int64,
         "last_hash": np.uint64, "rope_delta": np.int64, "stop_set": np.int64, "order": np.int64,
-        "rng_seed": np.uint64, "rng_key": np.uint64,
+        "rng_seed": np.uint64, "rng_key": np.uint64, "win_lo": np.int64,
     }
 
     def __init__(self, block_size: int, capacity: int = 64):
@@ -114,6 +117,7 @@ class SequenceTable:
         for name, dt in self._ROW_FIELDS.items():
             setattr(self, name, np.zeros(capacity, dtype=dt))
         self.block_table = np.zeros((capacity, 8), dtype=np.int32)
+        self.window_table = np.zeros((capacity, 8), dtype=np.int32)
         self.tokens = np.zeros((capacity, 64), dtype=np.int32)
         self.logprobs = np.zeros((capacity, 64), dtype=np.float32)
         self.seqs: list[Sequence | None] = [None] * capacity
@@ -135,7 +139,7 @@ class SequenceTable:
         self.tokens[s, :n] = token_ids
         self.status[s], self.finish[s] = Status.WAITING, 0
         self.num_tokens[s], self.num_prompt[s], self.max_len[s] = n, len(seq.prompt_ids), max_len
-        self.num_cached[s] = self.num_blocks[s] = self.num_hashed[s] = 0
+        self.num_cached[s] = self.num_blocks[s] = self.num_hashed[s] = self.win_lo[s] = 0
         self.rope_delta[s], self.stop_set[s] = seq.rope_delta, seq.stop_set
         self.rng_seed[s], self.rng_key[s] = seq.seed, seq.key
         self.seqs[s] = seq
@@ -157,6 +161,7 @@ class SequenceTable:
         for name in self._ROW_FIELDS:
             setattr(self, name, _grow(getattr(self, name), rows))
         self.block_table = _grow(self.block_table, rows, self.block_table.shape[1])
+        self.window_table = _grow(self.window_table, rows, self.window_table.shape[1])
         self.tokens = _grow(self.tokens, rows, self.tokens.shape[1])
         self.logprobs = _grow(self.logprobs, rows, self.logprobs.shape[1])
         self.seqs.extend([None] * (rows - self.capacity))
@@ -174,7 +179,9 @@ class SequenceTable:
 
     def _reserve_blocks(self, blocks: int) -> None:
         if blocks > self.block_table.shape[1]:
-            self.block_table = _grow(self.block_table, self.capacity, max(blocks, 2 * self.block_table.shape[1]))
+            cols = max(blocks, 2 * self.block_table.shape[1])
+            self.block_table = _grow(self.block_table, self.capacity, cols)
+            self.window_table = _grow(self.window_table, self.capacity, cols)
 
     # ---- reads for events -----------------------------------------------------------------------
     def token_list(self, slot: int, start: int = 0) -> list[int]:

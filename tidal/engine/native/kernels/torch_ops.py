@@ -13,11 +13,12 @@ from tidal.engine.native.attention import AttnMetadata
 from tidal.engine.native.kernels.registry import KERNELS
 
 
-def _flat_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Cache slots of token positions ``0..length-1`` of one sequence (int64)."""
-    nblocks = (length + block_size - 1) // block_size
-    base = block_table[:nblocks].long()[:, None] * block_size
-    return (base + torch.arange(block_size, device=block_table.device)).reshape(-1)[:length]
+def _flat_slots(block_table: torch.Tensor, length: int, block_size: int, first: int = 0) -> torch.Tensor:
+    """Cache slots of token positions ``first..length-1`` of one sequence (int64); the block table's
+    columns before ``first``'s are not read (a window layer's pool gave them back)."""
+    c0, nblocks = first // block_size, (length + block_size - 1) // block_size
+    base = block_table[c0:nblocks].long()[:, None] * block_size
+    return (base + torch.arange(block_size, device=block_table.device)).reshape(-1)[first - c0 * block_size : length - c0 * block_size]
 
 
 @KERNELS.register("torch")
@@ -64,12 +65,13 @@ class TorchOps:
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         start = 0
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            slots = _flat_slots(meta.block_tables_BN[i], ctx, block_size)
+            first = 0 if window is None else max(0, ctx - qlen - window + 1)  # the first query's first key
+            slots = _flat_slots(meta.block_tables_BN[i], ctx, block_size, first)
             q = q_THD[start : start + qlen].transpose(0, 1)  # [H, L, D]
-            k = flat_k[slots].transpose(0, 1)  # [Hkv, ctx, D]
+            k = flat_k[slots].transpose(0, 1)  # [Hkv, ctx - first, D]
             v = flat_v[slots].transpose(0, 1)
             qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-            kpos = torch.arange(ctx, device=q.device)[None, :]
+            kpos = torch.arange(first, ctx, device=q.device)[None, :]
             mask = qpos[:, None] >= kpos
             if window is not None:
                 mask &= kpos > qpos[:, None] - window
@@ -80,21 +82,33 @@ class TorchOps:
 
     def decode_attention(self, q_BHD, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
         """One query per sequence over its ``context_lens_B`` cached tokens (batched gather); with
-        ``window``, over the last ``window`` of them (the query is at position ``context_len - 1``)."""
+        ``window``, over the last ``window`` of them (the query is at position ``context_len - 1``):
+        only the block-table columns from each row's window on are read (a window layer's pool gave
+        the earlier ones back). Keys past a row's context (its padding columns) are zeroed before
+        use: a masked key must weigh nothing even if its block holds non-finite values."""
         B, H, D = q_BHD.shape
         block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-        n = meta.max_context_len
-        nblocks = (n + block_size - 1) // block_size
-        bt = meta.block_tables_BN[:, :nblocks].long()
-        slots = (bt[:, :, None] * block_size + torch.arange(block_size, device=bt.device)).reshape(B, -1)[:, :n]
-        k = k_cache.view(-1, Hkv, D)[slots]  # [B, n, Hkv, D]
-        v = v_cache.view(-1, Hkv, D)[slots]
+        ctx_B = meta.context_lens_B.long()
+        width = meta.block_tables_BN.shape[1]
+        if window is None:
+            ncols = min(width, (meta.max_context_len + block_size - 1) // block_size)
+            col0_B = torch.zeros_like(ctx_B)
+        else:
+            ncols = min(width, (window - 1) // block_size + 2)
+            col0_B = (ctx_B - window).clamp(min=0) // block_size
+        cols_BC = (col0_B[:, None] + torch.arange(ncols, device=ctx_B.device)).clamp(max=width - 1)
+        bt = meta.block_tables_BN.long().gather(1, cols_BC)
+        kpos = ((col0_B[:, None] + torch.arange(ncols, device=ctx_B.device))[:, :, None] * block_size
+                + torch.arange(block_size, device=ctx_B.device)).reshape(B, -1)  # [B, n]
+        slots = (bt[:, :, None] * block_size + torch.arange(block_size, device=bt.device)).reshape(B, -1)
+        valid = kpos < ctx_B[:, None]
+        if window is not None:
+            valid &= kpos >= ctx_B[:, None] - window
+        keep = valid[:, :, None, None]
+        k = torch.where(keep, k_cache.view(-1, Hkv, D)[slots], 0)  # [B, n, Hkv, D]
+        v = torch.where(keep, v_cache.view(-1, Hkv, D)[slots], 0)
         q = q_BHD.view(B, Hkv, H // Hkv, D)
         s = torch.einsum("bhgd,bnhd->bhgn", q.float(), k.float()) * scale
-        kpos = torch.arange(n, device=q.device)[None, :]
-        valid = kpos < meta.context_lens_B[:, None]
-        if window is not None:
-            valid &= kpos >= meta.context_lens_B[:, None] - window
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         p = s.softmax(-1)
         o = torch.einsum("bhgn,bnhd->bhgd", p, v.float())

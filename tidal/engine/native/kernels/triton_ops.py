@@ -9,7 +9,12 @@
 - ``prefill_attention``: paged causal attention of a varlen batch of new tokens over each
   sequence's cache (prefix included), flash-attention style, one program per (query block, seq, head).
 - Both attentions take a sliding ``window`` (a constexpr: one compiled variant per window size):
-  the key loops start at the window's first key and mask the keys before each query's window.
+  the key loops start at the window's first key and mask the keys before each query's window. A
+  window layer's block table (its own pool: :mod:`~tidal.engine.native.window_blocks`) has the
+  columns before a step's first window given back (entries 0, or reused by another sequence):
+  decode reads columns from ``(ctx - WINDOW) // PAGE`` on, prefill from the block of the first
+  query of each query tile's window (``prefix + mblk * BLOCK_M - WINDOW + 1``), never before the
+  step's first window, which the scheduler keeps.
 
 Head dims must be powers of two (64, 128 in the supported families).
 """

@@ -63,7 +63,8 @@ class Olmo3Attention(nn.Module):
         q = self.q_norm(q).view(T, self.nh, self.d)
         k = self.k_norm(k).view(T, self.nkv, self.d)
         v = v.reshape(T, self.nkv, self.d)
-        q = self.ops.rope_store(q, k, v, positions_T, cos_sin_PD, self.attn.k_cache, self.attn.v_cache, meta.slot_mapping_T)
+        q = self.ops.rope_store(q, k, v, positions_T, cos_sin_PD, self.attn.k_cache, self.attn.v_cache,
+                                self.attn.meta_of(meta).slot_mapping_T)
         return self.o_proj(self.attn(q, meta).reshape(T, self.nh * self.d))
 
 
