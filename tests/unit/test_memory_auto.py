@@ -208,3 +208,14 @@ def test_nvidia_smi_processes_of_this_device_only(monkeypatch):
     assert probe._processes_on(torch.device("cuda", 0)) is None
     monkeypatch.setattr(probe.shutil, "which", lambda name: None)
     assert probe._processes_on(torch.device("cuda", 0)) is None
+
+
+def test_a_run_that_cannot_fit_shows_its_plan_once_in_one_error(capsys):
+    from tidal.config import load_config
+    from tests.unit.test_memory_plan import _plan_run
+
+    with pytest.raises(ConfigError) as e:  # 0.5B's fp32 weights and gradients alone are more than 4 GiB
+        _plan_run(load_config("quickstart", ["memory.device_memory_gib=4", "memory.host_memory_gib=64"]))
+    assert capsys.readouterr().out == ""  # not printed beside the error
+    msg = e.value.message
+    assert msg.count("memory plan: 4 GiB device") == 1 and "engine.sleep_level=2 (auto)" in msg

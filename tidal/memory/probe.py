@@ -151,7 +151,8 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
              num_nodes: int = 1) -> MemorySettings:
     """The settings a run uses, before any model loads. Where a plan is made (:func:`plans_on`) it is
     the same on every rank, printed on the main rank and applied: a
-    :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit.
+    :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit
+    (with the table of the smallest combination tried, printed only there).
     Elsewhere (CPU) no plan is made (:func:`~tidal.memory.plan.settings_without_plan`) and a
     ``memory.*`` key set away from its default is a ConfigError (nothing would read it)."""
     if not plans_on(device, cfg.memory):
@@ -164,6 +165,6 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
     plan = make_plan(cfg, hf_config, device=device, world_size=world_size, needs_reference=needs_reference,
                      needs_critic=needs_critic, teacher_hf_config=teacher_hf_config, all_reduce_max=all_reduce_max,
                      num_nodes=num_nodes)
-    if is_main:
+    if is_main and plan.fits:  # a plan that does not fit is shown once, in its error
         print("[tidal] " + plan.table().replace("\n", "\n[tidal] "), flush=True)
     return apply_plan(plan)
