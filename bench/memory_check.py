@@ -194,8 +194,9 @@ def run(args) -> dict:
     init_s = time.perf_counter() - t0
     used = trainer.cfg  # the run's config with its `auto` settings resolved
     same_choice = (used.train.micro_batch_tokens, used.train.forward_micro_batch_tokens, used.model.gradient_checkpointing,
-                   trainer.colocation.strategy.cfg.offload_optimizer) == (plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens,
-                                                                      plan.choice.gradient_checkpointing, plan.choice.offload_optimizer)
+                   trainer.colocation.strategy.cfg.offload_optimizer, trainer.colocation.sleep_level) == (
+                       plan.choice.micro_batch_tokens, plan.choice.forward_micro_batch_tokens, plan.choice.gradient_checkpointing,
+                       plan.choice.offload_optimizer, plan.choice.sleep_level)
     rec = PhasePeaks(trainer.colocation.peaks)
     trainer.timer.add_observer(rec)
     base = {"figure": "memory_plan", "size": args.size, "lora": args.lora, "sequences": args.sequences, "prompt_len": args.prompt_len,

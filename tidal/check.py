@@ -98,6 +98,27 @@ def _kv_budget_tokens(cfg: TidalConfig, caches: list[families.LayerCache], dtype
     return f"{full * bs:,} tokens ({win * bs:,} in the sliding-window layers' pool)"
 
 
+def memory_plan_lines(cfg: TidalConfig, hf_config, algorithm, *, device: torch.device, world_size: int) -> list[str]:
+    """The memory plan the run would make (:func:`tidal.memory.probe.make_plan`), its table with the
+    settings it chooses for ``auto`` (marked so); a ConfigError, as the run would stop, when nothing
+    fits. On a CPU without ``memory.device_memory_gib`` one line saying that none is made."""
+    from tidal.memory.plan import apply_plan
+    from tidal.memory.probe import make_plan, plans_on
+
+    if not plans_on(device, cfg.memory):
+        return [f"memory plan: none on {device.type} (the auto settings take their fixed values; set "
+                "memory.device_memory_gib to see the plan for a GPU of that size)"]
+    from transformers import AutoConfig
+
+    teacher = cfg.model.teacher.path if algorithm.needs_teacher else ""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    plan = make_plan(cfg, hf_config, device=device, world_size=world_size, num_nodes=max(1, world_size // local),
+                     needs_reference=algorithm.needs_reference, needs_critic=algorithm.needs_critic,
+                     teacher_hf_config=AutoConfig.from_pretrained(teacher) if teacher else None)
+    apply_plan(plan)
+    return plan.table().splitlines()
+
+
 def cache_summary(caches: list[families.LayerCache]) -> str:
     """What the layers keep, e.g. ``4 full-attention layers; 12 sliding-window layers (1024 tokens),
     full KV kept by the native engine``."""
@@ -147,9 +168,11 @@ def check(cfg: TidalConfig) -> list[str]:
             train, eval_ = (resolve_sources(cfg.data, sources, cfg.task.workdir) for sources in (cfg.data.train, cfg.data.eval))
             paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
                                   reference=m.reference_path or m.path, train=train, eval=eval_)
-            check_inputs(cfg, paths, Algorithm(cfg.algorithm))
+            algorithm = Algorithm(cfg.algorithm)
+            check_inputs(cfg, paths, algorithm)
             engine_line = choose_engine(cfg, m.path)
-            _, data_lines = check_model_and_data(cfg, paths, AutoConfig.from_pretrained(m.path))
-            data_lines = [engine_line] + data_lines
+            hf_config = AutoConfig.from_pretrained(m.path)
+            _, data_lines = check_model_and_data(cfg, paths, hf_config)
+            data_lines = [engine_line] + data_lines + memory_plan_lines(cfg, hf_config, algorithm, device=device, world_size=world)
     return (plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)
             + [f"warning: {w}" for w in cfg.learning_warnings()])

@@ -3,6 +3,7 @@ Strategy and its optimizer, the phase owner, gradient checkpointing of actor and
 and experience micro-batches), the engine left to size its own KV cache, a plan made for a given device size is
 applied, and a run that cannot fit stops before any model loads, naming the key to change."""
 
+import dataclasses
 import math
 
 import pytest
@@ -23,10 +24,10 @@ def _checkpointing(model) -> bool:
 @pytest.mark.slow
 def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides, monkeypatch):
     """Settings as a plan would choose them on a small device (checkpointing, the optimizer state on
-    the host, small budgets): each reaches the component that uses it, the engine's section is the
-    user's, and a step runs."""
+    the host, the engine's weights parked between rollouts, small budgets): each reaches the
+    component that uses it, the engine's section is the user's but for the sleep level, and a step runs."""
     planned = MemorySettings(micro_batch_tokens=70, forward_micro_batch_tokens=90, gradient_checkpointing=True,
-                             offload_optimizer=True)
+                             offload_optimizer=True, sleep_level=2)
     seen = {}
 
     def fake_plan_run(cfg, hf_config, **kw):
@@ -47,7 +48,9 @@ def test_every_component_reads_the_plans_settings(tmp_path, tiny_task_overrides,
         assert isinstance(trainer.models.actor.optimizer, StreamedAdamW)
         assert isinstance(trainer.models.critic.optimizer, StreamedAdamW)
         assert _checkpointing(trainer.models.actor.model) and _checkpointing(trainer.models.critic.model)
-        assert trainer.cfg.engine is cfg.engine  # the KV budget is the engine's to size (the plan predicts it)
+        # the KV budget is the engine's to size (the plan predicts it); what its sleep frees is the plan's
+        assert trainer.cfg.engine == dataclasses.replace(cfg.engine, sleep_level=2) and cfg.engine.sleep_level == "auto"
+        assert trainer.colocation.sleep_level == 2
         metrics = trainer.fit()
         assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["critic/value_loss"])
     finally:

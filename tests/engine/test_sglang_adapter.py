@@ -121,7 +121,7 @@ def _install_fake(monkeypatch):
 
 
 def _engine(**cfg):
-    return adapter.SGLangEngine(CFG, EngineConfig(**cfg), device=torch.device("cuda:0"), dtype=torch.bfloat16)
+    return adapter.SGLangEngine(CFG, EngineConfig(**{"sleep_level": 1, **cfg}), device=torch.device("cuda:0"), dtype=torch.bfloat16)
 
 
 def test_sleep_tags_and_staged_wake(monkeypatch):
@@ -163,7 +163,7 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     _install_fake(monkeypatch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group([0, 1])
-    engine = adapter.SGLangEngine(CFG, EngineConfig(tp_size=2), device=torch.device(f"cuda:{rank}"), dtype=torch.bfloat16,
+    engine = adapter.SGLangEngine(CFG, EngineConfig(tp_size=2, sleep_level=1), device=torch.device(f"cuda:{rank}"), dtype=torch.bfloat16,
                                   tp_group=group)
     engine.load_weights([("w", torch.full((1,), float(rank)))])
     out = engine.generate([[7], [8]], SamplingParams())

@@ -197,7 +197,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 20_000))
 
     def build(**cfg):
-        engine = adapter.VLLMEngine(CFG, EngineConfig(**{"kv_cache_max_tokens": 64, **cfg}), device=torch.device("cuda"),
+        engine = adapter.VLLMEngine(CFG, EngineConfig(**{"kv_cache_max_tokens": 64, "sleep_level": 1, **cfg}), device=torch.device("cuda"),
                                     dtype=torch.bfloat16)
         return engine, holder["llm"]
 

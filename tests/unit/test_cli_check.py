@@ -95,3 +95,28 @@ def test_an_unknown_family_is_a_config_error_on_native_and_runs_on_hf(config, tm
     out = capsys.readouterr().out
     assert "engine: hf (engine.backend: hf; model_type 'gpt2' has no native engine model" in out
     assert "KV cache: 'gpt2' has no family in tidal/families; not counted" in out
+
+
+def test_check_shows_the_memory_plan_and_its_choices(config, capsys):
+    # on this CPU no plan is made unless a device size is given; with one, the plan and its choices
+    assert main(["check", config, "run.device=cpu"]) == 0
+    assert "memory plan: none on cpu" in capsys.readouterr().out
+    assert main(["check", config, "memory.device_memory_gib=80", "memory.host_memory_gib=64"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: 80 GiB device (memory.device_memory_gib)" in out
+    settings = next(line for line in out.splitlines() if "  settings:" in line)
+    # a tiny model keeps everything on the device
+    assert "engine.sleep_level=1 (auto)" in settings and "strategy.offload_optimizer=false (auto)" in settings
+    assert main(["check", config, "memory.device_memory_gib=80", "memory.host_memory_gib=64", "engine.sleep_level=2"]) == 0
+    assert "engine.sleep_level=2," in capsys.readouterr().out  # given: kept, not marked auto
+
+
+def test_check_refuses_what_cannot_fit_before_loading(config, tmp_path, capsys):
+    # a 70B-shaped config.json (Llama-3-70B's numbers) on one 80 GiB device: exit 2, the smallest combination shown
+    _with_model(config, tmp_path, Qwen2Config(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=2048, tie_word_embeddings=False))
+    assert main(["check", config, "memory.device_memory_gib=80", "memory.host_memory_gib=1024"]) == 2
+    err = capsys.readouterr().err
+    assert "the run does not fit in memory: none of the 8 combination(s) of the settings left at auto fits" in err
+    assert "engine.sleep_level=2 (auto)" in err and "OVER BUDGET" in err

@@ -180,9 +180,10 @@ def test_7b_full_fine_tune_plans_checkpointing_and_optimizer_offload():
     assert "actor optimizer state" not in labels and "optimizer state staging (streamed)" in labels
     host = {p.label: p.nbytes for p in plan.host_parts}
     assert host["actor optimizer state (pinned)"] == 8 * qwen("7b").params()  # both fp32 moments, exactly
-    # AdamW state on the device would not fit: the same run with it refused, naming the setting
+    # AdamW state on the device would not fit beside the engine's weights: the same run with it and
+    # the engine's weights kept between rollouts (both given) refused, naming the setting
     with pytest.raises(ConfigError) as e:
-        apply_plan(plan_memory(inputs("7b", offload_optimizer=False)))
+        apply_plan(plan_memory(inputs("7b", offload_optimizer=False, sleep_level=1)))
     assert e.value.key == "strategy.offload_optimizer" and "memory plan" in str(e.value)
 
 
@@ -242,7 +243,7 @@ def test_explicit_micro_batch_that_cannot_fit_is_an_error_naming_it():
 def test_a_budget_one_byte_too_small_is_refused_with_the_key_to_change():
     """Every setting given (nothing left to choose, the KV cache capped): the largest phase fits a
     budget of exactly its bytes and is refused, naming the setting to change, one byte below."""
-    given = dict(micro_batch_tokens=32768, gradient_checkpointing=False, offload_optimizer=False, kv_cache_max_tokens=200_000)
+    given = dict(micro_batch_tokens=32768, gradient_checkpointing=False, offload_optimizer=False, sleep_level=1, kv_cache_max_tokens=200_000)
     at = lambda total: plan_memory(inputs("1.5b", device=DeviceMemory(name="d", total=total, context=600 * MiB),  # noqa: E731
                                           device_fraction=1.0, **given))
     peak = at(200 * GiB).peak_bytes
@@ -289,7 +290,7 @@ def test_kv_cache_follows_the_engines_own_sizing_rule():
     assert any(p.label == f"engine KV cache ({want} tokens)" for p in rollout.parts)
     # an explicit cap is the cache's size; the plan chooses nothing for the engine
     assert plan_memory(inputs("3b", kv_cache_max_tokens=40000)).kv_cache_tokens == 40000
-    assert not any(k.startswith("engine.") for k in on_device.chosen())
+    assert [k for k in on_device.chosen() if k.startswith("engine.")] == ["engine.sleep_level"]  # what sleep frees, not the cache
 
 
 def test_kv_cache_smaller_than_one_sequence_names_the_engine_setting():
@@ -304,8 +305,8 @@ def test_kv_cache_smaller_than_one_sequence_names_the_engine_setting():
 # ---- host memory -------------------------------------------------------------------------------------------------
 def test_host_budget_counts_every_rank_on_the_host():
     small_host = HostMemory(total=48 * GiB, source="test")
-    with pytest.raises(ConfigError) as e:  # 57 GiB of pinned moments do not fit 90% of 48 GiB
-        apply_plan(plan_memory(inputs("7b", host=small_host)))
+    with pytest.raises(ConfigError) as e:  # 57 GiB of pinned moments (given) do not fit 90% of 48 GiB
+        apply_plan(plan_memory(inputs("7b", host=small_host, offload_optimizer=True)))
     assert e.value.key == "memory.host_memory_gib"
     # 0.5B with the engine asleep at level 2: pinned weights per rank, times the ranks on the host
     one = plan_memory(inputs("0.5b", sleep_level=2, world_size=1, local_world_size=1))
@@ -417,7 +418,8 @@ def test_run_config_resolves_every_planned_section():
                                                                                     settings.forward_micro_batch_tokens)
     assert run.model.gradient_checkpointing is settings.gradient_checkpointing
     assert run.strategy.offload_optimizer is settings.offload_optimizer
-    assert run.engine is cfg.engine  # the engine sizes its KV cache itself (the plan only predicts it)
+    # the engine sizes its KV cache itself (the plan only predicts it); the plan chooses what its sleep frees
+    assert run.engine == dataclasses.replace(cfg.engine, sleep_level=settings.sleep_level) and cfg.engine.sleep_level == "auto"
     assert run.rollout is cfg.rollout and cfg.train.micro_batch_tokens == "auto"  # the rest shared, the user's config as written
 
 

@@ -42,7 +42,10 @@ class EngineConfig:
     cuda_graph_max_batch: the largest decode batch replayed from a CUDA graph; larger ones run
         eagerly (their device time hides the kernel launches; graphs there would cost capture time
         and graph-pool memory).
-    sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights.
+    sleep_level: what sleep() frees between rollouts: 0 never sleep, 1 KV cache, 2 KV cache + weights
+        (parked in host memory, copied back for the next rollout). ``auto`` (default): the memory
+        plan chooses 1, or 2 when the training phases do not fit otherwise (docs/memory.md); where
+        no plan is made (a CPU run without ``memory.device_memory_gib``) 1.
     Not every backend honours every field: ``hf`` (a plain loop over the HF model's own cache) takes
     only ``tp_size`` (1), ``dtype``, ``max_num_seqs`` (rows per batch) and ``sleep_level`` (2 moves its
     weights to host memory); ``vllm``/``sglang`` take all but ``kernel_backend`` and
@@ -74,7 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 512
-    sleep_level: int = 1
+    sleep_level: int | Literal["auto"] = "auto"
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     overlap_scheduling: bool = True
     speculative: Literal["auto", "on", "off"] = "off"
@@ -89,7 +92,8 @@ class EngineConfig:
         check(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction", "must be in (0, 0.95]")
         check(self.kv_cache_max_tokens >= 0, "kv_cache_max_tokens", "must be >= 0")
         check(self.speculative in ("auto", "on", "off"), "speculative", f"must be 'auto', 'on' or 'off', got {self.speculative!r}")
-        check(self.sleep_level in (0, 1, 2), "sleep_level", "must be 0 (never), 1 (KV cache) or 2 (KV cache and weights)")
+        check(self.sleep_level in ("auto", 0, 1, 2) and not isinstance(self.sleep_level, bool), "sleep_level",
+              f"must be auto, 0 (never), 1 (KV cache) or 2 (KV cache and weights), got {self.sleep_level!r}")
         check(self.backend != "hf" or self.tp_size == 1, "tp_size", "engine.backend=hf runs on one rank: tensor parallelism needs engine.backend=native")
         defaults = EngineConfig.__dataclass_fields__
         for name in UNHONOURED_FIELDS[self.backend]:

@@ -22,6 +22,9 @@ def create_engine(
     the rollout TP group (None for one rank); the engine's TP size is that group's size. ``seq_len``:
     the longest sequence the run generates (``data.max_prompt_len + rollout.max_new_tokens``), which
     sizes the native engine's sliding-window block pool as the memory plan does."""
+    if cfg.sleep_level == "auto":  # the memory plan's to choose, before any engine is built
+        raise ValueError("engine.sleep_level=auto reached the engine unresolved: build it from the run's config with the "
+                         "memory plan's settings (MemorySettings.run_config), or give engine.sleep_level")
     if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
         raise ValueError(
             f"engine.backend={cfg.backend} cannot generate from image prompts yet ({type(hf_config).__name__} is a "

@@ -14,7 +14,8 @@ class MemoryConfig:
     (rollout, experience forwards, update, optimizer step, weight sync) is predicted from the
     model's shape, the rollout's shape and the settings, logged as a table, and the ``auto``
     settings (``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``,
-    ``model.gradient_checkpointing``, ``strategy.offload_optimizer``) are chosen so that it fits;
+    ``model.gradient_checkpointing``, ``strategy.offload_optimizer``, ``engine.sleep_level``) are
+    chosen, the cheapest combination first, so that it fits;
     explicit settings are kept and checked. The engine's KV cache is the engine's to size (at each
     wake-up, ``engine.*``); the plan predicts it with the engine's rule and checks it holds a sequence. When nothing fits the run stops before loading a model, with an error that names what
     to change (docs/memory.md).

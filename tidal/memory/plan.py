@@ -8,7 +8,8 @@ pinned or parked), :func:`apply_plan` -> :class:`MemorySettings` (the values the
 :class:`~tidal.config_base.ConfigError` that says what to change when nothing fits. A setting the
 user gave is kept and only checked; only ``auto`` settings are chosen:
 ``train.micro_batch_tokens``, ``train.forward_micro_batch_tokens``, ``model.gradient_checkpointing``,
-and ``strategy.offload_optimizer``. The engine's KV cache is the engine's to size
+``strategy.offload_optimizer`` and ``engine.sleep_level``, the cheapest combination that fits
+(:func:`_candidates`). The engine's KV cache is the engine's to size
 (:mod:`tidal.engine.sizing`, at each wake-up, from the memory available then); the plan predicts
 it with the same rule and checks that it holds a sequence.
 
@@ -422,12 +423,17 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, response_tokens:
 # ---- inputs ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceMemory:
-    """One device: ``total`` bytes and ``context`` bytes used outside PyTorch's allocator when
-    measured (the CUDA context, other processes on the device)."""
+    """One device: ``total`` bytes, ``context`` bytes this process uses outside PyTorch's allocator
+    (its CUDA context), and ``others`` bytes held by other processes on the device (a crashed run's
+    process, another job), as measured (``others_source``: how, see
+    :func:`tidal.memory.probe.device_memory`). Neither is the plan's to free: both count against the
+    budget, and the plan names the others' share for what it is."""
 
     name: str
     total: int
     context: int
+    others: int = 0
+    others_source: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -487,6 +493,10 @@ class PlanInputs:
     @property
     def offload_optimizer(self) -> bool | None:
         return given(self.strategy.offload_optimizer)
+
+    @property
+    def sleep_level(self) -> int | None:
+        return given(self.engine.sleep_level)
 
     # derived numbers
     @property
@@ -584,12 +594,14 @@ class Choice:
     forward_micro_batch_tokens: int
     gradient_checkpointing: bool
     offload_optimizer: bool
+    sleep_level: int  # engine.sleep_level: 2 parks the engine's weights on the host outside rollouts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """Predicted peaks of each phase for the chosen settings. ``problems`` is empty when it fits;
-    each problem is (config key to change, what to do)."""
+    each problem is (config key to change, what to do). ``tried``: when nothing fits, how many
+    combinations of the ``auto`` settings were planned (this one is the smallest of them)."""
 
     inputs: PlanInputs
     choice: Choice
@@ -598,6 +610,7 @@ class MemoryPlan:
     host_setup_bytes: int
     problems: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
+    tried: int = 0
 
     @property
     def fits(self) -> bool:
@@ -633,6 +646,8 @@ class MemoryPlan:
             out["model.gradient_checkpointing"] = c.gradient_checkpointing
         if inp.offload_optimizer is None:
             out["strategy.offload_optimizer"] = c.offload_optimizer
+        if inp.sleep_level is None:
+            out["engine.sleep_level"] = c.sleep_level
         return out
 
     @property
@@ -664,6 +679,7 @@ class _Sizes:
     teacher: int
     engine_weights: int
     overhead: int
+    others: int  # held by other processes on the device
 
 
 def _trainable_params(inp: PlanInputs) -> int:
@@ -689,6 +705,7 @@ def _sizes(inp: PlanInputs, offload: bool) -> _Sizes:
         teacher=layout.frozen(inp.strategy, params=inp.teacher.params(), world=world) if inp.teacher is not None else 0,
         engine_weights=2 * n_all // inp.engine.tp_size,
         overhead=inp.device.context + NON_TORCH_RESERVE + (NCCL_RESERVE if inp.world_size > 1 else 0),
+        others=inp.device.others,
     )
 
 
@@ -735,7 +752,7 @@ def _wake_available(inp: PlanInputs, sz: _Sizes) -> int:
     """Device memory available when the engine wakes up: the device less what is outside the
     allocator and what stays allocated (the resident weights and optimizer state, the engine's weights)."""
     resident = sum(p.nbytes for p in _resident(inp, sz, actor=not inp.strategy.offload_actor_during_rollout) if p.allocated)
-    return max(0, inp.device.total - sz.overhead - resident - sz.engine_weights)
+    return max(0, inp.device.total - sz.overhead - sz.others - resident - sz.engine_weights)
 
 
 def _state_pool_bytes(inp: PlanInputs, sz: _Sizes) -> int:
@@ -748,7 +765,8 @@ def _state_pool_bytes(inp: PlanInputs, sz: _Sizes) -> int:
 
 
 def _resident(inp: PlanInputs, sz: _Sizes, *, actor: bool = True, critic: bool = True) -> list[Part]:
-    parts = [Part("CUDA context and library reserve", sz.overhead, allocated=False)]
+    parts = [Part("CUDA context and library reserve", sz.overhead, allocated=False),
+             Part("held by other processes", sz.others, allocated=False)]
     if actor:
         parts.append(Part("actor weights", sz.actor_weights))
     if sz.actor_optim_device:
@@ -782,15 +800,15 @@ def _graph_pool(inp: PlanInputs) -> Part:
     return Part("CUDA graph pool", _decode_bytes(inp, batch), allocated=False)
 
 
-def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes) -> list[Part]:
+def _engine_between_rollouts(inp: PlanInputs, sz: _Sizes, c: Choice) -> list[Part]:
     """What the engine keeps on the device outside rollouts: level 0 everything; level 1 its
     weights (and its CUDA graphs' pool where the graphs survive); level 2 nothing."""
-    if inp.engine.sleep_level >= 2:
+    if c.sleep_level >= 2:
         return []
     parts = [Part("engine weights", sz.engine_weights)]
-    if inp.engine.sleep_level == 0:
+    if c.sleep_level == 0:
         parts += _cache_parts(inp, sz)
-    if _engine(inp).graphs_survive_sleep or (inp.engine.sleep_level == 0 and inp.engine.cuda_graphs):
+    if _engine(inp).graphs_survive_sleep or (c.sleep_level == 0 and inp.engine.cuda_graphs):
         parts.append(_graph_pool(inp))
     return parts
 
@@ -855,7 +873,7 @@ def _phase_experience(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
                 Part("unsharded layers", _working(inp, shape, backward=False))]
 
     largest = max((cost(r) for r in runs), key=lambda parts: sum(p.nbytes for p in parts))
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [p for p in largest if p.nbytes]
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c) + [p for p in largest if p.nbytes]
     return PhasePeak("experience", tuple(parts))
 
 
@@ -884,7 +902,7 @@ def _phase_update(inp: PlanInputs, sz: _Sizes, c: Choice, tokens: int | None = N
     act = train_activation_bytes(inp.shape, tokens, response_tokens=response, **kw)
     head = lm_head_train_bytes(inp.shape, min(inp.model.logprob_chunk_tokens, response), compiled=inp.compiled)
     layer = layer_backward_bytes(inp.shape, tokens, **kw)
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c)
     parts.append(Part("unsharded layers and gradients", _working(inp, inp.shape, backward=True)))
     several = _micro_batches(inp, tokens) > 1
     grads = sz.actor_grads_accumulating if several else sz.actor_grads
@@ -911,7 +929,7 @@ def _allocator_slack(inp: PlanInputs, tokens: int) -> Part:
 
 
 def _phase_optimizer_step(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz) + [Part("actor gradients", sz.actor_grads)]
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c) + [Part("actor gradients", sz.actor_grads)]
     if sz.optimizer_staging:
         parts.append(Part("optimizer state staging (streamed)", sz.optimizer_staging))
     return PhasePeak("optimizer step", tuple(parts))
@@ -921,7 +939,7 @@ def _phase_critic_update(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     tokens = c.micro_batch_tokens
     kw = dict(compiled=_layers_compiled(inp, c), checkpointing=c.gradient_checkpointing)
     act = train_activation_bytes(inp.shape, tokens, response_tokens=0, lm_head=False, **kw) + layer_backward_bytes(inp.shape, tokens, **kw)
-    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz)
+    parts = _resident(inp, sz) + _engine_between_rollouts(inp, sz, c)
     if inp.strategy.offload_critic:
         parts.append(Part("critic weights (reloaded)", sz.critic_weights))
     parts += [Part("critic gradients", sz.critic_grads), Part(f"critic activations ({tokens} tokens)", act),
@@ -933,7 +951,7 @@ def _phase_weight_sync(inp: PlanInputs, sz: _Sizes, c: Choice) -> PhasePeak:
     # a LoRA target merged in fp32 (the largest one): its base and the merged result
     merge = max((8 * i * o for n, (i, o) in (inp.shape.linear_shapes() | inp.shape.linear_attention_shapes()).items()
                  if n in inp.lora_targets), default=0) if inp.lora else 0
-    engine = _engine_between_rollouts(inp, sz) if inp.engine.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
+    engine = _engine_between_rollouts(inp, sz, c) if c.sleep_level < 2 else [Part("engine weights", sz.engine_weights)]
     parts = _resident(inp, sz) + engine + [Part("gathered weights in flight", WEIGHT_SYNC_BYTES + merge)]
     return PhasePeak("weight sync", tuple(parts))
 
@@ -955,7 +973,7 @@ def _host_parts(inp: PlanInputs, c: Choice) -> tuple[list[Part], int]:
         parts.append(Part(f"actor optimizer state ({sz.host_label})", sz.actor_optim_host))
     if sz.critic_optim_host:
         parts.append(Part("critic optimizer state (pinned)", sz.critic_optim_host))
-    if inp.engine.sleep_level == 2 and _engine(inp).parks_weights:
+    if c.sleep_level == 2 and _engine(inp).parks_weights:
         parts.append(Part("engine weights while asleep (pinned)", sz.engine_weights))
     if sz.reference and inp.strategy.offload_reference:
         parts.append(Part("parked reference weights (pinned)", sz.reference))
@@ -1001,11 +1019,11 @@ def _forward_cap(inp: PlanInputs) -> int:
     return max(inp.max_len, min(MAX_FORWARD_MICRO_BATCH_TOKENS, rows * inp.max_len))
 
 
-def _base_choice(inp: PlanInputs, offload: bool, gc: bool) -> Choice:
+def _base_choice(inp: PlanInputs, offload: bool, gc: bool, sleep_level: int) -> Choice:
     return Choice(
         micro_batch_tokens=inp.micro_batch_tokens or inp.max_len,
         forward_micro_batch_tokens=inp.forward_micro_batch_tokens or inp.max_len,
-        gradient_checkpointing=gc, offload_optimizer=offload,
+        gradient_checkpointing=gc, offload_optimizer=offload, sleep_level=sleep_level,
     )
 
 
@@ -1065,8 +1083,8 @@ def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]
         hints.append(("model.gradient_checkpointing", "set model.gradient_checkpointing=true (or auto)"))
     if not c.offload_optimizer and ph.name != "weight sync":
         hints.append(("strategy.offload_optimizer", "set strategy.offload_optimizer=true (or auto): the optimizer state waits in host memory"))
-    if inp.engine.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
-        hints.append(("engine.sleep_level", "set engine.sleep_level=2: the engine's weights wait on the host outside rollouts"))
+    if c.sleep_level < 2 and ph.name not in ("rollout", "weight sync"):
+        hints.append(("engine.sleep_level", "set engine.sleep_level=2 (or auto): the engine's weights wait on the host outside rollouts"))
     if ph.name == "rollout":
         hints.append(("engine.kv_cache_memory_fraction", "lower engine.kv_cache_memory_fraction or set engine.kv_cache_max_tokens, "
                       "or strategy.offload_actor_during_rollout=true"))
@@ -1078,24 +1096,48 @@ def _phase_problem(inp: PlanInputs, c: Choice, ph: PhasePeak) -> tuple[str, str]
     return hints[0][0], over + ": " + "; ".join(h for _, h in hints)
 
 
-def _candidates(inp: PlanInputs) -> list[tuple[bool, bool]]:
-    """(offload_optimizer, gradient_checkpointing) in order of preference: streaming the optimizer
-    state costs PCIe traffic per optimizer step, checkpointing a third more compute per token."""
+# What ``engine.sleep_level: auto`` chooses from: 1 frees the KV cache between rollouts at no cost
+# worth counting (it is sized again at each wake-up); 2 also parks the engine's weights on the host.
+# 0 (everything stays) is never chosen: it holds the KV cache through training for no gain in speed.
+AUTO_SLEEP_LEVELS = (1, 2)
+
+
+def _transfer_bytes(inp: PlanInputs, offload: bool, sleep_level: int) -> int:
+    """Host-device traffic per step that a choice adds, which orders the choices that move state to
+    the host: level-2 sleep copies the engine's weights to the host and back (and the native
+    engine recaptures its CUDA graphs at the next rollout); optimizer offload streams the state
+    through the device in and out at every optimizer step (``train.epochs x train.mini_batches``;
+    DeepSpeed's ZeRO-Offload moves less but runs the step on the CPU). For a full fine-tune the
+    weights' two bytes per parameter move less than the state's; for LoRA (a few MB of state) the
+    other way round."""
+    sz = _sizes(inp, offload)
+    steps = inp.train.epochs * inp.train.mini_batches
+    return (2 * sz.engine_weights if sleep_level >= 2 else 0) + 2 * steps * (sz.actor_optim_host + sz.critic_optim_host)
+
+
+def _candidates(inp: PlanInputs) -> list[tuple[bool, bool, int]]:
+    """(offload_optimizer, gradient_checkpointing, sleep_level) in order of cost: first without
+    gradient checkpointing (a third more compute for every token), then with it; within each, the
+    least host-device traffic per step first (:func:`_transfer_bytes`: nothing moved, then level-2
+    sleep or optimizer offload, whichever moves less, then both). Settings the user gave take only
+    their value."""
     offloads = [inp.offload_optimizer] if inp.offload_optimizer is not None else [False, True]
     gcs = [inp.gradient_checkpointing] if inp.gradient_checkpointing is not None else [False, True]
-    order = [(False, False), (True, False), (False, True), (True, True)]
-    return [(o, g) for o, g in order if o in offloads and g in gcs]
+    levels = [inp.sleep_level] if inp.sleep_level is not None else list(AUTO_SLEEP_LEVELS)
+    out = [(o, g, lv) for g in gcs for o in offloads for lv in levels]
+    return sorted(out, key=lambda cand: (cand[1], _transfer_bytes(inp, cand[0], cand[2]), cand[0], cand[2]))
 
 
 def plan_memory(inp: PlanInputs) -> MemoryPlan:
-    """The memory plan for ``inp``: among the allowed choices of optimizer offload and gradient
-    checkpointing, the first (in :func:`_candidates` order) that fits with a training micro-batch of
-    at least :data:`MIN_EFFICIENT_MICRO_BATCH_TOKENS` (or the whole mini-batch, if smaller); else
-    the fitting one with the largest micro-batch; else the one that misses by the least (its
-    ``problems`` say what to change). Never raises for a plan that does not fit."""
+    """The memory plan for ``inp``: among the allowed choices of optimizer offload, gradient
+    checkpointing and engine sleep level, the first (in :func:`_candidates` order: the cheapest)
+    that fits with a training micro-batch of at least :data:`MIN_EFFICIENT_MICRO_BATCH_TOKENS` (or
+    the whole mini-batch, if smaller); else the fitting one with the largest micro-batch; else the
+    one that misses by the least (its ``problems`` say what to change, ``tried`` what was tried).
+    Never raises for a plan that does not fit."""
     plans = []
-    for offload, gc in _candidates(inp):
-        plans.append(_plan_for(inp, _choose_tokens(inp, _base_choice(inp, offload, gc))))
+    for offload, gc, level in _candidates(inp):
+        plans.append(_plan_for(inp, _choose_tokens(inp, _base_choice(inp, offload, gc, level))))
     enough = min(MIN_EFFICIENT_MICRO_BATCH_TOKENS, _train_cap(inp))
     for p in plans:
         if p.fits and p.choice.micro_batch_tokens >= enough:
@@ -1103,7 +1145,7 @@ def plan_memory(inp: PlanInputs) -> MemoryPlan:
     fitting = [p for p in plans if p.fits]
     if fitting:
         return max(fitting, key=lambda p: p.choice.micro_batch_tokens)
-    return min(plans, key=lambda p: p.peak_bytes)
+    return dataclasses.replace(min(plans, key=lambda p: p.peak_bytes), tried=len(plans))
 
 
 def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
@@ -1113,6 +1155,10 @@ def _plan_for(inp: PlanInputs, c: Choice) -> MemoryPlan:
     notes += [n for n in (_engine(inp).note, memory_layout(inp.strategy.backend).note) if n]
     if inp.shape.vision:
         notes.append("vision-language model: the vision tower's weights and activations are not counted")
+    if inp.device.others:
+        notes.append(f"{gib(inp.device.others):.1f} GiB of this device are held by other processes "
+                     f"({inp.device.others_source or 'measured'}); the plan counts them as taken: end those processes "
+                     "(a crashed run's process still holding the device?) to give the run that memory")
     kv_tokens = _kv_tokens(inp, _sizes(inp, c.offload_optimizer))
     if _engine(inp).own_kv_rule and inp.max_len <= kv_tokens < inp.decode_batch * inp.max_len:
         notes.append(f"the KV cache ({kv_tokens} tokens) holds {kv_tokens // inp.max_len} of the rollout's {inp.decode_batch} "
@@ -1133,6 +1179,7 @@ class MemorySettings:
     forward_micro_batch_tokens: int
     gradient_checkpointing: bool
     offload_optimizer: bool
+    sleep_level: int
     plan: MemoryPlan | None = None
 
     # Config sections as a component should read them, ``auto`` replaced by these values: copies for
@@ -1149,16 +1196,21 @@ class MemorySettings:
         """``cfg`` (``strategy.*``) with the optimizer offload this run uses."""
         return dataclasses.replace(cfg, offload_optimizer=self.offload_optimizer)
 
+    def engine_config(self, cfg):
+        """``cfg`` (``engine.*``) with the sleep level this run uses."""
+        return dataclasses.replace(cfg, sleep_level=self.sleep_level)
+
     def run_config(self, cfg):
-        """The root config ``cfg`` with the three sections above resolved: what every component
+        """The root config ``cfg`` with the four sections above resolved: what every component
         built after the plan is handed (the user's ``cfg`` stays as written, ``auto`` included)."""
         return dataclasses.replace(cfg, train=self.train_config(cfg.train), model=self.model_config(cfg.model),
-                                   strategy=self.strategy_config(cfg.strategy))
+                                   strategy=self.strategy_config(cfg.strategy), engine=self.engine_config(cfg.engine))
 
 
 # Values of ``auto`` settings in a run without a plan (a CPU run without memory.device_memory_gib,
 # the reward-model job): the fixed defaults these keys had before the plan.
-UNPLANNED_DEFAULTS = dict(micro_batch_tokens=16384, forward_micro_batch_tokens=65536, gradient_checkpointing=False, offload_optimizer=False)
+UNPLANNED_DEFAULTS = dict(micro_batch_tokens=16384, forward_micro_batch_tokens=65536, gradient_checkpointing=False, offload_optimizer=False,
+                          sleep_level=1)
 
 
 def settings_without_plan(cfg, *, longest: int = 0) -> MemorySettings:
@@ -1166,7 +1218,8 @@ def settings_without_plan(cfg, *, longest: int = 0) -> MemorySettings:
     :data:`UNPLANNED_DEFAULTS`, the token budgets raised to ``longest`` (the longest sequence, which
     a packed micro-batch must hold) where that is more."""
     given = dict(micro_batch_tokens=cfg.train.micro_batch_tokens, forward_micro_batch_tokens=cfg.train.forward_micro_batch_tokens,
-                 gradient_checkpointing=cfg.model.gradient_checkpointing, offload_optimizer=cfg.strategy.offload_optimizer)
+                 gradient_checkpointing=cfg.model.gradient_checkpointing, offload_optimizer=cfg.strategy.offload_optimizer,
+                 sleep_level=cfg.engine.sleep_level)
     values = {k: UNPLANNED_DEFAULTS[k] if v == "auto" else v for k, v in given.items()}
     for k in ("micro_batch_tokens", "forward_micro_batch_tokens"):
         if given[k] == "auto":
@@ -1179,12 +1232,31 @@ def apply_plan(plan: MemoryPlan) -> MemorySettings:
     lists every problem and the plan's table, when it does not fit."""
     if not plan.fits:
         key = plan.problems[0][0]
-        lines = [f"the run does not fit in memory ({len(plan.problems)} problem(s)):"]
+        lines = [_no_fit_summary(plan) + f" {len(plan.problems)} problem(s):"]
         lines += [f"  - {k}: {msg}" for k, msg in plan.problems]
         raise ConfigError(key, "\n".join(lines) + "\n" + format_plan(plan))
     c = plan.choice
     return MemorySettings(micro_batch_tokens=c.micro_batch_tokens, forward_micro_batch_tokens=c.forward_micro_batch_tokens,
-                          gradient_checkpointing=c.gradient_checkpointing, offload_optimizer=c.offload_optimizer, plan=plan)
+                          gradient_checkpointing=c.gradient_checkpointing, offload_optimizer=c.offload_optimizer,
+                          sleep_level=c.sleep_level, plan=plan)
+
+
+def _no_fit_summary(plan: MemoryPlan) -> str:
+    """The first line of the error of a plan that does not fit: what was tried, which combination
+    is shown (the smallest), and the device memory held by other processes."""
+    chosen = plan.chosen()
+    if chosen:
+        smallest = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in chosen.items())
+        text = (f"the run does not fit in memory: none of the {plan.tried} combination(s) of the settings left at auto fits "
+                f"(engine.sleep_level 1 or 2, strategy.offload_optimizer, model.gradient_checkpointing, token budgets down "
+                f"to one longest sequence, as each is left at auto); the smallest ({smallest}) is shown below.")
+    else:
+        text = "the run does not fit in memory with the settings given (none is left at auto)."
+    others = plan.inputs.device.others
+    if others:
+        text += (f" {gib(others):.1f} GiB of the device are held by other processes ({plan.inputs.device.others_source or 'measured'}):"
+                 " end them to give the run that memory.")
+    return text
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -1205,6 +1277,7 @@ def format_plan(plan: MemoryPlan, *, parts_shown: int = 4) -> str:
     settings = [
         ("train.micro_batch_tokens", c.micro_batch_tokens), ("train.forward_micro_batch_tokens", c.forward_micro_batch_tokens),
         ("model.gradient_checkpointing", c.gradient_checkpointing), ("strategy.offload_optimizer", c.offload_optimizer),
+        ("engine.sleep_level", c.sleep_level),
     ]
     if plan.kv_cache_tokens:
         source = "engine.kv_cache_max_tokens" if inp.engine.kv_cache_max_tokens else f"{inp.engine.kv_cache_memory_fraction:g} of the memory available"

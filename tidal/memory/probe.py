@@ -12,6 +12,9 @@ nothing would read, must keep their defaults.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
 from typing import Any, Callable
 
 import torch
@@ -35,17 +38,62 @@ from tidal.memory.plan import (
 ReduceMax = Callable[[list[float]], list[float]]
 
 
+# Below this, memory in use beyond this process's allocator and assumed CUDA context is counted as
+# this process's own (a CUDA context's size varies by a few hundred MiB with the driver and libraries).
+OTHERS_MIN_BYTES = 2**30
+
+
 def device_memory(device: torch.device, override_gib: float = 0.0) -> DeviceMemory:
-    """The device's total memory and what is used outside PyTorch's allocator now (the CUDA context,
-    other processes). ``override_gib`` > 0: that total, with an assumed CUDA context."""
+    """The device's total memory and what is used outside PyTorch's allocator now, split into this
+    process's (its CUDA context) and other processes' (:func:`other_processes_bytes`).
+    ``override_gib`` > 0: that total, with an assumed CUDA context and nothing else on it."""
     if override_gib > 0:
         return DeviceMemory(name=f"{override_gib:g} GiB device (memory.device_memory_gib)", total=int(override_gib * 2**30),
                             context=ASSUMED_CUDA_CONTEXT)
     if device.type != "cuda":
         raise ConfigError("memory.device_memory_gib", f"no CUDA device to read the memory of ({device}); set it to plan for one")
     free, total = torch.cuda.mem_get_info(device)
-    context = max(0, total - free - torch.cuda.memory_reserved(device))
-    return DeviceMemory(name=torch.cuda.get_device_name(device), total=int(total), context=int(context))
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))  # not in this process's allocator
+    others, source = other_processes_bytes(outside, _processes_on(device))
+    return DeviceMemory(name=torch.cuda.get_device_name(device), total=int(total), context=int(outside - others),
+                        others=int(others), others_source=source)
+
+
+def other_processes_bytes(outside: int, per_pid: dict[int, int] | None, pid: int | None = None) -> tuple[int, str]:
+    """(bytes of the device held by other processes, how that was found), of ``outside`` bytes in
+    use beyond this process's allocator. ``per_pid``: each process's use of the device as NVML
+    reports it (None: not known). Where this process (``pid``, default ours) is among them, the
+    others' are theirs; else (no NVML, or a container whose process ids are not the host's) what is
+    beyond an assumed CUDA context, when that is at least :data:`OTHERS_MIN_BYTES`."""
+    pid = os.getpid() if pid is None else pid
+    if per_pid and pid in per_pid:
+        theirs = {p: b for p, b in per_pid.items() if p != pid}
+        held = min(outside, sum(theirs.values()))
+        return held, f"{len(theirs)} process(es) by nvidia-smi: pid {', '.join(map(str, sorted(theirs)))}" if held else ""
+    beyond = outside - ASSUMED_CUDA_CONTEXT
+    if beyond < OTHERS_MIN_BYTES:
+        return 0, ""
+    return beyond, ("in use beyond this process's allocator and CUDA context (torch.cuda.mem_get_info; "
+                    + ("nvidia-smi lists " + ", ".join(f"pid {p}" for p in sorted(per_pid)) if per_pid else "no per-process figures") + ")")
+
+
+def _processes_on(device: torch.device) -> dict[int, int] | None:
+    """{pid: bytes} of the compute processes on ``device`` from ``nvidia-smi`` (NVML), matched by
+    the device's UUID; None when it cannot say."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError):
+        return None
+    per_pid = {}
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[0].removeprefix("GPU-") == uuid.removeprefix("GPU-") and fields[2].isdigit():
+            per_pid[int(fields[1])] = int(fields[2]) * 2**20
+    return per_pid
 
 
 def kv_outside_allocator(engine_backend: str, device: torch.device) -> bool:
@@ -64,8 +112,10 @@ def agreed(device: DeviceMemory, host: HostMemory, all_reduce_max: ReduceMax | N
     rank makes the same plan."""
     if all_reduce_max is None:
         return device, host
-    neg_total, context, neg_host = all_reduce_max([-float(device.total), float(device.context), -float(host.total)])
-    return (DeviceMemory(name=device.name, total=int(-neg_total), context=int(context)),
+    neg_total, context, others, neg_host = all_reduce_max([-float(device.total), float(device.context), float(device.others),
+                                                           -float(host.total)])
+    return (DeviceMemory(name=device.name, total=int(-neg_total), context=int(context), others=int(others),
+                         others_source=device.others_source if others == device.others else "on another rank's device"),
             HostMemory(total=int(-neg_host), source=host.source))
 
 
@@ -101,7 +151,8 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
              num_nodes: int = 1) -> MemorySettings:
     """The settings a run uses, before any model loads. Where a plan is made (:func:`plans_on`) it is
     the same on every rank, printed on the main rank and applied: a
-    :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit.
+    :class:`~tidal.config_base.ConfigError` naming the first setting to change when it does not fit
+    (with the table of the smallest combination tried, printed only there).
     Elsewhere (CPU) no plan is made (:func:`~tidal.memory.plan.settings_without_plan`) and a
     ``memory.*`` key set away from its default is a ConfigError (nothing would read it)."""
     if not plans_on(device, cfg.memory):
@@ -114,6 +165,6 @@ def plan_run(cfg, hf_config, *, device: torch.device, world_size: int, is_main: 
     plan = make_plan(cfg, hf_config, device=device, world_size=world_size, needs_reference=needs_reference,
                      needs_critic=needs_critic, teacher_hf_config=teacher_hf_config, all_reduce_max=all_reduce_max,
                      num_nodes=num_nodes)
-    if is_main:
+    if is_main and plan.fits:  # a plan that does not fit is shown once, in its error
         print("[tidal] " + plan.table().replace("\n", "\n[tidal] "), flush=True)
     return apply_plan(plan)
