@@ -198,8 +198,8 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalC
     try:
         text = decode_utf8(path.read_bytes(), str(path))
         data = load_yaml(text, str(path)) or {}
-    except ConfigError:  # a repeated key, named with its lines
-        raise
+    except ConfigError as e:  # a repeated key, a recursive alias, ... named with its lines
+        raise e if e.key else ConfigError("<config>", e.message) from None
     except ValueError as e:  # not UTF-8
         raise ConfigError("<config>", str(e)) from None
     except yaml.YAMLError as e:
