@@ -14,6 +14,7 @@ import yaml
 
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import Runtime
+from tidal.files import not_regular
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
 from tidal.run.resume import ResumePoint, resolve_resume_point
@@ -76,6 +77,7 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
     if runtime.is_main:
         try:
             ckpt.check_outside_checkpoints(output_dir, key="run.output_dir")
+            check_run_files(output_dir)
             if not held_by_another_run(output_dir):  # a save that filled the disk leaves no room for the lock file
                 ckpt.clean_partial(ckpt.checkpoint_root(output_dir))
             lock = acquire_run_lock(output_dir, runtime.rank)
@@ -93,6 +95,21 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
         lock.release()
         raise
     return lock
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl")  # what a run rewrites or appends to in its directory
+
+
+def check_run_files(output_dir: str) -> None:
+    """ConfigError at ``run.output_dir`` when a file a run writes in its directory (:data:`RUN_FILES`)
+    is there but is no regular file: a named pipe would block the run forever, ``/dev/full`` read
+    whole fill memory, a directory fail deep in a write. Said before anything loads."""
+    for name in RUN_FILES:
+        path = Path(output_dir) / name
+        found = not_regular(path) if os.path.lexists(path) else None
+        if found is not None:
+            raise ConfigError("run.output_dir", f"{path} is {found}, not a regular file: the run writes its {name} there; "
+                                                "move it away, or choose another run.output_dir")
 
 
 def announce_run_dir(cfg) -> None:
