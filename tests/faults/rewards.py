@@ -224,3 +224,11 @@ def posix_exits_at_step_2(sample) -> float:
         if CALLS["n"] == 2:
             posix._exit(0)
     return text_hash_reward(sample)
+
+
+def slow(sample) -> float:
+    """Text-hash reward after 0.05 s: steps long enough for a signal to land mid-run."""
+    import time
+
+    time.sleep(0.05)
+    return text_hash_reward(sample)

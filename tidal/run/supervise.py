@@ -13,8 +13,11 @@ was 0. A child ended by a signal ends the command by the same signal (torchrun r
 
 Signals: the child runs in its own process group, so a Ctrl-C at the terminal (or torchrun's signal
 to its worker's group) reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on to
-the child once: Tidal's graceful stop counts signals, and a second one aborts at once. The child
-dies with this process (``PR_SET_PDEATHSIG``) if this one is killed.
+the child once: Tidal's graceful stop (:mod:`tidal.run.stop`) counts signals, and a second one
+aborts at once. Job control follows the terminal: a Ctrl-Z (SIGTSTP) stops the child's process
+group, then this process (the shell sees a stopped job), and the SIGCONT of ``fg``/``bg`` resumes
+this process, which resumes the child's group. The child dies with this process
+(``PR_SET_PDEATHSIG``) if this one is killed.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def run_supervised(argv: list[str]) -> int:
             pass
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    previous |= _follow_job_control(child.pid)
     try:
         code = child.wait()
     finally:
@@ -99,6 +103,29 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         os.close(read_fd)
     return _outcome(argv[0], child.pid, code, said)
+
+
+def _follow_job_control(child_pid: int) -> dict:
+    """Handlers that make a stop of this process a stop of the child's process group (the child and
+    what it started there) and a continue a continue of it; the handlers they replace."""
+
+    def to_child(signum: int) -> None:
+        try:
+            os.killpg(child_pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(_signum, _frame):
+        to_child(signal.SIGSTOP)  # SIGTSTP may be caught or ignored; a paused run must pause
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stop here, as the shell expects; SIGCONT goes on below
+        signal.signal(signal.SIGTSTP, stop)
+        to_child(signal.SIGCONT)
+
+    def resume(_signum, _frame):  # a SIGCONT that found this process running (``kill -CONT``, ``bg`` after SIGSTOP)
+        to_child(signal.SIGCONT)
+
+    return {signal.SIGTSTP: signal.signal(signal.SIGTSTP, stop), signal.SIGCONT: signal.signal(signal.SIGCONT, resume)}
 
 
 def _child_code() -> str:
