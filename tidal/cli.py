@@ -225,7 +225,7 @@ several ranks or GPUs: every rank runs the same command under torch's launcher, 
 too, but torchrun ends every failure with exit code 1 and its own failure report)
 
 exit codes: 0 done (only when the command finished: a process that ends early, even with code 0, is
-named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM/SIGHUP after a
 saved step (or by Ctrl-C before training, e.g. in a task build, which keeps its finished phases)."""
 
 
@@ -321,7 +321,7 @@ def _run(argv: list[str]) -> int:
     except RunDirLost as e:  # said in one line: the traceback would only show the check
         print(f"tidal: {e}", file=sys.stderr)
         return 1
-    except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
+    except StopRun as e:  # a SIGINT/SIGTERM/SIGHUP stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE
     except (BuildStopped, KeyboardInterrupt) as e:  # Ctrl-C outside the training steps (a task build keeps its finished phases)

@@ -39,7 +39,7 @@ SAID_EXIT_CODES = (CONFIG_EXIT_CODE, STOP_EXIT_CODE, WATCHDOG_EXIT_CODE)
 USAGE = "tidal launch [torchrun options] {train,check,eval,export} CONFIG [key.sub=value ...]"
 EPILOG = ("The Tidal command and its arguments take the place of torchrun's training_script. The launcher "
           "exits with the exit code of the first rank that failed: 0 done, 2 config error, 75 stopped by "
-          "SIGINT/SIGTERM after a saved step, 3 a collective that a rank never entered.")
+          "SIGINT/SIGTERM/SIGHUP after a saved step, 3 a collective that a rank never entered.")
 
 
 def record_error_file(message: str) -> None:
