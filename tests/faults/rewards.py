@@ -232,3 +232,17 @@ def slow(sample) -> float:
 
     time.sleep(0.05)
     return text_hash_reward(sample)
+
+
+def leaves_a_process(sample) -> float:
+    """Starts, once per run directory, a process that sleeps 120 s, inherits stdout and is never
+    stopped (a sandbox or server a reward forgets); its pid goes to ``$TIDAL_TEST_LEFTOVER``."""
+    import os
+    import subprocess
+    import sys
+
+    marker = os.environ["TIDAL_TEST_LEFTOVER"]
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(str(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid))
+    return text_hash_reward(sample)

@@ -88,3 +88,21 @@ def test_sighup_stops_gracefully_saves_and_releases_the_lock(tmp_path, tiny_task
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(saved) == 1 and int(saved[0].split("_")[1]) == _steps(out) < 20
     assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_process_a_reward_left_running_ends_with_the_run(tmp_path, tiny_task_overrides):
+    """Issue 51 item 5: a reward's subprocess that inherits stdout kept ``tidal train ... | cat`` open
+    until it ended (44.6 s after the run) and outlived the run; the command ends it and says so."""
+    marker = tmp_path / "leftover.pid"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDAL_TEST_LEFTOVER=str(marker))
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", f"run.output_dir={tmp_path / 'run'}", *tiny_task_overrides,
+           "run.steps=1", "checkpoint.every=0", "checkpoint.at_end=false",
+           "reward.components.correct.path=tests.faults.rewards:leaves_a_process"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=110)  # returns when every holder of the pipes closed them: the leftover sleeps 120 s
+    assert proc.returncode == 0, err[-3000:]
+    leftover = int(marker.read_text())
+    assert not os.path.exists(f"/proc/{leftover}") or _state(leftover) in ("Z", "X")
+    said = [line for line in err.splitlines() if line.startswith("tidal: ended")]
+    assert len(said) == 1 and f"pid {leftover} (python" in said[0] and "did not stop it" in said[0], err[-3000:]

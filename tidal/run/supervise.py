@@ -18,6 +18,13 @@ aborts at once. Job control follows the terminal: a Ctrl-Z (SIGTSTP) stops the c
 group, then this process (the shell sees a stopped job), and the SIGCONT of ``fg``/``bg`` resumes
 this process, which resumes the child's group. The child dies with this process
 (``PR_SET_PDEATHSIG``) if this one is killed.
+
+What the child leaves behind: a process that a reward function, an environment or a library started
+and never stopped (a sandbox, a server) stays in the child's process group and, holding the
+command's stdout, keeps ``tidal train ... | cat`` open long after the run. When the child has
+ended, this process ends what is left of its group (SIGTERM, then SIGKILL after
+:data:`LEFTOVER_GRACE_S`) and names it in one line. A process that left the group on purpose
+(``setsid``, ``start_new_session``) is its starter's to stop.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 OUTCOME_FD_ENV = "TIDAL_OUTCOME_FD"  # set in the child: the pipe it reports its exit code into
 SUPERVISED_COMMANDS = ("train", "check", "eval", "export")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+LEFTOVER_GRACE_S = 3.0  # what a process the run left behind gets between SIGTERM and SIGKILL
 
 
 def wanted(argv: list[str]) -> bool:
@@ -95,6 +104,7 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _end_leftovers(argv[0], child.pid)
     os.set_blocking(read_fd, False)  # a process the child forked may hold the pipe open: read what is there
     try:
         said = os.read(read_fd, 64).decode(errors="replace").strip()
@@ -103,6 +113,51 @@ def run_supervised(argv: list[str]) -> int:
     finally:
         os.close(read_fd)
     return _outcome(argv[0], child.pid, code, said)
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of the live processes of process group ``pgid`` (Linux's /proc; elsewhere
+    one unnamed entry while the group exists)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [(pgid, "?")]
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(") ")
+        state, _ppid, group = rest.split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append((int(entry), name))
+    return members
+
+
+def _end_leftovers(command: str, pgid: int) -> None:
+    """End the processes still in the ended child's process group ``pgid`` (module docstring)."""
+    left = _group_members(pgid)
+    if not left:
+        return
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _group_members(pgid):
+            break
+    shown = ", ".join(f"{pid} ({name})" for pid, name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    print(f"tidal: ended {len(left)} process(es) the {command} left running: pid {shown}; something the run started "
+          "(a reward function's subprocess, a sandbox, a server) did not stop it", file=sys.stderr, flush=True)
 
 
 def _follow_job_control(child_pid: int) -> dict:
