@@ -53,7 +53,8 @@ def check_choice(value: Any, choices: typing.Iterable[Any], key: str) -> None:
 
 
 _SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
+for _limit, _value in {"maxlevel": 3, "maxstring": 80, "maxother": 80, "maxlong": 40}.items():  # reprlib's knobs
+    setattr(_SHOW, _limit, _value)
 
 
 def show(value: Any) -> str:
