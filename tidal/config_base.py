@@ -60,6 +60,9 @@ for _limit, _value in {"maxlevel": 3, "maxstring": 80, "maxother": 80, "maxlong"
 def show(value: Any) -> str:
     """``repr(value)`` cut to about 100 characters, in bounded work: an error message names the
     value it rejects without printing (or walking) a whole list, an alias expansion or a huge integer."""
+    if value is None or isinstance(value, (bool, float)) or (isinstance(value, str) and len(value) <= 80) or (
+            isinstance(value, int) and abs(value) < 10**40):
+        return repr(value)  # the common case, at builtin speed (messages are built before a check knows it fails)
     try:
         return _SHOW.repr(value)
     except ValueError:  # an integer beyond int->str's digit limit
@@ -242,6 +245,10 @@ def _check_tree(root: yaml.Node, what: str) -> None:
     stack: list[tuple[yaml.Node, str, int, bool]] = [(root, "", 0, False)]
     while stack:
         node, key, depth, leaving = stack.pop()
+        if isinstance(node, yaml.ScalarNode):  # a leaf: one value, nothing below it
+            walked += id(node) not in expanded
+            expanded[id(node)] = 1
+            continue
         line = node.start_mark.line + 1
         if leaving:
             on_path.discard(id(node))
