@@ -227,10 +227,10 @@ def posix_exits_at_step_2(sample) -> float:
 
 
 def slow(sample) -> float:
-    """Text-hash reward after 0.05 s: steps long enough for a signal to land mid-run."""
+    """Text-hash reward after 0.2 s: steps long enough for a signal to land mid-run."""
     import time
 
-    time.sleep(0.05)
+    time.sleep(0.2)
     return text_hash_reward(sample)
 
 

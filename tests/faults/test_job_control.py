@@ -2,7 +2,7 @@
 the supervisor, while its child (in a process group of its own) trained on, 12 of 12 steps while
 "paused"; SIGHUP (a closed terminal) killed the run at once with no save and its lock left behind.
 Now SIGTSTP stops the child's group and then the supervisor, SIGCONT resumes both and the run
-finishes; SIGHUP stops it gracefully like SIGTERM: the step saved, the lock released, exit 75."""
+goes on; SIGHUP stops it gracefully like SIGTERM: the step saved, the lock released, exit 75."""
 
 import os
 import signal
@@ -58,27 +58,29 @@ def _child(pid: int) -> int | None:
 @pytest.mark.timeout(600)
 def test_ctrl_z_stops_the_training_child_and_fg_resumes_it(tmp_path, tiny_task_overrides):
     out = tmp_path / "run"
-    proc = _start(out, tiny_task_overrides + SLOW + ["run.steps=8", "checkpoint.every=0", "checkpoint.at_end=false"])
+    proc = _start(out, tiny_task_overrides + SLOW + ["run.steps=200", "checkpoint.every=0", "checkpoint.at_end=false"])
     try:
         child = _wait_for(lambda: _child(proc.pid), "child process", proc=proc)
         _wait_for(lambda: _steps(out) >= 1, "first step", proc=proc)
         os.kill(proc.pid, signal.SIGTSTP)
         _wait_for(lambda: _state(child) == "T" and _state(proc.pid) == "T", "stopped child and supervisor", timeout=30)
         paused_at = _steps(out)
-        time.sleep(2)  # a child that trains on would write steps meanwhile
+        time.sleep(2)  # a child that trains on writes steps meanwhile (one every fraction of a second)
         assert _steps(out) == paused_at and _state(child) == "T"
-        assert paused_at < 8
+        os.kill(proc.pid, signal.SIGCONT)  # what the shell's fg sends the command's process group
+        _wait_for(lambda: _steps(out) > paused_at, "a step after SIGCONT", proc=proc)
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(proc.pid, signal.SIGTERM)  # a graceful stop after the current step
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert _steps(out) == 8
+    assert proc.returncode == EXIT_CODE and "stopped by SIGTERM" in err, err[-3000:]
 
 
 @pytest.mark.timeout(600)
 def test_sighup_stops_gracefully_saves_and_releases_the_lock(tmp_path, tiny_task_overrides):
     out = tmp_path / "run"
-    overrides = tiny_task_overrides + SLOW + ["run.steps=20", "checkpoint.every=0", "checkpoint.at_end=true"]
+    overrides = tiny_task_overrides + SLOW + ["run.steps=200", "checkpoint.every=0", "checkpoint.at_end=true"]
     proc = _start(out, overrides)
     _wait_for(lambda: _steps(out) >= 2, "second step", proc=proc)
     os.kill(proc.pid, signal.SIGHUP)
@@ -86,7 +88,7 @@ def test_sighup_stops_gracefully_saves_and_releases_the_lock(tmp_path, tiny_task
     assert proc.returncode == EXIT_CODE, err[-3000:]
     assert "stopped by SIGHUP: checkpoint of step" in err and "rerun the same command to resume" in err, err[-3000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert len(saved) == 1 and int(saved[0].split("_")[1]) == _steps(out) < 20
+    assert len(saved) == 1 and int(saved[0].split("_")[1]) == _steps(out) < 200
     assert not (out / LOCK_NAME).exists()
 
 
