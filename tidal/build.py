@@ -32,6 +32,7 @@ from tidal.config import TidalConfig
 from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, PromptDataset, PromptItem, StatefulDistributedSampler
 from tidal.data.check import sample_rows
+from tidal.data.loaders import check_source
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
@@ -117,7 +118,7 @@ def checkpoints_enabled(cfg: TidalConfig) -> bool:
 
 
 def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -> None:
-    """Every local path the run reads exists, before anything is loaded (ConfigError naming the key)."""
+    """Every local path the run reads exists (a data file as a regular file), before anything is loaded (ConfigError naming the key)."""
     m = cfg.model
     folders = [("model.path", paths.model), ("model.tokenizer_path", m.tokenizer_path)]
     if algorithm.needs_critic:
@@ -130,7 +131,7 @@ def check_inputs(cfg: TidalConfig, paths: ResolvedPaths, algorithm: Algorithm) -
         check(not path or os.path.isdir(path), key, f"{path!r} is not a local directory (Tidal never downloads; pass a local Hugging Face folder)")
     for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
         for i, source in enumerate(sources):
-            check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
+            check_source(source, f"{key}[{i}].path")
 
 
 def choose_engine(cfg: TidalConfig, model_path: str) -> str:

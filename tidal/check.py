@@ -141,8 +141,10 @@ def check(cfg: TidalConfig) -> list[str]:
     """Run the checks (ConfigError on the first failure) and return the lines to print."""
     from tidal.distributed.runtime import resolve_device, rollout_group_ranks
     from tidal.optional_deps import check_dependencies
+    from tidal.run.run_dir import check_output_dir
 
     check_dependencies(cfg)
+    check_output_dir(cfg.run.output_dir)
     if cfg.job == "rl":  # the environment's own settings (env.kwargs: an MCP tool, an OpenEnv class), by building one
         from tidal.envs import make_env_factory
 

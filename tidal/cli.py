@@ -225,7 +225,7 @@ several ranks or GPUs: every rank runs the same command under torch's launcher, 
 too, but torchrun ends every failure with exit code 1 and its own failure report)
 
 exit codes: 0 done (only when the command finished: a process that ends early, even with code 0, is
-named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM after a
+named and exits 1), 2 config error (one line naming the key), {stop} stopped by SIGINT/SIGTERM/SIGHUP after a
 saved step (or by Ctrl-C before training, e.g. in a task build, which keeps its finished phases)."""
 
 
@@ -321,7 +321,7 @@ def _run(argv: list[str]) -> int:
     except RunDirLost as e:  # said in one line: the traceback would only show the check
         print(f"tidal: {e}", file=sys.stderr)
         return 1
-    except StopRun as e:  # a SIGINT/SIGTERM stopped training after a step (and saved it)
+    except StopRun as e:  # a SIGINT/SIGTERM/SIGHUP stopped training after a step (and saved it)
         print(f"tidal: {e}", file=sys.stderr)
         return STOP_EXIT_CODE
     except (BuildStopped, KeyboardInterrupt) as e:  # Ctrl-C outside the training steps (a task build keeps its finished phases)
@@ -330,18 +330,20 @@ def _run(argv: list[str]) -> int:
         _end_process_group()
         return STOP_EXIT_CODE
     except Exception as e:
-        if not _export_failed(e):
+        if not _write_failed(e):
             raise
-        print(f"tidal: {e}", file=sys.stderr)  # e.g. a full disk: one line, the earlier export kept
+        print(f"tidal: {e}", file=sys.stderr)  # e.g. a full disk: one line, the earlier export or checkpoint kept
         _end_process_group()
         return 1
 
 
-def _export_failed(exc: Exception) -> bool:
+def _write_failed(exc: Exception) -> bool:
     """Whether ``exc`` is an export's failure (``tidal export``, or the reward-model job's export at
-    the end), said in one line; without the export module loaded, it cannot be one."""
-    export = sys.modules.get("tidal.trainer.export")
-    return export is not None and isinstance(exc, export.ExportError)
+    the end) or a checkpoint save's (a full disk, a folder made read-only mid-run), whose message
+    says in one line what failed and what is kept; without their module loaded, it cannot be one."""
+    export, ckpt = sys.modules.get("tidal.trainer.export"), sys.modules.get("tidal.run.checkpoint")
+    return (export is not None and isinstance(exc, export.ExportError)) or (
+        ckpt is not None and isinstance(exc, ckpt.CheckpointSaveError))
 
 
 if __name__ == "__main__":

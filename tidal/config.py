@@ -22,6 +22,7 @@ from tidal.data.config import DataConfig
 from tidal.engine.config import EngineConfig
 from tidal.envs.base import check_engine_backend
 from tidal.envs.config import EnvConfig
+from tidal.files import check_regular, read_bounded
 from tidal.jobs import check_job, check_job_world
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig, MoEConfig
@@ -196,12 +197,20 @@ class TidalConfig:
         return to_dict(self)
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # a config is a few KB; a bigger "config" is some other file
+
+
 def resolve_config_path(name_or_path: str) -> Path:
-    """A shipped config name (``quickstart``) or a YAML file path."""
+    """A shipped config name (``quickstart``) or a YAML file path (a regular file: a named pipe,
+    a device or a directory is a ConfigError saying what it is)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
-        if not path.is_file():
-            raise ConfigError("<config>", f"config file {name_or_path!r} not found")
+        try:
+            check_regular(path, "config file")
+        except FileNotFoundError:
+            raise ConfigError("<config>", f"config file {name_or_path!r} not found") from None
+        except ValueError as e:
+            raise ConfigError("<config>", str(e)) from None
         return path
     shipped = CONFIG_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
@@ -213,16 +222,16 @@ def resolve_config_path(name_or_path: str) -> Path:
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> TidalConfig:
     path = resolve_config_path(name_or_path)
     try:
-        text = decode_utf8(path.read_bytes(), str(path))
+        text = decode_utf8(read_bounded(path, MAX_CONFIG_BYTES, what="config file"), str(path))
         data = load_yaml(text, str(path)) or {}
-    except ConfigError:  # a repeated key, named with its lines
-        raise
-    except ValueError as e:  # not UTF-8
+    except ConfigError as e:  # a repeated key, a recursive alias, ... named with its lines
+        raise e if e.key else ConfigError("<config>", e.message) from None
+    except OSError as e:
+        raise ConfigError("<config>", f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, not a regular file, too big
         raise ConfigError("<config>", str(e)) from None
     except yaml.YAMLError as e:
         raise ConfigError("<config>", f"{path} is not valid YAML: {e}") from None
-    except OSError as e:
-        raise ConfigError("<config>", f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise ConfigError("<config>", f"{path} must hold a mapping of sections")
     return build(TidalConfig, apply_overrides(data, overrides or []))

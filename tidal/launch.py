@@ -45,7 +45,7 @@ SAID_EXIT_CODES = (CONFIG_EXIT_CODE, STOP_EXIT_CODE, WATCHDOG_EXIT_CODE)
 USAGE = "tidal launch [torchrun options] {train,check,eval,export} CONFIG [key.sub=value ...]"
 EPILOG = ("The Tidal command and its arguments take the place of torchrun's training_script. The launcher "
           "exits with the exit code of the first rank that failed: 0 done, 2 config error, 75 stopped by "
-          "SIGINT/SIGTERM after a saved step, 3 a collective that a rank never entered or a node lost (also "
+          "SIGINT/SIGTERM/SIGHUP after a saved step, 3 a collective that a rank never entered or a node lost (also "
           "when the rendezvous ends without the nodes --nnodes asks for).")
 RDZV_JOIN_TIMEOUT_S = 600  # torch's c10d rendezvous default for join_timeout
 

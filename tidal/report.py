@@ -37,6 +37,7 @@ import html
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -52,10 +53,12 @@ Series = dict[str, tuple[list[int], list[float]]]
 
 def load_series(path: Path) -> Series:
     """``{key: (steps, values)}`` from a metrics.jsonl, the last record of a step winning."""
+    from tidal.files import open_regular
+
     by_step: dict[int, dict] = {}
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    with open_regular(path, "r", what="metrics file", encoding="utf-8") as lines:
+        records = [(line_no, line) for line_no, line in enumerate(lines, start=1) if line.strip()]
+    for line_no, line in records:
         try:
             record = json.loads(line)
             by_step[int(record["step"])] = record
@@ -324,7 +327,7 @@ def render_html(series: Series, png: bytes, title: str, config_text: str | None 
 def write_report(run_dir: Path) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.html`` into ``run_dir``; returns their paths."""
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
+    if not os.path.lexists(metrics):
         raise FileNotFoundError(f"{metrics} not found (is 'jsonl' in logging.backends?)")
     series = load_series(metrics)
     if not series:
@@ -334,7 +337,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     png_path, html_path = run_dir / "report.png", run_dir / "report.html"
     png_path.write_bytes(png)
     config = run_dir / "config.yaml"  # the resolved config the run wrote at its start
-    config_text = config.read_text(encoding="utf-8") if config.is_file() else None
+    config_text = config.read_text(encoding="utf-8") if config.is_file() else None  # is_file: no pipe, no device
     html_path.write_text(render_html(series, png, title, config_text), encoding="utf-8")
     return png_path, html_path
 

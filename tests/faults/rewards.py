@@ -224,3 +224,43 @@ def posix_exits_at_step_2(sample) -> float:
         if CALLS["n"] == 2:
             posix._exit(0)
     return text_hash_reward(sample)
+
+
+def slow(sample) -> float:
+    """Text-hash reward after 0.2 s: steps long enough for a signal to land mid-run."""
+    import time
+
+    time.sleep(0.2)
+    return text_hash_reward(sample)
+
+
+def leaves_a_process(sample) -> float:
+    """Starts, once per run directory, a process that sleeps 120 s, inherits stdout and is never
+    stopped (a sandbox or server a reward forgets); its pid goes to ``$TIDAL_TEST_LEFTOVER``."""
+    import os
+    import subprocess
+    import sys
+
+    marker = os.environ["TIDAL_TEST_LEFTOVER"]
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(str(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid))
+    return text_hash_reward(sample)
+
+
+def checkpoints_read_only_at_step_2(sample) -> float:
+    """Remount the tmpfs at $TIDAL_TEST_RO read-only while scoring the second step (a world of one:
+    the second call with sample index 0)."""
+    import os
+    import subprocess
+
+    if sample.index == 0:
+        CALLS["n"] += 1
+        if CALLS["n"] == 2:
+            subprocess.run(["mount", "-o", "remount,ro", os.environ["TIDAL_TEST_RO"]], check=True)
+    return text_hash_reward(sample)
+
+
+def raises_50_mb(sample) -> float:
+    """Raises with a 50 MB message (a whole log or response pasted into the error)."""
+    raise ValueError("start " + "x" * 50_000_000 + " end")

@@ -1,5 +1,6 @@
 """Config fuzzing: every key of the config reference and the shipped quickstart config set to
 wrong types, negative/huge numbers, bogus enum values; unknown keys; sections replaced by scalars;
+YAML that is not a tree or not small (recursive aliases, alias bombs, deep nesting, huge integers);
 and a seeded random mix of several mutations at once -- through ``load_config`` overrides (the CLI
 path) and ``TidalConfig.check_world``. A mutation either gives a valid config or a ConfigError (a
 ValueError) naming a mutated key, never another exception type."""
@@ -16,6 +17,10 @@ from tidal.distributed.runtime import rollout_group_ranks
 
 BASE = yaml.safe_load((CONFIG_DIR / "quickstart.yaml").read_text())
 VALUES = ["bogus", "", -1, 0, -1e9, 2.5, 10**12, True, None, [1], [[1, 2]], {"x": 1}]
+_BOMB = "{" + ", ".join(["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+    f"a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * 9)}]" for k in range(1, 10)]) + "}"
+RAW = ["&a [*a]", "&a {x: *a}", "&a {<<: *a}", "&a [1, [2, *a]]", _BOMB, "[" * 150 + "]" * 150,
+       "[" * 3000 + "]" * 3000, "- " * 1000 + "x", "9" * 5000]  # value texts as typed on the command line (issue 51 items 1-2)
 EXTRA_KEYS = [  # keys of the shipped config under free-form mappings (not in the reference table)
     "reward.components.correct", "reward.components.correct.type", "reward.components.correct.path",
     "reward.components.correct.timeout_s", "reward.recipes.arithmetic", "reward.recipes", "reward.components",
@@ -28,6 +33,10 @@ UNKNOWN = ["bogus", "run.bogus", "run.stpes", "algorithm.dynamic_sampling.bogus"
 
 def override(key: str, value) -> str:
     return f"{key}={json.dumps(value)}"  # JSON is YAML: the CLI parses the value the same way
+
+
+def mutation(key: str, rng: random.Random) -> str:
+    return f"{key}={rng.choice(RAW)}" if rng.random() < 0.2 else override(key, rng.choice(VALUES))
 
 
 def names_key(e: ConfigError, key: str) -> bool:
@@ -58,6 +67,14 @@ def test_every_key_with_every_bad_value():
     assert not failures, "\n".join(failures[:20])
 
 
+def test_every_key_with_yaml_that_is_not_a_small_tree():
+    """Issue 51 item 2: 71 of 1,500 fuzz cases with recursive aliases were RecursionError tracebacks.
+    The texts are refused as they are parsed, whatever the key's type: each key takes them in turn
+    (every text lands on keys of every type), and the seeded mixes below draw them too."""
+    failures = [f for i, key in enumerate(KEYS) if (f := outcome([f"{key}={RAW[i % len(RAW)]}"], [key]))]
+    assert not failures, "\n".join(failures[:20])
+
+
 @pytest.mark.parametrize("key", UNKNOWN)
 def test_unknown_key_is_named(key):
     with pytest.raises(ConfigError) as info:
@@ -79,7 +96,7 @@ def test_seeded_random_mixes():
     for _ in range(400):
         keys = rng.sample(KEYS, rng.randint(2, 4))
         keys = [k for k in keys if not any(k != o and k.startswith(o + ".") for o in keys)]  # no key inside another
-        overrides = [override(k, rng.choice(VALUES)) for k in keys]
+        overrides = [mutation(k, rng) for k in keys]
         if rng.random() < 0.2:
             unknown = rng.choice(UNKNOWN)
             overrides.append(override(unknown, 1))

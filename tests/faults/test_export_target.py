@@ -207,3 +207,37 @@ def test_a_full_disk_during_an_export_is_one_error_and_leaves_nothing(tmp_path):
         message = str(info.value)
         assert message.startswith(f"writing the export {disk / 'hf'} failed: SafetensorError: ") and "the disk is full" in message
         assert "\n" not in message and list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("killed_after", [0, 1])
+def test_an_export_killed_mid_swap_says_so_and_the_next_export_replaces_it(tmp_path, monkeypatch, killed_after):
+    """Issue 51 item 6: killed after the manifest, before the weights, the folder held step-6 weights
+    under a manifest naming step 8, and the next export refused with "holds model.safetensors, which
+    no earlier export wrote". Killed after any number of swapped files, the manifest names the swap
+    as unfinished (never one step over another's weights), and the next export replaces it."""
+    out = tmp_path / "hf"
+    write_export(out, lambda f: ((f / "config.json").write_text("{}"), (f / "model.safetensors").write_bytes(b"step 6")),
+                 source="checkpoint step_000006")
+    (out / "MODEL_CARD.md").write_text("# mine")
+    real_replace, swapped = os.replace, []
+
+    def killed(src, dst):
+        if Path(dst).parent == out and Path(dst).name != EXPORT_MARKER:
+            if len(swapped) == killed_after:
+                raise KeyboardInterrupt  # the export's process ends here: nothing after it runs
+            swapped.append(Path(dst).name)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_export(out, lambda f: ((f / "config.json").write_text('{"a": 1}'), (f / "model.safetensors").write_bytes(b"step 8")),
+                     source="checkpoint step_000008")
+    monkeypatch.setattr(os, "replace", real_replace)
+    manifest = json.loads((out / EXPORT_MARKER).read_text())
+    assert manifest["source"].startswith("unfinished: an export of checkpoint step_000008 was replacing the export of "
+                                         "checkpoint step_000006 here"), manifest
+    write_export(out, lambda f: ((f / "config.json").write_text('{"a": 1}'), (f / "model.safetensors").write_bytes(b"step 8")),
+                 source="checkpoint step_000008")
+    assert _tree(out) == {"MODEL_CARD.md": b"# mine", "config.json": b'{"a": 1}', "model.safetensors": b"step 8",
+                          EXPORT_MARKER: (out / EXPORT_MARKER).read_bytes()}
+    assert json.loads((out / EXPORT_MARKER).read_text())["source"] == "checkpoint step_000008"

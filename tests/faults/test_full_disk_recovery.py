@@ -118,3 +118,29 @@ def test_a_bad_line_before_the_last_names_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=rf"{path}:2 is not a metrics record"):
         _logger(tmp_path, 2)
     assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'  # left for the user to repair
+
+
+def test_a_checkpoints_folder_made_read_only_mid_run_is_one_line_and_the_rerun_resumes(tmp_path, tiny_task_overrides,
+                                                                                      monkeypatch, capsys):
+    """Issue 51 item 8: the checkpoints folder remounted read-only during step 2 was a raw 38-line
+    OSError traceback; it is one line naming the step, the error and that the previous checkpoint is
+    intact, exit 1; writable again, the same command resumes from step 1."""
+    from tests.faults import rewards
+    from tidal import cli
+
+    run = tmp_path / "run"
+    with tmpfs(run / "checkpoints", "64m") as checkpoints:
+        monkeypatch.setenv("TIDAL_TEST_RO", str(checkpoints))
+        monkeypatch.setitem(rewards.CALLS, "n", 0)
+        args = ["train", "quickstart", *tiny_task_overrides, f"run.output_dir={run}", "run.steps=3", "checkpoint.every=1"]
+        code = cli.main([*args, "reward.components.correct.path=tests.faults.rewards:checkpoints_read_only_at_step_2"])
+        err = capsys.readouterr().err
+        assert code == 1 and "Traceback" not in err, err[-3000:]
+        said = err.strip().splitlines()[-1]
+        assert said.startswith(f"tidal: saving checkpoint step 2 into {checkpoints / 'step_000002.tmp'} failed: OSError: "
+                               "[Errno 30] Read-only file system") and said.endswith("the previous checkpoint is intact"), said
+        assert [p.name for p in checkpoints.iterdir()] == ["step_000001"]
+        subprocess.run(["mount", "-o", "remount,rw", str(checkpoints)], check=True)
+        assert cli.main([*args, "reward.components.correct.path=tests.faults.rewards:text_hash_reward"]) == 0
+        assert f"resumed from {checkpoints / 'step_000001'} (step 1)" in capsys.readouterr().out
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -160,3 +160,89 @@ def test_a_repeated_yaml_key_is_a_config_error_naming_the_key_and_both_lines(tmp
         load_config("quickstart", ["rollout={temperature: 1.0, temperature: 0.5}"])
     assert info.value.key == "rollout.temperature" and "(first at line 1)" in info.value.message
     assert load_yaml("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  x: 3\n", "m.yaml") == {"base": {"x": 1, "y": 2}, "use": {"x": 3, "y": 2}}
+
+
+def _alias_bomb(levels: int, width: int = 9) -> str:
+    """A "billion laughs" document: level k is a list of ``width`` aliases to level k-1."""
+    lines = [f"a0: &a0 [{', '.join(['x'] * width)}]"]
+    lines += [f"a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * width)}]" for k in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_an_alias_bomb_is_refused_in_work_bounded_by_the_document(tmp_path, capsys, where):
+    """Issue 51 item 1: nine levels of nine aliases (400 bytes, 387 million values expanded) made the
+    duplicate-key check walk every expansion (past 120 s); it walks each node once, and a document
+    whose aliases add more than MAX_ALIAS_VALUES values is a config error at the value that does,
+    in a file and in a command-line override."""
+    import time
+
+    from tidal.cli import main
+    from tidal.config_base import MAX_ALIAS_VALUES
+
+    bomb = _alias_bomb(9)
+    start = time.perf_counter()
+    if where == "file":
+        (path := tmp_path / "bomb.yaml").write_text(bomb)
+        assert main(["check", str(path)]) == 2
+    else:
+        flow = "{" + ", ".join(bomb.strip().splitlines()) + "}"
+        assert main(["check", "quickstart", f"env.kwargs={flow}"]) == 2
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "aliases expand this value to" in err and "alias bomb" in err, err
+    assert f"at most {MAX_ALIAS_VALUES:,} values added by aliases" in err, err
+    assert elapsed < 5, elapsed  # was > 120 s; the check is linear in the 90 nodes written
+
+
+def test_aliases_that_share_a_value_are_taken():
+    """Sharing is what aliases are for: a value used in several places (also a small fan-out) loads
+    as plain YAML would, and a repeated key inside a shared mapping is still found, once."""
+    from tidal.config_base import load_yaml
+
+    text = _alias_bomb(3)  # 9**4 = 6,561 values: under the bound
+    assert load_yaml(text, "t.yaml") == __import__("yaml").safe_load(text)
+    with pytest.raises(ConfigError) as info:
+        load_yaml("base: &b {x: 1, x: 2}\nuse: [*b, *b]\n", "d.yaml")
+    assert info.value.key == "base.x" and "d.yaml:1: duplicate key 'x'" in info.value.message
+
+
+@pytest.mark.parametrize("override, key", [
+    ("run.name=&a [*a]", "run.name[0]"), ("run.name=&a {x: *a}", "run.name.x"),
+    ("env.kwargs=&a {x: [1, *a]}", "env.kwargs.x[1]"), ("env.kwargs=&a {<<: *a}", "env.kwargs.<<"),
+    ("run=&r {name: [*r]}", "run.name[0]"),
+])
+def test_a_recursive_alias_is_a_config_error_naming_the_key(override, key, capsys):
+    """Issue 51 item 2: ``run.name=&a [*a]`` was a 1,000-frame RecursionError traceback; a config
+    must be a tree, and an alias inside the value it names is one line naming the key (exit 2)."""
+    from tidal.cli import main
+
+    with pytest.raises(ConfigError) as info:
+        load_config("quickstart", [override])
+    assert info.value.key == key and "sits inside that value (a recursive structure)" in info.value.message, info.value
+    assert main(["check", "quickstart", override]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_recursive_alias_in_a_config_file_is_a_config_error(tmp_path, capsys):
+    from tidal.cli import main
+
+    (path := tmp_path / "loop.yaml").write_text("run:\n  name: &a\n    - x\n    - *a\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tidal: config error at 'run.name[1]':") and f"{path}:2: an alias to the value anchored at line 2 sits inside" in err, err
+
+
+@pytest.mark.parametrize("value, words", [
+    ("[" * 150 + "]" * 150, "values nest more than 100 levels deep"),
+    ("[" * 100_000, "values nest more than 100 levels deep"),  # refused as read: its scan is quadratic
+    ("- " * 1000 + "x", "values nest deeper than the YAML parser can follow"),
+    ("9" * 5000, "Exceeds the limit (4300 digits) for integer string conversion"),
+])
+def test_deep_nesting_and_huge_integers_are_config_errors(value, words):
+    """Nesting past what Python's stack follows was a RecursionError traceback, an integer past
+    Python's digit limit a ValueError traceback: both a config error at the override's key."""
+    with pytest.raises(ConfigError) as info:
+        load_config("quickstart", [f"run.name={value}"])
+    assert info.value.key.startswith("run.name") and words in info.value.message, info.value
+    assert len(str(info.value)) < 2000

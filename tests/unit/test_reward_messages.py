@@ -45,3 +45,22 @@ def test_protocol_rejects_malformed_messages(messages, match):
     body = json.dumps({"samples": [{"prompt": "p", "response": "r", "messages": messages}]}).encode()
     with pytest.raises(ProtocolError, match=match):
         decode_request(body)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_huge_error_message_is_cut_where_it_is_made(isolation):
+    """Issue 51 item 8: a 50 MB error message was printed whole (a 52 MB log line) and held once per
+    failed sample (2.9 GB peak under ``drop``): it is cut to its start and end where the call ran."""
+    from tidal.rewards.base import MAX_ERROR_CHARS, RewardError
+
+    cfg = RewardConfig(components={"big": {"type": "function", "path": "tests.faults.rewards:raises_50_mb",
+                                           "isolation": isolation}}, recipes={"default": [["big", 1.0]]})
+    engine = RewardEngine(cfg, device=torch.device("cpu"))
+    try:
+        with pytest.raises(RewardError) as info:
+            engine.score([_sample(), _sample()])
+    finally:
+        engine.close()
+    text = str(info.value)
+    assert len(text) < MAX_ERROR_CHARS + 300, len(text)
+    assert "raised ValueError: start xxx" in text and "characters cut ...]" in text and text.endswith("xxx end (1 more samples failed)")

@@ -12,11 +12,13 @@ This module knows nothing about prompts, tokenizers or field mapping.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from tidal.config_base import decode_utf8
+from tidal.config_base import ConfigError, decode_utf8
 from tidal.data.config import DataSource
+from tidal.files import check_regular, open_regular
 from tidal.rewards.types import MAX_NESTING, nesting_depth
 
 Row = dict[str, Any]
@@ -38,12 +40,28 @@ def resolve_format(source: DataSource) -> str:
     return by_suffix[path.suffix.lower()]
 
 
+def check_source(source: DataSource, key: str) -> None:
+    """ConfigError at ``key`` (the source's ``path``) unless its path is there and is what its format
+    reads: a folder (``save_to_disk``) or a regular file, not a named pipe (a read would block
+    forever), a device, a socket or a symlink loop. Said before anything loads."""
+    if not os.path.lexists(source.path):
+        raise ConfigError(key, f"{source.path!r} does not exist")
+    if source.format in ("auto", "hf_disk") and os.path.isdir(source.path):
+        return
+    try:
+        check_regular(source.path, "data file")
+    except (OSError, ValueError) as e:
+        raise ConfigError(key, str(e)) from None
+
+
 def load_rows(source: DataSource) -> list[tuple[str, Row]]:
     """All rows of ``source`` as ``(where, row)``; see the module docstring."""
     path = Path(source.path)
-    if not path.exists():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"data source not found: {source.path}")
     fmt = resolve_format(source)
+    if fmt != "hf_disk":  # a named pipe would block the read forever, a device never end
+        check_regular(path, "data file")
     if fmt == "jsonl":
         rows = _load_jsonl(path)
     elif fmt == "json":
@@ -63,7 +81,7 @@ def load_rows(source: DataSource) -> list[tuple[str, Row]]:
 
 def _load_jsonl(path: Path) -> list[tuple[str, Row]]:
     rows = []
-    with path.open("rb") as f:
+    with open_regular(path, "rb", what="data file") as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path}:{line_no}"
             try:
@@ -107,7 +125,8 @@ def json_hint(e: json.JSONDecodeError) -> str:
 
 
 def _load_json(path: Path) -> list[Any]:
-    text = decode_utf8(path.read_bytes(), str(path))
+    with open_regular(path, "rb", what="data file") as f:
+        text = decode_utf8(f.read(), str(path))
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -137,18 +156,24 @@ def _load_hf_disk(path: Path) -> list[Row]:
     """
     import pyarrow as pa
 
+    if not path.is_dir():
+        check_regular(path, "data file")  # says what it is when it is not a file either
+        raise ValueError(f"{path} is a file; format hf_disk reads a save_to_disk folder")
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        with open_regular(path / "dataset_dict.json") as f:
+            splits = json.load(f).get("splits", [])
         raise ValueError(f"{path} is a DatasetDict folder; set path to one split folder, one of {[str(path / s) for s in splits]}")
     state_file = path / "state.json"
     if state_file.exists():
-        files = [path / f["filename"] for f in json.loads(state_file.read_text())["_data_files"]]
+        with open_regular(state_file) as f:
+            files = [path / entry["filename"] for entry in json.load(f)["_data_files"]]
     else:
         files = sorted(path.glob("*.arrow"))
     if not files:
         raise ValueError(f"{path}: not a save_to_disk folder (no state.json and no .arrow files)")
     rows: list[Row] = []
     for file in files:
+        check_regular(file, "Arrow file")
         with pa.memory_map(str(file), "r") as source:
             try:
                 table = pa.ipc.open_stream(source).read_all()

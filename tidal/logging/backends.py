@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from tidal.files import open_regular
 from tidal.logging.config import LoggingConfig
 from tidal.optional_deps import OPTIONAL, require
 from tidal.registry import Registry
@@ -40,7 +41,7 @@ class JsonlBackend:
     def __init__(self, cfg, run_dir, *, total_steps, start_step, hparams):
         self.path = run_dir / "metrics.jsonl"
         _truncate_after(self.path, start_step)
-        self._f = self.path.open("a", encoding="utf-8")
+        self._f = open_regular(self.path, "a", what="metrics file", encoding="utf-8")
 
     def write(self, step, metrics):
         record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
@@ -68,21 +69,37 @@ def _record_step(path: Path, number: int, line: str, *, last: bool) -> int | Non
 
 def _truncate_after(path: Path, start_step: int) -> None:
     """Drop records with step > start_step (a crashed run's tail) and a torn last line, rewriting
-    the file atomically."""
-    if not path.exists():
+    the file atomically. The file is read a line at a time (it may be long) and only when it is a
+    regular file: a named pipe, a device or a directory there is a ValueError saying what it is."""
+    if not os.path.lexists(path):
         return
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-    # a fresh run (start_step 0) keeps nothing: its step 0 (the start-of-run evaluation) is written anew
-    kept = []
-    if start_step > 0:
-        for i, ln in enumerate(lines):
-            step = _record_step(path, i + 1, ln, last=i == len(lines) - 1) if ln.strip() else None
-            if step is not None and step <= start_step:
-                kept.append(ln if ln.endswith("\n") else ln + "\n")
-    if kept != lines:
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+    tmp = path.with_suffix(".jsonl.tmp")
+    changed = False
+    try:
+        with open_regular(path, "rb", what="metrics file") as src, open(tmp, "wb") as out:
+            number, line = 0, None
+            for following in src:  # one line behind the reader: the last line may be torn
+                if line is not None:
+                    changed |= not _keep(path, number, line, start_step, out, last=False)
+                number, line = number + 1, following
+            if line is not None:
+                changed |= not _keep(path, number, line, start_step, out, last=True)
+        if changed:
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _keep(path: Path, number: int, raw: bytes, start_step: int, out, *, last: bool) -> bool:
+    """Write line ``number`` of the metrics file to ``out`` when its record is at most ``start_step``
+    (a fresh run, ``start_step`` 0, keeps nothing: its step 0 is written anew); whether it was kept
+    as it was (a last line without its newline gets one)."""
+    line = raw.decode("utf-8", errors="replace")
+    step = _record_step(path, number, line, last=last) if start_step > 0 and line.strip() else None
+    if step is None or step > start_step:
+        return False
+    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+    return raw.endswith(b"\n")
 
 
 @BACKENDS.register("tensorboard")

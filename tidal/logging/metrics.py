@@ -62,6 +62,7 @@ class MetricsLogger:
         """Continue from ``start_step`` after all (a resume fell back to an older checkpoint than the
         one this logger was started for): the JSONL record drops what it had after it. TensorBoard
         and W&B purge only when they start; their later points are overwritten as steps repeat."""
+        from tidal.files import open_regular
         from tidal.logging.backends import JsonlBackend, _truncate_after
 
         self._last_step = start_step
@@ -69,7 +70,7 @@ class MetricsLogger:
             if isinstance(backend, JsonlBackend):
                 backend._f.close()
                 _truncate_after(backend.path, start_step)
-                backend._f = backend.path.open("a", encoding="utf-8")
+                backend._f = open_regular(backend.path, "a", what="metrics file", encoding="utf-8")
 
     def observers(self) -> list[PhaseObserver]:
         """The backends that watch the phases of a step (the console's step bar), for

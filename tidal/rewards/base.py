@@ -15,6 +15,19 @@ from tidal.rewards.types import RewardSample
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+MAX_ERROR_CHARS = 2000  # of one sample's error message: kept in memory per sample, printed in one line
+
+
+def cut_message(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` (a reward's error message) cut to about ``limit`` characters: its
+    start and its end, with how much was cut between them. A function that raises with a 50 MB
+    message (a whole response, a log) made a 52 MB log line, and a copy of it per failed sample."""
+    if len(text) > limit:
+        head, tail = text[: limit * 3 // 4], text[-(limit // 4):]
+        text = f"{head} [... {len(text) - len(head) - len(tail):,} characters cut ...] {tail}"
+    return text
+
+
 class RewardError(RuntimeError):
     """A reward could not be computed (the step stops unless ``reward.on_error: drop`` applies)."""
 

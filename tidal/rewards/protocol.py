@@ -20,7 +20,7 @@ import json
 import math
 from typing import Any
 
-from tidal.rewards.base import score_problem
+from tidal.rewards.base import cut_message, score_problem
 from tidal.rewards.types import MAX_NESTING, RewardSample, nesting_depth
 
 API_VERSION = 1
@@ -145,7 +145,7 @@ def decode_response(body: bytes, n: int) -> tuple[list[float], dict[int, str]]:
     out, errs = [], {}
     for i, (v, e) in enumerate(zip(scores, errors)):
         if v is None:
-            errs[i] = f"server: {e}" if isinstance(e, str) and e else "server returned null without an error"
+            errs[i] = cut_message(f"server: {e}") if isinstance(e, str) and e else "server returned null without an error"
             out.append(math.nan)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ProtocolError(f"reply scores[{i}] is {v!r:.60}, not a number")

@@ -17,7 +17,7 @@ from typing import Literal
 from tidal.config_base import check, check_choice
 from tidal.registry import Registry
 from tidal.rewards import math_answer
-from tidal.rewards.base import ComponentResult, SyncComponent, as_score
+from tidal.rewards.base import ComponentResult, SyncComponent, as_score, cut_message
 from tidal.rewards.types import RewardSample
 
 
@@ -245,5 +245,5 @@ class RuleComponent(SyncComponent):
                     result.unparsed.add(i)
             except Exception as e:  # a rule bug is reported per sample like any component error
                 result.scores.append(math.nan)
-                result.errors[i] = f"rule '{self.rule.name}' raised {type(e).__name__}: {e}"
+                result.errors[i] = cut_message(f"rule '{self.rule.name}' raised {type(e).__name__}: {e}")
         return result

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from tidal.config_base import ConfigError, check
-from tidal.rewards.base import as_score
+from tidal.rewards.base import as_score, cut_message
 
 
 def load_function(path: str, key: str) -> Callable[..., Any]:
@@ -70,10 +70,10 @@ async def guarded(awaitable: Any) -> Any:
 
 
 def describe(exc: BaseException) -> str:
-    """``raised <Type>: <message>`` for an exception of a user's function."""
+    """``raised <Type>: <message>`` for an exception of a user's function, bounded (:func:`cut_message`)."""
     if isinstance(exc, UserBaseException):
-        return f"raised {exc}"
-    return f"raised {type(exc).__name__}: {exc}"
+        return cut_message(f"raised {exc}")
+    return cut_message(f"raised {type(exc).__name__}: {exc}")
 
 
 _LOADED: dict[str, Callable[..., Any]] = {}

@@ -16,6 +16,7 @@ import torch
 
 from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, StatefulDistributedSampler
+from tidal.data.loaders import check_source
 from tidal.data.prompts import require_chat_template
 from tidal.data.vision import VisionProcessor
 from tidal.distributed import Runtime, init_runtime
@@ -61,13 +62,13 @@ def resolve_paths(cfg, runtime: Runtime) -> RMPaths:
 
 
 def check_inputs(paths: RMPaths) -> None:
-    """Every local path the run reads exists (ConfigError naming the key), before anything loads."""
+    """Every local path the run reads exists (a data file as a regular file) (ConfigError naming the key), before anything loads."""
     for key, path in (("model.path", paths.model), ("model.tokenizer_path", paths.tokenizer)):
         check(os.path.isdir(path), key, f"{path!r} is not a local directory (Tidal never downloads; pass a local Hugging Face folder)")
     check(os.path.isfile(os.path.join(paths.model, "config.json")), "model.path", f"{paths.model!r} has no config.json; is it a Hugging Face model folder?")
     for key, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
         for i, source in enumerate(sources):
-            check(os.path.exists(source.path), f"{key}[{i}].path", f"{source.path!r} does not exist")
+            check_source(source, f"{key}[{i}].path")
 
 
 def seed_everything(seed: int) -> None:

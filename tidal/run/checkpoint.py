@@ -627,13 +627,17 @@ def save_checkpoint(
     rank = runtime.rank
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
+    error: OSError | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_partial(root)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace atomically below
-            shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
-        tmp.mkdir(parents=True)
-    runtime.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_partial(root)
+            if final.exists():  # re-saving the same step (e.g. after a resume): replace atomically below
+                shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:  # the folder made read-only, or removed, mid-run
+            error = e
+    _agree_or_fail(runtime, error, tmp, step)  # the ranks' barrier
     faults.hit("checkpoint/begin", step=step, rank=rank)
     try:
         dcp.save(model_states, checkpoint_id=str(tmp / "models"))
@@ -643,27 +647,56 @@ def save_checkpoint(
         raise _save_failed(e, tmp, step=step, rank=rank) from e
     runtime.barrier()
     if rank == 0:
-        if (root.parent / CONFIG_RECORD).is_file():  # what a resume compares its config with
-            shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
-        write_checksums(tmp)
-        with open(tmp / COMPLETE_MARKER, "w") as f:
-            json.dump({**trainer_state, FORMAT_KEY: FORMAT}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        faults.hit("checkpoint/marker", step=step, rank=rank)
-        if final.exists():
-            final.rename(final.with_name(final.name + ".old"))
-            faults.hit("checkpoint/swapped", step=step, rank=rank)
-        tmp.rename(final)
-        faults.hit("checkpoint/renamed", step=step, rank=rank)
-        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
-        _fsync_dir(root)
-        for old in complete_checkpoints(root)[:-keep]:
-            trash = old.rename(old.with_name(old.name + ".del.tmp"))  # a half-deleted one never looks complete
-            faults.hit("checkpoint/rotating", step=step, rank=rank)
-            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            _finish(root, tmp, final, step, trainer_state)
+        except OSError as e:
+            error = e
+    _agree_or_fail(runtime, error, tmp, step)
+    if rank == 0:
+        _rotate(root, keep, step)
     runtime.barrier()
     return final
+
+
+def _agree_or_fail(runtime: Runtime, error: OSError | None, tmp: Path, step: int) -> None:
+    """Collective: :class:`CheckpointSaveError` on every rank when rank 0's part of a save failed
+    (``error``, on rank 0), naming it in one line; else the ranks' barrier."""
+    if not runtime.all_agree(error is None):
+        raise _save_failed(error or OSError("rank 0 could not write the checkpoint's folder"), tmp, step=step,
+                           rank=runtime.rank) from error
+
+
+def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict[str, Any]) -> None:
+    """Rank 0: the config record, checksums and marker into ``tmp``, then ``tmp`` renamed to ``final``."""
+    if (root.parent / CONFIG_RECORD).is_file():  # what a resume compares its config with
+        shutil.copyfile(root.parent / CONFIG_RECORD, tmp / CONFIG_RECORD)
+    write_checksums(tmp)
+    with open(tmp / COMPLETE_MARKER, "w") as f:
+        json.dump({**trainer_state, FORMAT_KEY: FORMAT}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    faults.hit("checkpoint/marker", step=step, rank=0)
+    if final.exists():
+        final.rename(final.with_name(final.name + ".old"))
+        faults.hit("checkpoint/swapped", step=step, rank=0)
+    tmp.rename(final)
+    faults.hit("checkpoint/renamed", step=step, rank=0)
+    shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+    _fsync_dir(root)
+
+
+def _rotate(root: Path, keep: int, step: int) -> None:
+    """Rank 0: remove all but the ``keep`` newest complete checkpoints; one that cannot be removed
+    (a folder made read-only) is kept, with a warning."""
+    for old in complete_checkpoints(root)[:-keep]:
+        try:
+            trash = old.rename(old.with_name(old.name + ".del.tmp"))  # a half-deleted one never looks complete
+        except OSError as e:
+            print(f"[tidal] warning: cannot remove the old checkpoint {old} ({error_summary(e)}); it is kept",
+                  file=sys.stderr, flush=True)
+            continue
+        faults.hit("checkpoint/rotating", step=step, rank=0)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, *, model_states: dict[str, Any], rank: int) -> dict[str, Any]:

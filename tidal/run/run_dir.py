@@ -14,6 +14,7 @@ import yaml
 
 from tidal.config_base import ConfigError
 from tidal.distributed.runtime import Runtime
+from tidal.files import not_regular
 from tidal.run import checkpoint as ckpt
 from tidal.run.config import CheckpointConfig
 from tidal.run.resume import ResumePoint, resolve_resume_point
@@ -75,7 +76,9 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
     lock, error = None, None
     if runtime.is_main:
         try:
+            check_output_dir(output_dir)
             ckpt.check_outside_checkpoints(output_dir, key="run.output_dir")
+            check_run_files(output_dir)
             if not held_by_another_run(output_dir):  # a save that filled the disk leaves no room for the lock file
                 ckpt.clean_partial(ckpt.checkpoint_root(output_dir))
             lock = acquire_run_lock(output_dir, runtime.rank)
@@ -93,6 +96,50 @@ def open_run_dir(output_dir: str, runtime: Runtime, *, checkpoints: bool) -> Run
         lock.release()
         raise
     return lock
+
+
+SYSTEM_TREES = ("/proc", "/sys", "/dev")  # the kernel's files: no place for a run's
+
+
+def check_output_dir(output_dir: str, key: str = "run.output_dir") -> None:
+    """ConfigError at ``key`` when ``output_dir`` is no place for a run's files (its config.yaml,
+    metrics.jsonl, checkpoints/, lock): the root folder, a folder inside ``/proc``, ``/sys`` or
+    ``/dev``, an existing file, the home folder or a folder holding it, or a folder holding ``.ssh/``
+    (someone's home). ``tidal check`` and every run check it before anything is written."""
+    target = Path(output_dir).expanduser().resolve()
+    home = Path.home().resolve()
+    tree = next((t for t in SYSTEM_TREES if target == Path(t) or Path(t) in target.parents), None)
+    if target == Path(target.anchor):
+        why = "is the root folder"
+    elif tree is not None:
+        why = f"is inside {tree}, the kernel's files"
+    elif os.path.lexists(target) and not target.is_dir():
+        why = f"is {not_regular(target) or 'a file'}, not a folder"
+    elif target == home:
+        why = "is your home folder"
+    elif target in home.parents:
+        why = "holds your home folder"
+    elif (target / ".ssh").is_dir():
+        why = "holds .ssh/, as a home folder does"
+    else:
+        return
+    raise ConfigError(key, f"{output_dir} {why}: a run writes its config.yaml, metrics.jsonl, checkpoints/ and lock there; "
+                           "choose a folder of its own (e.g. runs/NAME)")
+
+
+RUN_FILES = ("config.yaml", "metrics.jsonl")  # what a run rewrites or appends to in its directory
+
+
+def check_run_files(output_dir: str) -> None:
+    """ConfigError at ``run.output_dir`` when a file a run writes in its directory (:data:`RUN_FILES`)
+    is there but is no regular file: a named pipe would block the run forever, ``/dev/full`` read
+    whole fill memory, a directory fail deep in a write. Said before anything loads."""
+    for name in RUN_FILES:
+        path = Path(output_dir) / name
+        found = not_regular(path) if os.path.lexists(path) else None
+        if found is not None:
+            raise ConfigError("run.output_dir", f"{path} is {found}, not a regular file: the run writes its {name} there; "
+                                                "move it away, or choose another run.output_dir")
 
 
 def announce_run_dir(cfg) -> None:

@@ -1,7 +1,8 @@
-"""Graceful stop on SIGINT / SIGTERM: finish the step, agree, checkpoint, exit with :data:`EXIT_CODE`.
+"""Graceful stop on SIGINT / SIGTERM / SIGHUP: finish the step, agree, checkpoint, exit with :data:`EXIT_CODE`.
 
 Schedulers send SIGTERM before they preempt a job (and torchrun forwards the signals it gets to its
-workers). The first SIGINT or SIGTERM a rank receives only sets a flag; after each step every rank
+workers); a terminal that closes (a dropped ssh session) sends SIGHUP. The first of these signals a
+rank receives only sets a flag; after each step every rank
 learns whether any rank was signalled (one host all-reduce), so all stop after the same step. The
 trainer then saves a checkpoint of that step (when checkpoints are enabled) and raises
 :class:`StopRun`, which the ``tidal`` command turns into exit code :data:`EXIT_CODE` (75,
@@ -23,7 +24,7 @@ import time
 from tidal.run import supervise
 
 EXIT_CODE = 75
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopRun(Exception):
@@ -37,7 +38,7 @@ class StopRun(Exception):
 
 
 class StopRequest:
-    """Context manager: while inside, the first SIGINT/SIGTERM sets :attr:`signum` instead of killing."""
+    """Context manager: while inside, the first SIGINT/SIGTERM/SIGHUP sets :attr:`signum` instead of killing."""
 
     def __init__(self):
         self.signum = 0

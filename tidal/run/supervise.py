@@ -28,6 +28,17 @@ this process says so in one line and kills the child's process group, so the oth
 this node's ranks gone (their collectives fail, their heartbeats stop: the watchdog reports the lost
 node, exit code 3) instead of training beside orphans, and the command exits with
 :data:`AGENT_LOST_EXIT_CODE`.
+
+Job control follows the terminal: a Ctrl-Z (SIGTSTP) stops the child's process group, then this
+process (the shell sees a stopped job), and the SIGCONT of ``fg``/``bg`` resumes this process, which
+resumes the child's group.
+
+What the child leaves behind: a process that a reward function, an environment or a library started
+and never stopped (a sandbox, a server) stays in the child's process group and, holding the
+command's stdout, keeps ``tidal train ... | cat`` open long after the run. When the child has
+ended, this process ends what is left of its group (SIGTERM, then SIGKILL after
+:data:`LEFTOVER_GRACE_S`) and names it in one line. A process that left the group on purpose
+(``setsid``, ``start_new_session``) is its starter's to stop.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 AGENT_LOST_EXIT_CODE = 3  # the watchdog's code (tidal.run.watchdog.EXIT_CODE): this rank's part of the job is lost
 AGENT_POLL_S = 0.5  # how often the supervisor looks whether its torchrun agent is still its parent
+LEFTOVER_GRACE_S = 3.0  # what a process the run left behind gets between SIGTERM and SIGKILL
 
 
 def wanted(argv: list[str]) -> bool:
@@ -134,12 +146,14 @@ def run_supervised(argv: list[str]) -> int:
             pass
 
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    previous |= _follow_job_control(child.pid)
     try:
         code = _wait(child, argv[0], agent=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         os.close(note_w)
+        _end_leftovers(argv[0], child.pid)
     if code is None:
         os.close(read_fd)
         return AGENT_LOST_EXIT_CODE
@@ -181,6 +195,74 @@ def _who() -> str:
     import socket
 
     return f"rank {os.environ.get('RANK', '?')} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of the live processes of process group ``pgid`` (Linux's /proc; elsewhere
+    one unnamed entry while the group exists)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [(pgid, "?")]
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(") ")
+        state, _ppid, group = rest.split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append((int(entry), name))
+    return members
+
+
+def _end_leftovers(command: str, pgid: int) -> None:
+    """End the processes still in the ended child's process group ``pgid`` (module docstring)."""
+    left = _group_members(pgid)
+    if not left:
+        return
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _group_members(pgid):
+            break
+    shown = ", ".join(f"{pid} ({name})" for pid, name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    print(f"tidal: ended {len(left)} process(es) the {command} left running: pid {shown}; something the run started "
+          "(a reward function's subprocess, a sandbox, a server) did not stop it", file=sys.stderr, flush=True)
+
+
+def _follow_job_control(child_pid: int) -> dict:
+    """Handlers that make a stop of this process a stop of the child's process group (the child and
+    what it started there) and a continue a continue of it; the handlers they replace."""
+
+    def to_child(signum: int) -> None:
+        try:
+            os.killpg(child_pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(_signum, _frame):
+        to_child(signal.SIGSTOP)  # SIGTSTP may be caught or ignored; a paused run must pause
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stop here, as the shell expects; SIGCONT goes on below
+        signal.signal(signal.SIGTSTP, stop)
+        to_child(signal.SIGCONT)
+
+    def resume(_signum, _frame):  # a SIGCONT that found this process running (``kill -CONT``, ``bg`` after SIGSTOP)
+        to_child(signal.SIGCONT)
+
+    return {signal.SIGTSTP: signal.signal(signal.SIGTSTP, stop), signal.SIGCONT: signal.signal(signal.SIGCONT, resume)}
 
 
 def _child_code() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal, Protocol
 
 from tidal.config_base import check
@@ -21,7 +22,10 @@ SAMPLE_SLOTS = 1024
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """output_dir: the run directory (metrics, checkpoints, trajectories, report).
+    """output_dir: the run directory (metrics, checkpoints, trajectories, report); ``~`` is the home
+        folder, as in ``task.workdir`` and ``tidal export --out``. A run refuses ``/``, a folder
+        in ``/proc``, ``/sys`` or ``/dev``, a file, the home folder (or one holding it) and a folder
+        holding ``.ssh/`` (:func:`tidal.run.run_dir.check_output_dir`).
     steps: RL iterations (rollout + update) to run. seed: seeds data order, sampling and init
         (0 <= seed < 2**63).
     device: ``auto`` (CUDA if available), ``cuda`` or ``cpu``.
@@ -40,6 +44,7 @@ class RunConfig:
 
     def __post_init__(self):
         check(bool(self.output_dir), "output_dir", "must be set")
+        self.output_dir = os.path.expanduser(self.output_dir)  # the shell's ~, which a YAML value or a quoted override keeps
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.seed >= 0, "seed", "must be >= 0")
         check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")

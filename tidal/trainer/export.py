@@ -26,6 +26,7 @@ from tidal.models.lora import save_hf
 from tidal.run.checkpoint import check_outside_checkpoints, error_summary, file_crc32, free_space_note
 
 EXPORT_MARKER = ".tidal-export"  # an export's manifest: {"source", "written", "files": {path: crc32}}
+# (while an export replaces an earlier one, "files" maps a path to the list of crc32s it may have)
 
 
 class ExportError(RuntimeError):
@@ -71,9 +72,11 @@ def write_export(out: Path, write: Callable[[Path], None], *, source: str, key: 
     that export wrote is replaced -- the files its manifest lists whose bytes still match -- and
     every other file stays (a model card, a ``gguf/`` the user added). A file the new export writes
     that is there but not such a file (added by hand, or a copied or planted marker that lists
-    nothing of it) is refused before anything in ``out`` changes (:class:`ExportError`). The
-    manifest is written to cover old and new files before any is swapped, so an export killed
-    midway leaves a folder the next export can replace. What a killed export left beside ``out``
+    nothing of it) is refused before anything in ``out`` changes (:class:`ExportError`). Before
+    any file is swapped the manifest is rewritten to say so: its ``source`` names the swap as
+    unfinished (never the new export's source over old weights, nor the old one's over new weights)
+    and it lists each file with both the bytes it had and the bytes it gets, so an export killed
+    midway leaves a folder that says what it is and that the next export replaces. What a killed export left beside ``out``
     (its hidden ``.<name>.writing-*`` copy, a ``.<name>.replaced-*`` folder) is removed first.
     Call :func:`check_export_target` first, on every rank (this runs on one)."""
     check_export_target(out, key=key)
@@ -119,20 +122,27 @@ def _write_manifest(folder: Path, files: dict[str, str], source: str) -> None:
 
 def exported_files(out: Path) -> dict[str, str]:
     """The files of ``out`` an earlier export wrote and that are as it wrote them: those its manifest
-    lists whose crc32 still matches (a marker without a list, or an unreadable one, names none)."""
-    try:
-        listed = json.loads((out / EXPORT_MARKER).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return {}
+    lists whose crc32 still matches (one of the crc32s it lists for a file during a swap; a marker
+    without a list, or an unreadable one, names none). ``{path: its crc32}``."""
+    manifest = _manifest(out)
+    listed = manifest.get("files")
     if not isinstance(listed, dict):
         return {}
     found = {}
-    for rel, crc in listed.items():
+    for rel, crcs in listed.items():
         path = out / rel
         if isinstance(rel, str) and _within(path.resolve(), out.resolve()) and path.is_file() and not path.is_symlink() \
-                and file_crc32(path) == crc:
+                and (crc := file_crc32(path)) in (crcs if isinstance(crcs, list) else [crcs]):
             found[rel] = crc
     return found
+
+
+def _manifest(out: Path) -> dict:
+    try:
+        manifest = json.loads((out / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
 def _replace_in(out: Path, tmp: Path, written: dict[str, str], source: str) -> None:
@@ -143,7 +153,10 @@ def _replace_in(out: Path, tmp: Path, written: dict[str, str], source: str) -> N
         shown = ", ".join(clash[:5]) + (", ..." if len(clash) > 5 else "")
         raise ExportError(f"{out} holds {shown}, which no earlier export wrote (or was changed since; a marker that "
                           "does not list it proves nothing): nothing was changed; move it away or export into a new folder")
-    _write_manifest(out, {**old, **written}, source)  # covers both: an export killed below leaves a replaceable folder
+    swapping = {rel: sorted({c for c in (old.get(rel), written.get(rel)) if c}) for rel in old.keys() | written.keys()}
+    was = _manifest(out).get("source", "an earlier export")
+    _write_manifest(out, swapping, f"unfinished: an export of {source} was replacing the export of {was} here (its files are "
+                                   "of either); export again")  # an export killed below leaves a folder that says so
     for rel in old.keys() - written.keys():
         (out / rel).unlink()
     for rel in written:
