@@ -71,3 +71,6 @@ _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_ex
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
 Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 _.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers their packed subclass in place
+_.block_bytes  # ModelRunner: one KV block's bytes over the full layers (tests size a cache in blocks with it)
+process_logits  # tidal.engine.sampler: the processed distribution's logprobs (docs/engine.md; speculative and vLLM tests compare with it)
+_.kv_cache_bytes_per_token  # ModelShape: K and V bytes per token (the memory plan's tests check the families' caches with it)

@@ -1200,11 +1200,14 @@ class MemorySettings:
         """``cfg`` (``engine.*``) with the sleep level this run uses."""
         return dataclasses.replace(cfg, sleep_level=self.sleep_level)
 
-    def run_config(self, cfg):
+    def run_config(self, cfg, *, engine: bool = True):
         """The root config ``cfg`` with the four sections above resolved: what every component
-        built after the plan is handed (the user's ``cfg`` stays as written, ``auto`` included)."""
+        built after the plan is handed (the user's ``cfg`` stays as written, ``auto`` included).
+        ``engine=False``: a job without a rollout engine (the reward model's), whose ``engine``
+        section stays as written (the job refuses it set away from its defaults)."""
         return dataclasses.replace(cfg, train=self.train_config(cfg.train), model=self.model_config(cfg.model),
-                                   strategy=self.strategy_config(cfg.strategy), engine=self.engine_config(cfg.engine))
+                                   strategy=self.strategy_config(cfg.strategy),
+                                   engine=self.engine_config(cfg.engine) if engine else cfg.engine)
 
 
 # Values of ``auto`` settings in a run without a plan (a CPU run without memory.device_memory_gib,

@@ -114,7 +114,7 @@ def build_reward_model_trainer(cfg, *, read_only: bool = False) -> RewardModelTr
     check_inputs(paths)
     # `auto` settings (micro-batch budgets, gradient checkpointing, optimizer offload) as a run
     # without a memory plan takes them; every component below reads this resolved config
-    run_cfg = settings_without_plan(cfg).run_config(cfg)
+    run_cfg = settings_without_plan(cfg).run_config(cfg, engine=False)
     strategy = get_strategy(run_cfg.strategy, runtime)
     check_world_change(resume, runtime, reshards=strategy.reshards_checkpoints)
     tokenizer = load_tokenizer(paths.tokenizer)

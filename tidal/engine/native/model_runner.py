@@ -87,10 +87,6 @@ class ModelRunner:
         """Device bytes of one KV block over the full layers (all attention layers without a window pool), K and V."""
         return 2 * self.num_layers * self._half_block_bytes()
 
-    def window_block_bytes(self) -> int:
-        """Device bytes of one block of the window layers' pool, K and V (0: no such pool)."""
-        return 2 * self.num_window_layers * self._half_block_bytes()
-
     def _half_block_bytes(self) -> int:
         """Bytes of one block of one layer's K (or V) cache."""
         b, h, d = self.kv_shape_tail

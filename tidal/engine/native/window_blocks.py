@@ -62,10 +62,6 @@ class WindowBlocks:
         """The first column a query at position ``q0`` (int or array) reads."""
         return np.maximum(0, q0 - self.window + 1) // self.block_size
 
-    def blocks_per_sequence(self, num_tokens: int) -> int:
-        """The most window blocks a sequence of ``num_tokens`` tokens holds while it decodes."""
-        return min(-(-num_tokens // self.block_size), (self.window - 1) // self.block_size + 2)
-
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
 
