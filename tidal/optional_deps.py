@@ -2,8 +2,8 @@
 versions, the install command, and the check that runs before any model loads.
 
 Each optional package is an extra of ``tidal-rft`` in ``pyproject.toml`` (a test keeps the table
-below equal to it): ``pip install 'tidal-rft[tensorboard]'`` (or ``pip install -e '.[tensorboard]'``
-in a checkout). :func:`check_dependencies` finds what a root config needs
+below equal to it). ``tidal-rft`` is not on a package index: an extra is installed from a checkout of
+Tidal, ``pip install -e '.[tensorboard]'`` (the command every error names). :func:`check_dependencies` finds what a root config needs
 (:func:`dependencies_of`) and raises a one-line :class:`~tidal.config_base.ConfigError` naming the
 setting and the install command; the CLI turns it into exit code 2. Nothing is imported: the
 check reads package metadata only, so it is cheap and safe to run on every rank before the process
@@ -37,7 +37,8 @@ class OptionalDependency:
 
     @property
     def install(self) -> str:
-        return f"pip install '{DISTRIBUTION}[{self.extra}]'"
+        """The command that installs it, run in a checkout of Tidal (``tidal-rft`` is not on an index)."""
+        return f"pip install -e '.[{self.extra}]' (in the Tidal checkout)"
 
 
 OPTIONAL: dict[str, OptionalDependency] = {

@@ -1,4 +1,4 @@
-"""Tools from MCP servers (``env.name: mcp``; the extra ``tidal-rft[mcp]``).
+"""Tools from MCP servers (``env.name: mcp``; the extra ``mcp``: ``pip install -e '.[mcp]'``).
 
 The environment is a :class:`~tidal.envs.tool_env.ToolEnv` whose tools are those of the MCP
 servers named in ``env.kwargs.servers``: a stdio server (``command``: its argv, spawned as a

@@ -1,4 +1,4 @@
-"""OpenEnv environments in process (``env.name: openenv``; the extra ``tidal-rft[openenv]``).
+"""OpenEnv environments in process (``env.name: openenv``; the extra ``openenv``: ``pip install -e '.[openenv]'``).
 
 ``env.kwargs.environment`` names an OpenEnv ``Environment`` subclass (``module:Class``); each
 trajectory gets its own instance (``environment_kwargs`` to its constructor), run in this process
