@@ -94,3 +94,18 @@ def test_an_unknown_family_is_a_config_error_on_native_and_runs_on_hf(config, tm
     out = capsys.readouterr().out
     assert "engine: hf (engine.backend: hf; model_type 'gpt2' has no native engine model" in out
     assert "KV cache: 'gpt2' has no family in tidal/families; not counted" in out
+
+
+def _no_task_build(monkeypatch):
+    monkeypatch.setattr("tidal.tasks.assets.prepare", lambda *a, **k: pytest.fail("the task would build"))
+    monkeypatch.setattr("tidal.tasks.assets._build", lambda *a, **k: pytest.fail("the task would build"))
+
+
+def test_check_of_a_task_run_checks_its_models_context_before_building_it(tmp_path, capsys, monkeypatch):
+    """The task's model (128 positions) is built at the first run; check makes its config without it."""
+    _no_task_build(monkeypatch)
+    assert main(["check", "quickstart", "data.max_prompt_len=125", f"task.workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'rollout.max_new_tokens'" in err and "128 positions" in err, err
+    assert not list(tmp_path.iterdir())  # nothing built
+

@@ -330,7 +330,7 @@ class ExperienceMaker:
             old_logp_BT=old_logp_BT, rollout_logp_BT=packed.rollout_logp_BT, ref_logp_BT=ref_logp_BT,
             values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
             rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=packed.mm_inputs,
-            routed_experts_BTLK=packed.routed_BTLK,
+            routed_experts_BTLK=packed.routed_BTLK, turn_rewards_BT=packed.token_rewards_BT if self.multi_turn else None,
         )
         metrics = self._metrics(exp, packed, scores, adv.kl_BT)
         metrics.update(adv.metrics)
