@@ -33,6 +33,7 @@ from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, PromptDataset, PromptItem, StatefulDistributedSampler
 from tidal.data.check import sample_rows
 from tidal.envs import make_env_factory
+from tidal.envs.base import env_class
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
@@ -301,6 +302,7 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         print(f"[tidal] {engine_line}", flush=True)
     hf_config = AutoConfig.from_pretrained(paths.model)
     tokenizer, _ = check_model_and_data(cfg, paths, hf_config)
+    env_class(cfg.env).log_to(os.path.join(cfg.run.output_dir, "env_logs", f"rank{runtime.rank}"))
     make_env_factory(cfg.env)  # the environment's own settings (env.kwargs), by building one, as `tidal check` does
     # the memory plan (CUDA, or memory.device_memory_gib): printed, `auto` settings chosen; a run
     # that cannot fit stops here, before any model loads

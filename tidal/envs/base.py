@@ -152,6 +152,12 @@ class Environment(abc.ABC):
     def close(self) -> None:
         """Release what the episode holds (called once when the trajectory ends)."""
 
+    @classmethod
+    def log_to(cls, folder: str) -> None:
+        """Where the run keeps what the environment's own processes log (``RUN_DIR/env_logs/rank<r>``),
+        said once per process before the first environment is built; the default logs nothing
+        (an MCP server's log goes there instead of the console)."""
+
 
 EnvFactory = Callable[[], Environment]
 
