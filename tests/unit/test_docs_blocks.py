@@ -263,3 +263,20 @@ def test_shell_commands_parse_and_their_configs_load(tmp_path, monkeypatch):
                 raise AssertionError(f"{where}: {' '.join(words)} does not parse (exit {e.code})") from None
             checked += 1
     assert checked > 30
+
+
+def test_every_doc_named_exists():
+    """Every ``docs/<name>.md`` named in the docs, the shipped configs and the code, and every
+    relative Markdown link of the docs, is a file (issue 47 item 8: a shipped config named a page
+    that did not exist)."""
+    texts = {p: p.read_text() for p in [*DOCS, *(ROOT / "tidal").rglob("*.py"), *(ROOT / "tidal" / "configs").glob("*.yaml")]}
+    named = 0
+    for path, text in texts.items():
+        for m in re.finditer(r"\bdocs/([\w-]+\.md)", text):
+            assert (ROOT / "docs" / m.group(1)).is_file(), f"{path.relative_to(ROOT)} names docs/{m.group(1)}, which does not exist"
+            named += 1
+        if path.suffix == ".md":
+            for m in re.finditer(r"\]\(((?!https?:)[\w./-]+\.md)(#[\w-]*)?\)", text):
+                assert (path.parent / m.group(1)).is_file(), f"{path.relative_to(ROOT)} links {m.group(1)}, which does not exist"
+                named += 1
+    assert named > 50
