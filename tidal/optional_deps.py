@@ -54,6 +54,8 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(extra="reasoning-gym", module="reasoning_gym", dists=("reasoning-gym",), spec=">=0.1.25,<0.2"),
         OptionalDependency(extra="mcp", module="mcp", dists=("mcp",), spec=">=2.0,<3"),
         OptionalDependency(extra="openenv", module="openenv", dists=("openenv-core",), spec=">=0.3,<0.4"),
+        # the verifiers v1 stack's training client against the engine's generate endpoint (tidal.engine.generate_endpoint)
+        OptionalDependency(extra="verifiers", module="verifiers", dists=("verifiers",), spec=">=0.4,<0.5"),
         # flash-linear-attention's Triton kernels for Gated DeltaNet layers (Qwen3.5) on CUDA: used when
         # installed (packed training and the native engine), the torch forms otherwise; no setting needs it
         OptionalDependency(extra="fla", module="fla", dists=("flash-linear-attention",), spec=">=0.4,<0.7"),
