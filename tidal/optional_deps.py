@@ -64,7 +64,7 @@ OPTIONAL: dict[str, OptionalDependency] = {
 
 
 # Environments whose adapter needs an extra (tidal/envs/adapters/): env.name -> extra.
-ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv"}
+ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv", "verifiers": "verifiers"}
 
 
 def installed_version(dep: OptionalDependency) -> str | None:

@@ -6,6 +6,7 @@ bit, and the rows the trainer would train on from them pass the shared exact-tok
 
 import asyncio
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,67 @@ def test_requests_the_run_cannot_serve_are_refused_with_the_reason(tiny):
         with pytest.raises(Exception, match="400") as info:
             serve_until_answered(endpoint, engine.generate, params, tok_dir, [[{"role": "user", "content": "hi"}]], **sampling)
         assert said in str(info.value), info.value
+
+
+@pytest.mark.slow
+def test_a_verifiers_environment_trains_with_exact_tokens(tiny_task_overrides, tmp_path, monkeypatch):
+    """`env.name: verifiers` with our own verifiers v1 environment (tests/ecosystem/vf_answer.py: a
+    two-turn harness and a reward of its task) trains the tiny quickstart model for 3 steps: every
+    completion verifiers' client got is trained exactly once with the engine's ids and logprobs
+    (tests/ecosystem/exact.py), the trainer's logprobs match the engine's, and the reward is the
+    verifiers trace's."""
+    from tidal.build import build_trainer
+    from tidal.config import load_config
+    from tidal.distributed import shutdown
+    from tidal.envs.adapters import verifiers as adapter
+
+    seen: list = []
+    real_run = adapter.VerifiersRollout.run
+
+    def recording_run(self, generate, rows, params, **kw):
+        rec = Recorder(adapter.engine_generate(generate))
+        result = real_run(self, rec.generate, rows, params, **kw)
+        seen.append((result, rec.completions))
+        return result
+
+    monkeypatch.setattr(adapter.VerifiersRollout, "run", recording_run)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # a verifiers taskset id is an importable top-level module
+    cfg = load_config("quickstart", tiny_task_overrides + [
+        "env.name=verifiers", "env.kwargs={taskset: vf_answer}", "env.max_turns=2",
+        f"run.output_dir={tmp_path}", "run.steps=3", "checkpoint.at_end=false", "train.old_logprobs=recompute",
+        "reward.components.correct.path=tests.ecosystem.test_verifiers:no_reward"])
+    trainer = build_trainer(cfg)
+    try:
+        metrics = [trainer.train_step(step) for step in (1, 2, 3)]
+        pad = trainer.models.tokenizer.pad_token_id
+    finally:
+        shutdown()
+    assert len(seen) == 3
+    for result, completions in seen:
+        assert len(result.trajectories) == cfg.rollout.prompts_per_step * cfg.rollout.n_samples
+        assert all(len(t.turns) == 2 and t.valid for t in result.trajectories)  # the harness's two turns
+        assert assert_trained_equals_sampled(result, completions, pad) == 2 * len(result.trajectories)
+    for m in metrics:
+        assert m["env/turns_mean"] == 2.0 and m["env/errors"] == 0.0
+        assert m["reward/mean"] == pytest.approx(m["env/verifiers_reward_mean"])  # the trace's reward (the run's own is 0)
+        assert m["mismatch/abs_logp_diff_mean"] < 1e-4, m  # the trainer's logprobs of the trained tokens vs the engine's
+
+
+def no_reward(sample) -> float:
+    """The run's own reward component: 0, so a step's reward is the verifiers trace's."""
+    return 0.0
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ("{taskset: no_such_taskset_module}", "env.kwargs.taskset"),
+    ("{taskset: vf_answer, renderer: {name: nope}}", "env.kwargs.renderer"),
+    ("{}", "env.kwargs.taskset"),
+])
+def test_tidal_check_names_wrong_settings_in_one_line(kwargs, key, capsys, tmp_path, monkeypatch):
+    from tidal.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setattr("tidal.tasks.assets._build", lambda *a, **k: pytest.fail("the task would build"))
+    rc = main(["check", "quickstart", "env.name=verifiers", f"env.kwargs={kwargs}", f"task.workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f"'{key}'" in err, err

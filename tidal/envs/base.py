@@ -135,6 +135,10 @@ class Environment(abc.ABC):
     # One turn decoded from the row's prompt, then done: the rollout makes exactly a plain rollout's
     # one batch ``generate`` call (same prompts, same parameters). A subclass that adds turns sets it False.
     single_turn: bool = False
+    # Its episodes are driven by another library, which calls the engine itself (verifiers): the
+    # rollout is the class's own (``rollout(cfg, tokenizer, max_context=...)``, with EnvRollout's
+    # ``run``), not EnvRollout's turn by turn.
+    drives_own_episodes: bool = False
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:
