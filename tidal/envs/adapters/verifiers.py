@@ -28,7 +28,7 @@ Settings (``env.kwargs``): ``taskset`` (the verifiers taskset id: a module expor
 e.g. ``{agent: {harness: {...}}}``; the agent's runtime defaults to ``subprocess``, on this host),
 ``renderer`` (a ``renderers`` config, default ``{name: default}``: the tokenizer's own chat
 template), ``model`` (the name requests give, default ``tidal``). ``verifiers`` is imported only
-when the rollout is built.
+when the environment is built; this module imports neither it nor torch.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.config_base import ConfigError, check
-from tidal.engine.base import SamplingParams
 from tidal.envs.base import EnvRow, Environment
 from tidal.envs.config import EnvConfig
 from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
+
+if TYPE_CHECKING:
+    from tidal.engine.base import SamplingParams
 
 
 @dataclasses.dataclass(kw_only=True)
