@@ -21,8 +21,6 @@ from packaging.version import InvalidVersion, Version
 
 from tidal.config_base import ConfigError
 
-DISTRIBUTION = "tidal-rft"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptionalDependency:

@@ -47,7 +47,7 @@ _.add_observer, _.remove_observer
 # Read by other libraries (bench/).
 _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links are built already
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
-CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv  # env.name
+CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv, VerifiersEnv  # env.name
 
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner
@@ -71,3 +71,4 @@ _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_ex
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
 Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 _.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers their packed subclass in place
+_.turn_rewards_BT  # tidal/trainer/experience.py: Experience.row reads it by name (ROW_TOKEN_FIELDS)
