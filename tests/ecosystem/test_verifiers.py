@@ -109,6 +109,20 @@ def test_train_client_traces_carry_the_engines_exact_tokens_over_two_turns(tiny)
     assert_trainer_logprobs_equal_engine(result, model, tok.pad_token_id)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_samples_asked_in_separate_rounds_are_drawn_independently(tiny):
+    """The same prompt asked in two rounds (two generate calls, each its first sequence) under the
+    run's seed: different draws (each call has a seed of its own), as the n samples of a group need."""
+    tok, tok_dir, model, engine, endpoint = tiny
+    rec = Recorder(engine.generate)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
+    for _ in range(2):
+        serve_until_answered(endpoint, rec.generate, params, tok_dir, [[{"role": "user", "content": "Count to three."}]],
+                             temperature=1.0, max_tokens=12)
+    first, second = rec.completions[-2:]
+    assert first.prompt_ids == second.prompt_ids and first.token_ids != second.token_ids
+
+
 def test_requests_the_run_cannot_serve_are_refused_with_the_reason(tiny):
     """Another sampling filter than the run's (the trainer scores with the run's), more tokens than
     rollout.max_new_tokens: HTTP 400 saying which, through verifiers' client as a ProviderError."""

@@ -113,6 +113,7 @@ class GenerateEndpoint:
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._ids = itertools.count()
         self._run: SamplingParams | None = None
+        self._calls = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tidal-generate-endpoint", daemon=True)
         self._thread.start()
@@ -176,10 +177,18 @@ class GenerateEndpoint:
                 for p in batch:
                     groups.setdefault((p.max_tokens, p.stop_token_ids), []).append(p)
                 for (max_tokens, stop), group in groups.items():
-                    self._answer(generate, dataclasses.replace(params, n=1, max_new_tokens=max_tokens,
+                    self._answer(generate, dataclasses.replace(params, n=1, max_new_tokens=max_tokens, seed=self._call_seed(params.seed),
                                                                stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(stop)))), group)
         finally:
             self._run = None
+
+    def _call_seed(self, seed: int | None) -> int | None:
+        """A seed of its own for each ``generate`` call: an engine keys its random numbers by the
+        seed and a sequence's place in the call, so two calls with the run's seed would draw the
+        same numbers for their first sequences (the samples of one prompt, asked in two rounds,
+        would coincide)."""
+        self._calls += 1
+        return None if seed is None else (seed * 1_000_003 + self._calls) % 2**62
 
     def _take(self, poll_s: float) -> list[_Pending]:
         try:
