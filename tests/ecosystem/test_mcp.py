@@ -172,3 +172,30 @@ def test_server_logging_goes_to_its_log_file_not_the_console(capfd, tmp_path):
     assert any(n.startswith("mcp-tests.ecosystem.mcp_server_server-") and "an in-process server's request" in text
                for n, text in logs.items()), logs
     adapter.close_all()
+
+
+def test_a_server_that_cannot_start_again_counts_each_try_against_its_limit(qwen25_tok, tmp_path):
+    """Killed, and its command now fails at start: each later call tries once more (a tool failure
+    saying why) until max_restarts, then says the limit; never a config error mid-run."""
+    import os
+    import signal
+
+    from tidal.envs import ModelTurn
+
+    gate = tmp_path / "refuse"
+    launcher = ("import os, runpy, sys; sys.exit('refusing to start') if os.path.exists(sys.argv[1]) else None; "
+                f"sys.argv = [{str(SERVER[1])!r}]; runpy.run_path({str(SERVER[1])!r}, run_name='__main__')")
+    cfg = env_config(kwargs={"servers": [{"command": [sys.executable, "-c", launcher, str(gate)], "max_restarts": 2}]})
+    env = make_env_factory(cfg)()
+    env.reset(chat_row(qwen25_tok, "2+3?"))
+
+    def call(name, args):
+        res = env.step(ModelTurn(token_ids=[1], text=format_tool_call(name, args), finish_reason="stop", index=0))
+        return res.observation.messages[0]["content"]
+
+    pid = call("pid", {})
+    gate.write_text("")
+    os.kill(int(pid), signal.SIGKILL)
+    said = [call("add", {"a": 1, "b": 1}) for _ in range(3)]
+    assert all("did not start again" in s and "refusing to start" in s for s in said[:2]), said
+    assert "restarted 2 times, its limit" in said[2], said

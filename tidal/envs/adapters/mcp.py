@@ -236,6 +236,7 @@ def restart(server: McpServerConfig, broken: McpConnection) -> McpConnection:
         try:
             _CONNECTIONS[_key(server)] = _connect(server)
         except Exception as e:  # noqa: BLE001
+            _CONNECTIONS[_key(server)] = broken  # later calls fail on it and try again, within max_restarts
             raise ToolFailure(f"the MCP server's connection is lost and it did not start again: {start_error(server, e)}") from None
         return _CONNECTIONS[_key(server)]
 
