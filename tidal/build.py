@@ -33,6 +33,8 @@ from tidal.config_base import ConfigError, check
 from tidal.data import DataSource, PromptDataset, PromptItem, StatefulDistributedSampler
 from tidal.data.check import sample_rows
 from tidal.data.loaders import check_source
+from tidal.envs import make_env_factory
+from tidal.envs.base import env_class
 from tidal.data.prompts import require_chat_template
 from tidal.distributed import Runtime, init_runtime
 from tidal.distributed.runtime import set_cpu_threads
@@ -162,15 +164,19 @@ def check_context_budget(cfg: TidalConfig, hf_config) -> None:
     cfg.check_micro_batches()
 
 
-def check_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer) -> list[str]:
-    """Every data source's sampled rows (:func:`tidal.data.check.sample_rows`) against the config:
-    fields, prompt lengths, the label's recipe and what its rule components can read of the
-    reference (:meth:`~tidal.rewards.config.RewardConfig.check_row`). ConfigError on the first
-    failure; returns one line per source saying what was checked."""
+def check_data(cfg: TidalConfig, paths: ResolvedPaths, tokenizer, positions: int | None = None) -> list[str]:
+    """Every data source's sampled rows (:func:`tidal.data.check.sample_rows`; every row of a
+    reasoning-gym source, generated and cheap to read) against the config: fields, prompt lengths
+    (with advice that fits the model's ``positions``), the label's recipe and what its rule
+    components can read of the reference (:meth:`~tidal.rewards.config.RewardConfig.check_row`).
+    ConfigError on the first failure; returns one line per source saying what was checked."""
     lines = []
+    room = positions - cfg.rollout.max_new_tokens if positions is not None else None
     for name, sources in (("data.train", paths.train), ("data.eval", paths.eval)):
+        configured = getattr(cfg.data, name.removeprefix("data."))
         for i, source in enumerate(sources):
-            sampled = sample_rows(source, cfg.data, tokenizer, key=f"{name}[{i}]")
+            generated = i < len(configured) and configured[i].reasoning_gym is not None  # paths.* keep the config's order
+            sampled = sample_rows(source, cfg.data, tokenizer, key=f"{name}[{i}]", room=room, every_row=generated)
             for row in sampled:
                 cfg.reward.check_row(row.where, row.parsed.label, row.parsed.reference)
             longest = max((r.prompt_tokens for r in sampled if r.prompt_tokens is not None), default=0)
@@ -192,7 +198,7 @@ def check_model_and_data(cfg: TidalConfig, paths: ResolvedPaths, hf_config) -> t
     if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
         check_tokenizer_fits(tokenizer, hf_config)
     require_chat_template(tokenizer, cfg.data)
-    return tokenizer, check_data(cfg, paths, tokenizer)
+    return tokenizer, check_data(cfg, paths, tokenizer, model_positions(hf_config))
 
 
 def build_actor(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy):
@@ -297,6 +303,8 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
         print(f"[tidal] {engine_line}", flush=True)
     hf_config = AutoConfig.from_pretrained(paths.model)
     tokenizer, _ = check_model_and_data(cfg, paths, hf_config)
+    env_class(cfg.env).log_to(os.path.join(cfg.run.output_dir, "env_logs", f"rank{runtime.rank}"))
+    make_env_factory(cfg.env)  # the environment's own settings (env.kwargs), by building one, as `tidal check` does
     # the memory plan (CUDA, or memory.device_memory_gib): printed, `auto` settings chosen; a run
     # that cannot fit stops here, before any model loads
     teacher_path = cfg.model.teacher.path if algorithm.needs_teacher else ""

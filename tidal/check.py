@@ -137,6 +137,25 @@ def cache_summary(caches: list[families.LayerCache]) -> str:
     return "; ".join(parts)
 
 
+def _check_task(cfg: TidalConfig) -> list[str]:
+    """A built-in task's run: the context budget against its model's positions and, when
+    ``data.train`` gives the prompts (reasoning-gym rows, files), every check of those rows with its
+    tokenizer, as ``tidal train`` makes them once the task is built (the task's own rows are built
+    with it)."""
+    from tidal.build import ResolvedPaths, check_context_budget, check_data
+    from tidal.models.loading import model_positions
+    from tidal.tasks.assets import model_config_and_tokenizer
+    from tidal.tasks.reasoning_gym import resolve_sources
+
+    hf_config, tokenizer = model_config_and_tokenizer(cfg.task)
+    check_context_budget(cfg, hf_config)
+    if not cfg.data.train:
+        return []
+    train, eval_ = (resolve_sources(cfg.data, sources, cfg.task.workdir) for sources in (cfg.data.train, cfg.data.eval))
+    paths = ResolvedPaths(model="", tokenizer="", critic="", reference="", train=train, eval=eval_)
+    return check_data(cfg, paths, tokenizer, model_positions(hf_config))
+
+
 def check(cfg: TidalConfig) -> list[str]:
     """Run the checks (ConfigError on the first failure) and return the lines to print."""
     from tidal.distributed.runtime import resolve_device, rollout_group_ranks
@@ -161,8 +180,8 @@ def check(cfg: TidalConfig) -> list[str]:
         from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data, choose_engine
 
         rollout_group_ranks(world, cfg.engine.tp_size)
-        if cfg.task.name:  # its model and data are built at the first run: the micro-batches only
-            check_context_budget(cfg, None)
+        if cfg.task.name:  # the task's model is built at the first run: its config and tokenizer are made without it
+            data_lines = _check_task(cfg)
         else:
             m = cfg.model
             from tidal.tasks.reasoning_gym import resolve_sources  # reasoning-gym rows: generated once, then read

@@ -2,8 +2,8 @@
 versions, the install command, and the check that runs before any model loads.
 
 Each optional package is an extra of ``tidal-rft`` in ``pyproject.toml`` (a test keeps the table
-below equal to it): ``pip install 'tidal-rft[tensorboard]'`` (or ``pip install -e '.[tensorboard]'``
-in a checkout). :func:`check_dependencies` finds what a root config needs
+below equal to it). ``tidal-rft`` is not on a package index: an extra is installed from a checkout of
+Tidal, ``pip install -e '.[tensorboard]'`` (the command every error names). :func:`check_dependencies` finds what a root config needs
 (:func:`dependencies_of`) and raises a one-line :class:`~tidal.config_base.ConfigError` naming the
 setting and the install command; the CLI turns it into exit code 2. Nothing is imported: the
 check reads package metadata only, so it is cheap and safe to run on every rank before the process
@@ -21,8 +21,6 @@ from packaging.version import InvalidVersion, Version
 
 from tidal.config_base import ConfigError
 
-DISTRIBUTION = "tidal-rft"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptionalDependency:
@@ -37,7 +35,8 @@ class OptionalDependency:
 
     @property
     def install(self) -> str:
-        return f"pip install '{DISTRIBUTION}[{self.extra}]'"
+        """The command that installs it, run in a checkout of Tidal (``tidal-rft`` is not on an index)."""
+        return f"pip install -e '.[{self.extra}]' (in the Tidal checkout)"
 
 
 OPTIONAL: dict[str, OptionalDependency] = {
@@ -53,6 +52,8 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(extra="reasoning-gym", module="reasoning_gym", dists=("reasoning-gym",), spec=">=0.1.25,<0.2"),
         OptionalDependency(extra="mcp", module="mcp", dists=("mcp",), spec=">=2.0,<3"),
         OptionalDependency(extra="openenv", module="openenv", dists=("openenv-core",), spec=">=0.3,<0.4"),
+        # the verifiers v1 stack's training client against the engine's generate endpoint (tidal.engine.generate_endpoint)
+        OptionalDependency(extra="verifiers", module="verifiers", dists=("verifiers",), spec=">=0.4,<0.5"),
         # flash-linear-attention's Triton kernels for Gated DeltaNet layers (Qwen3.5) on CUDA: used when
         # installed (packed training and the native engine), the torch forms otherwise; no setting needs it
         OptionalDependency(extra="fla", module="fla", dists=("flash-linear-attention",), spec=">=0.4,<0.7"),
@@ -61,7 +62,7 @@ OPTIONAL: dict[str, OptionalDependency] = {
 
 
 # Environments whose adapter needs an extra (tidal/envs/adapters/): env.name -> extra.
-ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv"}
+ENV_EXTRAS = {"mcp": "mcp", "openenv": "openenv", "verifiers": "verifiers"}
 
 
 def installed_version(dep: OptionalDependency) -> str | None:

@@ -47,7 +47,7 @@ _.add_observer, _.remove_observer
 # Read by other libraries (bench/).
 _._tree_built  # torch.autograd.profiler_util.EventList: its parent/child links are built already
 _.on_train_begin, _.on_step_end, _.on_log, _.should_training_stop  # transformers.TrainerCallback / TrainerControl
-CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv  # env.name
+CalculatorEnv, PythonToolEnv, SingleTurnEnv, McpEnv, OpenEnvEnv, VerifiersEnv  # env.name
 
 __getattr__, __dir__  # tidal/rewards/__init__.py: module attributes loaded lazily (PEP 562)
 _.read_metadata, _.load_bytes  # overrides of torch.distributed.checkpoint's FileSystemReader / LoadPlanner
@@ -74,3 +74,4 @@ _.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers
 _.block_bytes  # ModelRunner: one KV block's bytes over the full layers (tests size a cache in blocks with it)
 process_logits  # tidal.engine.sampler: the processed distribution's logprobs (docs/engine.md; speculative and vLLM tests compare with it)
 _.kv_cache_bytes_per_token  # ModelShape: K and V bytes per token (the memory plan's tests check the families' caches with it)
+_.turn_rewards_BT  # tidal/trainer/experience.py: Experience.row reads it by name (ROW_TOKEN_FIELDS)

@@ -59,6 +59,9 @@ def test_multi_turn_experience(history, tmp_path, tiny_task_overrides):
             assert torch.allclose(last, last[0].expand_as(last))
             for j, adv in enumerate(per_turn):
                 assert torch.allclose(adv, last[0] + 0.25 * (len(per_turn) - 1 - j)), (j, adv, last[0])
+            # the trajectory dump's rows (Experience.row) carry those per-turn rewards at each turn's last sampled token
+            dumped = [(v, m) for b in range(b0, b0 + r) for v, m in zip(exp.row(b)["turn_rewards"], exp.row(b)["action_mask"]) if v]
+            assert dumped == [(0.25, 1.0)] * (len(traj.turns) - 1)
             if history == "append" and len(traj.turns) > 1:  # a gap (the observation) between the turns
                 act = exp.action_mask_BT[b0]
                 first = act.nonzero().flatten()

@@ -12,5 +12,5 @@ import pytest
 def import_extra(module: str, extra: str):
     if os.environ.get("TIDAL_EXTRAS") == "required":
         return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"{module} is not installed (tidal-rft[{extra}]): .ci/run runs these tests in "
+    return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[{extra}]'): .ci/run runs these tests in "
                                               "its extras venvs")

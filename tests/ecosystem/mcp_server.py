@@ -1,8 +1,9 @@
 """A local MCP server for the adapter's tests, run over stdio (``python tests/ecosystem/mcp_server.py``)
 or in process (``tests.ecosystem.mcp_server:server``). Its tools: ``add`` (two integers), ``divide``
 (an ``is_error`` result on a zero divisor), ``sleep`` (answers after ``seconds``) and ``pid`` (the
-server's process id: one server for every episode)."""
+server's process id: one server for every episode; logged at INFO, as servers log their requests)."""
 
+import logging
 import os
 import time
 
@@ -36,8 +37,10 @@ def sleep(seconds: float) -> str:
 @server.tool()
 def pid() -> str:
     """The server's process id."""
+    logging.getLogger("tidal-test-server").info("pid asked")  # a server's INFO chatter: to its log file, not the console
     return str(os.getpid())
 
 
 if __name__ == "__main__":
+    logging.getLogger("tidal-test-server").info("serving over stdio")
     server.run()

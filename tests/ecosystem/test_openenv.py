@@ -85,3 +85,35 @@ def test_tidal_check_names_a_wrong_environment_in_one_line(capsys, tmp_path):
                f"task.workdir={tmp_path}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "'env.kwargs.environment'" in err and "Nope" in err, err
+
+
+@pytest.mark.parametrize("kwargs, key, said", [
+    ("{environment: tests.ecosystem.openenv_guess:GuessEnv, environment_kwargs: {secret: 3, colour: red}}",
+     "env.kwargs.environment_kwargs", "GuessEnv(**{'secret': 3, 'colour': 'red'}) failed: TypeError"),
+    ("{environment: tests.ecosystem.openenv_guess:GuessEnv, environment_kwargs: [3]}", "env.kwargs.environment_kwargs",
+     "must be a mapping"),
+    ("{environment: tests.ecosystem.openenv_guess:GuessEnv, observation_field: text}", "env.kwargs.observation_field",
+     "Feedback has no field 'text'; its fields: ['feedback']"),
+])
+def test_tidal_check_names_wrong_settings_in_one_line_before_any_step(kwargs, key, said, capsys, tmp_path, monkeypatch):
+    """A constructor that refuses environment_kwargs and an observation_field the Observation class
+    lacks: one line, exit 2, from `tidal check` (issue 47 item 6), nothing built or stepped."""
+    from tidal.cli import main
+
+    monkeypatch.setattr("tests.ecosystem.openenv_guess.GuessEnv.step", lambda *a, **k: pytest.fail("stepped"))
+    rc = main(["check", "quickstart", "env.name=openenv", f"env.kwargs={kwargs}", f"task.workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f"'{key}'" in err and said in err, err
+    assert not list(tmp_path.iterdir())  # the task is not built
+
+
+def test_observation_field_found_from_resets_annotation():
+    from tidal.envs.adapters.openenv import observation_class
+
+    from tests.ecosystem.openenv_guess import Feedback, GuessEnv
+
+    class Plain(GuessEnv.__mro__[1]):  # an Environment without generic arguments, annotated reset
+        def reset(self, seed=None, episode_id=None, **kwargs) -> Feedback:
+            return Feedback(feedback="")
+
+    assert observation_class(GuessEnv) is Feedback and observation_class(Plain) is Feedback

@@ -96,6 +96,40 @@ def test_check_names_and_settings_in_one_line_before_any_model(datasets, key, ca
     assert not list(tmp_path.iterdir())  # nothing generated
 
 
+def test_a_misspelled_name_says_did_you_mean(capsys, tmp_path):
+    override = "data.train=[{reasoning_gym: {datasets: {basic_arithmetc: {}}}}]"
+    assert main(["check", "reasoning_gym", override, f"task.workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did you mean 'basic_arithmetic'?" in err, err
+
+
+LONG = "{family_relationships: {}}"  # questions of hundreds of tokens for the quickstart's tokenizer
+SHORT = "{basic_arithmetic: {config: {min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2, operators: ['+']}}}"
+
+
+@pytest.mark.parametrize("datasets, max_prompt_len, advice", [
+    (SHORT, 8, "set data.max_prompt_len="),  # over the limit, within the model's room: raising it is the advice
+    (LONG, 110, "more than the model's positions leave after rollout.max_new_tokens (122"),  # past the model: never advise that
+])
+def test_check_catches_generated_prompts_over_the_limit_with_advice_that_fits_the_model(
+        datasets, max_prompt_len, advice, capsys, monkeypatch, tmp_path):
+    """The shipped config on the quickstart's task model (128 positions, built at the first run):
+    `tidal check` generates the rows and reads every one with the task's tokenizer, as `tidal train`
+    would, before any model is built (issue 47 item 7)."""
+    import re
+
+    monkeypatch.setattr("tidal.tasks.assets.prepare", lambda *a, **k: pytest.fail("the task would build"))
+    monkeypatch.setattr("tidal.tasks.assets._build", lambda *a, **k: pytest.fail("the task would build"))
+    argv = ["check", "reasoning_gym", f"data.train=[{{reasoning_gym: {{datasets: {datasets}, size: 200}}}}]", "data.eval=[]",
+            f"data.max_prompt_len={max_prompt_len}", f"task.workdir={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'data.max_prompt_len'" in err and advice in err, err
+    suggested = re.search(r"set data.max_prompt_len=(\d+)", err)
+    assert suggested is None or int(suggested.group(1)) <= 128 - 6, err  # the model's positions less rollout.max_new_tokens
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["reasoning_gym"]  # the rows, no model
+
+
 def test_shipped_config_checks():
     cfg = load_config("reasoning_gym")
     rg_source.check_sources(cfg.data)

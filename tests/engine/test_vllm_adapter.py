@@ -113,7 +113,7 @@ def test_check_backend_installed(monkeypatch):
 
     assert backends.check_backend_installed("native") == ""
     monkeypatch.setattr(optional_deps.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match=r"engine.backend.*vllm >=0.32,<0.34; vllm is not installed: pip install 'tidal-rft\[vllm\]'"):
+    with pytest.raises(ConfigError, match=r"engine.backend.*vllm >=0.32,<0.34; vllm is not installed: pip install -e '\.\[vllm\]'"):
         backends.check_backend_installed("vllm")
     monkeypatch.setattr(optional_deps.importlib.util, "find_spec", lambda name: object())
     for version, ok in [("0.31.9", False), ("0.32.0", True), ("0.33.5.dev3+g12", True), ("0.34.0", False)]:

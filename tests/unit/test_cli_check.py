@@ -120,3 +120,18 @@ def test_check_refuses_what_cannot_fit_before_loading(config, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the run does not fit in memory: none of the 8 combination(s) of the settings left at auto fits" in err
     assert "engine.sleep_level=2 (auto)" in err and "OVER BUDGET" in err
+
+
+def _no_task_build(monkeypatch):
+    monkeypatch.setattr("tidal.tasks.assets.prepare", lambda *a, **k: pytest.fail("the task would build"))
+    monkeypatch.setattr("tidal.tasks.assets._build", lambda *a, **k: pytest.fail("the task would build"))
+
+
+def test_check_of_a_task_run_checks_its_models_context_before_building_it(tmp_path, capsys, monkeypatch):
+    """The task's model (128 positions) is built at the first run; check makes its config without it."""
+    _no_task_build(monkeypatch)
+    assert main(["check", "quickstart", "data.max_prompt_len=125", f"task.workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'rollout.max_new_tokens'" in err and "128 positions" in err, err
+    assert not list(tmp_path.iterdir())  # nothing built
+

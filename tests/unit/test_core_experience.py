@@ -68,5 +68,7 @@ def test_row_is_what_the_update_trains_on():
     assert row["rollout_logprobs"] == [0.0, 0.0, -0.5, -0.25]
     assert row["old_logprobs"] == pytest.approx([0.0, 0.0, -0.51, -0.26]) and row["advantages"] == [0.0, 0.0, 0.5, 0.5]
     assert (row["reward"], row["loss_mask"], row["group_id"]) == (1.0, 1.0, 3)
-    assert "ref_logprobs" not in row and "values" not in row
+    assert "ref_logprobs" not in row and "values" not in row and "turn_rewards" not in row  # single turn: none
+    multi = Experience(**{**exp.__dict__, "turn_rewards_BT": torch.tensor([[0.0, 0.0, -0.1, 0.0, 0.0], [0.0] * 5])})
+    assert multi.row(0)["turn_rewards"] == pytest.approx([0.0, 0.0, -0.1, 0.0])  # a multi-turn row's per-turn rewards
     assert exp.row(1)["input_ids"] == [1, 2, 3, 4, 9] and exp.row(1)["loss_mask"] == 0.0

@@ -6,7 +6,8 @@
 - ``python``: compiles, and every ``from X import a, b`` in it names something that exists.
 - ``bash``: every command is parsed. ``tidal`` commands (also ``python -m tidal.cli`` and under
   ``torchrun``) go through the CLI's own parser, and train/eval/export load and validate their config
-  with the overrides as written; ``pip install`` extras exist in pyproject.toml; scripts, test files and
+  with the overrides as written; ``pip install`` of Tidal is from a checkout (it is on no index) with extras pyproject.toml
+  declares (also in the prose's inline code); scripts, test files and
   modules named exist; an ``sbatch`` script's and a ``kubectl apply -f`` manifest's (Kubeflow
   ``PyTorchJob``) ``tidal`` commands are checked as above, and a manifest's ``--nnodes`` (its maximum) is its pods.
   A program this test does not know fails it, so a new kind of command gets a check here.
@@ -177,6 +178,48 @@ def check_pytorchjob(manifest: Path, where: str) -> None:
                 assert nnodes.rpartition(":")[2] == str(pods), f"{where}: {manifest}'s --nnodes {nnodes} is not its {pods} pods"
 
 
+def check_pip_install(words: list[str], where: str) -> None:
+    """A ``pip install`` of Tidal runs as written: from a checkout (``.`` or ``.[extras]``; tidal-rft
+    is on no package index), with extras that pyproject.toml declares."""
+    args = words[words.index("install") + 1 :] if "install" in words else []
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for arg in args:
+        assert not re.match(r"tidal[-_]rft\b", arg), (f"{where}: pip install {arg}: tidal-rft is on no package index; "
+                                                       "install from a checkout: pip install -e '.[extras]'")
+        m = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
+        if m:
+            missing = set(m.group(1).split(",")) - extras.keys()
+            assert not missing, f"{where}: pip install {arg}: pyproject.toml has no extra {sorted(missing)}"
+
+
+def inline_pip_installs() -> list[tuple[str, list[str]]]:
+    """(where, words) of every ``pip install`` in an inline code span of the docs' prose."""
+    out = []
+    for doc in DOCS:
+        text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), doc.read_text())
+        for m in re.finditer(r"`([^`\n]*\bpip3? install [^`\n]*)`", text):
+            line = text[: m.start()].count("\n") + 1
+            for words in commands(m.group(1)):
+                if Path(words[0]).name in ("pip", "pip3") or words[1:3] == ["-m", "pip"]:
+                    out.append((f"{doc.relative_to(ROOT)}:{line}", words))
+    return out
+
+
+def test_inline_pip_installs_run_as_written():
+    found = inline_pip_installs()
+    assert len(found) > 5
+    for where, words in found:
+        check_pip_install(words, where)
+
+
+def test_pip_install_check_fails_on_an_index_install_and_a_missing_extra():
+    with pytest.raises(AssertionError, match="no package index"):
+        check_pip_install(["pip", "install", "tidal-rft[mcp]"], "x")
+    with pytest.raises(AssertionError, match=r"no extra \['nope'\]"):
+        check_pip_install(["pip", "install", "-e", ".[reasoning-gym,nope]"], "x")
+    check_pip_install(["pip", "install", "-e", ".[reasoning-gym,mcp,openenv]"], "x")
+
+
 def check_other(words: list[str], where: str) -> None:
     program = Path(words[0]).name
     if program == "sbatch":
@@ -184,13 +227,7 @@ def check_other(words: list[str], where: str) -> None:
     if program == "kubectl":
         return check_pytorchjob(ROOT / words[words.index("-f") + 1], where)
     if program in ("pip", "pip3") or words[1:3] == ["-m", "pip"]:
-        args = words[words.index("install") + 1 :] if "install" in words else []
-        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-        for arg in args:
-            m = re.fullmatch(r"(tidal-rft|\.)\[([\w,]+)\]", arg)
-            if m:
-                assert set(m.group(2).split(",")) <= extras.keys(), f"{where}: no extra {m.group(2)}"
-        return
+        return check_pip_install(words, where)
     if program in ("export",) or words[1:3] == ["-m", "venv"]:
         return
     if program == "pytest" or words[1:3] == ["-m", "pytest"]:
@@ -227,3 +264,20 @@ def test_shell_commands_parse_and_their_configs_load(tmp_path, monkeypatch):
                 raise AssertionError(f"{where}: {' '.join(words)} does not parse (exit {e.code})") from None
             checked += 1
     assert checked > 30
+
+
+def test_every_doc_named_exists():
+    """Every ``docs/<name>.md`` named in the docs, the shipped configs and the code, and every
+    relative Markdown link of the docs, is a file (issue 47 item 8: a shipped config named a page
+    that did not exist)."""
+    texts = {p: p.read_text() for p in [*DOCS, *(ROOT / "tidal").rglob("*.py"), *(ROOT / "tidal" / "configs").glob("*.yaml")]}
+    named = 0
+    for path, text in texts.items():
+        for m in re.finditer(r"\bdocs/([\w-]+\.md)", text):
+            assert (ROOT / "docs" / m.group(1)).is_file(), f"{path.relative_to(ROOT)} names docs/{m.group(1)}, which does not exist"
+            named += 1
+        if path.suffix == ".md":
+            for m in re.finditer(r"\]\(((?!https?:)[\w./-]+\.md)(#[\w-]*)?\)", text):
+                assert (path.parent / m.group(1)).is_file(), f"{path.relative_to(ROOT)} links {m.group(1)}, which does not exist"
+                named += 1
+    assert named > 50

@@ -180,7 +180,7 @@ def test_tensorboard_writes_events(tmp_path):
 @pytest.mark.parametrize("backend", ["wandb", "tensorboard"])
 def test_missing_backend_package_is_a_clear_error_on_every_rank(tmp_path, monkeypatch, backend):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # as if it were not installed
-    with pytest.raises(ConfigError, match=rf"logging.backends.*pip install 'tidal-rft\[{backend}\]'"):
+    with pytest.raises(ConfigError, match=rf"logging.backends.*pip install -e '\.\[{backend}\]'"):
         MetricsLogger(LoggingConfig(backends=[backend]), tmp_path, is_main=False, total_steps=1)
 
 

@@ -57,7 +57,7 @@ def test_missing_package_is_one_line_exit_2_before_anything_loads(monkeypatch, c
     rc = main(["train", "quickstart", override, f"run.output_dir={tmp_path}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert f"pip install 'tidal-rft[{extra}]'" in err and f"{module} is not installed" in err
+    assert f"pip install -e '.[{extra}]' (in the Tidal checkout)" in err and f"{module} is not installed" in err
 
 
 def test_version_outside_the_supported_range(monkeypatch):

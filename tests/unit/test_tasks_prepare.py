@@ -48,6 +48,20 @@ def test_prepare_builds_loadable_assets(tmp_path):
     assert {"sft_loss", "clean_accuracy", "mistake_loss", "build_seconds"} <= set(marker)
 
 
+def test_model_config_and_tokenizer_before_the_build_equal_the_builds(tmp_path):
+    """`tidal check` makes the task model's config and tokenizer without building it: the same
+    positions, vocabulary and token ids as the build's, which are read once the build exists."""
+    made_config, made_tok = prepare_module.model_config_and_tokenizer(_cfg(tmp_path / "none"))
+    assert not (tmp_path / "none").exists()
+    prepare(_cfg(tmp_path))
+    built_config, built_tok = prepare_module.model_config_and_tokenizer(_cfg(tmp_path))
+    assert type(built_config) is type(made_config)
+    for field in ("max_position_embeddings", "vocab_size", "hidden_size", "eos_token_id", "pad_token_id"):
+        assert getattr(made_config, field) == getattr(built_config, field), field
+    text = made_tok.apply_chat_template([{"role": "user", "content": "Calculate 3+4 and 12-7"}], tokenize=False, add_generation_prompt=True)
+    assert made_tok(text)["input_ids"] == built_tok(text)["input_ids"] and len(made_tok) == len(built_tok)
+
+
 def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, monkeypatch):
     first = prepare(_cfg(tmp_path))
     monkeypatch.setattr(prepare_module, "_build", lambda cfg, out, phases, run_threads: pytest.fail("rebuilt complete assets"))

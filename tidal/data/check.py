@@ -45,15 +45,18 @@ def sample_indices(n: int) -> list[int]:
     return head + sorted({len(head) + (rest - 1) * k // (SPREAD_ROWS - 1) for k in range(SPREAD_ROWS)})
 
 
-def sample_rows(source: DataSource, cfg: DataConfig, tokenizer: Any, *, key: str) -> list[SampledRow]:
-    """The checked sample of ``source`` (``key``: its config key, e.g. ``data.train[0]``)."""
+def sample_rows(source: DataSource, cfg: DataConfig, tokenizer: Any, *, key: str, room: int | None = None,
+                every_row: bool = False) -> list[SampledRow]:
+    """The checked sample of ``source`` (``key``: its config key, e.g. ``data.train[0]``), or all of
+    its rows with ``every_row`` (a generated source, cheap to read whole). ``room``: the most prompt
+    tokens the model leaves (:func:`check_prompt_lengths`)."""
     try:
         rows = load_rows(source)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}.path", str(e)) from None
     if not rows:
         raise ConfigError(f"{key}.path", f"{source.path}: holds no rows")
-    picked = [rows[i] for i in sample_indices(len(rows))]
+    picked = rows if every_row else [rows[i] for i in sample_indices(len(rows))]
     out = []
     for where, row in picked:
         parsed = parse_row(where, row, cfg)
@@ -61,20 +64,28 @@ def sample_rows(source: DataSource, cfg: DataConfig, tokenizer: Any, *, key: str
         out.append(SampledRow(where=where, parsed=parsed, prompt_tokens=tokens))
     if cfg.overlong_prompt == "error":
         check_prompt_lengths(source.path, [(r.where, r.prompt_tokens) for r in out if r.prompt_tokens is not None],
-                             cfg.max_prompt_len, of=f"the {len(out)} rows checked" + ("" if len(out) == len(rows) else f" (of {len(rows)})"))
+                             cfg.max_prompt_len, of=f"the {len(out)} rows checked" + ("" if len(out) == len(rows) else f" (of {len(rows)})"),
+                             room=room)
     return out
 
 
-def check_prompt_lengths(path: str, lengths: list[tuple[str, int]], limit: int, *, of: str) -> None:
+def check_prompt_lengths(path: str, lengths: list[tuple[str, int]], limit: int, *, of: str, room: int | None = None) -> None:
     """ConfigError at ``data.max_prompt_len`` when any prompt of ``lengths`` ((where, tokens) of
-    ``of``, e.g. ``the 128 rows checked``) is longer than ``limit``: how many, the longest, and the
-    value that fits them all."""
+    ``of``, e.g. ``the 128 rows checked``) is longer than ``limit``: how many, the longest, and what
+    to do. ``room``: the most prompt tokens the model leaves (its positions less
+    ``rollout.max_new_tokens``; None: unknown); a ``data.max_prompt_len`` past it is never advised."""
     over = [(where, n) for where, n in lengths if n > limit]
-    if over:
-        where, n = max(over, key=lambda item: item[1])
-        raise ConfigError("data.max_prompt_len", f"{path}: {len(over)} of {of} have a prompt longer than data.max_prompt_len={limit} "
-                          f"tokens; the longest, {where}, has {n}: set data.max_prompt_len={n} to fit them, or data.overlong_prompt "
-                          "to drop or left_truncate")
+    if not over:
+        return
+    where, n = max(over, key=lambda item: item[1])
+    said = f"{path}: {len(over)} of {of} have a prompt longer than data.max_prompt_len={limit} tokens; the longest, {where}, has {n}"
+    if room is not None and n > room:
+        fit = sum(1 for _, m in lengths if m <= room)
+        raise ConfigError("data.max_prompt_len", f"{said}, more than the model's positions leave after rollout.max_new_tokens "
+                          f"({room}; {fit} of {of} fit): set data.overlong_prompt to drop or left_truncate, or give shorter "
+                          "prompts (a reasoning-gym dataset's settings) or a model with more positions")
+    raise ConfigError("data.max_prompt_len", f"{said}: set data.max_prompt_len={n} to fit them, or data.overlong_prompt to drop or "
+                      "left_truncate")
 
 
 def _prompt_tokens(where: str, parsed: ParsedRow, cfg: DataConfig, tokenizer: Any) -> int:

@@ -16,6 +16,7 @@ _WHERE = {
     "EnvConfig": "tidal.envs.config",
     "EnvError": "tidal.envs.rollout",
     "EnvRollout": "tidal.envs.rollout",
+    "make_rollout": "tidal.envs.rollout",
     "EnvRow": "tidal.envs.base",
     "Environment": "tidal.envs.base",
     "ModelTurn": "tidal.envs.base",

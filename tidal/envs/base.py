@@ -135,6 +135,10 @@ class Environment(abc.ABC):
     # One turn decoded from the row's prompt, then done: the rollout makes exactly a plain rollout's
     # one batch ``generate`` call (same prompts, same parameters). A subclass that adds turns sets it False.
     single_turn: bool = False
+    # Its episodes are driven by another library, which calls the engine itself (verifiers): the
+    # rollout is the class's own (``rollout(cfg, tokenizer, max_context=...)``, with EnvRollout's
+    # ``run``), not EnvRollout's turn by turn.
+    drives_own_episodes: bool = False
 
     def __init__(self, cfg: EnvConfig, **kwargs: Any):
         if kwargs:
@@ -151,6 +155,12 @@ class Environment(abc.ABC):
 
     def close(self) -> None:
         """Release what the episode holds (called once when the trajectory ends)."""
+
+    @classmethod
+    def log_to(cls, folder: str) -> None:
+        """Where the run keeps what the environment's own processes log (``RUN_DIR/env_logs/rank<r>``),
+        said once per process before the first environment is built; the default logs nothing
+        (an MCP server's log goes there instead of the console)."""
 
 
 EnvFactory = Callable[[], Environment]

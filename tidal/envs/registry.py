@@ -18,6 +18,7 @@ BUILT_IN: dict[str, str] = {
     # from the ecosystem: each needs its extra (tidal.optional_deps.ENV_EXTRAS), imported on first use
     "mcp": "tidal.envs.adapters.mcp:McpEnv",
     "openenv": "tidal.envs.adapters.openenv:OpenEnvEnv",
+    "verifiers": "tidal.envs.adapters.verifiers:VerifiersEnv",  # runs its own episodes (VerifiersRollout)
 }
 ENVIRONMENTS: Registry = Registry("environment")
 

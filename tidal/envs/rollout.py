@@ -72,7 +72,7 @@ from typing import Any, Callable, Protocol
 from tidal.distributed.generate import Exchange, GenerateBatch, OnFinished, Round, check_budgets, force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, sequence_key, supports_incremental
 from tidal.engine.stepping import run_steps
-from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, make_env_factory
+from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, env_class, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
@@ -155,6 +155,15 @@ class RolloutResult:
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
+
+
+def make_rollout(cfg: EnvConfig, tokenizer, *, max_context: int | None = None):
+    """The rollout of ``env``: :class:`EnvRollout`, or the environment's own when another library
+    drives its episodes (``Environment.drives_own_episodes``: verifiers)."""
+    cls = env_class(cfg)
+    if cls.drives_own_episodes:
+        return cls.rollout(cfg, tokenizer, max_context=max_context)
+    return EnvRollout(cfg, tokenizer, max_context=max_context)
 
 
 class EnvRollout:

@@ -17,7 +17,7 @@ class LoggingConfig:
     backends: any of ``console`` (one compact line per logged step, a step bar on a terminal), ``jsonl``
         (``RUN_DIR/metrics.jsonl``, one object per logged step), ``tensorboard`` (``RUN_DIR/tb``),
         ``wandb``; ``tensorboard`` and ``wandb`` need their extras
-        (``pip install 'tidal-rft[tensorboard]'``, ``[wandb]``, checked before anything loads).
+        (``pip install -e '.[tensorboard]'``, ``[wandb]``, checked before anything loads).
     wandb_project: W&B project name. wandb_mode: ``offline`` (files under ``RUN_DIR/wandb``, sync
         later with ``wandb sync``) or ``online``.
     log_every: write every N-th step (and the last); each written value combines that key over

@@ -22,9 +22,9 @@ from tidal.logging.progress import Step, stage
 from tidal.tasks.arithmetic import sft_rows, split_problems
 from tidal.tasks.calculator import prepare_calculator
 from tidal.tasks.config import TaskConfig
-from tidal.tasks.model import build_model
+from tidal.tasks.model import build_model, model_config
 from tidal.tasks.sft import build_threads, evaluate_greedy, kept_phase, supervised_finetune, whole_build
-from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
+from tidal.tasks.store import MARKER, TaskAssets, asset_dir, built, write_jsonl
 from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 
@@ -38,18 +38,44 @@ def prepare(cfg: TaskConfig, *, run_threads: int = 0) -> TaskAssets:
     return built(cfg, cfg.workdir, lambda c, out, phases: _build(c, out, phases, run_threads))
 
 
+def model_config_and_tokenizer(cfg: TaskConfig):
+    """(the Hugging Face config, the tokenizer) of the task's model as a run loads them, without
+    building the model (``tidal check``): read from a complete build, else made as the build makes
+    them (the tokenizer trained in about a second, the config without weights)."""
+    check(cfg.name != "", "name", "no built-in task selected (set task.name, e.g. 'arithmetic')")
+    root = asset_dir(cfg.calculator if cfg.name == "calculator" else cfg, cfg.workdir)
+    if (root / MARKER).is_file():
+        from transformers import AutoConfig
+
+        from tidal.models.loading import load_tokenizer
+
+        return AutoConfig.from_pretrained(root / "model"), load_tokenizer(str(root / "model"))
+    if cfg.name == "calculator":
+        from tidal.tasks.calculator import model_config_and_tokenizer as calculator_config
+
+        return calculator_config(cfg.calculator)
+    tokenizer = _tokenizer(_problems(cfg)[0])
+    return model_config(cfg, tokenizer, architecture=cfg.architecture), tokenizer
+
+
+def _problems(cfg: TaskConfig) -> tuple[list, list]:
+    return split_problems(digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval,
+                          seed=cfg.seed, fixed_width=cfg.fixed_width)
+
+
+def _tokenizer(train: list):
+    return train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
+
+
 def _build(cfg: TaskConfig, out: Path, phases: Path, run_threads: int) -> None:
     start = time.perf_counter()
-    train, held_out = split_problems(
-        digits=cfg.digits, operations=cfg.operations, num_train=cfg.num_train, num_eval=cfg.num_eval,
-        seed=cfg.seed, fixed_width=cfg.fixed_width,
-    )
+    train, held_out = _problems(cfg)
     eval_rows = [p.row() for p in held_out]
     write_jsonl(out / "train.jsonl", [p.row() for p in train])
     write_jsonl(out / "eval.jsonl", eval_rows)
     with whole_build(cfg.name, cfg.sft_steps + cfg.sft_mistake_steps) as whole:
         with stage(f"training the '{cfg.name}' task's tokenizer"):
-            tokenizer = train_tokenizer(p.prompt + " " + p.format(p.answer) for p in train)
+            tokenizer = _tokenizer(train)
         with build_threads(cfg.sft_threads, run_threads):
             model = build_model(cfg, tokenizer, architecture=cfg.architecture)
             report = _warm_start(cfg, model, tokenizer, train, eval_rows, whole, phases)

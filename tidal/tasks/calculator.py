@@ -37,7 +37,7 @@ from tidal.tasks.arithmetic import is_correct
 from tidal.tasks.store import MARKER, TaskAssets, built, write_jsonl
 from tidal.tasks.chatml import train_chatml_tokenizer
 from tidal.tasks.config import CalculatorTaskConfig
-from tidal.tasks.model import build_model
+from tidal.tasks.model import build_model, model_config
 from tidal.tasks.sft import build_threads, kept_phase, train_masked, whole_build
 from tidal.tasks.tokenizer import save_tokenizer
 
@@ -172,6 +172,13 @@ def prepare_calculator(cfg: CalculatorTaskConfig, *, workdir: str = "~/.cache/ti
     (:func:`tidal.tasks.sft.build_threads`; ``task.workdir``, ``task.sft_threads`` and
     ``run.cpu_threads`` in a run)."""
     return built(cfg, workdir, lambda c, out, phases: _build(c, out, phases, threads, run_threads))
+
+
+def model_config_and_tokenizer(cfg: CalculatorTaskConfig):
+    """(the Hugging Face config, the tokenizer) of the task's model as its build makes them, without
+    building the model (:func:`tidal.tasks.assets.model_config_and_tokenizer`)."""
+    tokenizer = train_chatml_tokenizer(_corpus(split_products(cfg)[0]), template="qwen2_5")
+    return model_config(cfg, tokenizer, max_positions=MAX_POSITIONS), tokenizer
 
 
 def _build(cfg: CalculatorTaskConfig, out: Path, phases: Path, sft_threads: int, run_threads: int) -> None:

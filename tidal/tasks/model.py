@@ -14,13 +14,11 @@ from tidal.tasks.architectures import ARCHITECTURES, family_settings
 MAX_POSITIONS = 128  # prompts are ~12 tokens and answers at most digits + 2
 
 
-def build_model(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MAX_POSITIONS, *,
-                architecture: str = "qwen2") -> PreTrainedModel:
-    """A randomly initialised fp32 causal LM of ``architecture`` in ``cfg``'s shape (any config with
-    the task's model-shape fields; seeded by ``cfg.seed``), tied embeddings, with bos/eos/pad ids
-    taken from ``tokenizer`` so that ``generate`` stops on EOS."""
-    config_name, model_name = ARCHITECTURES[architecture]
-    config = getattr(transformers, config_name)(
+def model_config(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MAX_POSITIONS, *,
+                 architecture: str = "qwen2") -> transformers.PretrainedConfig:
+    """The Hugging Face config of :func:`build_model`'s model (no weights made)."""
+    config_name, _ = ARCHITECTURES[architecture]
+    return getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -35,6 +33,15 @@ def build_model(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MA
         **family_settings(architecture, head_dim=cfg.hidden_size // cfg.num_heads, num_layers=cfg.num_layers,
                           intermediate_size=cfg.intermediate_size),
     )
+
+
+def build_model(cfg, tokenizer: PreTrainedTokenizerFast, max_positions: int = MAX_POSITIONS, *,
+                architecture: str = "qwen2") -> PreTrainedModel:
+    """A randomly initialised fp32 causal LM of ``architecture`` in ``cfg``'s shape (any config with
+    the task's model-shape fields; seeded by ``cfg.seed``), tied embeddings, with bos/eos/pad ids
+    taken from ``tokenizer`` so that ``generate`` stops on EOS."""
+    _, model_name = ARCHITECTURES[architecture]
+    config = model_config(cfg, tokenizer, max_positions, architecture=architecture)
     torch.manual_seed(cfg.seed)
     model = getattr(transformers, model_name)(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

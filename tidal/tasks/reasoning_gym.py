@@ -19,6 +19,7 @@ imported only here and in that rule, and only when a config uses it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,9 @@ def _composite(spec: ReasoningGymSource, key: str):
 
     for name, task in spec.datasets.items():
         if name not in DATASETS:
-            raise ConfigError(f"{key}.datasets.{name}", f"not a reasoning-gym dataset; e.g. {sorted(DATASETS)[:8]} "
+            close = difflib.get_close_matches(name, DATASETS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else f"e.g. {sorted(DATASETS)[:8]} "
+            raise ConfigError(f"{key}.datasets.{name}", f"not a reasoning-gym dataset; {hint}"
                                                         f"({len(DATASETS)} in all: reasoning_gym.factory.DATASETS)")
         try:
             DATASETS[name][1](**task.config, size=1, seed=spec.seed).validate()

@@ -32,7 +32,7 @@ def first_group_id(step: int, rank: int, groups_per_rank: int, attempt: int = 0)
 ROW_TOKEN_FIELDS = {
     "input_ids": "sequences_BT", "action_mask": "action_mask_BT", "rollout_logprobs": "rollout_logp_BT",
     "old_logprobs": "old_logp_BT", "ref_logprobs": "ref_logp_BT", "values": "values_BT", "advantages": "advantages_BT",
-    "returns": "returns_BT",
+    "returns": "returns_BT", "turn_rewards": "turn_rewards_BT",
 }
 
 
@@ -57,6 +57,10 @@ class Experience:
         engine routed token ``sequences_BT[b, t]`` to in each of the ``L`` MoE layers (-1 where it
         routed none: a row's last token, padding); routing replay and ``moe/router_agreement`` read
         it (:mod:`tidal.models.moe`). None otherwise.
+    turn_rewards_BT: a multi-turn rollout's per-turn rewards (the environment's ``StepResult.reward``
+        of each turn but the last, whose reward is the outcome in ``rewards_B``), at the last sampled
+        token of its turn, 0 elsewhere: the token rewards the advantages added
+        (:class:`~tidal.envs.packing.PackedRows`). None for a single-turn rollout.
     """
 
     sequences_BT: torch.Tensor
@@ -73,6 +77,7 @@ class Experience:
     values_BT: torch.Tensor | None = None
     mm_inputs: list[dict | None] | None = None
     routed_experts_BTLK: torch.Tensor | None = None
+    turn_rewards_BT: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences_BT.shape[0]
@@ -102,7 +107,8 @@ class Experience:
         ``input_ids``; ``action_mask`` (1: a sampled token, in the loss when ``loss_mask`` is 1);
         per token, the value for the token at that position (0 off the action mask):
         ``rollout_logprobs`` (the engine's), ``old_logprobs`` (the trainer's before the update),
-        ``ref_logprobs``, ``values``, ``advantages``, ``returns``; and the row's ``reward``,
+        ``ref_logprobs``, ``values``, ``advantages``, ``returns``, ``turn_rewards`` (multi-turn: each
+        turn's reward at its last sampled token); and the row's ``reward``,
         ``loss_mask`` and ``group_id``. A tensor the run does not compute is left out (``old_logprobs``
         when the update's forward supplies them, see ``old_logp_BT``)."""
         keep = self.attention_mask_BT[i].bool()

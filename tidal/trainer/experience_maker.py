@@ -36,7 +36,7 @@ from tidal.distributed.generate import GroupGenerator
 from tidal.distributed.runtime import Runtime
 from tidal.engine.base import RolloutEngine, SamplingParams
 from tidal.engine.native.speculative.metrics import speculation_metrics
-from tidal.envs import EnvConfig, EnvRollout, EnvRow, PackedRows, RolloutResult, Trajectory, pack_trajectories
+from tidal.envs import EnvConfig, EnvRollout, EnvRow, make_rollout, PackedRows, RolloutResult, Trajectory, pack_trajectories
 from tidal.logging import PhaseTimer
 from tidal.models.config import ModelConfig
 from tidal.models.loading import critic_values
@@ -161,7 +161,7 @@ class ExperienceMaker:
         self.old_logprobs_pass = not algorithm.reuses_policy_logprobs(train)
         self.completion_budget: CompletionBudget | None = None
         # builds one environment now: bad env.kwargs fail at setup; trajectories end where the model's context does
-        self.env = EnvRollout(env, self.models.tokenizer, max_context=self.models.positions)
+        self.env = make_rollout(env, self.models.tokenizer, max_context=self.models.positions)
         self.multi_turn = env.name != "single_turn"
 
     @property
@@ -333,7 +333,7 @@ class ExperienceMaker:
             old_logp_BT=old_logp_BT, rollout_logp_BT=packed.rollout_logp_BT, ref_logp_BT=ref_logp_BT,
             values_BT=values_BT, advantages_BT=adv.advantages_BT, returns_BT=adv.returns_BT,
             rewards_B=adv.rewards_B, group_ids_B=group_ids_B, loss_mask_B=loss_mask_B, mm_inputs=packed.mm_inputs,
-            routed_experts_BTLK=packed.routed_BTLK,
+            routed_experts_BTLK=packed.routed_BTLK, turn_rewards_BT=packed.token_rewards_BT if self.multi_turn else None,
         )
         metrics = self._metrics(exp, packed, scores, adv.kl_BT)
         metrics.update(adv.metrics)

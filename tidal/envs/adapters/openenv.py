@@ -1,4 +1,4 @@
-"""OpenEnv environments in process (``env.name: openenv``; the extra ``tidal-rft[openenv]``).
+"""OpenEnv environments in process (``env.name: openenv``; the extra ``openenv``: ``pip install -e '.[openenv]'``).
 
 ``env.kwargs.environment`` names an OpenEnv ``Environment`` subclass (``module:Class``); each
 trajectory gets its own instance (``environment_kwargs`` to its constructor), run in this process
@@ -44,6 +44,43 @@ def action_class(env_cls: type, named: str | None) -> type:
                                            "name it as env.kwargs.action: module:Class")
 
 
+def observation_class(env_cls: type) -> type | None:
+    """The Observation class of the environment: its OpenEnv base class's (``Environment[Action,
+    Observation, State]``), else ``reset``'s return annotation; None when neither says."""
+    for base in getattr(env_cls, "__orig_bases__", ()):
+        args = typing.get_args(base)
+        if len(args) > 1 and isinstance(args[1], type):
+            return args[1]
+    try:
+        returned = typing.get_type_hints(env_cls.reset).get("return")
+    except Exception:  # noqa: BLE001 -- an annotation that does not resolve says nothing
+        return None
+    return returned if isinstance(returned, type) else None
+
+
+def check_observation_field(env_cls: type, field: str | None) -> None:
+    """ConfigError at ``env.kwargs.observation_field`` when the environment's Observation class
+    (when it says one) has no such field: found before the first step (``tidal check``)."""
+    obs_cls = observation_class(env_cls)
+    if field is None or obs_cls is None or not hasattr(obs_cls, "model_fields"):
+        return
+    fields = sorted(f for f in obs_cls.model_fields if f not in _BASE_FIELDS)
+    if field not in obs_cls.model_fields:
+        raise ConfigError("env.kwargs.observation_field", f"{obs_cls.__name__} has no field {field!r}; its fields: {fields}")
+
+
+def construct(env_cls: type, kwargs: dict | None) -> Any:
+    """``env_cls(**kwargs)``; a constructor that refuses them is a one-line ConfigError at
+    ``env.kwargs.environment_kwargs`` (its error's first line)."""
+    check(kwargs is None or isinstance(kwargs, dict), "env.kwargs.environment_kwargs", f"must be a mapping, got {kwargs!r}")
+    try:
+        return env_cls(**(kwargs or {}))
+    except Exception as e:  # noqa: BLE001 -- whatever the user's constructor raises on its arguments
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError("env.kwargs.environment_kwargs", f"{env_cls.__name__}(**{kwargs or {}}) failed: "
+                                                           f"{type(e).__name__}: {first}") from None
+
+
 def observation_text(obs: Any, field: str | None) -> str:
     """The model's view of an OpenEnv observation (module docstring)."""
     data = obs.model_dump()
@@ -81,7 +118,8 @@ class OpenEnvEnv(Environment):
         self.action_field = action_field or (fields[0] if len(fields) == 1 else "")
         check(self.action_field in fields, "env.kwargs.action_field",
               f"must name the field of {self.action_cls.__name__} that takes the model's text, one of {fields}")
-        self.env = env_cls(**(environment_kwargs or {}))
+        check_observation_field(env_cls, observation_field)
+        self.env = construct(env_cls, environment_kwargs)
         self.observation_field, self.role, self.seed_key = observation_field, role, seed_key
 
     def reset(self, row: EnvRow) -> Observation:
