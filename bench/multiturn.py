@@ -39,9 +39,15 @@ from the row and the turn (the same draws in every run). Such a figure also repo
 ``engine_idle_frac``, the share of the rollout's wall time spent outside engine steps (waiting for
 tools, and the loop's host work between steps), ``wait_frac`` (``env/wait_s`` over the rollout
 time, the same as ``gpu_idle_frac``), ``trajectories_per_s`` (trajectories over the rollout's
-seconds), ``step_ms`` and ``latency_steps``. Trajectories never span iterations in a multi-turn
-rollout here (the long-tail policy is single-turn), so every trained token lags its weights by 0:
-no staleness histogram is reported.
+seconds), ``step_ms`` and ``latency_steps``.
+
+``--inflight`` (issue 47, item 1) runs every multi-turn case a second time right after the first,
+with trajectories in flight across rollouts (``rollout.partial.mode: carry``, ``max_staleness`` 4,
+``algorithm.mismatch.mode: token_truncate``, ``env.workers`` raised to the most trajectories in
+flight): its figure (``-inflight``) adds ``trajectories_per_s_vs_off`` and ``engine_idle_frac_off``
+(the case just before, without), and the lag of the trained tokens (``partial_staleness_mean`` /
+``_max``, ``partial_stale_token_frac``, ``partial_span_mean``) with the groups carried and started
+per rollout. On a loaded machine compare an in-flight figure with the one just before it only.
 
 Usage (GPU):
     python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/matrix.jsonl]

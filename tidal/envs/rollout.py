@@ -41,6 +41,11 @@ every step has answered); it is what makes rollouts reproducible on engines with
 requests (rounds: a batch ``generate`` call keys its draws by the sequence's index in the call, so
 there it is the round's composition that must not depend on timing).
 
+In flight across rollouts (``rollout.partial.mode: carry``, :class:`InFlightTrajectories`): the
+same continuous loop, kept beyond one rollout: a stop rule ends a rollout at an engine step (turns
+decoding then are cut and resume with their tokens next time, tools called go on running), and
+when the engine would idle new trajectories start (``admit``).
+
 Single turn: with ``env.name: single_turn`` this makes exactly one engine call on every engine
 (rounds), with the same prompts (each row's ids) and the same sampling parameters (``n`` included)
 as a plain rollout, so the completions are those of a plain rollout. Through a

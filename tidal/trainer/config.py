@@ -60,7 +60,9 @@ class PartialRolloutConfig:
         step each rollout takes G new prompts. Needs an ``algorithm.mismatch.mode`` (stale tokens
         were sampled by older weights: the correction weights them by pi_old / pi_rollout).
         ``drop`` (over-sample, drop the slowest): the groups that are not among the first G complete
-        are aborted and discarded (biased towards short responses; nothing is stale).
+        are aborted and discarded (biased towards short responses; nothing is stale). With a
+        multi-turn ``env``, ``carry`` keeps trajectories in flight across rollouts (their tools
+        run on while the trainer trains; docs/agentic.md); ``drop`` is single-turn only.
     oversample: extra groups in flight as a fraction of G: a number >= 0 keeps
         ``ceil(G * (1 + oversample))`` in flight (0 cuts nothing: every group in flight completes,
         which is exactly a plain rollout). ``auto``: ``carry`` starts with ``ceil(1.5 G)`` and sizes

@@ -23,6 +23,18 @@ the next rollout: unfinished sequences are re-prefilled under the new weights
 the start of a rollout, a carried sequence whose oldest token lags the engine's policy version by
 more than ``max_staleness`` is restarted from its prompt, so no trained token lags more than that.
 
+Multi turn (``env``: the run's :class:`~tidal.envs.rollout.EnvRollout`): the same groups, rule and
+choice, the difference being data: a group member is a trajectory
+(:class:`~tidal.envs.rollout.InFlightTrajectories`, whose environments, pool and tool calls live
+across rollouts) and it is done when its trajectory ended, not when a sequence finished. A turn cut
+by a rollout's end resumes with its tokens; a trajectory waiting for its tool at the end waits on
+while the trainer trains. When the engine would idle (every trajectory waits for its tool), up to
+G new groups start, within the cap (:func:`max_in_flight` with ``oversample: auto``; a fixed
+``oversample`` keeps its number). A :class:`SeqState` then mirrors its trajectory (the policy
+versions of its sampled tokens, its finish) after each rollout; restarting one starts a fresh
+trajectory from the prompt. Checkpoints keep the groups as fresh ones (an environment's state is
+not saved). docs/agentic.md ("Trajectories in flight across rollouts").
+
 ``drop``: every rollout starts ``in_flight`` fresh groups; those not among the first G complete are
 aborted and discarded (``partial/dropped_groups``). Nothing is stale, the batch is biased towards
 short responses.
