@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                    "ratios to the first (trajectories_per_s_vs_off, engine_idle_frac_off)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     p.add_argument("--cpu", action="store_true", help="CPU run with the tiny model: 16 prompts x 4, 4 turns of 16 tokens")
+    p.add_argument("--before", default="", help="a source tree of an earlier commit (its commit hash in DIR/COMMIT): "
+                   "every multi-turn case runs there first, with that tree's code (the figure stamped with its commit)")
     p.add_argument("--note", default="", help="a note stamped on every figure (e.g. the machine's load)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -325,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cases = [Case(turns=turns, tool_latency_ms=float(ms), **sizes) for ms in args.latency_ms.split(",")]
         for case in cases:
+            if args.before:
+                before_meta = dict(meta, commit=open(os.path.join(args.before, "COMMIT")).read().strip())
+                script = os.path.join(args.before, "bench", "multiturn.py")
+                failed += _record(case, device, assets, args, before_meta, baseline, script=script).get("error") is not None
             off = _record(case, device, assets, args, meta, baseline)
             failed += off.get("error") is not None
             if args.inflight:
@@ -333,14 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: dict | None, off: dict | None = None) -> dict:
+def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: dict | None, off: dict | None = None,
+            script: str | None = None) -> dict:
     """Run ``case`` in a fresh process; print (and append to ``--out``) its figure, with
     ``vs_single_turn`` against ``baseline`` and, for an in-flight case, ``trajectories_per_s_vs_off``
-    and ``engine_idle_frac_off`` against ``off`` (the same case run just before without). Returns the figure."""
+    and ``engine_idle_frac_off`` against ``off`` (the same case run just before without). ``script``:
+    another tree's bench/multiturn.py to run it with (the case's fields that tree knows). Returns the figure."""
     name = f"run-{case.turns}-{case.tool_latency_ms:g}" + ("-lognormal" if case.latency_sigma else "") + ("-inflight" if case.inflight else "")
-    spec = {"case": dataclasses.asdict(case), "device": device, "assets": assets, "run_dir": os.path.join(args.work_dir, name)}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                          capture_output=True, text=True)
+    fields = dataclasses.asdict(case)
+    if script is not None:  # an earlier tree: without the fields it may not know (their defaults)
+        fields = {k: v for k, v in fields.items() if k not in ("inflight", "max_staleness")}
+        name += "-before"
+    spec = {"case": fields, "device": device, "assets": assets, "run_dir": os.path.join(args.work_dir, name)}
+    proc = subprocess.run([sys.executable, script or os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(script))) if script else None)
     figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not figures:
         record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
@@ -353,6 +365,8 @@ def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: d
             record["trajectories_per_s_vs_off"] = record["trajectories_per_s"] / off["trajectories_per_s"]
             record["engine_idle_frac_off"] = off.get("engine_idle_frac")
     record.update(meta)
+    if script is not None:
+        record["tree"] = "before"
     if args.note:
         record["note"] = args.note
     record["command"] = "python bench/multiturn.py " + " ".join(sys.argv[1:])

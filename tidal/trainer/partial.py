@@ -28,8 +28,9 @@ choice, the difference being data: a group member is a trajectory
 (:class:`~tidal.envs.rollout.InFlightTrajectories`, whose environments, pool and tool calls live
 across rollouts) and it is done when its trajectory ended, not when a sequence finished. A turn cut
 by a rollout's end resumes with its tokens; a trajectory waiting for its tool at the end waits on
-while the trainer trains. When the engine would idle (every trajectory waits for its tool), up to
-G new groups start, within the cap (:func:`max_in_flight` with ``oversample: auto``; a fixed
+while the trainer trains. When the engine would idle (every trajectory waits for its tool), a new
+group starts (one at a time: each carried trajectory is prefilled again in the next rollout, so
+no more start than fill the gap), within the cap (:func:`max_in_flight` with ``oversample: auto``; a fixed
 ``oversample`` keeps its number). A :class:`SeqState` then mirrors its trajectory (the policy
 versions of its sampled tokens, its finish) after each rollout; restarting one starts a fresh
 trajectory from the prompt. Checkpoints keep the groups as fresh ones (an environment's state is
@@ -281,7 +282,7 @@ class LongTailRollout:
         go on, those without one (new, restarted, or resumed from a checkpoint) start from their
         prompt, until the same stop rule as single turn holds, counted on ended trajectories
         instead of finished sequences. When the engine would idle (every trajectory waits for its
-        tool), new groups start, up to the in-flight cap: they are carried to later rollouts."""
+        tool), a new group starts, within the in-flight cap: such groups are carried to later rollouts."""
         if self.inflight is None:
             self.inflight = InFlightTrajectories(self.env, params)
         for g in groups:
@@ -297,8 +298,8 @@ class LongTailRollout:
         rule = DueGroupsComplete(members, {0: max(self.G - done, 0)}, {g.gid: 0 for g in groups}, due)
         ended: list[Trajectory] = []
 
-        def admit() -> None:  # the engine would idle: up to G new groups, within the cap
-            fresh = self._new_groups(min(self.G, self.cap - len(groups)), step, params, None)
+        def admit() -> None:  # the engine would idle: one new group (the least work that fills it), within the cap
+            fresh = self._new_groups(min(1, self.cap - len(groups)), step, params, None)
             for g in fresh:
                 for j in range(self.n):
                     self.inflight.start(g.gid * SAMPLE_SLOTS + j, EnvRow.from_prompt_item(self.dataset[g.index]), g.gid, j,
