@@ -158,12 +158,16 @@ def test_max_staleness_zero_finishes_every_trajectory_in_the_rollout_that_starts
     ToolEnv.TURNS = {0: 3, 1: 1, 2: 2}
     lt = _long_tail(PartialRolloutConfig(mode="carry", oversample=1.0, max_staleness=0))
     engine = SlowEngine({(0, 0): 4, (0, 1): 4}, step_s=0.0)
+    restarted = 0
     for step in (1, 2, 3):
         trained, m, v = lt.collect(engine, step, PARAMS)
         assert m["partial/staleness_max"] == 0 and m["partial/carried"] == 0  # every group in flight was due: it completed
         _, trajs = lt.trajectories(trained, None)
         assert all(t.finish_reason == "done" and set(t.sampled_versions) == {step - 1} for t in trajs)
+        restarted += m["partial/restarted"]
         engine.policy_version = step
+    # the complete group not trained at a step lags 1 > 0 at the next: its trajectories start again from the prompt
+    assert restarted >= 2
     lt.close()
 
 
