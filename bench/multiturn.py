@@ -37,7 +37,8 @@ single-turn baseline case of the same shape (``step_ms``: the median wall time o
 lognormal latency of median 20 steps and p99 about 10x the median (sigma = ln 10 / 2.326), drawn
 from the row and the turn (the same draws in every run). Such a figure also reports
 ``engine_idle_frac``, the share of the rollout's wall time spent outside engine steps (waiting for
-tools, and the loop's host work between steps), ``wait_frac`` (``env/wait_s`` over the rollout
+tools, and the loop's host work between steps; from the medians over the timed rollouts, and
+``engine_idle_frac_total`` from their sums), ``wait_frac`` (``env/wait_s`` over the rollout
 time, the same as ``gpu_idle_frac``), ``trajectories_per_s`` (trajectories over the rollout's
 seconds), ``step_ms`` and ``latency_steps``.
 
@@ -208,6 +209,8 @@ def run_case(config: dict, case: Case) -> dict:
     relative = {  # issue 40 item 5: the engine's share of the rollout, and the rate of trajectories
         "step_ms": statistics.median(timed_steps) * 1e3 if timed_steps else None, "engine_steps": len(timed_steps) / max(1, len(steps)),
         "engine_idle_frac": 1.0 - in_steps / generate_s if generate_s and in_steps is not None else None,
+        # over all timed rollouts together (rollouts in flight alternate long and short: medians pair unlike ones)
+        "engine_idle_frac_total": 1.0 - sum(step_time) / sum(m["time/generate"] for m in steps) if steps else None,
         "wait_frac": wait_s / generate_s if generate_s else None,
         "trajectories_per_s": seqs / generate_s if generate_s else None,
         "latency_dist": "lognormal" if case.latency_sigma > 0 else "fixed", "latency_sigma": case.latency_sigma,
