@@ -37,11 +37,18 @@ single-turn baseline case of the same shape (``step_ms``: the median wall time o
 lognormal latency of median 20 steps and p99 about 10x the median (sigma = ln 10 / 2.326), drawn
 from the row and the turn (the same draws in every run). Such a figure also reports
 ``engine_idle_frac``, the share of the rollout's wall time spent outside engine steps (waiting for
-tools, and the loop's host work between steps), ``wait_frac`` (``env/wait_s`` over the rollout
+tools, and the loop's host work between steps; from the medians over the timed rollouts, and
+``engine_idle_frac_total`` from their sums), ``wait_frac`` (``env/wait_s`` over the rollout
 time, the same as ``gpu_idle_frac``), ``trajectories_per_s`` (trajectories over the rollout's
-seconds), ``step_ms`` and ``latency_steps``. Trajectories never span iterations in a multi-turn
-rollout here (the long-tail policy is single-turn), so every trained token lags its weights by 0:
-no staleness histogram is reported.
+seconds), ``step_ms`` and ``latency_steps``.
+
+``--inflight`` (issue 47, item 1) runs every multi-turn case a second time right after the first,
+with trajectories in flight across rollouts (``rollout.partial.mode: carry``, ``max_staleness`` 4,
+``algorithm.mismatch.mode: token_truncate``, ``env.workers`` raised to the most trajectories in
+flight): its figure (``-inflight``) adds ``trajectories_per_s_vs_off`` and ``engine_idle_frac_off``
+(the case just before, without), and the lag of the trained tokens (``partial_staleness_mean`` /
+``_max``, ``partial_stale_token_frac``, ``partial_span_mean``) with the groups carried and started
+per rollout. On a loaded machine compare an in-flight figure with the one just before it only.
 
 Usage (GPU):
     python bench/multiturn.py [--turns 4] [--latency-ms 0,50,200] [--steps 3] [--out bench/results/matrix.jsonl]
@@ -132,6 +139,8 @@ class Case:
     warmup: int = 1
     steps: int = 3
     seed: int = 1
+    inflight: bool = False  # rollout.partial.mode=carry: trajectories in flight across rollouts
+    max_staleness: int = 4
 
 
 def case_config(case: Case, *, model_dir: str, tokenizer_dir: str, data: str, vocab_size: int, device: str,
@@ -142,20 +151,27 @@ def case_config(case: Case, *, model_dir: str, tokenizer_dir: str, data: str, vo
     context = case.prompt_len + case.new_tokens + (case.turns - 1) * case.observation_tokens
     kv_tokens = 1 << (seqs * (context + 16) - 1).bit_length()
     env = {"name": "single_turn"}
+    # in flight: up to prompts * (max_staleness + 2) groups (tidal.trainer.partial.max_in_flight), each tool its own worker
+    in_flight = seqs * (case.max_staleness + 2) if case.inflight else seqs
     if case.turns > 1:
-        env = {"name": ENV_PATH, "max_turns": case.turns, "max_tokens_per_turn": per_turn, "workers": seqs,
+        env = {"name": ENV_PATH, "max_turns": case.turns, "max_tokens_per_turn": per_turn, "workers": in_flight,
                "kwargs": {"turns": case.turns, "latency_ms": case.tool_latency_ms, "observation_tokens": case.observation_tokens,
                           "observation_id": 1, "sigma": case.latency_sigma}}
+    rollout = {"prompts_per_step": case.prompts, "n_samples": case.samples, "max_new_tokens": per_turn * case.turns,
+               "ignore_eos": True, "temperature": 1.0}
+    algorithm = {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean"}
+    if case.inflight:
+        rollout["partial"] = {"mode": "carry", "max_staleness": case.max_staleness}
+        algorithm["mismatch"] = {"mode": "token_truncate"}
     return {
         "run": {"output_dir": run_dir, "steps": case.warmup + case.steps, "seed": case.seed, "device": device},
         "model": {"path": model_dir, "tokenizer_path": tokenizer_dir},
         "data": {"train": [{"path": data}], "apply_chat_template": False, "max_prompt_len": case.prompt_len},
-        "rollout": {"prompts_per_step": case.prompts, "n_samples": case.samples, "max_new_tokens": per_turn * case.turns,
-                    "ignore_eos": True, "temperature": 1.0},
+        "rollout": rollout,
         "env": env,
         "engine": {"kv_cache_max_tokens": kv_tokens},
         "optim": {"lr": 1e-6, "max_grad_norm": 1.0},
-        "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean"},
+        "algorithm": algorithm,
         "reward": {"components": {"score": {"type": "function", "path": "e2e_grpo:tidal_reward"}},
                    "recipes": {"default": [["score", 1.0]]}, "default_recipe": "default"},
         "eval": {"at_start": False, "at_end": False, "every": 0},
@@ -193,14 +209,21 @@ def run_case(config: dict, case: Case) -> dict:
     relative = {  # issue 40 item 5: the engine's share of the rollout, and the rate of trajectories
         "step_ms": statistics.median(timed_steps) * 1e3 if timed_steps else None, "engine_steps": len(timed_steps) / max(1, len(steps)),
         "engine_idle_frac": 1.0 - in_steps / generate_s if generate_s and in_steps is not None else None,
+        # over all timed rollouts together (rollouts in flight alternate long and short: medians pair unlike ones)
+        "engine_idle_frac_total": 1.0 - sum(step_time) / sum(m["time/generate"] for m in steps) if steps else None,
         "wait_frac": wait_s / generate_s if generate_s else None,
         "trajectories_per_s": seqs / generate_s if generate_s else None,
         "latency_dist": "lognormal" if case.latency_sigma > 0 else "fixed", "latency_sigma": case.latency_sigma,
-        "latency_steps": case.latency_steps,
+        "latency_steps": case.latency_steps, "inflight": case.inflight,
     }
+    if case.inflight:  # how far the trained tokens lag their weights, and the groups in flight
+        relative.update({k.replace("partial/", "partial_"): med(k) for k in (
+            "partial/staleness_mean", "partial/staleness_max", "partial/stale_token_frac", "partial/span_mean",
+            "partial/carried_groups", "partial/new_groups", "partial/restarted")})
     return {  # the workload matrix's keys (bench/results/matrix.jsonl), then this benchmark's own
         "figure": "case", "case": f"{case.size}-{seqs}x{case.new_tokens}-forced-t{case.turns}-l{latency:.4g}"
-        + (f"-s{case.latency_steps:g}" if case.latency_steps is not None else "") + ("-lognormal" if case.latency_sigma else ""), "size": case.size,
+        + (f"-s{case.latency_steps:g}" if case.latency_steps is not None else "") + ("-lognormal" if case.latency_sigma else "")
+        + ("-inflight" if case.inflight else ""), "size": case.size,
         "seqs": seqs, "prompts": case.prompts, "samples": case.samples, "prompt_len": case.prompt_len,
         "max_new_tokens": case.new_tokens, "lengths": "forced", "partial_rollout": False, "kl": False,
         "iteration_s": med("time/step"), "phases": phases, "turns": case.turns, "tool_latency_ms": latency,
@@ -265,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(measured in the single-turn case), instead of --latency-ms")
     p.add_argument("--lognormal-steps", type=float, default=0.0,
                    help="add a case of lognormal tool latencies of this median (in engine steps), p99 10x the median")
+    p.add_argument("--inflight", action="store_true", help="run every multi-turn case twice, back to back: as is, then "
+                   "with trajectories in flight across rollouts (rollout.partial.mode=carry); the second carries its "
+                   "ratios to the first (trajectories_per_s_vs_off, engine_idle_frac_off)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     p.add_argument("--cpu", action="store_true", help="CPU run with the tiny model: 16 prompts x 4, 4 turns of 16 tokens")
+    p.add_argument("--before", default="", help="a source tree of an earlier commit (its commit hash in DIR/COMMIT): "
+                   "every multi-turn case runs there first, with that tree's code (the figure stamped with its commit)")
+    p.add_argument("--note", default="", help="a note stamped on every figure (e.g. the machine's load)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -301,17 +330,32 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cases = [Case(turns=turns, tool_latency_ms=float(ms), **sizes) for ms in args.latency_ms.split(",")]
         for case in cases:
-            failed += _record(case, device, assets, args, meta, baseline).get("error") is not None
+            if args.before:
+                before_meta = dict(meta, commit=open(os.path.join(args.before, "COMMIT")).read().strip())
+                script = os.path.join(args.before, "bench", "multiturn.py")
+                failed += _record(case, device, assets, args, before_meta, baseline, script=script).get("error") is not None
+            off = _record(case, device, assets, args, meta, baseline)
+            failed += off.get("error") is not None
+            if args.inflight:
+                failed += _record(dataclasses.replace(case, inflight=True), device, assets, args, meta, baseline,
+                                  off=off).get("error") is not None
     return 1 if failed else 0
 
 
-def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: dict | None) -> dict:
+def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: dict | None, off: dict | None = None,
+            script: str | None = None) -> dict:
     """Run ``case`` in a fresh process; print (and append to ``--out``) its figure, with
-    ``vs_single_turn`` (and ``trajectories_per_s_vs_single_turn``) against ``baseline``. Returns the figure."""
-    name = f"run-{case.turns}-{case.tool_latency_ms:g}" + ("-lognormal" if case.latency_sigma else "")
-    spec = {"case": dataclasses.asdict(case), "device": device, "assets": assets, "run_dir": os.path.join(args.work_dir, name)}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                          capture_output=True, text=True)
+    ``vs_single_turn`` against ``baseline`` and, for an in-flight case, ``trajectories_per_s_vs_off``
+    and ``engine_idle_frac_off`` against ``off`` (the same case run just before without). ``script``:
+    another tree's bench/multiturn.py to run it with (the case's fields that tree knows). Returns the figure."""
+    name = f"run-{case.turns}-{case.tool_latency_ms:g}" + ("-lognormal" if case.latency_sigma else "") + ("-inflight" if case.inflight else "")
+    fields = dataclasses.asdict(case)
+    if script is not None:  # an earlier tree: without the fields it may not know (their defaults)
+        fields = {k: v for k, v in fields.items() if k not in ("inflight", "max_staleness")}
+        name += "-before"
+    spec = {"case": fields, "device": device, "assets": assets, "run_dir": os.path.join(args.work_dir, name)}
+    proc = subprocess.run([sys.executable, script or os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(script))) if script else None)
     figures = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not figures:
         record = {"figure": "case", "turns": case.turns, "tool_latency_ms": case.tool_latency_ms,
@@ -320,7 +364,15 @@ def _record(case: Case, device: str, assets: dict, args, meta: dict, baseline: d
         record = figures[-1]
         if case.turns > 1 and baseline and baseline.get("iteration_s"):
             record["vs_single_turn"] = record["iteration_s"] / baseline["iteration_s"]
+        if off and off.get("trajectories_per_s") and record.get("trajectories_per_s"):
+            record["trajectories_per_s_vs_off"] = record["trajectories_per_s"] / off["trajectories_per_s"]
+            record["engine_idle_frac_off"] = off.get("engine_idle_frac")
     record.update(meta)
+    if script is not None:
+        record["tree"] = "before"
+    if args.note:
+        record["note"] = args.note
+    record["command"] = "python bench/multiturn.py " + " ".join(sys.argv[1:])
     print(json.dumps(record), flush=True)
     if args.out:
         with open(args.out, "a") as f:

@@ -186,7 +186,7 @@ def fake(monkeypatch):
     holder = {}
 
     def make_llm(**kwargs):
-        holder["llm"] = FakeLLM(**kwargs)
+        holder["llm"] = holder.get("class", FakeLLM)(**kwargs)
         return holder["llm"]
 
     module = types.SimpleNamespace(LLM=make_llm, SamplingParams=lambda **kw: kw)
@@ -196,7 +196,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(adapter, "device_free_bytes", lambda device: 10_000 - holder["llm"].used() if "llm" in holder else 10_000)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 20_000))
 
-    def build(**cfg):
+    def build(llm_class=FakeLLM, **cfg):
+        holder["class"] = llm_class
         engine = adapter.VLLMEngine(CFG, EngineConfig(**{"kv_cache_max_tokens": 64, "sleep_level": 1, **cfg}), device=torch.device("cuda"),
                                     dtype=torch.bfloat16)
         return engine, holder["llm"]
@@ -274,3 +275,61 @@ def test_tied_embeddings_are_loaded_under_their_alias():
         ("model.norm.weight", n), ("model.embed_tokens.weight", e), ("lm_head.weight", e)]
     both = [("model.embed_tokens.weight", e), ("lm_head.weight", n)]
     assert adapter.with_aliases(both, aliases) == both  # an explicit lm_head.weight is not doubled
+
+
+# ---- multi-turn through the adapter (rounds of generate calls) -----------------------------------------
+class TurnLLM(FakeLLM):
+    """vLLM's ``generate`` as multi-turn needs it: token ids in (``prompt_token_ids``), for sample j
+    of a prompt of length L the tokens ``[20 + L % 50 + j, 2]`` (2: an EOS id, so ``stop``) with the
+    processed logprobs ``[-L / 100, -0.5]``; every call's inputs and sampling settings recorded."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inputs: list[tuple[list[list[int]], dict]] = []
+
+    def generate(self, inputs, sp, use_tqdm=True):
+        self.inputs.append(([list(x["prompt_token_ids"]) for x in inputs], dict(sp)))
+        outs = []
+        for i, x in enumerate(inputs):
+            L = len(x["prompt_token_ids"])
+            outs.append(_out(str(i), x["prompt_token_ids"],
+                             [(j, ([20 + L % 50 + j, 2], [-L / 100, -0.5], "stop")) for j in range(sp["n"])]))
+        return outs
+
+
+def test_multi_turn_rollout_through_the_vllm_adapter_is_token_exact(fake):
+    from tidal.envs import EnvConfig, EnvRollout, EnvRow, Environment, Observation, StepResult
+    from tidal.tasks.chatml import train_chatml_tokenizer
+
+    engine, llm = fake(TurnLLM)
+
+    class TwoTurns(Environment):  # turn 0 -> observation [7, 8, 9]; turn 1 -> done
+        def reset(self, row):
+            return Observation(token_ids=list(row.prompt_ids))
+
+        def step(self, turn):
+            if turn.index == 1:
+                return StepResult(done=True, reward=1.0)
+            return StepResult(observation=Observation(token_ids=[7, 8, 9]))
+
+    cfg = EnvConfig(name="single_turn", max_turns=3, max_tokens_per_turn=5, lockstep=True)
+    rollout = EnvRollout(cfg, train_chatml_tokenizer(["a b c"] * 4), env_factory=lambda: TwoTurns(cfg))
+    rollout.single_turn = False
+    rows = [EnvRow(prompt_ids=[11, 12, 13], prompt_text=""), EnvRow(prompt_ids=[14, 15], prompt_text="")]
+    result = rollout.run(engine.generate, rows, SamplingParams(max_new_tokens=5, n=2, seed=3))
+    # round 1: each prompt once with n=2 (shared prefill); round 2: each trajectory's exact context
+    (first, sp1), (second, sp2) = llm.inputs
+    assert first == [[11, 12, 13], [14, 15]] and sp1["n"] == 2 and sp1["max_tokens"] == 5
+    assert sp1["logprobs"] == 0 and sp1["detokenize"] is False and sp2["n"] == 1
+    expected = []
+    for row in rows:
+        for j in range(2):
+            t0 = [20 + len(row.prompt_ids) % 50 + j, 2]
+            ctx = row.prompt_ids + t0 + [7, 8, 9]
+            expected.append((ctx, t0, [20 + len(ctx) % 50, 2], -len(row.prompt_ids) / 100, -len(ctx) / 100))
+    assert sorted(second) == sorted(e[0] for e in expected)
+    for traj, (ctx, t0, t1, lp0, lp1) in zip(result.trajectories, expected):
+        r = traj.rows[0]
+        assert r.input_ids == ctx + t1 and r.action_mask == [1, 1, 0, 0, 0, 1, 1]
+        assert r.logprobs == [lp0, -0.5, 0.0, 0.0, 0.0, lp1, -0.5]
+        assert traj.finish_reason == "done" and [t.finish_reason for t in traj.turns] == ["stop", "stop"]

@@ -173,16 +173,15 @@ def test_tool_environments_refuse_a_template_without_tool_messages():
     EnvRollout(EnvConfig(), train_tokenizer(["Calculate 1+2"]))  # single_turn needs no tool template
 
 
-def test_multi_turn_refuses_the_vllm_and_sglang_adapters():
+def test_multi_turn_refuses_the_sglang_adapter():
     from tidal.envs.base import check_engine_backend
 
-    for backend in ("native", "hf"):
+    for backend in ("native", "hf", "vllm"):  # vllm: tests/engine/test_vllm_adapter.py (multi-turn, token exact)
         check_engine_backend(EnvConfig(name="calculator"), backend)
-    check_engine_backend(EnvConfig(), "vllm")  # single_turn: today's path on every engine
-    for backend in ("vllm", "sglang"):
-        with pytest.raises(ConfigError, match=f"the {backend} adapter generates single completions") as e:
-            check_engine_backend(EnvConfig(name="python"), backend)
-        assert e.value.key == "engine.backend"
+    check_engine_backend(EnvConfig(), "sglang")  # single_turn: today's path on every engine
+    with pytest.raises(ConfigError, match="the sglang adapter generates single completions") as e:
+        check_engine_backend(EnvConfig(name="python"), "sglang")
+    assert e.value.key == "engine.backend"
 
 
 def test_env_row_from_a_dataset_item(qwen25_tok, tmp_path):

@@ -127,3 +127,21 @@ def test_step_pool_runs_at_most_workers_calls_at_once():
     while len(pool):
         done += [out.key for out in pool.collect(block=True)]
     assert sorted(done) == list(range(6)) and peak[0] == 2
+
+
+def test_step_pool_reuses_its_threads():
+    """Calls in sequence run on one thread (no thread started per call, ``Thread.start`` waits for
+    the OS to run it); after ``shutdown`` the waiting thread ends."""
+    pool = StepPool(workers=4, timeout_s=5)
+    names = []
+    for k in range(5):
+        pool.submit(k, lambda: threading.get_ident())
+        while len(pool):
+            names += [out.value for out in pool.collect(block=True)]
+    assert len(names) == 5 and len(set(names)) == 1
+    before = threading.active_count()
+    pool.shutdown()
+    deadline = time.monotonic() + 5
+    while threading.active_count() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before - 1

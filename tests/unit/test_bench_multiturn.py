@@ -46,6 +46,11 @@ def test_case_config_samples_the_same_tokens_in_one_or_many_turns(tmp_path):
     assert multi["env"]["max_tokens_per_turn"] * 4 == single["rollout"]["max_new_tokens"] == 256
     assert multi["env"]["workers"] == 128 and single["env"] == {"name": "single_turn"}
     build(TidalConfig, multi)  # a valid run config
+    inflight = multiturn.case_config(multiturn.Case(turns=4, tool_latency_ms=50, inflight=True), device="cpu",
+                                     run_dir=str(tmp_path), **paths)
+    cfg = build(TidalConfig, inflight)  # trajectories in flight: carry, a correction, a worker per trajectory in flight
+    assert cfg.rollout.partial.mode == "carry" and cfg.algorithm.mismatch.mode == "token_truncate"
+    assert cfg.env.workers == 128 * (cfg.rollout.partial.max_staleness + 2)
 
 
 @pytest.mark.slow

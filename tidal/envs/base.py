@@ -184,8 +184,10 @@ def env_class(cfg: EnvConfig) -> type[Environment]:
 
 
 # Engines whose adapters the environment path supports (exact token ids and sampling logprobs of a
-# prompt given as ids, verified here). The vLLM and SGLang adapters are refused (docs/agentic.md).
-MULTI_TURN_BACKENDS = ("native", "hf")
+# prompt given as ids, each turn a new call on the trajectory's ids). vLLM takes prompts as ids and
+# returns the sampled ids with their processed logprobs (rounds of generate calls); SGLang's adapter
+# is refused (docs/agentic.md).
+MULTI_TURN_BACKENDS = ("native", "hf", "vllm")
 
 
 def check_engine_backend(cfg: EnvConfig, backend: str) -> None:
@@ -195,7 +197,8 @@ def check_engine_backend(cfg: EnvConfig, backend: str) -> None:
             "engine.backend",
             f"env.name={cfg.name!r} is a multi-turn environment, which needs engine.backend in {list(MULTI_TURN_BACKENDS)}; "
             f"the {backend} adapter generates single completions only (its token-in/token-out across turns and its "
-            "logprobs are not verified, and it has no incremental requests). Use engine.backend=native, or env.name=single_turn",
+            "logprobs are not verified, and it has no incremental requests). Use engine.backend=native (or vllm, hf), "
+            "or env.name=single_turn",
         )
 
 

@@ -7,6 +7,11 @@ when it starts running, so calls queued behind slow or hung ones keep their whol
 its limit is given up on and its slot goes to the next call, but Python cannot stop its thread: the
 thread runs on until the call returns (tools bound their own calls, so this needs a broken
 environment).
+
+Threads are reused: a thread whose call returned waits up to ``IDLE_S`` for the next one, so
+steady traffic starts no thread per call (``Thread.start`` waits until the OS runs the new thread,
+milliseconds on a loaded machine, and the loop pays it on its own thread between engine steps). A
+thread given up on joins the idle ones only once its call returns.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import queue
 import threading
 import time
 from typing import Any, Callable, Hashable
+
+IDLE_S = 5.0  # how long a pool thread waits for its next call before it ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +52,9 @@ class StepPool:
         self.timeout_s, self.workers = timeout_s, workers
         self._queued: collections.deque[_Call] = collections.deque()
         self._running: list[_Call] = []
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []  # the inboxes of threads waiting for a call
+        self._closed = False
 
     def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> None:
         self._queued.append(_Call(key, functools.partial(fn, *args)))
@@ -73,7 +84,31 @@ class StepPool:
             call = self._queued.popleft()
             call.deadline = time.monotonic() + self.timeout_s
             self._running.append(call)
-            threading.Thread(target=_run, args=(call,), name="tidal-env", daemon=True).start()
+            with self._lock:
+                inbox = self._idle.pop() if self._idle else None
+            if inbox is not None:
+                inbox.put(call)
+            else:
+                threading.Thread(target=self._serve, args=(call,), name="tidal-env", daemon=True).start()
+
+    def _serve(self, call: _Call | None) -> None:
+        """A pool thread: run ``call``, then the calls handed to it while it waits (at most
+        ``IDLE_S`` between two); it ends when none comes or the pool shuts down."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        while call is not None:
+            _run(call)
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle.append(inbox)
+            try:
+                call = inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # nothing handed over: end
+                        self._idle.remove(inbox)
+                        return
+                call = inbox.get()  # handed over as the wait ended
 
     def _harvest(self) -> list[Outcome]:
         now = time.monotonic()
@@ -91,9 +126,15 @@ class StepPool:
         return out
 
     def shutdown(self) -> None:
-        """Stop taking calls and drop the queued ones; running ones finish in the background."""
+        """Stop taking calls and drop the queued ones; running ones finish in the background; the
+        waiting threads end."""
         self._queued.clear()
         self._running = []
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
 
 
 def _run(call: _Call) -> None:

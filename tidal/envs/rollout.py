@@ -41,6 +41,11 @@ every step has answered); it is what makes rollouts reproducible on engines with
 requests (rounds: a batch ``generate`` call keys its draws by the sequence's index in the call, so
 there it is the round's composition that must not depend on timing).
 
+In flight across rollouts (``rollout.partial.mode: carry``, :class:`InFlightTrajectories`): the
+same continuous loop, kept beyond one rollout: a stop rule ends a rollout at an engine step (turns
+decoding then are cut and resume with their tokens next time, tools called go on running), and
+when the engine would idle new trajectories start (``admit``).
+
 Single turn: with ``env.name: single_turn`` this makes exactly one engine call on every engine
 (rounds), with the same prompts (each row's ids) and the same sampling parameters (``n`` included)
 as a plain rollout, so the completions are those of a plain rollout. Through a
@@ -71,12 +76,12 @@ from typing import Any, Callable, Protocol
 
 from tidal.distributed.generate import Exchange, GenerateBatch, OnFinished, Round, check_budgets, force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, sequence_key, supports_incremental
-from tidal.engine.stepping import run_steps
+from tidal.engine.stepping import EngineRun, run_steps
 from tidal.envs.base import EnvFactory, EnvRow, Environment, ModelTurn, Observation, StepResult, env_class, make_env_factory
 from tidal.envs.chat import ChatRenderer
 from tidal.envs.config import EnvConfig
 from tidal.envs.executor import Outcome, StepPool
-from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder
+from tidal.envs.trajectory import FINISH_REASONS, FinishReason, Trajectory, TrajectoryBuilder, sampled_versions
 
 # engine.generate(prompts, params[, mm_inputs=...]): mm_inputs is passed only when a row has images
 Generate = Callable[..., list[Completion]]
@@ -147,6 +152,9 @@ class _Episode:
     counters: Counter = dataclasses.field(default_factory=Counter)
     result: Trajectory | None = None
     budget: int | None = None  # this sequence's own max_new_tokens (single turn; see EnvRollout.run)
+    key: int = 0  # its key in the run (its position in EnvRollout.run; InFlightTrajectories: its request key)
+    seed: int | None = None  # its sampling seed (None: the run's params.seed); in flight, that of the step that started it
+    partial: Completion | None = None  # in flight: its turn cut at a rollout's end (tokens, logprobs, versions), resumed next
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -205,7 +213,7 @@ class EnvRollout:
         if budgets is not None and self.cfg.name != "single_turn":
             raise ValueError(f"per-sequence budgets (ExperienceMaker.completion_budget) apply to single-turn rollouts; "
                              f"env.name is {self.cfg.name!r}: bound its trajectories with env.max_total_tokens instead")
-        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i, sample=j)
+        episodes = [_Episode(env=self.env_factory(), row=row, group_id=first_group_id + i, sample=j, key=i * params.n + j)
                     for i, row in enumerate(rows) for j in range(params.n)]
         if budgets is not None:
             check_budgets(budgets, len(episodes), params.max_new_tokens)
@@ -213,7 +221,7 @@ class EnvRollout:
                 ep.budget = int(b)
         gen = generate if hasattr(generate, "round") else LocalGenerator(generate)
         engine = None if self.single_turn or budgets is not None else incremental_engine(generate)
-        run = _Run(self, episodes, gen, params, end_token_id, on_trajectory)
+        run = _Run(self, {ep.key: ep for ep in episodes}, gen, params, end_token_id, on_trajectory)
         try:
             run.loop() if engine is None else run.loop_continuous(engine)
         finally:
@@ -221,6 +229,82 @@ class EnvRollout:
             for ep in episodes:
                 _close(ep.env)
         return RolloutResult(trajectories=[ep.result for ep in episodes], metrics=run.metrics())
+
+
+class InFlightTrajectories:
+    """Multi-turn trajectories kept in flight across rollouts (``rollout.partial.mode: carry``;
+    :class:`~tidal.trainer.partial.LongTailRollout` decides which start, which are trained and when
+    a rollout ends). It owns one continuous loop's state (:meth:`_Run.loop_continuous`) beyond a
+    single rollout: the trajectories, their environments and the pool running their steps. Between
+    two rollouts (while the trainer trains) the tools called at the end of one keep running; a
+    turn cut by a rollout's end keeps its tokens, logprobs and policy versions and goes on after
+    them in the next (re-prefilled under the new weights, :class:`~tidal.engine.base.Request`).
+
+    A trajectory is known by its key (the caller's: unique among those in flight) and draws its
+    tokens with the seed it was started with and its (group, sample) stream key, so which run
+    decodes a turn does not change its random numbers; which weights sample it does (each token
+    keeps the version and logprob of the weights that sampled it, ``TrajectoryRow.versions``).
+    Under a rollout TP group the trajectories' end (and so a rollout's end) would differ between
+    ranks: not supported (checked in the config)."""
+
+    def __init__(self, rollout: EnvRollout, params: SamplingParams):
+        self.rollout = rollout
+        self.run = _Run(rollout, {}, LocalGenerator(None), params)
+
+    def start(self, key: int, row: EnvRow, group_id: int, sample: int, seed: int | None) -> None:
+        """Start a trajectory of ``row`` (its environment made and reset now, on the pool)."""
+        if key in self.run.episodes:
+            raise ValueError(f"trajectory key {key} is in flight already")
+        self.run.start(_Episode(env=self.rollout.env_factory(), row=row, group_id=group_id, sample=sample, key=key,
+                                seed=seed))
+
+    def drop(self, keys: list[int]) -> None:
+        """Forget trajectories (trained, or restarted): their environments are closed; a call of
+        theirs still running is ignored when it answers."""
+        for key in keys:
+            ep = self.run.episodes.pop(key, None)
+            if ep is not None:
+                self.run.resetting.discard(key)
+                if key in self.run.ready:
+                    self.run.ready.remove(key)
+                _close(ep.env)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.run.episodes
+
+    def result(self, key: int) -> Trajectory | None:
+        """The trajectory ``key`` once it ended, else None."""
+        return self.run.episodes[key].result
+
+    def versions(self, key: int) -> list[int]:
+        """The policy versions of trajectory ``key``'s sampled tokens so far (a cut turn's too)."""
+        ep = self.run.episodes[key]
+        done = sampled_versions(ep.builder.rows) if ep.builder is not None else []
+        return done + (list(ep.partial.versions) if ep.partial is not None else [])
+
+    def collect(self, engine: IncrementalEngine, params: SamplingParams, *, stop: Callable[[], bool],
+                admit: Callable[[], None], on_trajectory: Callable[[int, Trajectory], None]) -> EngineRun:
+        """One rollout on the idle ``engine`` (this rank alone): the trajectories go on (new ones
+        reset first) until ``stop()``, asked before every engine step, says so. ``admit()`` is called
+        when the engine would otherwise idle (nothing decoding, nothing ready); it may :meth:`start`
+        trajectories. ``on_trajectory(key, trajectory)``: each trajectory that ends. ``params``: the
+        rollout's sampling settings (its seed for trajectories started without one)."""
+        run = self.run
+        run.gen, run.params, run.timing, run.calls = LocalGenerator(None), params, Counter(), 0
+        run.on_trajectory, run.admit, run.failure = on_trajectory, admit, None
+        try:
+            return run.loop_continuous(engine, stop=stop)
+        finally:
+            run.on_trajectory = run.admit = None
+
+    def metrics(self, keys: list[int]) -> dict[str, float]:
+        """The ``env/*`` metrics of trajectories ``keys`` (ended), with the last rollout's timings."""
+        return self.run.metrics(keys)
+
+    def close(self) -> None:
+        """Close every environment; running calls finish in the background, ignored."""
+        self.run.pool.shutdown()
+        self.drop(list(self.run.episodes))
 
 
 def incremental_engine(generate: Generate | Generator) -> IncrementalEngine | None:
@@ -244,7 +328,7 @@ def _close(env: Environment) -> None:
 class _Run:
     """The state of one :meth:`EnvRollout.run` call."""
 
-    def __init__(self, owner: EnvRollout, episodes: list[_Episode], gen: Generator, params: SamplingParams,
+    def __init__(self, owner: EnvRollout, episodes: dict[int, _Episode], gen: Generator, params: SamplingParams,
                  end_token_id: int | None = None, on_trajectory: Callable[[int, Trajectory], None] | None = None):
         self.cfg, self.renderer, self.max_context = owner.cfg, owner.renderer, owner.max_context
         self.episodes, self.gen, self.params = episodes, gen, params
@@ -258,12 +342,19 @@ class _Run:
         self.turns_done: list[Completion] = []
         self.stepped_at: float | None = None
         self.on_trajectory = on_trajectory
-        self.position = {id(ep): i for i, ep in enumerate(episodes)}
+        self.resetting: set[int] = set()  # episodes whose reset has not answered yet
+        self.admit: Callable[[], None] | None = None  # in flight: starts new episodes when the engine would idle
 
     # ---- the loop ------------------------------------------------------------------------------------
+    def start(self, ep: _Episode) -> None:
+        """Add episode ``ep`` (a free ``key``) and submit its ``reset``."""
+        self.episodes[ep.key] = ep
+        self.resetting.add(ep.key)
+        self.pool.submit(ep.key, ep.env.reset, ep.row)
+
     def loop(self) -> None:
-        for i, ep in enumerate(self.episodes):
-            self.pool.submit(i, ep.env.reset, ep.row)
+        for ep in list(self.episodes.values()):
+            self.start(ep)
         with self._failing_together():
             while len(self.pool):  # every reset first, so the first turn is one batch
                 self._collect(block=True)
@@ -313,7 +404,10 @@ class _Run:
 
     def _handle(self, out: Outcome) -> None:
         i = out.key
-        ep = self.episodes[i]
+        ep = self.episodes.get(i)
+        if ep is None:  # an episode dropped while its call ran (in flight: restarted past the staleness bound)
+            return
+        self.resetting.discard(i)
         stage = "reset" if ep.builder is None else f"step of turn {len(ep.builder.turns) - 1}"
         try:
             if out.error is not None:
@@ -399,7 +493,7 @@ class _Run:
         ep.result = builder.finish(row=ep.row, group_id=ep.group_id, finish_reason=reason, outcome_reward=outcome_reward,
                                    valid=valid, error=error, counters=dict(ep.counters))
         if self.on_trajectory is not None:
-            self.on_trajectory(self.position[id(ep)], ep.result)
+            self.on_trajectory(ep.key, ep.result)
 
     def _env_error(self, ep: _Episode, stage: str, exc: BaseException) -> None:
         msg = f"environment '{ep.env.name}' failed on row {ep.row.where} ({stage}): {type(exc).__name__}: {exc}"
@@ -476,12 +570,13 @@ class _Run:
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"the engine returned an unfinished turn ({c.finish_reason}) for trajectory {i}")
             ep = self.episodes[i]
+            ep.partial = None
             ep.last_turn = ep.builder.add_turn(list(c.token_ids), list(c.logprobs), c.finish_reason, text,
-                                                c.routed_experts)
+                                                c.routed_experts, versions=c.versions)
             self.pool.submit(i, ep.env.step, ep.last_turn)
 
     # ---- continuous decoding (an engine with incremental requests) -----------------------------------------
-    def loop_continuous(self, engine: IncrementalEngine) -> None:
+    def loop_continuous(self, engine: IncrementalEngine, stop: Callable[[], bool] | None = None) -> EngineRun:
         """The loop over the engine's requests (module docstring), one
         :func:`~tidal.engine.stepping.run_steps` run: before each engine step :meth:`_feed` hands the
         turns that finished in the previous one to the pool, takes the environments' answers
@@ -489,21 +584,44 @@ class _Run:
         ``env/wait_s``) and exchanges the new requests over the TP group
         (:meth:`~tidal.distributed.generate.GroupGenerator.exchange`), which the run adds. An error
         on a rank is announced in the exchange, so every rank raises at the same step; the requests
-        in flight are aborted (the engine is left idle)."""
-        for i, ep in enumerate(self.episodes):
-            self.pool.submit(i, ep.env.reset, ep.row)
-        try:
-            while len(self.pool):  # every reset first, so the n samples of a prompt are added together
-                self._collect(block=True)
-        except Exception as e:
-            self.failure = e
+        in flight are aborted (the engine is left idle).
+
+        ``stop()`` (trajectories in flight across rollouts, :class:`InFlightTrajectories`): asked
+        before every engine step; True ends the run there. The turns that finished in the last step
+        are handed to the pool (their tools run on), and the turns cut by the end keep their tokens
+        (``_Episode.partial``) to resume in the next run."""
+        for ep in self.episodes.values():
+            if ep.builder is None and ep.result is None and ep.key not in self.resetting:
+                self.start(ep)
+        self._take_resets()
         size, rank = self.gen.group_size, self.gen.rank
+        self.stepped_at = None
 
         def finished(c: Completion) -> None:  # this rank's turns (request id: episode * size + rank)
             if int(c.request_id) % size == rank:
                 self.turns_done.append(c)
 
-        run_steps(engine, feed=lambda: self._feed(engine, size, rank), on_finished=finished)
+        run = run_steps(engine, feed=lambda: self._feed(engine, size, rank), on_finished=finished,
+                        stop=None if stop is None else lambda done: stop())
+        if self.stepped_at is not None:
+            self.timing["generate_s"] += time.perf_counter() - self.stepped_at
+            self.stepped_at = None
+        mine, self.turns_done = self.turns_done, []
+        self._take_turns([int(c.request_id) // size for c in mine], mine)  # their tools run on
+        for c in run.unfinished:  # turns cut by the stop: resumed with their tokens in the next run
+            if int(c.request_id) % size == rank:
+                i = int(c.request_id) // size
+                self.episodes[i].partial = c if c.token_ids else None
+                self.ready.append(i)
+        return run
+
+    def _take_resets(self) -> None:
+        """Wait for every pending ``reset`` (so the n samples of a prompt are added together)."""
+        try:
+            while self.resetting and self.failure is None:
+                self._collect(block=True)
+        except Exception as e:
+            self.failure = e
 
     def _feed(self, engine: IncrementalEngine, size: int, rank: int) -> list[Request] | None:
         """Before an engine step: the requests the TP group adds now (every rank gets the same), or
@@ -513,6 +631,9 @@ class _Run:
         mine, self.turns_done = self.turns_done, []
         self._take_turns([int(c.request_id) // size for c in mine], mine)
         decoding = engine.has_unfinished()
+        if self.admit is not None and self.failure is None and not decoding and not self.ready and not self.resetting:
+            self.admit()  # the engine would idle: new trajectories start (in flight across rollouts)
+            self._take_resets()
         if self.failure is None:
             try:  # lockstep: with the engine idle, wait for every environment step (a round's barrier)
                 idle = not decoding and (self.cfg.lockstep or not self.ready)
@@ -547,16 +668,21 @@ class _Run:
         out = []
         for i in ready:
             ep = self.episodes[i]
-            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep))
+            params = dataclasses.replace(self.params, n=1, max_new_tokens=self._turn_limit(ep),
+                                         seed=self.params.seed if ep.seed is None else ep.seed)
+            cut = ep.partial  # a turn cut at the end of the previous run goes on after its tokens
             out.append(Request(request_id=i * size + rank, prompt_ids=ep.builder.context_ids, params=params,
-                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs, key=sequence_key(ep.group_id, ep.sample)))
+                               group_id=ep.group_id, mm_inputs=ep.row.mm_inputs, key=sequence_key(ep.group_id, ep.sample),
+                               token_ids=list(cut.token_ids) if cut else [], logprobs=list(cut.logprobs) if cut else [],
+                               versions=list(cut.versions) if cut else []))
         return out
 
     # ---- metrics -----------------------------------------------------------------------------------------
-    def metrics(self) -> dict[str, float]:
-        """``env/*`` metrics of this rollout; every key is present whatever happened (a fixed set
-        per environment: ranks reduce them by name)."""
-        done = [ep.result for ep in self.episodes if ep.result is not None]
+    def metrics(self, keys: list[int] | None = None) -> dict[str, float]:
+        """``env/*`` metrics of this rollout (of the episodes ``keys``, default all); every key is
+        present whatever happened (a fixed set per environment: ranks reduce them by name)."""
+        episodes = list(self.episodes.values()) if keys is None else [self.episodes[k] for k in keys]
+        done = [ep.result for ep in episodes if ep.result is not None]
         n = max(len(done), 1)
         turns = [t for traj in done for t in traj.turns]
         out = {
@@ -571,7 +697,7 @@ class _Run:
         }
         reasons = Counter(t.finish_reason for t in done)
         out.update({f"env/finish/{reason}_frac": reasons[reason] / n for reason in FINISH_REASONS})
-        declared = {k for ep in self.episodes for k in ep.env.counter_names} | set(LOOP_COUNTERS)
+        declared = {k for ep in episodes for k in ep.env.counter_names} | set(LOOP_COUNTERS)
         for key in sorted(declared | {k for t in done for k in t.counters}):
             values = [t.counters.get(key, 0.0) for t in done]
             out[f"env/{key}"] = sum(values) / n

@@ -31,12 +31,18 @@ class TrajectoryRow:
     tokens; ``logprobs[i]`` is its sampling logprob (0.0 on observation tokens).
     ``routed_experts``: MoE models, the engine's routing of ``input_ids[:len(routed_experts)]``
     (``Completion.routed_experts`` of the row's last turn, whose prompt was the row so far; int16
-    ``[n, L, K]``), None when the engine recorded none."""
+    ``[n, L, K]``), None when the engine recorded none.
+    ``versions[i]``: the policy version whose weights sampled ``token_ids[i]`` (the engine's
+    ``Completion.versions``; 0 from an engine that does not track them), -1 on observation tokens:
+    a trajectory kept in flight across rollouts (``rollout.partial.mode: carry``) has turns, even
+    parts of one turn, sampled by different weights, each token's ``logprobs[i]`` being that of
+    the weights that sampled it."""
 
     prompt_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     action_mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
     routed_experts: Any = None
 
     @property
@@ -102,6 +108,11 @@ class Trajectory:
         return sum(t.num_sampled + t.num_observation for t in self.turns)
 
     @property
+    def sampled_versions(self) -> list[int]:
+        """The policy version of every sampled token, in order (``TrajectoryRow.versions``)."""
+        return sampled_versions(self.rows)
+
+    @property
     def truncated(self) -> bool:
         """Cut by a limit: it ended at ``max_turns`` or ``max_total_tokens``, or its last turn hit
         its token limit (for one turn: exactly a plain completion's ``finish_reason == "length"``)."""
@@ -125,6 +136,11 @@ class Trajectory:
         )
 
 
+def sampled_versions(rows: list[TrajectoryRow]) -> list[int]:
+    """The policy versions of the sampled tokens of ``rows``, in order."""
+    return [v for r in rows for v, a in zip(r.versions, r.action_mask) if a]
+
+
 class TrajectoryBuilder:
     """Builds one trajectory by appending (see module docstring)."""
 
@@ -145,17 +161,21 @@ class TrajectoryBuilder:
         return sum(t.num_sampled + t.num_observation for t in self.turns)
 
     def add_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: Literal["stop", "length"], text: str,
-                 routed_experts=None) -> ModelTurn:
+                 routed_experts=None, versions: list[int] | None = None) -> ModelTurn:
         """Append the engine's sampled ids (mask 1) with their logprobs, exactly as given;
-        ``routed_experts``: the completion's (MoE), which covers the row so far and the new ids."""
+        ``routed_experts``: the completion's (MoE), which covers the row so far and the new ids;
+        ``versions``: the policy version of each id (None: 0 for all, an engine that does not track them)."""
         if not token_ids or len(token_ids) != len(logprobs):
             raise ValueError(f"a turn needs >= 1 sampled token and one logprob per token, got {len(token_ids)} and {len(logprobs)}")
+        if versions is not None and len(versions) != len(token_ids):
+            raise ValueError(f"a turn needs one policy version per token, got {len(versions)} for {len(token_ids)} tokens")
         row = self.rows[-1]
         self.turns.append(TurnRecord(index=len(self.turns), row=len(self.rows) - 1, start=len(row.token_ids),
                                      num_sampled=len(token_ids), text=text, finish_reason=finish_reason))
         row.token_ids += token_ids
         row.action_mask += [1] * len(token_ids)
         row.logprobs += [float(x) for x in logprobs]
+        row.versions += [int(v) for v in versions] if versions is not None else [0] * len(token_ids)
         row.routed_experts = routed_experts
         self.messages.append({"role": "assistant", "content": text})
         return ModelTurn(token_ids=list(token_ids), text=text, finish_reason=finish_reason, index=len(self.turns) - 1)
@@ -168,6 +188,7 @@ class TrajectoryBuilder:
         row.token_ids += token_ids
         row.action_mask += [0] * len(token_ids)
         row.logprobs += [0.0] * len(token_ids)
+        row.versions += [-1] * len(token_ids)
         self.turns[-1].num_observation += len(token_ids)
         self.messages += [dict(m) for m in messages]
 

@@ -66,7 +66,9 @@ class PartialRolloutConfig:
         step each rollout takes G new prompts. Needs an ``algorithm.mismatch.mode`` (stale tokens
         were sampled by older weights: the correction weights them by pi_old / pi_rollout).
         ``drop`` (over-sample, drop the slowest): the groups that are not among the first G complete
-        are aborted and discarded (biased towards short responses; nothing is stale).
+        are aborted and discarded (biased towards short responses; nothing is stale). With a
+        multi-turn ``env``, ``carry`` keeps trajectories in flight across rollouts (their tools
+        run on while the trainer trains; docs/agentic.md); ``drop`` is single-turn only.
     oversample: extra groups in flight as a fraction of G: a number >= 0 keeps
         ``ceil(G * (1 + oversample))`` in flight (0 cuts nothing: every group in flight completes,
         which is exactly a plain rollout). ``auto``: ``carry`` starts with ``ceil(1.5 G)`` and sizes
@@ -247,8 +249,13 @@ def check_partial_rollout(cfg: Any) -> None:
     key = "rollout.partial.mode"
     check(cfg.engine.backend == "native", key, f"{p.mode} needs an engine with incremental requests (add/step/abort): "
           f"set engine.backend=native (got {cfg.engine.backend!r}) or rollout.partial.mode=off")
-    check(cfg.env.name == "single_turn", key, f"{p.mode} applies to single-turn rollouts; env.name is {cfg.env.name!r}: "
-          f"set rollout.partial.mode=off")
+    if cfg.env.name != "single_turn":  # multi turn: trajectories in flight across rollouts (tidal.envs.rollout.InFlightTrajectories)
+        check(p.mode == "carry", key, f"drop applies to single-turn rollouts; env.name is {cfg.env.name!r}: set "
+              f"rollout.partial.mode=carry (trajectories kept in flight across rollouts) or off")
+        check(not cfg.env.lockstep, key, "carry keeps multi-turn trajectories going while their tools run; env.lockstep=true "
+              "makes every turn wait for all tools: set env.lockstep=false or rollout.partial.mode=off")
+        check(cfg.engine.tp_size == 1, key, f"carry with a multi-turn environment runs on one engine rank (engine.tp_size=1; "
+              f"got {cfg.engine.tp_size}): set engine.tp_size=1 or rollout.partial.mode=off")
     check(not cfg.algorithm.dynamic_sampling.enabled, key,
           f"{p.mode} does not combine with algorithm.dynamic_sampling (both decide which groups a batch takes); turn one off")
     check(cfg.rollout.n_samples <= SAMPLE_SLOTS, key, f"supports rollout.n_samples <= {SAMPLE_SLOTS}")

@@ -204,10 +204,13 @@ class ExperienceMaker:
 
     def generate_partial(self, long_tail: LongTailRollout, step: int, params: SamplingParams) -> Rollout:
         """Step ``step``'s rollout under ``rollout.partial`` (:mod:`tidal.trainer.partial`): the
-        groups it trains, as single-turn trajectories, with the ``partial/*`` metrics."""
+        groups it trains, as trajectories (single turn: built from the sequences; multi turn: kept
+        in flight across rollouts), with the ``partial/*`` metrics (and multi turn the ``env/*``
+        metrics of the trained trajectories)."""
         with self.colocation.rollout() as engine, self.timer.phase("generate"), speculation_metrics(engine) as spec:
             trained, metrics, _ = long_tail.collect(engine, step, params, self.completion_budget)
         metrics.update(spec)
+        metrics.update(long_tail.env_metrics(trained))
         items, trajectories = long_tail.trajectories(trained, self.env.renderer.decode_batch)
         self.timer.event("generate:done", {"prompts": len(items),
                                            "completion_lengths": [t.num_sampled_tokens for t in trajectories],

@@ -23,6 +23,19 @@ the next rollout: unfinished sequences are re-prefilled under the new weights
 the start of a rollout, a carried sequence whose oldest token lags the engine's policy version by
 more than ``max_staleness`` is restarted from its prompt, so no trained token lags more than that.
 
+Multi turn (``env``: the run's :class:`~tidal.envs.rollout.EnvRollout`): the same groups, rule and
+choice, the difference being data: a group member is a trajectory
+(:class:`~tidal.envs.rollout.InFlightTrajectories`, whose environments, pool and tool calls live
+across rollouts) and it is done when its trajectory ended, not when a sequence finished. A turn cut
+by a rollout's end resumes with its tokens; a trajectory waiting for its tool at the end waits on
+while the trainer trains. When the engine would idle (every trajectory waits for its tool), a new
+group starts (one at a time: each carried trajectory is prefilled again in the next rollout, so
+no more start than fill the gap), within the cap (:func:`max_in_flight` with ``oversample: auto``; a fixed
+``oversample`` keeps its number). A :class:`SeqState` then mirrors its trajectory (the policy
+versions of its sampled tokens, its finish) after each rollout; restarting one starts a fresh
+trajectory from the prompt. Checkpoints keep the groups as fresh ones (an environment's state is
+not saved). docs/agentic.md ("Trajectories in flight across rollouts").
+
 ``drop``: every rollout starts ``in_flight`` fresh groups; those not among the first G complete are
 aborted and discarded (``partial/dropped_groups``). Nothing is stale, the batch is biased towards
 short responses.
@@ -53,6 +66,7 @@ from tidal.distributed.generate import force_end
 from tidal.engine.base import Completion, IncrementalEngine, Request, SamplingParams, require_incremental, sequence_key
 from tidal.engine.stepping import EngineRun, GroupsComplete, run_steps
 from tidal.envs.base import EnvRow
+from tidal.envs.rollout import EnvRollout, InFlightTrajectories
 from tidal.envs.trajectory import Trajectory, TrajectoryBuilder
 from tidal.trainer.config import SAMPLE_SLOTS, PartialRolloutConfig
 from tidal.trainer.experience import first_group_id
@@ -125,6 +139,15 @@ class GroupState:
         return version + 1 - self.oldest_version(version) > max_staleness
 
 
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    """A multi-turn group member as :class:`DueGroupsComplete` counts it (its trajectory's end
+    plays a sequence's completion: both carry ``group_id``)."""
+
+    request_id: int
+    group_id: int
+
+
 class DueGroupsComplete:
     """Stop rule for :func:`~tidal.engine.stepping.run_steps` under ``carry``: each owner has its
     complete groups (:class:`~tidal.engine.stepping.GroupsComplete`) and every ``due`` group is
@@ -163,7 +186,7 @@ class LongTailRollout:
     """
 
     def __init__(self, cfg: PartialRolloutConfig, *, groups_per_step: int, n_samples: int, rank: int, runtime: Any,
-                 dataset: Any, draw: Callable[[], list[int]]):
+                 dataset: Any, draw: Callable[[], list[int]], env: EnvRollout | None = None):
         if not cfg.enabled:
             raise ValueError("LongTailRollout needs rollout.partial.mode carry or drop")
         self.cfg = cfg
@@ -174,6 +197,10 @@ class LongTailRollout:
         self.runtime, self.dataset, self.draw = runtime, dataset, draw
         self.groups: list[GroupState] = []  # carried over (carry mode), oldest first
         self.queue: list[int] = []  # drawn dataset indices not started yet
+        # multi-turn (env: the rollout's environments): the trajectories in flight, made at the first rollout
+        self.env = env
+        self.inflight: InFlightTrajectories | None = None
+        self.started = 0  # groups started by the current step (their ids follow first_group_id's)
 
     # ---- one rollout -------------------------------------------------------------------------------
     def collect(self, engine: Any, step: int, params: SamplingParams, budget: Any = None
@@ -184,19 +211,16 @@ class LongTailRollout:
         engine = require_incremental(engine, f"rollout.partial.mode={self.cfg.mode}")
         version = int(engine.policy_version)
         stats = Counter()
+        self.started = 0
         self._restart_stale(version, step, stats)
         new = self._refill(step, params, budget)
-        stats["new_groups"] = len(new)
         groups = self.groups + new
         before = sum(g.complete for g in groups)
-        requests = self._requests(groups, params, stats)
-        run, rule = self._run(engine, groups, requests, version)
-        by_gid = {g.gid: g for g in groups}
-        end = budget.end_token_id if budget is not None else None
-        for c in run.finished + run.unfinished:
-            if c.group_id in by_gid:
-                seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
-                seq.take(force_end(c, seq.budget, end) if end is not None else c)
+        if self.env is not None:
+            run, rule = self._run_env(engine, groups, step, params, version, stats)
+        else:
+            run, rule = self._run_sequences(engine, groups, params, version, budget, stats)
+        stats["new_groups"] = self.started
         trained = self._choose(groups, rule.completed, version)
         chosen = {g.gid for g in trained}
         rest = [g for g in groups if g.gid not in chosen]
@@ -238,24 +262,89 @@ class LongTailRollout:
         elif short < 0:
             self.in_flight = max(self.G, self.in_flight - (-short) // 2)
 
+    def _run_sequences(self, engine: IncrementalEngine, groups: list[GroupState], params: SamplingParams, version: int,
+                       budget: Any, stats: Counter) -> tuple[EngineRun, GroupsComplete | DueGroupsComplete]:
+        """Single turn: the groups' unfinished sequences as requests (resumed with their tokens), run
+        until the stop rule; each sequence takes its completion (finished or cut)."""
+        requests = self._requests(groups, params, stats)
+        run, rule = self._run(engine, groups, requests, version)
+        by_gid = {g.gid: g for g in groups}
+        end = budget.end_token_id if budget is not None else None
+        for c in run.finished + run.unfinished:
+            if c.group_id in by_gid:
+                seq = by_gid[c.group_id].seqs[int(c.request_id) % SAMPLE_SLOTS]
+                seq.take(force_end(c, seq.budget, end) if end is not None else c)
+        return run, rule
+
+    def _run_env(self, engine: IncrementalEngine, groups: list[GroupState], step: int, params: SamplingParams,
+                 version: int, stats: Counter) -> tuple[EngineRun, DueGroupsComplete]:
+        """Multi turn: the groups' trajectories (:class:`~tidal.envs.rollout.InFlightTrajectories`)
+        go on, those without one (new, restarted, or resumed from a checkpoint) start from their
+        prompt, until the same stop rule as single turn holds, counted on ended trajectories
+        instead of finished sequences. When the engine would idle (every trajectory waits for its
+        tool), a new group starts, within the in-flight cap: such groups are carried to later rollouts."""
+        if self.inflight is None:
+            self.inflight = InFlightTrajectories(self.env, params)
+        for g in groups:
+            for j, s in enumerate(g.seqs):
+                key = g.gid * SAMPLE_SLOTS + j
+                stats["resumed"] += key in self.inflight and not s.finished
+                if key not in self.inflight:
+                    self.inflight.start(key, EnvRow.from_prompt_item(self.dataset[g.index]), g.gid, j, params.seed)
+        done = sum(g.complete for g in groups)
+        due = [g.gid for g in groups if not g.complete and g.due(version, self.cfg.max_staleness)]
+        members = [_Member(request_id=g.gid * SAMPLE_SLOTS + j, group_id=g.gid) for g in groups for j, s in enumerate(g.seqs)
+                   if not s.finished]
+        rule = DueGroupsComplete(members, {0: max(self.G - done, 0)}, {g.gid: 0 for g in groups}, due)
+        ended: list[Trajectory] = []
+
+        def admit() -> None:  # the engine would idle: one new group (the least work that fills it), within the cap
+            fresh = self._new_groups(min(1, self.cap - len(groups)), step, params, None)
+            for g in fresh:
+                for j in range(self.n):
+                    self.inflight.start(g.gid * SAMPLE_SLOTS + j, EnvRow.from_prompt_item(self.dataset[g.index]), g.gid, j,
+                                        params.seed)
+            groups.extend(fresh)
+
+        def stop() -> bool:
+            out, ended[:] = rule(ended), []
+            return out
+
+        run = self.inflight.collect(engine, params, stop=stop, admit=admit,
+                                    on_trajectory=lambda key, t: ended.append(t))
+        for g in groups:  # each sequence: its trajectory's sampled versions so far, finished once it ended
+            for j, s in enumerate(g.seqs):
+                key = g.gid * SAMPLE_SLOTS + j
+                s.versions = self.inflight.versions(key)
+                result = self.inflight.result(key)
+                s.finish_reason = result.finish_reason if result is not None else None
+        return run, rule
+
     def _restart_stale(self, version: int, step: int, stats: Counter) -> None:
         for g in self.groups:
-            for s in g.seqs:
+            for j, s in enumerate(g.seqs):
                 if s.versions and version - min(s.versions) > self.cfg.max_staleness:
                     s.restart(step)
+                    if self.inflight is not None:  # multi turn: a fresh trajectory from the prompt
+                        self.inflight.drop([g.gid * SAMPLE_SLOTS + j])
                     stats["restarted"] += 1
 
     def _refill(self, step: int, params: SamplingParams, budget: Any) -> list[GroupState]:
         """New groups for the free in-flight slots, from the queue of drawn indices."""
-        need = self.in_flight - len(self.groups)
+        return self._new_groups(self.in_flight - len(self.groups), step, params, budget)
+
+    def _new_groups(self, need: int, step: int, params: SamplingParams, budget: Any) -> list[GroupState]:
+        """``need`` new groups from the queue of drawn indices (their ids follow the step's earlier ones)."""
+        need = max(need, 0)
         while len(self.queue) < need:
             self.queue += [int(i) for i in self.draw()]
         idx, self.queue = self.queue[:need], self.queue[need:]
         budgets = [params.max_new_tokens] * (need * self.n)
         if budget is not None and need:
             budgets = budget.budgets([self.dataset[i] for i in idx], params)
-        # carried groups were started by earlier steps: these ids are free
-        first = first_group_id(step, self.rank, self.cap)
+        # carried groups were started by earlier steps: these ids are free (at most cap new ones per step)
+        first = first_group_id(step, self.rank, self.cap) + self.started
+        self.started += need
         return [GroupState(gid=first + k, index=i,
                            seqs=[SeqState(budget=budgets[k * self.n + s], start_step=step) for s in range(self.n)])
                 for k, i in enumerate(idx)]
@@ -311,9 +400,15 @@ class LongTailRollout:
     # ---- trajectories --------------------------------------------------------------------------------
     def trajectories(self, trained: list[GroupState], decode: Callable[[list[list[int]]], list[str]]
                      ) -> tuple[list[Any], list[Trajectory]]:
-        """The trained groups as single-turn trajectories (group-major, ``n`` each), exactly as the
-        ``single_turn`` environment builds them, and their prompt items."""
+        """The trained groups' trajectories (group-major, ``n`` each) and their prompt items. Single
+        turn: built from the sequences exactly as the ``single_turn`` environment builds them; multi
+        turn: the trajectories that ended (their environments are closed)."""
         items = [self.dataset[g.index] for g in trained]
+        if self.inflight is not None:
+            keys = [g.gid * SAMPLE_SLOTS + j for g in trained for j in range(self.n)]
+            out = [self.inflight.result(k) for k in keys]
+            self.inflight.drop(keys)
+            return items, out
         texts = decode([s.token_ids for g in trained for s in g.seqs])
         out = []
         for g, item in zip(trained, items):
@@ -325,9 +420,28 @@ class LongTailRollout:
         return items, out
 
     # ---- checkpoint ----------------------------------------------------------------------------------
+    def env_metrics(self, trained: list[GroupState]) -> dict[str, float]:
+        """Multi turn: the ``env/*`` metrics of the trained groups' trajectories (call before
+        :meth:`trajectories`), with the last rollout's timings (``env/wait_s``, ``env/generate_s``,
+        ``env/generate_calls``); {} for single turn."""
+        if self.inflight is None:
+            return {}
+        return self.inflight.metrics([g.gid * SAMPLE_SLOTS + j for g in trained for j in range(self.n)])
+
+    def close(self) -> None:
+        """Close the environments of the trajectories in flight (multi turn)."""
+        if self.inflight is not None:
+            self.inflight.close()
+
     def state_dict(self) -> dict:
-        """The carried groups and the queue of drawn indices (JSON-serialisable)."""
-        return {"groups": [dataclasses.asdict(g) for g in self.groups], "queue": list(self.queue),
+        """The carried groups and the queue of drawn indices (JSON-serialisable). Multi turn: an
+        environment's state cannot be saved, so the groups are saved as fresh ones (a resumed run
+        starts their trajectories again from their prompts, ``partial/restarted``)."""
+        groups = self.groups
+        if self.env is not None:
+            groups = [GroupState(gid=g.gid, index=g.index, seqs=[SeqState(budget=s.budget, start_step=s.start_step) for s in g.seqs])
+                      for g in groups]
+        return {"groups": [dataclasses.asdict(g) for g in groups], "queue": list(self.queue),
                 "in_flight": self.in_flight}
 
     def load_state_dict(self, state: dict) -> None:
@@ -339,6 +453,9 @@ class LongTailRollout:
                              f"world size must match to resume exactly)")
         self.groups = [GroupState(gid=int(g["gid"]), index=int(g["index"]), seqs=[SeqState(**s) for s in g["seqs"]])
                        for g in state["groups"]]
+        if self.inflight is not None:  # multi turn: the loaded groups' trajectories start from their prompts
+            self.inflight.close()
+            self.inflight = None
         self.queue = [int(i) for i in state["queue"]]
 
 

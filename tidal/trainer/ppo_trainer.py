@@ -117,7 +117,8 @@ class PPOTrainer:
         if cfg.rollout.partial.enabled:
             self.long_tail = LongTailRollout(cfg.rollout.partial, groups_per_step=cfg.rollout.prompts_per_step // self.rt.world_size,
                                              n_samples=cfg.rollout.n_samples, rank=self.rt.rank, runtime=self.rt,
-                                             dataset=data.train, draw=lambda: self._next_items()[1])
+                                             dataset=data.train, draw=lambda: self._next_items()[1],
+                                             env=self.maker.env if self.maker.multi_turn else None)
         self.updater = Updater(models=models, colocation=colocation, algorithm=algorithm, rollout=cfg.rollout, train=cfg.train,
                                model=cfg.model, split=self.perf.split)
         self.loop = JobLoop(self, cfg=cfg, runtime=self.rt, timer=self.timer, watchdog=self.watchdog, logger=logger,
@@ -324,6 +325,8 @@ class PPOTrainer:
         pass
 
     def close(self) -> None:
+        if self.long_tail is not None:
+            self.long_tail.close()
         self.perf.close()
         self.run_dir.lock.release()
 
