@@ -21,8 +21,9 @@ CHATS = [
 ]
 
 
-@pytest.fixture(params=["quickstart", "qwen2_5", "qwen3"])
-def folder(request, tmp_path):
+@pytest.fixture(scope="module", params=["quickstart", "qwen2_5", "qwen3"])
+def folder(request, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(request.param)
     tok = train_tokenizer(CORPUS) if request.param == "quickstart" else train_chatml_tokenizer(CORPUS, template=request.param)
     save_tokenizer(tok, str(tmp_path))
     Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -53,11 +54,13 @@ def test_sampled_rows_count_the_same_tokens(folder, tmp_path, apply_chat_templat
 
 
 @pytest.mark.parametrize("change", ["no tokenizer.json", "vision processor", "add_bos_token", "named templates"])
-def test_left_to_transformers(folder, change):
+def test_left_to_transformers(folder, change, tmp_path):
     """None where transformers' loading would give another tokenizer or template than the files say."""
-    from pathlib import Path
+    import shutil
 
-    root = Path(folder)
+    root = tmp_path / "copy"
+    shutil.copytree(folder, root)
+    assert load_tokenizer_file(str(root)) is not None
     config = json.loads((root / "tokenizer_config.json").read_text())
     if change == "no tokenizer.json":
         (root / "tokenizer.json").unlink()
@@ -68,4 +71,4 @@ def test_left_to_transformers(folder, change):
     else:
         (root / "chat_template.jinja").unlink(missing_ok=True)
         (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": [{"name": "default", "template": "x"}]}))
-    assert load_tokenizer_file(folder) is None
+    assert load_tokenizer_file(str(root)) is None
