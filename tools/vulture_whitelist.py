@@ -71,3 +71,4 @@ _.first_key, _.moe, _.text_prefix, _.experts, _.expert_intermediate, _.shared_ex
 # Native engine models named by their family as engine_model "module:Class" (tidal/families/<name>.py).
 Gemma3ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 _.__class__  # tidal/models/linear_attention.py gives HF's Gated DeltaNet layers their packed subclass in place
+_.render_body  # tidal/data/tokenizer_file.py: the {% generation %} block of a chat template, called by name by jinja2 (call_method)

@@ -111,9 +111,9 @@ def _compile(template: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("render_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller):
+        def render_body(self, caller):  # called by name from the compiled template (call_method above)
             return caller()
 
     def raise_exception(message):
