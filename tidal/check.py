@@ -1,28 +1,32 @@
 """``tidal check CONFIG [overrides]``: everything a run checks before it loads a model, without
 training, then what the run will do.
 
-Checked, in the order a run checks them (each failure is the run's own ConfigError, exit 2): the
-config and its overrides, the optional packages it needs (:mod:`tidal.optional_deps`), the device
-this process would get (``run.device``, ranks per node against GPUs, under torchrun too) and the
-world against ``engine.tp_size`` and the batch sizes, every local path the run reads (model folders,
-data files), then what :func:`tidal.build.check_model_and_data` checks for ``tidal train`` too: the
-model's context against ``data.max_prompt_len + rollout.max_new_tokens`` (and ``env.max_total_tokens``)
-before the micro-batches, the tokenizer, and a sample of the rows of every data source -- fields,
-prompt lengths, labels against ``reward.recipes``, and whether each rule component can read the
-references (:mod:`tidal.data.check`). With a model folder at hand it prints the memory plan that
-exists before anything loads: the engine's weights per rank, KV-cache bytes per token and, on CUDA,
-the KV budget and the tokens it holds. A built-in task (``task.name``) builds its assets at the
-first run, so its model and data are not read here.
+Checked in this order (each failure is the run's own ConfigError, exit 2): the config and its
+overrides, the optional packages it needs (:mod:`tidal.optional_deps`); torch-free
+(:func:`check_data_first`, about a second): every local path the run reads (model folders, data
+files) and a sample of the rows of every data source with the model folder's tokenizer read by
+``tokenizers`` alone -- fields, prompt lengths, labels against ``reward.recipes``, and whether each
+rule component can read the references (:mod:`tidal.data.check`); then, with torch: the device this
+process would get (``run.device``, ranks per node against GPUs, under torchrun too) and the world
+against ``engine.tp_size`` and the batch sizes, then what :func:`tidal.build.check_model_and_data`
+checks for ``tidal train`` too: the model's context against ``data.max_prompt_len +
+rollout.max_new_tokens`` (and ``env.max_total_tokens``) before the micro-batches, the tokenizer the
+run loads, and the data's sample again with it. With a model folder at hand it prints the memory
+plan that exists before anything loads: the engine's weights per rank, KV-cache bytes per token
+and, on CUDA, the KV budget and the tokens it holds. A built-in task (``task.name``) builds its
+assets at the first run, so its model and data are not read here.
 """
 
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from tidal import families
 from tidal.config import TidalConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _gib(n: float) -> str:
@@ -85,6 +89,10 @@ def memory_lines(cfg: TidalConfig, device: torch.device) -> list[str]:
 
 def _kv_budget_tokens(cfg: TidalConfig, caches: list[families.LayerCache], dtype: torch.dtype, budget: int) -> str:
     """The tokens a KV budget holds in the native engine's pools (full layers; window layers')."""
+    import torch
+
+    from tidal.engine import sizing
+
     eng, bs = cfg.engine, cfg.engine.block_size
     nbytes = torch.empty(0, dtype=dtype).element_size()
     window = families.pool_window(caches)
@@ -142,7 +150,8 @@ def _check_task(cfg: TidalConfig) -> list[str]:
     ``data.train`` gives the prompts (reasoning-gym rows, files), every check of those rows with its
     tokenizer, as ``tidal train`` makes them once the task is built (the task's own rows are built
     with it)."""
-    from tidal.build import ResolvedPaths, check_context_budget, check_data
+    from tidal.build import check_context_budget
+    from tidal.inputs import ResolvedPaths, check_data
     from tidal.models.loading import model_positions
     from tidal.tasks.assets import model_config_and_tokenizer
     from tidal.tasks.reasoning_gym import resolve_sources
@@ -158,7 +167,6 @@ def _check_task(cfg: TidalConfig) -> list[str]:
 
 def check(cfg: TidalConfig) -> list[str]:
     """Run the checks (ConfigError on the first failure) and return the lines to print."""
-    from tidal.distributed.runtime import resolve_device, rollout_group_ranks
     from tidal.optional_deps import check_dependencies
     from tidal.run.run_dir import check_output_dir
 
@@ -168,6 +176,11 @@ def check(cfg: TidalConfig) -> list[str]:
         from tidal.envs import make_env_factory
 
         make_env_factory(cfg.env)
+    paths = _config_paths(cfg)
+    if paths is not None:
+        check_data_first(cfg, paths)  # torch-free: a bad path or row is named before the model stack is imported
+    from tidal.distributed.runtime import resolve_device, rollout_group_ranks
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", "0")),
                             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), tp_size=cfg.engine.tp_size)
@@ -176,24 +189,53 @@ def check(cfg: TidalConfig) -> list[str]:
     if cfg.job == "rl":
         from transformers import AutoConfig
 
-        from tidal.algorithms import Algorithm
-        from tidal.build import ResolvedPaths, check_context_budget, check_inputs, check_model_and_data, choose_engine
+        from tidal.build import check_model_and_data
+        from tidal.inputs import choose_engine
 
         rollout_group_ranks(world, cfg.engine.tp_size)
         if cfg.task.name:  # the task's model is built at the first run: its config and tokenizer are made without it
             data_lines = _check_task(cfg)
         else:
-            m = cfg.model
-            from tidal.tasks.reasoning_gym import resolve_sources  # reasoning-gym rows: generated once, then read
+            from tidal.algorithms import Algorithm
 
-            train, eval_ = (resolve_sources(cfg.data, sources, cfg.task.workdir) for sources in (cfg.data.train, cfg.data.eval))
-            paths = ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
-                                  reference=m.reference_path or m.path, train=train, eval=eval_)
-            algorithm = Algorithm(cfg.algorithm)
-            check_inputs(cfg, paths, algorithm)
-            engine_line = choose_engine(cfg, m.path)
-            hf_config = AutoConfig.from_pretrained(m.path)
+            engine_line = choose_engine(cfg, paths.model)
+            hf_config = AutoConfig.from_pretrained(paths.model)
             _, data_lines = check_model_and_data(cfg, paths, hf_config)
-            data_lines = [engine_line] + data_lines + memory_plan_lines(cfg, hf_config, algorithm, device=device, world_size=world)
+            data_lines = [engine_line] + data_lines + memory_plan_lines(cfg, hf_config, Algorithm(cfg.algorithm), device=device,
+                                                                        world_size=world)
     return (plan_lines(cfg, world, device) + data_lines + memory_lines(cfg, device)
             + [f"warning: {w}" for w in cfg.learning_warnings()])
+
+
+def _config_paths(cfg: TidalConfig):
+    """The :class:`tidal.inputs.ResolvedPaths` of an RL job from a model folder (reasoning-gym rows
+    generated once, then read), None for other jobs and built-in tasks."""
+    if cfg.job != "rl" or cfg.task.name:
+        return None
+    from tidal.inputs import ResolvedPaths
+    from tidal.tasks.reasoning_gym import resolve_sources
+
+    m = cfg.model
+    train, eval_ = (resolve_sources(cfg.data, sources, cfg.task.workdir) for sources in (cfg.data.train, cfg.data.eval))
+    return ResolvedPaths(model=m.path, tokenizer=m.tokenizer_path or m.path, critic=m.critic_path or m.path,
+                         reference=m.reference_path or m.path, train=train, eval=eval_)
+
+
+def check_data_first(cfg: TidalConfig, paths) -> list[str] | None:
+    """The paths and the data check (:func:`tidal.inputs.check_data`) with the model folder's
+    tokenizer read by ``tokenizers`` alone (:func:`tidal.data.tokenizer_file.load_tokenizer_file`),
+    before torch and transformers are imported: its lines, or None where the tokenizer is one only
+    transformers loads. ``paths``: :func:`_config_paths`. ConfigError on the first bad path or row.
+    The run's own check (:func:`tidal.build.check_model_and_data`, with the tokenizer the run loads)
+    follows it either way."""
+    from tidal.algorithms import Algorithm
+    from tidal.data.prompts import require_chat_template
+    from tidal.data.tokenizer_file import load_tokenizer_file
+    from tidal.inputs import check_data, check_inputs
+
+    check_inputs(cfg, paths, Algorithm(cfg.algorithm))
+    tokenizer = load_tokenizer_file(paths.tokenizer)
+    if tokenizer is None:
+        return None
+    require_chat_template(tokenizer, cfg.data)
+    return check_data(cfg, paths, tokenizer)

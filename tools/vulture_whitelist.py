@@ -75,3 +75,4 @@ _.block_bytes  # ModelRunner: one KV block's bytes over the full layers (tests s
 process_logits  # tidal.engine.sampler: the processed distribution's logprobs (docs/engine.md; speculative and vLLM tests compare with it)
 _.kv_cache_bytes_per_token  # ModelShape: K and V bytes per token (the memory plan's tests check the families' caches with it)
 _.turn_rewards_BT  # tidal/trainer/experience.py: Experience.row reads it by name (ROW_TOKEN_FIELDS)
+_.render_body  # tidal/data/tokenizer_file.py: the {% generation %} block of a chat template, called by name by jinja2 (call_method)

@@ -23,14 +23,14 @@ def _task_overrides(workdir, **kw) -> list[str]:
     return [f"task.{k}={json.dumps(v)}" for k, v in settings.items()]
 
 
-@pytest.mark.slow
-def test_student_moves_towards_a_better_teacher(tmp_path, task_workdir):
-    teacher = prepare(TaskConfig(**TASK, workdir=str(task_workdir), sft_steps=600, sft_mistake_steps=0))
-    student_task = dict(sft_steps=300, sft_mistake_steps=200, sft_mistake_rate=0.75)
-    student = prepare(TaskConfig(**TASK, workdir=str(task_workdir), **student_task))
-    assert teacher.sft_accuracy > student.sft_accuracy + 0.2, (teacher.sft_accuracy, student.sft_accuracy)
+SEEDS = (1, 2, 3)  # the shipped run.seed and the next two: one 30-problem evaluation moves in steps of 1/30
+
+
+def _distill(tmp_path, task_workdir, teacher, student_task, seed: int) -> tuple[float, float, list[dict]]:
+    """One 120-step distillation run of the student at ``seed``: (start and end held-out accuracy, metric rows)."""
+    out = tmp_path / f"run{seed}"
     cfg = load_config("quickstart", _task_overrides(task_workdir, **student_task) + [
-        f"run.output_dir={tmp_path / 'run'}", "run.steps=120", "rollout.prompts_per_step=16", "rollout.n_samples=4",
+        f"run.output_dir={out}", f"run.seed={seed}", "run.steps=120", "rollout.prompts_per_step=16", "rollout.n_samples=4",
         "rollout.max_new_tokens=4", "engine.kv_cache_max_tokens=2048", "optim.lr=5e-4",
         f"model.teacher.path={teacher.model_path}", "algorithm.distill_coef=1.0",
         "algorithm.distill_task_weight=0.0",  # the task reward is evaluated and logged, never trained on
@@ -42,16 +42,31 @@ def test_student_moves_towards_a_better_teacher(tmp_path, task_workdir):
         final = trainer.fit()
     finally:
         shutdown()
-    start, end = final["initial_eval/greedy_accuracy"], final["eval/greedy_accuracy"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["step"] > 0]  # step 0 is the start-of-run evaluation
-    kl_first = sum(r["distill/reverse_kl"] for r in rows[:5]) / 5
-    kl_last = sum(r["distill/reverse_kl"] for r in rows[-5:]) / 5
-    assert kl_last < kl_first, (kl_first, kl_last)  # the student's samples look more like the teacher's
-    # Held-out accuracy rises (0.533 -> 0.600-0.633 with today's packages, from 120 to 240 steps and 4 or 8
-    # samples; it reached half the gap to the teacher, 0.733, before): the bound is "rises", the KL above
-    # is the distillation signal itself.
-    assert end > start, (start, end, teacher.sft_accuracy)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return final["initial_eval/greedy_accuracy"], final["eval/greedy_accuracy"], [r for r in rows if r["step"] > 0]
+
+
+@pytest.mark.slow
+def test_student_moves_towards_a_better_teacher(tmp_path, task_workdir):
+    teacher = prepare(TaskConfig(**TASK, workdir=str(task_workdir), sft_steps=600, sft_mistake_steps=0))
+    student_task = dict(sft_steps=300, sft_mistake_steps=200, sft_mistake_rate=0.75)
+    student = prepare(TaskConfig(**TASK, workdir=str(task_workdir), **student_task))
+    assert teacher.sft_accuracy > student.sft_accuracy + 0.2, (teacher.sft_accuracy, student.sft_accuracy)
+    for seed in SEEDS:
+        start, end, rows = _distill(tmp_path, task_workdir, teacher, student_task, seed)
+        assert start == pytest.approx(student.sft_accuracy)  # greedy: the same student whatever the seed
+        kl_first = sum(r["distill/reverse_kl"] for r in rows[:5]) / 5
+        kl_last = sum(r["distill/reverse_kl"] for r in rows[-5:]) / 5
+        assert kl_last < kl_first, (seed, kl_first, kl_last)  # the student's samples look more like the teacher's
+        assert end > start, (seed, start, end)
+    # Each seed's student rises; three seeds, since one 30-problem evaluation moves in steps of 1/30 and which
+    # problems flip depends on the sampling stream. Measured (issue 51 item 10), start 0.533, teacher 0.933:
+    # seeds 1/2/3 end 0.600/0.733/0.633 with 2 threads, 0.633/0.733/0.767 with 1; the code before the sampler
+    # changes (785fcfd, 1 thread) 0.733/0.733/0.800, and 0c04d04 0.767 at seed 1. The "half the gap" (0.733) that
+    # seed 1 met before was that seed's draws (exactly 0.733), not a package: with today's packages 785fcfd meets it
+    # and with the new sampling streams seed 2 does (seed 3 with 1 thread); the reverse KL falls as far at every seed
+    # (to 0.15-0.25, 1 thread).
+    # A bound on the mean over seeds is not set: 3 seeds x 2 thread counts do not separate the code's mean from noise.
 
 
 def _remote_run(tmp_path, tiny_task_overrides, url, on_error):

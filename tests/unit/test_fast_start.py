@@ -75,3 +75,26 @@ def test_lazy_module_imports_on_first_attribute():
     assert tidal.lazy.lazy_module("no_such_module_xyz").__class__.__name__ == "LazyModule"
     with pytest.raises(ModuleNotFoundError):
         lazy_module("no_such_module_xyz").anything
+
+
+def test_check_names_an_overlong_prompt_without_torch(tmp_path):
+    """`tidal check` reads the data with the model folder's tokenizer before the model stack: an
+    over-long prompt is named (file, row, the value that fits) and nothing heavy was imported (the
+    import of torch and transformers alone took 36 s of 41 s on a busy 2-core machine; 3 s now)."""
+    from transformers import Qwen2Config
+
+    from tidal.tasks.tokenizer import save_tokenizer, train_tokenizer
+
+    model = tmp_path / "model"
+    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=1000, max_position_embeddings=2048).save_pretrained(model)
+    save_tokenizer(train_tokenizer(["1+1? 2", "2+3? 5"]), str(model))
+    rows = [{"prompt": "1+1?", "reference": "2"}] * 40 + [{"prompt": "1+1? " * 300, "reference": "2"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "my.yaml"
+    config.write_text(f"run: {{output_dir: {tmp_path / 'run'}}}\nmodel: {{path: {model}}}\n"
+                      f"data: {{train: [{{path: {tmp_path / 'train.jsonl'}}}], max_prompt_len: 256}}\n"
+                      "rollout: {max_new_tokens: 64}\nreward: {components: {answer: {type: math_answer}}, recipes: {math: [[answer, 1.0]]}, default_recipe: math}\n")
+    res = run_cli("check", str(config))
+    assert res["code"] == 2 and res["heavy"] == [], res
+    assert "'data.max_prompt_len'" in res["stderr"] and f"{tmp_path / 'train.jsonl'}:41, has " in res["stderr"], res

@@ -1,6 +1,6 @@
 """Read a sample of every data source against the config, before any model loads.
 
-``tidal check`` and ``tidal train`` run the same check (:func:`tidal.build.check_data` calls
+``tidal check`` and ``tidal train`` run the same check (:func:`tidal.inputs.check_data` calls
 :func:`sample_rows` for every source): each sampled row is parsed with the run's field names
 (:func:`~tidal.data.prompts.parse_row`), rendered with its chat template and tokenized, and prompts
 longer than ``data.max_prompt_len`` are an error when ``data.overlong_prompt`` is ``error`` (one,
