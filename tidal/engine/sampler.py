@@ -61,14 +61,16 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     u_B: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row: row b takes the token whose CDF interval holds ``u_B[b]`` (fp32
     uniforms in [0, 1) on the logits' device, e.g. :func:`keyed_uniforms`; unused, and may be None,
-    when ``temperature == 0``: the argmax). Returns (token_B int64, logp_B fp32)."""
+    when ``temperature == 0``: the argmax). ``fused`` False: never the fused Triton pass (exact mode
+reads the logprobs of :func:`process_logits` itself). Returns (token_B int64, logp_B fp32)."""
     if temperature > 0 and (u_B is None or u_B.shape != logits_BV.shape[:1]):
         raise ValueError(f"sample: temperature {temperature} needs one uniform per row ({logits_BV.shape[0]}), got "
                          f"{None if u_B is None else tuple(u_B.shape)}")
-    if fused_applies(logits_BV.device, top_k, top_p):
+    if fused and fused_applies(logits_BV.device, top_k, top_p):
         from tidal.engine.native.kernels.triton_sampling import fused_sample
 
         return fused_sample(logits_BV, temperature, u_B)

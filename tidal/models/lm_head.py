@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tidal import exact
+
 # ---- the full-vocabulary passes (compiled on CUDA) ----------------------------------------------
 _COMPILED: dict[Callable, Callable] = {}  # the compiled passes, created on first use (a cache, no setting)
 
@@ -154,6 +156,15 @@ class _LMHeadLogprobs(torch.autograd.Function):
         return dh_NH, dw_VH, db_V, None, None, None, None, None, None
 
 
+def _head(hidden_NH, weight_VH, bias_V, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens, compile_head):
+    """:class:`_LMHeadLogprobs`, or inside exact mode (:func:`tidal.exact.active`) exact mode's
+    head (:func:`tidal.exact.head_logprobs`: the engine's log-softmax of batch-invariant logits)."""
+    if exact.active():
+        return exact.head_logprobs(hidden_NH, weight_VH, bias_V, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens)
+    return _LMHeadLogprobs.apply(hidden_NH, weight_VH, bias_V, labels_N, temperature, with_entropy, entropy_grad,
+                                 chunk_tokens, compile_head)
+
+
 def head_logprobs(
     hidden_NH: torch.Tensor,
     lm_head: torch.nn.Linear,
@@ -169,7 +180,7 @@ def head_logprobs(
     (fp32, float64 for a float64 model; entropies None without ``with_entropy``). The rows are
     already the predicting hidden states (row n predicts ``labels_N[n]``); the other arguments are
     those of :func:`lm_head_logprobs`."""
-    logp_N, entropy_N = _LMHeadLogprobs.apply(
+    logp_N, entropy_N = _head(
         hidden_NH, lm_head.weight, lm_head.bias, labels_N, temperature, with_entropy, entropy_grad, chunk_tokens,
         compile_head,
     )
@@ -206,7 +217,7 @@ def lm_head_logprobs(
     if positions_BT is None:
         hidden_NH = hidden_BTH[:, :-1].reshape(-1, H)
         labels_N = input_ids_BT[:, 1:].reshape(-1)
-        logp_N, entropy_N = _LMHeadLogprobs.apply(hidden_NH, weight_VH, bias_V, labels_N, *args)
+        logp_N, entropy_N = _head(hidden_NH, weight_VH, bias_V, labels_N, *args)
         zeros_B1 = logp_N.new_zeros(B, 1)
         logp_BT = torch.cat([zeros_B1, logp_N.view(B, T - 1)], dim=1)
         entropy_BT = torch.cat([zeros_B1, entropy_N.view(B, T - 1)], dim=1) if with_entropy else None
@@ -219,7 +230,7 @@ def lm_head_logprobs(
     idx_M = selected_BT.view(-1).nonzero().squeeze(-1)
     hidden_MH = hidden_BTH.reshape(B * T, H).index_select(0, idx_M - 1)
     labels_M = input_ids_BT.reshape(-1).index_select(0, idx_M)
-    logp_M, entropy_M = _LMHeadLogprobs.apply(hidden_MH, weight_VH, bias_V, labels_M, *args)
+    logp_M, entropy_M = _head(hidden_MH, weight_VH, bias_V, labels_M, *args)
     # out-of-place index_put: fresh [B, T] tensors, not views (FSDP2 warns about outputs that are views)
     rows_cols = (idx_M // T, idx_M % T)
     zeros_BT = logp_M.new_zeros(B, T)
