@@ -14,11 +14,15 @@ VL_UNSUPPORTED = ("vllm", "sglang")  # backends whose adapters take no images (y
 
 
 def create_engine(
-    hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, dtype: torch.dtype, tp_group=None
+    hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, dtype: torch.dtype, tp_group=None,
+    exact: bool = False,
 ) -> RolloutEngine:
     """An engine with the model's architecture and ``dtype`` weights (``engine.dtype`` resolved by the
     caller, :func:`tidal.dtypes.resolve_dtype`); its weights are loaded by weight sync. ``tp_group``:
-    the rollout TP group (None for one rank); the engine's TP size is that group's size."""
+    the rollout TP group (None for one rank); the engine's TP size is that group's size. ``exact``:
+    exact mode (``numerics.exact``; native engine only, :func:`tidal.numerics.check_exact`)."""
+    if exact and cfg.backend != "native":
+        raise ValueError(f"exact mode runs the native engine, not engine.backend={cfg.backend}")
     if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
         raise ValueError(
             f"engine.backend={cfg.backend} cannot generate from image prompts yet ({type(hf_config).__name__} is a "
@@ -29,7 +33,7 @@ def create_engine(
         from tidal.families import native_family
 
         native_family(hf_config)  # ConfigError naming what the native engine runs
-        return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group)
+        return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group, exact=exact)
     if cfg.backend == "hf":
         from tidal.engine.hf import HFEngine
 

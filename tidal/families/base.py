@@ -132,7 +132,9 @@ class Family:
     ``text_prefix``: where a ``ForConditionalGeneration`` checkpoint keeps the text tower
     (``model.language_model.``), "" for causal LMs. ``text_only``: a ``ForConditionalGeneration``
     checkpoint of this family trains its text tower only (text-only RL): the trainer loads the text
-    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded."""
+    decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded.
+    ``exact``: exact mode (``numerics.exact``, docs/exact.md) covers it: its engine model and its HF
+    forward give the same bits (tested per family in tests/engine/test_exact.py)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -143,6 +145,7 @@ class Family:
     packed_kernels: frozenset[str] = frozenset({"attention"})
     text_prefix: str = ""
     text_only: bool = False
+    exact: bool = False
 
     def __post_init__(self):
         unknown = set(self.packed_kernels) - set(PACKED_KERNELS)

@@ -2,4 +2,4 @@
 
 from tidal.families.base import Family
 
-FAMILY = Family(name="qwen3", model_types=("qwen3",), engine_model="tidal.engine.native.models.dense:Qwen3ForCausalLM")
+FAMILY = Family(name="qwen3", model_types=("qwen3",), engine_model="tidal.engine.native.models.dense:Qwen3ForCausalLM", exact=True)
