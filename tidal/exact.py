@@ -110,7 +110,40 @@ def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
     return softplus(x)
 
 
+def topk(input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """``torch.topk`` with an explicit tie-break: equal values in index order (the lowest index first,
+    from a stable sort), on every side and every batch (an MoE router's choice between two experts of
+    the same probability is then the same in the engine and the trainer)."""
+    values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def index_add_(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *, alpha=1) -> torch.Tensor:
+    """``self.index_add_`` whose repeated indices add in the order they occur, each add rounded in
+    ``self``'s dtype (a reduced-precision CPU kernel may sum repeats wider and round once): rounds
+    of unique indices, round r taking each index's r-th occurrence. An MoE combine of a token's k
+    expert outputs in one call then equals one call per expert (``transformers``' experts loop)."""
+    order = torch.argsort(index, stable=True)
+    sorted_idx = index[order]
+    first = torch.ones_like(sorted_idx, dtype=torch.bool)
+    first[1:] = sorted_idx[1:] != sorted_idx[:-1]
+    pos = torch.arange(index.numel(), device=index.device)
+    start = torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), 0).values
+    occurrence = torch.empty_like(pos)
+    occurrence[order] = pos - start
+    rounds = int(occurrence.max()) + 1 if index.numel() else 0
+    if rounds <= 1:
+        return self.index_add_(dim, index, source, alpha=alpha)
+    for r in range(rounds):
+        take = (occurrence == r).nonzero().squeeze(-1)
+        self.index_add_(dim, index[take], source.index_select(dim, take), alpha=alpha)
+    return self
+
+
 _SWAPS = {
+    torch.Tensor.index_add_: index_add_,
+    torch.topk: topk,
+    torch.Tensor.topk: topk,
     F.linear: linear,
     F.silu: lambda x, inplace=False: silu(x),
     torch.sigmoid: sigmoid,
@@ -187,12 +220,15 @@ def attention(
 
 
 def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``logp_N``, ``logp_NV``): fp32 log-probabilities of the sampled distribution, the one
-    definition the engine samples from (:func:`tidal.engine.sampler.process_logits`, temperature
-    only), and of ``tokens_N`` under it; per row, so batch-invariant."""
-    from tidal.engine.sampler import process_logits
-
-    logp_NV = process_logits(logits_NV, temperature, 0, 1.0)
+    """(``logp_N``, ``logp_NV``): fp32 log-probabilities of ``tokens_N`` and of the whole sampled
+    distribution, the same operations as :func:`tidal.engine.sampler.process_logits` without a filter
+    (fp32, divided by the temperature unless it is 0 or 1, ``log_softmax``; a test keeps the two
+    equal bit for bit; the engine sits above this module, so it is not imported); per row, so
+    batch-invariant."""
+    z_NV = logits_NV.float()
+    if temperature > 0 and temperature != 1.0:
+        z_NV = z_NV / temperature
+    logp_NV = z_NV.log_softmax(-1)
     return logp_NV.gather(-1, tokens_N[:, None]).squeeze(-1), logp_NV
 
 

@@ -26,6 +26,8 @@ from tidal.engine.native import NativeEngine
 from tidal.models.logprobs import attach_logprob_method, set_exact, token_logprobs
 from tidal.models.varlen import enable_packed_attention
 
+from .helpers import tiny_moe
+
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
               vocab_size=128, max_position_embeddings=256, initializer_range=0.02, head_dim=16)
 SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
@@ -42,6 +44,23 @@ DTYPES = [torch.float32, torch.bfloat16]
 PROMPTS = [list(range(3, 30)), [5, 9, 77, 2, 31], [40, 41, 40, 41, 40, 41, 40, 41, 40, 41, 40]]
 N, NEW = 3, 16
 _MODELS: dict = {}
+
+
+def tiny_moe_tied(family: str, dtype: torch.dtype):
+    """The family's tiny MoE (tests/engine/helpers.py) whose router rows 1 and 6 are equal in every
+    layer, so every token's probabilities of experts 1 and 6 tie exactly (the tie-break decides),
+    parameters in ``dtype``, packed and exact."""
+    if (family, dtype) not in _MODELS:
+        model = tiny_moe(family)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p[6] = p[1]
+                p.data = p.data.to(dtype)
+        enable_packed_attention(model)
+        attach_logprob_method(model)
+        _MODELS[family, dtype] = model
+    return _MODELS[family, dtype]
 
 
 def tiny(family: str, dtype: torch.dtype):
@@ -102,6 +121,21 @@ def test_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
     # the trainer packing other row sets: each row alone, and reversed
     assert bitwise(rollout[:1], trainer_logprobs(model, rows[:1]))
     assert bitwise(rollout[::-1], trainer_logprobs(model, rows[::-1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_moe_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
+    """MoE routing included: the router's top-k breaks ties by the lowest expert index on both sides
+    (experts 1 and 6 tie for every token here), each expert's rows go through the invariant matmul
+    and a token's expert outputs add in expert order on both sides."""
+    model = tiny_moe_tied(family, dtype)
+    assert families.find_family(model.config).exact
+    rows, rollout = generate(model, dtype)
+    assert bitwise(rollout, trainer_logprobs(model, rows))
+    assert bitwise(rollout[::-1], trainer_logprobs(model, rows[::-1]))
+    rows1, rollout1 = generate(model, dtype, max_num_seqs=1, max_num_batched_tokens=8)
+    assert rows1 == rows and bitwise(rollout1, rollout)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])

@@ -120,10 +120,11 @@ def test_mode_swaps_and_refuses_sdpa():
 def test_token_logprobs_is_the_engines_log_softmax():
     from tidal.engine.sampler import process_logits
 
-    logits = torch.randn(6, 50)
+    logits = torch.randn(6, 50).to(torch.bfloat16)
     tok = torch.randint(0, 50, (6,))
+    for t in (0.0, 1.0, 0.7, 1.3):
+        assert torch.equal(exact.token_logprobs(logits, tok, t)[1], process_logits(logits, t, 0, 1.0))
     logp, logp_V = exact.token_logprobs(logits, tok, 0.7)
-    assert torch.equal(logp_V, process_logits(logits, 0.7, 0, 1.0))
     assert torch.equal(logp, logp_V[torch.arange(6), tok])
     assert math.isclose(float(logp_V.exp().sum(-1)[0]), 1.0, rel_tol=1e-5)
 
@@ -154,7 +155,8 @@ def test_exact_config_default_off_and_accepted():
 
 
 @pytest.mark.parametrize("model_type, ok", [("qwen3", True), ("gemma3_text", True), ("llama", True), ("qwen2", True),
-                                            ("qwen3_5_text", False), ("qwen3_moe", False), ("olmo3", False)])
+                                            ("qwen3_5_text", False), ("qwen3_moe", True), ("olmoe", True),
+                                            ("qwen3_5_moe_text", False), ("olmo3", False)])
 def test_exact_model_families(model_type, ok):
     from transformers import AutoConfig
 
@@ -180,3 +182,26 @@ def test_exact_refuses_a_soft_capped_head():
     hf = AutoConfig.for_model("gemma3_text", final_logit_softcapping=30.0)
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         check_exact_model(load_config("quickstart", EXACT), hf)
+
+
+def test_topk_breaks_ties_by_the_lowest_index():
+    p = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25, 0.0]])
+    values, idx = exact.topk(p, 3)
+    assert idx.tolist() == [[1, 3, 2], [0, 1, 2]]
+    assert torch.equal(values, p.gather(-1, idx))
+    with exact.exact_numerics():
+        assert torch.topk(p, 2).indices.tolist() == [[1, 3], [0, 1]] and p.topk(1)[1].tolist() == [[1], [0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_index_add_adds_repeats_in_order_rounding_each(dtype):
+    """One call with a token's k rows equals k calls in that order (transformers' experts loop)."""
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(12, 8, generator=gen).to(dtype)
+    index = torch.tensor([0, 2, 1, 0, 2, 0, 3, 1, 0, 2, 3, 3])
+    one = torch.zeros(4, 8, dtype=dtype)
+    exact.index_add_(one, 0, index, src)
+    sequential = torch.zeros(4, 8, dtype=dtype)
+    for i in range(12):
+        sequential.index_add_(0, index[i:i + 1], src[i:i + 1])
+    assert torch.equal(one, sequential)

@@ -103,8 +103,16 @@ def set_exact(model: torch.nn.Module, enabled: bool) -> None:
     """Whether ``model``'s attached logprob method runs in exact mode (``numerics.exact``,
     docs/exact.md): its whole forward under :func:`tidal.exact.exact_numerics`, so its logprobs are
     the native engine's bit for bit. Set it before a strategy wraps the method (as
-    :func:`set_head_compile`)."""
+    :func:`set_head_compile`). On: an MoE model's experts run ``transformers``' eager loop (one
+    ``F.linear`` per expert over its tokens, summed per token in expert order, as the native
+    engine's experts do) instead of its grouped GEMM."""
     _rebind(model, exact=bool(enabled))
+    method = getattr(model, LOGPROB_METHOD, None)
+    if enabled and method is not None:
+        for module in method.args[0].modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
 
 
 def set_head_compile(model: torch.nn.Module, enabled: bool) -> None:
