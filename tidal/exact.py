@@ -104,6 +104,10 @@ def _gelu(x, approximate: str = "none"):
     return gelu_tanh(x)
 
 
+def _silu(x, inplace: bool = False):
+    return x.copy_(silu(x)) if inplace else silu(x)
+
+
 def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
     if beta != 1.0 or threshold != 20.0:
         raise NotImplementedError("exact mode: F.softplus with beta/threshold other than 1/20")
@@ -145,7 +149,7 @@ _SWAPS = {
     torch.topk: topk,
     torch.Tensor.topk: topk,
     F.linear: linear,
-    F.silu: lambda x, inplace=False: silu(x),
+    F.silu: _silu,
     torch.sigmoid: sigmoid,
     torch.Tensor.sigmoid: sigmoid,
     F.sigmoid: sigmoid,
