@@ -68,7 +68,7 @@ def check_exact_model(cfg, hf_config) -> None:
     if family is None or not family.exact:
         name = getattr(hf_config, "model_type", type(hf_config).__name__)
         raise ConfigError("numerics.exact", f"exact mode does not cover model_type {name!r} yet (covered: Qwen2, Qwen3, Llama, "
-                          "Gemma 3, Qwen3-MoE, OLMoE; docs/exact.md); set numerics.exact: false")
+                          "Gemma 3, Qwen3.5, Qwen3-MoE, OLMoE, Qwen3.5-MoE; docs/exact.md); set numerics.exact: false")
     if getattr(text_config(hf_config), "final_logit_softcapping", None) is not None:
         raise ConfigError("numerics.exact", "the model's final_logit_softcapping is set: the trainer's LM head does not "
                           "soft-cap its logits as the engine does; set numerics.exact: false")

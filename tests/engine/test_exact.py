@@ -27,6 +27,7 @@ from tidal.models.logprobs import attach_logprob_method, set_exact, token_logpro
 from tidal.models.varlen import enable_packed_attention
 
 from .helpers import tiny_moe
+from .test_native_qwen3_5 import tiny_qwen3_5
 
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
               vocab_size=128, max_position_embeddings=256, initializer_range=0.02, head_dim=16)
@@ -124,7 +125,7 @@ def test_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen3_5_moe"])
 def test_moe_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
     """MoE routing included: the router's top-k breaks ties by the lowest expert index on both sides
     (experts 1 and 6 tie for every token here), each expert's rows go through the invariant matmul
@@ -138,11 +139,38 @@ def test_moe_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
     assert rows1 == rows and bitwise(rollout1, rollout)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def tiny_hybrid(dtype: torch.dtype):
+    """Qwen3.5's tiny hybrid (tests/engine/test_native_qwen3_5.py), parameters in ``dtype``, packed."""
+    if ("qwen3_5", dtype) not in _MODELS:
+        model = tiny_qwen3_5()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+        enable_packed_attention(model)
+        attach_logprob_method(model)
+        _MODELS["qwen3_5", dtype] = model
+    return _MODELS["qwen3_5", dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_deltanet_rollout_logprobs_equal_trainer_logprobs_bitwise(dtype):
+    """Qwen3.5 (two Gated DeltaNet layers, then gated full attention): one form of the delta rule on
+    both sides, the recurrent one (prefill, chunked prefill, decode and packed training alike), and
+    one form of the short convolution (each output from its window of K inputs)."""
+    model = tiny_hybrid(dtype)
+    assert families.find_family(model.config).exact
+    rows, rollout = generate(model, dtype)
+    assert bitwise(rollout, trainer_logprobs(model, rows))
+    assert bitwise(rollout[::-1], trainer_logprobs(model, rows[::-1]))
+    rows1, rollout1 = generate(model, dtype, max_num_seqs=1, max_num_batched_tokens=8)
+    assert rows1 == rows and bitwise(rollout1, rollout)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
 def test_training_forward_gives_the_old_logprobs(family):
     """The update's forward (autograd on) computes the same bits: the first ratio is exactly 1, and
     gradients flow through exact mode's ops."""
-    model = tiny(family, torch.float32)
+    model = tiny_hybrid(torch.float32) if family == "qwen3_5" else tiny(family, torch.float32)
     rows, rollout = generate(model, torch.float32)
     set_exact(model, True)
     T = max(map(len, rows))

@@ -155,8 +155,8 @@ def test_exact_config_default_off_and_accepted():
 
 
 @pytest.mark.parametrize("model_type, ok", [("qwen3", True), ("gemma3_text", True), ("llama", True), ("qwen2", True),
-                                            ("qwen3_5_text", False), ("qwen3_moe", True), ("olmoe", True),
-                                            ("qwen3_5_moe_text", False), ("olmo3", False)])
+                                            ("qwen3_5_text", True), ("qwen3_moe", True), ("olmoe", True),
+                                            ("qwen3_5_moe_text", True), ("olmo3", False), ("qwen2_vl", False)])
 def test_exact_model_families(model_type, ok):
     from transformers import AutoConfig
 
