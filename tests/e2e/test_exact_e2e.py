@@ -2,7 +2,8 @@
 quickstart` logs a rollout/trainer logprob mismatch of exactly 0.0 at every step, and the first
 update's importance ratio is exactly 1 (``actor/approx_kl`` and ``actor/clip_frac`` 0 with one
 epoch of one mini-batch). The plain run is a tiny task for a few steps; the slow ones are the
-shipped quickstart for 50 steps (dense Qwen2) and short Gemma 3 (sliding window) and Qwen3 runs,
+shipped quickstart for 50 steps (dense Qwen2) and short Gemma 3 (sliding window), Qwen3, Qwen3.5
+(Gated DeltaNet) and Qwen3-MoE runs,
 and the default mode's run beside exact mode's (its mismatch is not 0: the check has power)."""
 
 import json
@@ -56,11 +57,13 @@ def test_exact_quickstart_50_steps(tmp_path, task_workdir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(2700)
-@pytest.mark.parametrize("architecture", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("architecture", ["gemma3", "qwen3", "qwen3_5", "qwen3_moe"])
 def test_exact_family_quickstart(tmp_path, architecture):
-    """A sliding-window family (Gemma 3) and Qwen3 (q/k norms), 10 steps each."""
+    """A sliding-window family (Gemma 3), Qwen3 (q/k norms), the Gated DeltaNet hybrid (Qwen3.5) and
+    an MoE (Qwen3-MoE, routing replay on: a no-op now), 10 steps each."""
+    replay = ["moe.routing_replay=rollout"] if architecture == "qwen3_moe" else []
     rows = train(tmp_path, [f"task.architecture={architecture}", f"task.workdir={tmp_path / 'tasks'}", *FAMILY_TINY,
-                            "run.steps=10", "numerics.exact=true"])
+                            "run.steps=10", "numerics.exact=true", *replay])
     assert_exact(rows, 10)
 
 
