@@ -205,3 +205,23 @@ def test_index_add_adds_repeats_in_order_rounding_each(dtype):
     for i in range(12):
         sequential.index_add_(0, index[i:i + 1], src[i:i + 1])
     assert torch.equal(one, sequential)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_attention_groups_do_not_change_a_sequence(window):
+    """Packed sequences of different lengths attended in groups (padded to the group's longest)
+    give each sequence the bits it gets alone; padding rows that see no key stay out of the
+    gradient (no 0/0)."""
+    gen = torch.Generator().manual_seed(4)
+    lens = [5, 17, 1, 9]
+    cu = torch.tensor([0, 5, 22, 23, 32], dtype=torch.int32)
+    q, k, v = (torch.randn(32, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    out = exact.varlen_attention(q, k, v, cu, 0.3, window)
+    start = 0
+    for n in lens:
+        alone = exact.varlen_attention(q[start:start + n], k[start:start + n], v[start:start + n],
+                                       torch.tensor([0, n], dtype=torch.int32), 0.3, window)
+        assert torch.equal(out[start:start + n], alone)
+        start += n
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
