@@ -50,6 +50,12 @@ def check_exact(cfg) -> None:
           "filtered distributions on both sides are issue 49 item 1)")
     check(not cfg.rollout.partial.enabled, "rollout.partial.enabled", f"{why} rollout.partial off (a carried sequence's "
           "first tokens were sampled by older weights: their logprobs cannot equal the current actor's)")
+    if cfg.task.name:  # a task's model is built at the first run: its family is task.architecture's
+        from tidal.families import families
+
+        family = {f.name: f for f in families()}.get(cfg.task.architecture)
+        check(family is None or family.exact, "task.architecture", f"exact mode does not cover {cfg.task.architecture!r} "
+              "yet (docs/exact.md); choose another architecture or set numerics.exact: false")
     engine_dtype, train_dtype = cfg.engine.dtype, cfg.strategy.param_dtype
     check(engine_dtype == train_dtype or (engine_dtype == "auto" and train_dtype == "auto"), "engine.dtype",
           f"{why} the engine to compute in the trainer's dtype: engine.dtype ({engine_dtype}) and strategy.param_dtype "

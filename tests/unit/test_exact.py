@@ -141,6 +141,7 @@ EXACT = ["numerics.exact=true"]
     ("rollout.top_p=0.9", "rollout.top_p"),
     ("rollout.top_k=5", "rollout.top_k"),
     ("engine.dtype=bfloat16", "engine.dtype"),
+    ("task.architecture=olmo3", "task.architecture"),
 ])
 def test_exact_refuses_what_it_cannot_make_bitwise(override, key):
     with pytest.raises(ConfigError) as err:
