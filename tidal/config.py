@@ -136,7 +136,23 @@ class TidalConfig:
             return [f"rollout.n_samples is 1 but algorithm.advantage={self.algorithm.advantage} takes each prompt's group of "
                     "samples as its baseline: a group of one gets advantage 0, so this run cannot learn from its rewards; "
                     "set rollout.n_samples >= 2, or an estimator without a group baseline (reinforce, reinforce_pp, gae)"]
-        return []
+        return self._sampling_warnings()
+
+    def _sampling_warnings(self) -> list[str]:
+        """Filters (``rollout.top_k/top_p/min_p``) whose processed distribution (what the engine
+        samples from and the trainer scores with, :mod:`tidal.sampling_filter`) leaves the policy
+        gradient, or the comparison with a teacher, without meaning."""
+        r, out = self.rollout, []
+        if r.top_k == 1:
+            out.append("rollout.top_k is 1: every sampled token is the only token of its processed distribution (the one the "
+                       "trainer scores, docs/engine.md), so its logprob is 0 and carries no gradient and this run cannot learn; "
+                       "set rollout.top_k >= 2 (or 0)")
+        if r.filter.filters and self.algorithm.distill_coef > 0:
+            out.append("rollout.top_k/top_p/min_p filter the student's distribution but algorithm.distill_coef compares its "
+                       "logprobs with the teacher's full softmax at temperature 1: the reverse KL is then taken against a "
+                       "renormalised, cut student (each token's logprob raised by log 1/kept mass), so it is biased up by the mass the "
+                       "filter removed; distil without filters")
+        return out
 
     def _check_unused(self) -> None:
         """A setting that this run would never read, set away from its default, is an error naming
@@ -160,9 +176,10 @@ class TidalConfig:
             defaults = TaskConfig()
             unused += [(True, f"task.{f.name}", getattr(self.task, f.name), getattr(defaults, f.name), "a built-in task (task.name)")
                        for f in dataclasses.fields(TaskConfig) if f.name not in ("name", "workdir")]
-        if self.engine.backend == "sglang":  # its logprobs are before top-k/top-p renormalisation
+        if self.engine.backend == "sglang":  # its logprobs are before top-k/top-p/min-p renormalisation
             unused += [(True, "rollout.top_k", self.rollout.top_k, 0, "engine.backend other than sglang"),
-                       (True, "rollout.top_p", self.rollout.top_p, 1.0, "engine.backend other than sglang")]
+                       (True, "rollout.top_p", self.rollout.top_p, 1.0, "engine.backend other than sglang"),
+                       (True, "rollout.min_p", self.rollout.min_p, 0.0, "engine.backend other than sglang")]
         for applies, key, value, default, used_by in unused:
             check(not applies or value == default, key, f"is only used by {used_by}; leave it at its default ({default!r}) in this run")
 

@@ -226,37 +226,6 @@ def attention(
     return (num / torch.where(den > 0, den, torch.ones_like(den))).to(q_GQHD.dtype)
 
 
-def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``logp_N``, ``logp_NV``): fp32 log-probabilities of ``tokens_N`` and of the whole sampled
-    distribution, the same operations as :func:`tidal.engine.sampler.process_logits` without a filter
-    (fp32, divided by the temperature unless it is 0 or 1, ``log_softmax``; a test keeps the two
-    equal bit for bit; the engine sits above this module, so it is not imported); per row, so
-    batch-invariant."""
-    z_NV = logits_NV.float()
-    if temperature > 0 and temperature != 1.0:
-        z_NV = z_NV / temperature
-    logp_NV = z_NV.log_softmax(-1)
-    return logp_NV.gather(-1, tokens_N[:, None]).squeeze(-1), logp_NV
-
-
-def head_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, labels_N: torch.Tensor,
-                  temperature: float, with_entropy: bool, entropy_grad: bool, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's LM head in exact mode: (``logp_N``, ``entropy_N``) of ``labels_N`` under
-    :func:`token_logprobs` of :func:`linear` logits, chunks of ``chunk_tokens`` rows (per row, so
-    chunking changes nothing); plain autograd (the logits of a chunk are kept for backward)."""
-    logps, entropies = [], []
-    for s in range(0, hidden_NH.shape[0], chunk_tokens):
-        logits_cV = linear(hidden_NH[s : s + chunk_tokens], weight_VH, bias_V)
-        logp_c, logp_cV = token_logprobs(logits_cV, labels_N[s : s + chunk_tokens], temperature)
-        logps.append(logp_c)
-        if with_entropy:
-            ent_c = -(torch.exp(logp_cV) * logp_cV).sum(-1)
-            entropies.append(ent_c if entropy_grad else ent_c.detach())
-    logp_N = torch.cat(logps) if logps else hidden_NH.new_zeros(0, dtype=torch.float32)
-    entropy_N = torch.cat(entropies) if entropies else torch.zeros_like(logp_N).detach()
-    return logp_N, entropy_N
-
-
 def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float | None, window: int | None) -> torch.Tensor:
     """Causal attention of packed sequences (``cu_seqlens``, :mod:`tidal.models.varlen`) through

@@ -22,7 +22,7 @@ class NumericsConfig:
         bit (``mismatch/abs_logp_diff_mean`` is exactly 0) and the importance ratio of the first
         update epoch's first step is exactly 1. Costs compute (measured in docs/exact.md). Needs
         ``engine.backend: native``, ``engine.tp_size: 1``, ``engine.speculative: off``, no LoRA,
-        no top-k/top-p, ``rollout.partial`` off, the engine computing in the trainer's dtype, and a
+        ``rollout.partial`` off, the engine computing in the trainer's dtype, and a
         model family exact mode covers (:func:`check_exact_model`).
     """
 
@@ -45,9 +45,6 @@ def check_exact(cfg) -> None:
           "chooses the engine's kernels itself)")
     check(not cfg.model.lora.enabled, "model.lora.rank", f"{why} model.lora.rank: 0 (the engine runs the merged weights "
           "W + BA, the trainer x W + (x A) B: another sum); train the whole model or set numerics.exact: false")
-    check(cfg.rollout.top_k == 0 and cfg.rollout.top_p == 1.0, "rollout.top_p" if cfg.rollout.top_p != 1.0 else "rollout.top_k",
-          f"{why} rollout.top_k: 0 and rollout.top_p: 1.0 for now (the trainer scores temperature-only logprobs; "
-          "filtered distributions on both sides are issue 49 item 1)")
     check(not cfg.rollout.partial.enabled, "rollout.partial.enabled", f"{why} rollout.partial off (a carried sequence's "
           "first tokens were sampled by older weights: their logprobs cannot equal the current actor's)")
     if cfg.task.name:  # a task's model is built at the first run: its family is task.architecture's

@@ -6,6 +6,8 @@ together or alone, in another order); the training forward (autograd on) gives t
 the first importance ratio is exactly 1. Without exact mode the same comparison fails (the test
 has power), and a one-ulp difference fails it too (it is bitwise)."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
@@ -25,6 +27,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.native import NativeEngine
 from tidal.models.logprobs import attach_logprob_method, set_exact, token_logprobs
 from tidal.models.varlen import enable_packed_attention
+from tidal.sampling_filter import SamplingFilter
 
 from .helpers import tiny_moe
 from .test_native_qwen3_5 import tiny_qwen3_5
@@ -82,18 +85,21 @@ def tiny(family: str, dtype: torch.dtype):
     return _MODELS[family, dtype]
 
 
-def generate(model, dtype, exact=True, **engine_cfg):
-    """(rows, completions) of the GRPO-shaped batch through a native engine with ``model``'s weights."""
+def generate(model, dtype, exact=True, sampling=SamplingFilter(), **engine_cfg):
+    """(rows, completions) of the GRPO-shaped batch through a native engine with ``model``'s weights,
+    sampled from ``sampling``'s processed distribution."""
     cfg = EngineConfig(**{"block_size": 4, "enable_prefix_caching": True, **engine_cfg})
     engine = NativeEngine(model.config, cfg, device=torch.device("cpu"), dtype=dtype, exact=exact)
     engine.load_weights(model.state_dict().items())
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=NEW, n=N, seed=3, ignore_eos=True))
+    params = SamplingParams(**dataclasses.asdict(sampling), max_new_tokens=NEW, n=N, seed=3, ignore_eos=True)
+    outs = engine.generate(PROMPTS, params)
     prompts = [p for p in PROMPTS for _ in range(N)]
     return [p + o.token_ids for p, o in zip(prompts, outs)], [torch.tensor(o.logprobs, dtype=torch.float32) for o in outs]
 
 
-def trainer_logprobs(model, rows, exact=True, grad=False):
-    """Each row's per-token logprobs from the trainer's packed forward (the rows packed together)."""
+def trainer_logprobs(model, rows, exact=True, grad=False, sampling=SamplingFilter()):
+    """Each row's per-token logprobs from the trainer's packed forward (the rows packed together)
+    under ``sampling``'s processed distribution."""
     set_exact(model, exact)
     T = max(map(len, rows))
     ids = torch.zeros(len(rows), T, dtype=torch.long)
@@ -101,7 +107,7 @@ def trainer_logprobs(model, rows, exact=True, grad=False):
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     with torch.set_grad_enabled(grad):
-        logp_BT, _ = token_logprobs(model, ids, mask, temperature=1.0)
+        logp_BT, _ = token_logprobs(model, ids, mask, sampling=sampling)
     return [logp_BT[i, len(r) - NEW : len(r)].detach() for i, r in enumerate(rows)]
 
 
@@ -122,6 +128,22 @@ def test_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
     # the trainer packing other row sets: each row alone, and reversed
     assert bitwise(rollout[:1], trainer_logprobs(model, rows[:1]))
     assert bitwise(rollout[::-1], trainer_logprobs(model, rows[::-1]))
+
+
+FILTERED = SamplingFilter(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_filtered_rollout_logprobs_equal_trainer_logprobs_bitwise(family, dtype):
+    """With temperature, top-k, top-p and min-p the engine samples from, and the trainer scores,
+    one processed distribution (tidal/sampling_filter.py): the same bits too."""
+    model = tiny(family, dtype)
+    rows, rollout = generate(model, dtype, sampling=FILTERED)
+    assert bitwise(rollout, trainer_logprobs(model, rows, sampling=FILTERED))
+    rows1, rollout1 = generate(model, dtype, sampling=FILTERED, max_num_seqs=1, max_num_batched_tokens=8)
+    assert rows1 == rows and bitwise(rollout1, rollout)
+    assert not bitwise(rollout, trainer_logprobs(model, rows))  # scored without the filter: other numbers
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -179,7 +201,7 @@ def test_training_forward_gives_the_old_logprobs(family):
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     model.zero_grad()
-    logp_BT, _ = token_logprobs(model, ids, mask, temperature=1.0)
+    logp_BT, _ = token_logprobs(model, ids, mask)
     new = [logp_BT[i, len(r) - NEW : len(r)] for i, r in enumerate(rows)]
     assert bitwise([x.detach() for x in new], rollout)
     ratio = torch.exp(torch.cat(new) - torch.cat(rollout))

@@ -128,6 +128,23 @@ def test_tp_shards_of_the_stacked_experts_sum_to_the_whole():
     assert torch.allclose(parts[0] + parts[1], ref, atol=rounding_tol(torch.float32, ref.abs().max() * 16))
 
 
+def test_tp_shards_loaded_per_expert_equal_the_stacked_ones():
+    """Per-expert checkpoint tensors (:func:`tidal.families.expert_weight`) land in each TP rank's
+    slice exactly as the stacked tensors do."""
+    from tidal.families import expert_weight
+
+    for rank in range(2):
+        stacked, full = _experts(TPGroup(None, rank, 2))
+        ex = FusedExperts(5, 16, 12, TPGroup(None, rank, 2), TorchOps(), torch.float32)
+        for e in range(5):
+            for proj, t in (("gate_proj", full["gate_up_proj"][e, :12]), ("up_proj", full["gate_up_proj"][e, 12:]),
+                            ("down_proj", full["down_proj"][e])):
+                w = expert_weight(f"model.layers.0.mlp.experts.{e}.{proj}.weight")
+                for dst, src in ex.weight_slices(getattr(ex, w.stacked.rpartition(".")[2]), t, w):
+                    dst.copy_(src)
+        assert torch.equal(ex.gate_up_proj, stacked.gate_up_proj) and torch.equal(ex.down_proj, stacked.down_proj)
+
+
 def test_replay_weights_equal_route_for_its_own_choice_and_carry_gradient():
     logits = torch.randn(6, 8, requires_grad=True)
     for norm in (False, True):
@@ -256,3 +273,77 @@ def test_qwen3_5_moe_conditional_generation_checkpoint_text_tower(tmp_path):
     assert type(actor).__name__ == "Qwen3_5MoeForCausalLM"
     want = hf.model.state_dict()
     assert all(torch.equal(p, want[name]) for name, p in actor.model.state_dict().items())
+    # the engine reads the same folder (per-expert weights under model.language_model.*, a vision tower)
+    err, mag = _max_logprob_error(hf, _from_folder(tmp_path))
+    assert err <= rounding_tol(torch.float32, max(mag, 8.0)), err
+
+
+def _from_folder(path):
+    from tidal.engine.config import EngineConfig
+    from tidal.engine.native import NativeEngine
+
+    return NativeEngine.from_pretrained(str(path), EngineConfig(block_size=4, max_num_batched_tokens=16),
+                                        device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _write_by_hand(hf, path, per_expert: bool):
+    """The model's weights in two safetensors files, with no help from ``save_pretrained``: one tensor
+    per expert and projection (released checkpoints' layout), each layer's experts spread over both
+    files and out of order; or the stacked experts as ``transformers`` 5 holds them in memory."""
+    from safetensors.torch import save_file
+
+    hf.config.save_pretrained(path)
+    state = {}
+    for name, t in hf.state_dict().items():
+        if per_expert and name.endswith("experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                state[f"{name[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = t[e, :half]
+                state[f"{name[: -len('gate_up_proj')]}{e}.up_proj.weight"] = t[e, half:]
+        elif per_expert and name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                state[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = t[e]
+        else:
+            state[name] = t
+    names = sorted(state, reverse=True)
+    for i in range(2):
+        save_file({n: state[n].contiguous() for n in names[i::2]}, str(path / f"model-0000{i + 1}-of-00002.safetensors"))
+    return state
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "per_expert_by_hand", "stacked_by_hand"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_loads_moe_checkpoints_as_saved(family, layout, tmp_path):
+    """``NativeEngine.from_pretrained`` on a folder of each MoE family: what ``save_pretrained`` writes
+    (transformers 5.25: one tensor per expert), per-expert weights written by hand over two files,
+    and the stacked layout. The experts' names map through :func:`tidal.families.expert_weight`; the
+    engine then samples HF's logprobs and holds exactly HF's weights (failed before: ``KeyError:
+    weight 'model.layers.0.mlp.experts.0.down_proj.weight' has no place``)."""
+    from safetensors import safe_open
+
+    hf = tiny_moe(family)
+    if layout == "save_pretrained":
+        hf.save_pretrained(tmp_path)
+    else:
+        _write_by_hand(hf, tmp_path, per_expert=layout == "per_expert_by_hand")
+    keys = set()
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            keys |= set(fh.keys())
+    assert any(".experts.0.down_proj.weight" in k for k in keys) == (layout != "stacked_by_hand")  # the layout under test
+    engine = _from_folder(tmp_path)
+    assert engine.verify_weights(hf.state_dict().items()) == []
+    err, mag = _max_logprob_error(hf, engine)
+    assert err <= rounding_tol(torch.float32, max(mag, 8.0)), err
+
+
+def test_a_per_expert_weight_of_a_missing_expert_is_refused(tmp_path):
+    hf = tiny_moe("olmoe")
+    engine = engine_for(hf)
+    w = hf.state_dict()["model.layers.0.mlp.experts.down_proj"]
+    with pytest.raises(KeyError, match="expert 8 of a layer with 8 experts"):
+        engine.load_weights([("model.layers.0.mlp.experts.8.down_proj.weight", w[0])])
+    # one expert's projection lands in its slice only
+    engine.load_weights([("model.layers.0.mlp.experts.2.up_proj.weight", torch.full((32, 64), 7.0))])
+    gate_up = engine.model.model.layers[0].mlp.experts.gate_up_proj
+    assert (gate_up[2, 32:] == 7.0).all() and not (gate_up[2, :32] == 7.0).any() and not (gate_up[1] == 7.0).any()

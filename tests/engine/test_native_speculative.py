@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tidal.sampling_filter import SamplingFilter
 from tidal.engine.base import Request, SamplingParams
 from tidal.engine.native import model_runner
 from tidal.engine.native.speculative import acceptance
@@ -149,7 +150,8 @@ def test_sampled_distribution_equals_the_plain_one_and_a_biased_rule_fails(param
     assert _chi2_pvalue(np.bincount(biased, minlength=16), marginal) < 1e-6
 
 
-def _independent_coin_accept(logits_TV, draft_T, group_T, u_T, *, temperature, top_k, top_p):
+def _independent_coin_accept(logits_TV, draft_T, group_T, u_T, *, sampling):
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     token_T, logp_T = sample(logits_TV, temperature, top_k, top_p, u_T)
     p_d_T = process_logits(logits_TV, temperature, top_k, top_p).exp().gather(-1, draft_T.clamp_min(0)[:, None])[:, 0]
     coin_T = (draft_T >= 0) & (torch.rand(len(draft_T)) < p_d_T)
@@ -347,7 +349,7 @@ def test_acceptance_keeps_the_accepted_prefix_and_the_first_rejected_rows_token(
         logits[r, tok] = 10.0
     draft = torch.tensor([5, 6, -1, -1])
     group = torch.tensor([0, 0, 0, 1])
-    tok, logp = acceptance.accept(logits, draft, group, None, temperature=0, top_k=0, top_p=1.0)
+    tok, logp = acceptance.accept(logits, draft, group, None, sampling=SamplingFilter(temperature=0))
     assert tok.tolist() == [5, 1, -1, 3]
     assert torch.allclose(logp[[0, 1, 3]], torch.log_softmax(logits, -1)[[0, 1, 3], [5, 1, 3]])
 

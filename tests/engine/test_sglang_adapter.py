@@ -55,7 +55,7 @@ def test_sampling_dicts():
                         sampling_seed=40)
     assert "sampling_seed" not in adapter.sampling_dicts(SamplingParams(ignore_eos=True), {2}, 1)[0]
     assert adapter.sampling_dicts(SamplingParams(ignore_eos=True), {2}, 1)[0]["stop_token_ids"] == []
-    for bad in (dict(top_k=5), dict(top_p=0.9)):
+    for bad in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
         with pytest.raises(ValueError, match="top-k/top-p"):
             adapter.sampling_dicts(SamplingParams(**bad), set(), 1)
 

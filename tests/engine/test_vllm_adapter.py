@@ -82,9 +82,9 @@ def test_kv_cache_from_free_cuda_memory(monkeypatch):
 
 
 def test_sampling_kwargs_stop_tokens_and_logprobs():
-    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=9, n=3, stop_token_ids=(7,), seed=11)
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_new_tokens=9, n=3, stop_token_ids=(7,), seed=11)
     kw = adapter.sampling_kwargs(p, {1, 2})
-    assert kw == dict(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=9, stop_token_ids=[1, 2, 7], ignore_eos=False,
+    assert kw == dict(n=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=9, stop_token_ids=[1, 2, 7], ignore_eos=False,
                       seed=11, logprobs=0, detokenize=False)
     kw = adapter.sampling_kwargs(SamplingParams(stop_token_ids=(7,), ignore_eos=True), {1, 2})
     assert kw["stop_token_ids"] == [7] and kw["ignore_eos"]

@@ -14,6 +14,7 @@ import pytest
 
 from tidal import cli
 from tidal.config import load_config
+from tidal.config_base import ConfigError
 from tests.faults import rewards
 
 F = "tests.faults.rewards"
@@ -32,6 +33,30 @@ def test_a_group_baseline_with_one_sample_warns_that_the_run_cannot_learn(advant
                                        ["rollout.n_samples=2"]])
 def test_runs_that_can_learn_get_no_warning(overrides):
     assert load_config("quickstart", overrides).learning_warnings() == []
+
+
+def test_filters_that_leave_no_gradient_or_bias_a_teacher_warn(tmp_path, capsys):
+    """rollout.top_k=1: the processed distribution (what the trainer scores) is one token, logprob 0,
+    no gradient; filters with distillation compare a cut student with a full teacher."""
+    (warning,) = load_config("quickstart", ["rollout.top_k=1"]).learning_warnings()
+    assert warning.startswith("rollout.top_k is 1") and "cannot learn" in warning
+    assert cli.main(["check", "quickstart", "rollout.top_k=1"]) == 0
+    assert "[tidal] warning: rollout.top_k is 1" in capsys.readouterr().out
+    teacher = ["algorithm.distill_coef=1.0", f"model.teacher.path={tmp_path}"]
+    (warning,) = load_config("quickstart", teacher + ["rollout.top_p=0.9"]).learning_warnings()
+    assert warning.startswith("rollout.top_k/top_p/min_p filter the student's distribution")
+    assert load_config("quickstart", teacher).learning_warnings() == []
+    for ok in (["rollout.top_k=2"], ["rollout.top_p=0.9", "rollout.min_p=0.05"]):
+        assert load_config("quickstart", ok).learning_warnings() == []
+
+
+def test_filters_with_an_engine_that_returns_unfiltered_logprobs_are_refused():
+    """SGLang returns logprobs before top-k/top-p/min-p renormalisation: mismatch and its correction
+    would compare the trainer's processed distribution with another one, so the run is refused (exit 2)."""
+    for f in ("rollout.top_k=5", "rollout.top_p=0.9", "rollout.min_p=0.1"):
+        with pytest.raises(ConfigError) as e:
+            load_config("quickstart", ["engine.backend=sglang", "engine.cuda_graphs=false", f])
+        assert e.value.key == f.split("=")[0] and "engine.backend other than sglang" in str(e.value)
 
 
 @pytest.mark.slow  # a tiny run of 3 steps

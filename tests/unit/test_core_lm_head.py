@@ -9,6 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.reference import reference_logprobs
 from tests.tolerance import rounding_tol
+from tidal.sampling_filter import SamplingFilter
 from tidal.models import lm_head, logprobs as lp_mod
 from tidal.models.logprobs import attach_logprob_method, lm_head_logprobs, token_logprobs
 
@@ -49,14 +50,14 @@ def _grads(out, params):
 @pytest.mark.parametrize("bias", [False, True])
 def test_forward_matches_full_logits_fp32(temperature, chunk, bias):
     head, hidden_BTH, ids_BT = _head(torch.float32, bias)
-    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, temperature=temperature, with_entropy=True, chunk_tokens=chunk)
+    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, sampling=SamplingFilter(temperature=temperature), with_entropy=True, chunk_tokens=chunk)
     logits_BTV = head(hidden_BTH)
     ref_logp_BT, ref_ent_BT = _reference(hidden_BTH, head, ids_BT, temperature)
     torch.testing.assert_close(logp_BT, reference_logprobs(logits_BTV, ids_BT, temperature), rtol=0, atol=1e-5)
     torch.testing.assert_close(ent_BT, ref_ent_BT, rtol=0, atol=5e-5)  # logZ - sum p z: cancellation of ~10s
     assert logp_BT.dtype == ent_BT.dtype == torch.float32
     assert (logp_BT[:, 0] == 0).all() and (ent_BT[:, 0] == 0).all()
-    logp_only_BT, none = lm_head_logprobs(hidden_BTH, head, ids_BT, temperature=temperature, chunk_tokens=chunk)
+    logp_only_BT, none = lm_head_logprobs(hidden_BTH, head, ids_BT, sampling=SamplingFilter(temperature=temperature), chunk_tokens=chunk)
     assert none is None and torch.equal(logp_only_BT, logp_BT)
 
 
@@ -64,7 +65,7 @@ def test_forward_matches_full_logits_fp32(temperature, chunk, bias):
 def test_forward_bf16_rounds_logits_like_the_model(temperature):
     """bf16 hidden/weight: logits are rounded to bf16 (as ``F.linear(...).float()``), the rest is fp32."""
     head, hidden_BTH, ids_BT = _head(torch.bfloat16, bias=True)
-    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, temperature=temperature, with_entropy=True, chunk_tokens=5)
+    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, sampling=SamplingFilter(temperature=temperature), with_entropy=True, chunk_tokens=5)
     ref_logp_BT, ref_ent_BT = _reference(hidden_BTH, head, ids_BT, temperature)
     assert logp_BT.dtype == torch.float32
     torch.testing.assert_close(logp_BT, ref_logp_BT, rtol=0, atol=1e-5)
@@ -88,7 +89,7 @@ def test_gradients_match_autograd_float64(temperature, bias, entropy_grad, terms
         parts = {"logp": (a_BT * logp_BT).sum(), "entropy": (c_BT * ent_BT).sum()}
         return sum(v for k, v in parts.items() if terms in (k, "both"))
 
-    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, temperature=temperature, with_entropy=True, chunk_tokens=5,
+    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, sampling=SamplingFilter(temperature=temperature), with_entropy=True, chunk_tokens=5,
                                        entropy_grad=entropy_grad)
     assert logp_BT.dtype == torch.float64 and ent_BT.requires_grad == entropy_grad
     ref = _reference(hidden_BTH, head, ids_BT, temperature, entropy_grad)
@@ -116,7 +117,7 @@ def test_gradients_bf16_dtypes_and_values():
     """bf16 model: gradients come back in bf16 and agree with bf16 autograd within bf16 rounding."""
     head, hidden_BTH, ids_BT = _head(torch.bfloat16, bias=True)
     params = [hidden_BTH, head.weight, head.bias]
-    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, temperature=0.7, with_entropy=True, chunk_tokens=4)
+    logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, sampling=SamplingFilter(temperature=0.7), with_entropy=True, chunk_tokens=4)
     got = _grads(logp_BT.sum() + 0.3 * ent_BT.sum(), params)
     ref_logp_BT, ref_ent_BT = _reference(hidden_BTH, head, ids_BT, 0.7)
     want = _grads(ref_logp_BT.sum() + 0.3 * ref_ent_BT.sum(), params)
@@ -148,7 +149,7 @@ def test_positions_equal_full_computation_values_and_gradients(entropy_grad):
     pos_BT = _positions()
     sel_BT = pos_BT.clone()
     sel_BT[:, 0] = False
-    kw = dict(temperature=0.7, with_entropy=True, chunk_tokens=3, entropy_grad=entropy_grad)
+    kw = dict(sampling=SamplingFilter(temperature=0.7), with_entropy=True, chunk_tokens=3, entropy_grad=entropy_grad)
     logp_BT, ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, positions_BT=pos_BT.long(), **kw)
     full_logp_BT, full_ent_BT = lm_head_logprobs(hidden_BTH, head, ids_BT, **kw)
     assert torch.equal(logp_BT[sel_BT], full_logp_BT[sel_BT]) and torch.equal(ent_BT[sel_BT], full_ent_BT[sel_BT])
@@ -183,8 +184,8 @@ def test_token_logprobs_threads_positions_through_the_attached_method():
     pos_BT = _positions()
     sel_BT = pos_BT.clone()
     sel_BT[:, 0] = False
-    logp_BT, ent_BT = token_logprobs(m, ids_BT, am_BT, temperature=0.9, with_entropy=True, chunk_tokens=4, positions_BT=pos_BT)
-    full_logp_BT, full_ent_BT = token_logprobs(m, ids_BT, am_BT, temperature=0.9, with_entropy=True, chunk_tokens=4)
+    logp_BT, ent_BT = token_logprobs(m, ids_BT, am_BT, sampling=SamplingFilter(temperature=0.9), with_entropy=True, chunk_tokens=4, positions_BT=pos_BT)
+    full_logp_BT, full_ent_BT = token_logprobs(m, ids_BT, am_BT, sampling=SamplingFilter(temperature=0.9), with_entropy=True, chunk_tokens=4)
     atol = rounding_tol(torch.float32, full_logp_BT.abs().max() + full_ent_BT.abs().max())  # entropy = logZ - sum p z
     torch.testing.assert_close(logp_BT, full_logp_BT * sel_BT, rtol=0, atol=atol)
     torch.testing.assert_close(ent_BT, full_ent_BT * sel_BT, rtol=0, atol=atol)

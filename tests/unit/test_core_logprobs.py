@@ -4,6 +4,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.reference import reference_logprobs
+from tidal.sampling_filter import SamplingFilter
 from tidal.engine.sampler import process_logits, sample
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
 
@@ -22,7 +23,7 @@ def test_chunked_logprobs_match_reference_with_grad():
     ids = torch.randint(0, 50, (3, 7))
     am = torch.ones_like(ids)
     am[1, 5:] = 0
-    logp, ent = token_logprobs(m, ids, am, temperature=0.7, with_entropy=True, chunk_tokens=4)
+    logp, ent = token_logprobs(m, ids, am, sampling=SamplingFilter(temperature=0.7), with_entropy=True, chunk_tokens=4)
     logits = m(input_ids=ids, attention_mask=am).logits
     ref = reference_logprobs(logits, ids, temperature=0.7)
     mask = am.bool()
@@ -69,7 +70,7 @@ def test_entropy_without_grad_same_values_and_logp_gradients():
     grads, values = [], []
     for entropy_grad in (True, False):
         m.zero_grad()
-        logp, ent = token_logprobs(m, ids, am, temperature=0.9, with_entropy=True, chunk_tokens=5, entropy_grad=entropy_grad)
+        logp, ent = token_logprobs(m, ids, am, sampling=SamplingFilter(temperature=0.9), with_entropy=True, chunk_tokens=5, entropy_grad=entropy_grad)
         assert ent.requires_grad == entropy_grad and logp.requires_grad
         logp.sum().backward()
         grads.append([p.grad.clone() for p in m.parameters()])

@@ -3,8 +3,6 @@ bits do not depend on the other rows, their number, its place, padding), at one 
 fp32 and bf16, and computes what it replaces (against torch, to rounding). And the config checks of
 ``numerics.exact`` (tidal/numerics.py): each refused combination names its key."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,18 +115,6 @@ def test_mode_swaps_and_refuses_sdpa():
         assert not exact.active()
 
 
-def test_token_logprobs_is_the_engines_log_softmax():
-    from tidal.engine.sampler import process_logits
-
-    logits = torch.randn(6, 50).to(torch.bfloat16)
-    tok = torch.randint(0, 50, (6,))
-    for t in (0.0, 1.0, 0.7, 1.3):
-        assert torch.equal(exact.token_logprobs(logits, tok, t)[1], process_logits(logits, t, 0, 1.0))
-    logp, logp_V = exact.token_logprobs(logits, tok, 0.7)
-    assert torch.equal(logp, logp_V[torch.arange(6), tok])
-    assert math.isclose(float(logp_V.exp().sum(-1)[0]), 1.0, rel_tol=1e-5)
-
-
 EXACT = ["numerics.exact=true"]
 
 
@@ -138,8 +124,6 @@ EXACT = ["numerics.exact=true"]
     ("engine.speculative=on", "engine.speculative"),
     ("engine.kernel_backend=torch", "engine.kernel_backend"),
     ("model.lora.rank=8", "model.lora.rank"),
-    ("rollout.top_p=0.9", "rollout.top_p"),
-    ("rollout.top_k=5", "rollout.top_k"),
     ("engine.dtype=bfloat16", "engine.dtype"),
     ("task.architecture=olmo3", "task.architecture"),
 ])

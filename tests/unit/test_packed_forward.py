@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
+from tidal.sampling_filter import SamplingFilter
 from tidal.algorithms import Algorithm, AlgorithmConfig, LossNormalizer
 from tidal.models.loading import critic_values
 from tidal.models.logprobs import attach_logprob_method, token_logprobs
@@ -53,9 +54,9 @@ def test_logprobs_and_entropies_equal_padded():
     plain, packed = _pair(_lm())
     ids, am, act = _batch()
     with torch.no_grad():
-        want, want_ent = token_logprobs(plain, ids, am, positions_BT=act, with_entropy=True, temperature=0.7)
+        want, want_ent = token_logprobs(plain, ids, am, positions_BT=act, with_entropy=True, sampling=SamplingFilter(temperature=0.7))
         pb = PackedBatch.build(ids, am, targets_BT=act)
-        got, got_ent = token_logprobs(packed, ids, am, packed=pb, with_entropy=True, temperature=0.7)
+        got, got_ent = token_logprobs(packed, ids, am, packed=pb, with_entropy=True, sampling=SamplingFilter(temperature=0.7))
     assert pb.num_tokens > pb.num_real  # a dummy sequence is packed too, and changes nothing
     torch.testing.assert_close(got, want, **LOGP)
     torch.testing.assert_close(got_ent, want_ent, **LOGP)

@@ -18,7 +18,7 @@ LAYER = {  # a package may import only from packages of a lower or equal floor (
     "distributed": 4, "engine": 4, "rewards": 3, "distill": 3, "algorithms": 3, "models": 3, "data": 3, "logging": 3,
     "report": 3,
     "families": 2, "registry": 1, "dtypes": 1, "host_memory": 1, "optional_deps": 1, "config_base": 0, "lazy": 0,
-    "numerics": 2, "exact": 1,
+    "numerics": 2, "exact": 1, "sampling_filter": 1,
 }
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tidal.config_base import check
+from tidal.sampling_filter import SamplingFilter
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -42,9 +43,11 @@ class SamplingParams:
     """How to sample one request.
 
     temperature: 0 means greedy (argmax); logprobs are then those of the untempered softmax.
-    top_p / top_k: nucleus / top-k filtering (1.0 / 0 disable). The returned logprobs are those of
-        the processed distribution actually sampled from (after temperature, top-k and top-p,
-        renormalised), so that rollout-vs-trainer mismatch can be corrected exactly.
+    top_p / top_k / min_p: nucleus / top-k / min-p filtering (1.0 / 0 / 0 disable). The returned
+        logprobs are those of the processed distribution actually sampled from (:attr:`filter`, as
+        :mod:`tidal.sampling_filter` defines it: temperature, top-k, min-p, top-p, renormalised); the
+        trainer scores with the same definition, so rollout-vs-trainer mismatch is measured, and
+        corrected, against the distribution that was sampled.
     n: completions per prompt; outputs are prompt-major (all n of prompt 0, then prompt 1, ...).
     ignore_eos: keep generating until max_new_tokens (benchmarks).
     seed: if set, sampling is reproducible for the same prompts and weights.
@@ -53,6 +56,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 256
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
@@ -63,8 +67,14 @@ class SamplingParams:
         check(self.temperature >= 0, "temperature", "must be >= 0")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
+        check(0 <= self.min_p < 1, "min_p", "must be in [0, 1) (0 disables)")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(self.n >= 1, "n", "must be >= 1")
+
+    @property
+    def filter(self) -> SamplingFilter:
+        """The processed distribution these parameters sample from."""
+        return SamplingFilter(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 def eos_ids(hf_config, model_dir: str | None = None) -> set[int]:

@@ -120,7 +120,7 @@ class HFEngine:
             if params.temperature > 0:
                 u_B = torch.from_numpy(keyed_uniforms(np.full(B, seed & (2**64 - 1), dtype=np.uint64), keys_B,
                                                       index_B + t)).to(self.device)
-            tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, u_B)
+            tok_B, logp_B = sample(logits_BV, params.temperature, params.top_k, params.top_p, u_B, min_p=params.min_p)
             for b in range(B):
                 if done[b]:
                     continue

@@ -1,10 +1,11 @@
 """Token sampling from logits, returning the logprob of each sampled token under the processed
-distribution (temperature, then top-k, then top-p, renormalised).
+distribution (temperature, top-k, min-p, top-p, renormalised: :mod:`tidal.sampling_filter`, the one
+definition the trainer scores with too).
 
 Shared by every in-process engine so all of them sample the same distribution. A draw takes one
 uniform per row and inverts the row's CDF in two levels (:func:`inverse_cdf`): the chunk whose
 cumulative mass first exceeds ``u * total``, then the token inside that chunk. On CUDA, when no
-top-k/top-p filter is set, :func:`sample` runs the same two-level inversion as one fused Triton pass
+top-k/top-p/min-p filter is set, :func:`sample` runs the same two-level inversion as one fused Triton pass
 over the logits (:mod:`tidal.engine.native.kernels.triton_sampling`) instead of materialising the
 fp32 distribution; it reads the same uniforms, so the distribution, the returned logprobs and the
 draws are the same (up to the float rounding of the sums at an interval's edge).
@@ -20,8 +21,8 @@ multi-turn trajectory's next turn: its positions go on) continues its stream. An
 key is :func:`request_key` of the request's ``key`` (by default its id; callers give a sequence's
 :func:`tidal.engine.base.sequence_key`).
 
-:func:`process_logits` is the one definition of the processed (target) distribution: speculative
-decoding's acceptance test reads the same function.
+:func:`process_logits` is the processed (target) distribution of :mod:`tidal.sampling_filter` with
+the engine's arguments: speculative decoding's acceptance test reads the same function.
 """
 
 from __future__ import annotations
@@ -31,28 +32,17 @@ import hashlib
 import numpy as np
 import torch
 
+from tidal.sampling_filter import SamplingFilter, processed_logits, processed_logprobs
+
 CHUNK = 1024  # tokens per chunk of the two-level CDF (the fused kernel splits a row into 16 chunks)
 
 
-def process_logits(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Return fp32 log-probabilities of the processed distribution, -inf outside the kept set.
-
-    temperature == 0 is treated as 1 for the logprobs (the caller takes the argmax).
-    """
-    logits_BV = logits_BV.float()
-    if temperature > 0 and temperature != 1.0:
-        logits_BV = logits_BV / temperature
-    if top_k > 0 and top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if top_p < 1.0:
-        sorted_BV, idx_BV = torch.sort(logits_BV, dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (always keeps the first)
-        drop_BV = (probs_BV.cumsum(-1) - probs_BV) >= top_p
-        sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
-        logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, idx_BV, sorted_BV)
-    return logits_BV.log_softmax(-1)
+def process_logits(logits_BV: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """Log-probabilities of the processed distribution, ``-inf`` outside its support:
+    :func:`tidal.sampling_filter.processed_logprobs` (fp32; float64 for float64 logits).
+    temperature == 0 is treated as 1 for the logprobs (the caller takes the argmax)."""
+    return processed_logprobs(logits_BV, SamplingFilter(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 def sample(
@@ -61,25 +51,29 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     u_B: torch.Tensor | None = None,
+    min_p: float = 0.0,
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row: row b takes the token whose CDF interval holds ``u_B[b]`` (fp32
     uniforms in [0, 1) on the logits' device, e.g. :func:`keyed_uniforms`; unused, and may be None,
-    when ``temperature == 0``: the argmax). ``fused`` False: never the fused Triton pass (exact mode
-reads the logprobs of :func:`process_logits` itself). Returns (token_B int64, logp_B fp32)."""
+    when ``temperature == 0``: the argmax). Returns (token_B int64, logp_B fp32): the logprob is
+    ``z[token] - logsumexp(z)`` over the support (:mod:`tidal.sampling_filter`), the trainer's formula.
+    ``fused`` False: never the fused Triton pass (exact mode returns that formula's bits)."""
     if temperature > 0 and (u_B is None or u_B.shape != logits_BV.shape[:1]):
         raise ValueError(f"sample: temperature {temperature} needs one uniform per row ({logits_BV.shape[0]}), got "
                          f"{None if u_B is None else tuple(u_B.shape)}")
-    if fused and fused_applies(logits_BV.device, top_k, top_p):
+    f = SamplingFilter(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if fused and fused_applies(logits_BV.device, f):
         from tidal.engine.native.kernels.triton_sampling import fused_sample
 
         return fused_sample(logits_BV, temperature, u_B)
-    logp_BV = process_logits(logits_BV, temperature, top_k, top_p)
+    z_BV = processed_logits(logits_BV, f)
+    logz_B = torch.logsumexp(z_BV, dim=-1)
     if temperature == 0:
-        token_B = logp_BV.argmax(-1)
+        token_B = z_BV.argmax(-1)
     else:
-        token_B = inverse_cdf(logp_BV.exp(), u_B)
-    return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+        token_B = inverse_cdf(torch.exp(z_BV - logz_B[:, None]), u_B)
+    return token_B, z_BV.gather(-1, token_B[:, None]).squeeze(-1) - logz_B
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2**64 / golden ratio, odd)
@@ -152,9 +146,9 @@ def search(cdf_BK: torch.Tensor, positive_BK: torch.Tensor, target_B: torch.Tens
     return torch.minimum(i_B, last_B)
 
 
-def fused_applies(device: torch.device, top_k: int, top_p: float) -> bool:
-    """Whether :func:`sample` takes the fused Triton pass (CUDA, no top-k/top-p filter)."""
-    return device.type == "cuda" and top_k == 0 and top_p >= 1.0 and _triton_available()
+def fused_applies(device: torch.device, f: SamplingFilter) -> bool:
+    """Whether :func:`sample` takes the fused Triton pass (CUDA, no top-k/top-p/min-p filter)."""
+    return device.type == "cuda" and not f.filters and _triton_available()
 
 
 def _triton_available() -> bool:

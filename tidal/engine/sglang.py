@@ -20,7 +20,7 @@ back unchanged. Wake-up is staged: ``load_weights`` on an engine asleep at level
 ``weights`` only; ``wake_up`` then resumes ``kv_cache`` and ``cuda_graph``.
 
 Logprobs: SGLang returns ``log_softmax(logits / temperature)`` of the sampled token, before top-k /
-top-p renormalisation, so this adapter refuses ``top_k > 0`` and ``top_p < 1`` rather than return
+top-p renormalisation, so this adapter refuses ``top_k > 0``, ``top_p < 1`` and ``min_p > 0`` rather than return
 logprobs of a distribution other than the one sampled from.
 """
 
@@ -87,9 +87,9 @@ def server_kwargs(hf_config, cfg: EngineConfig, *, model_dir: str, dtype: torch.
 
 def sampling_dicts(params: SamplingParams, eos: set[int], n_prompts: int) -> list[dict]:
     """One SGLang sampling-params dict per expanded request (prompt-major, ``n`` per prompt)."""
-    if params.top_k > 0 or params.top_p < 1.0:
-        raise ValueError("engine.backend=sglang returns logprobs before top-k/top-p renormalisation; "
-                         "use top_k=0 and top_p=1 (or engine.backend=native/vllm)")
+    if params.filter.filters:
+        raise ValueError("engine.backend=sglang returns logprobs before top-k/top-p/min-p renormalisation; "
+                         "use top_k=0, top_p=1 and min_p=0 (or engine.backend=native/vllm)")
     stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
     base = dict(temperature=params.temperature, max_new_tokens=params.max_new_tokens, stop_token_ids=stop,
                 ignore_eos=params.ignore_eos, no_stop_trim=True)  # keep the stop token, as the other engines do

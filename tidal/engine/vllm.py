@@ -32,8 +32,11 @@ sleep mode: the same calls pause and resume scheduling but free nothing (and
 ``release_kv_cache_memory`` is skipped, vLLM refuses it there); ``sleep``/``wake_up`` return 0.
 
 Sampling: ``logprobs_mode="processed_logprobs"``, so each returned logprob is that of the
-distribution sampled from (after temperature, top-k, top-p); for temperature 0 it is the untempered
-softmax. vLLM has no TP broadcast of sampled tokens (every TP rank samples), so requests without a
+distribution sampled from (after temperature, min-p, top-k, top-p, in :mod:`tidal.sampling_filter`'s
+order; vLLM takes its PyTorch sampler for this mode, never FlashInfer's, which returns no processed
+logprobs); for temperature 0 it is the untempered softmax. One difference from Tidal's definition:
+at a top-p boundary of exactly tied logits vLLM keeps the tied tokens its sort put first, Tidal keeps
+them all. vLLM has no TP broadcast of sampled tokens (every TP rank samples), so requests without a
 seed are sampled from a generator seeded identically on every TP rank of a replica, inside
 ``torch.random.fork_rng``: the trainer's RNG is never read or advanced by the engine.
 """
@@ -147,7 +150,7 @@ def sampling_kwargs(params: SamplingParams, eos: set[int]) -> dict:
     engine has no tokenizer; stop tokens are kept in the output (as in the native engine)."""
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
     return dict(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         max_tokens=params.max_new_tokens, stop_token_ids=sorted(stop), ignore_eos=params.ignore_eos,
         seed=params.seed, logprobs=0, detokenize=False,
     )

@@ -16,9 +16,11 @@ from tidal.families.base import (
     CACHE_KINDS,
     DEFAULT_LORA_TARGETS,
     PACKED_KERNELS,
+    ExpertWeight,
     Family,
     LayerCache,
     MoEShape,
+    expert_weight,
     full_attention_caches,
     head_dim_of,
     kv_bytes_per_sequence,
@@ -32,7 +34,7 @@ from tidal.families.base import (
 )
 
 __all__ = [
-    "CACHE_KINDS", "DEFAULT_LORA_TARGETS", "PACKED_KERNELS", "Family", "LayerCache", "MoEShape", "families", "family_of", "find_family",
+    "CACHE_KINDS", "DEFAULT_LORA_TARGETS", "PACKED_KERNELS", "ExpertWeight", "Family", "LayerCache", "MoEShape", "expert_weight", "families", "family_of", "find_family",
     "full_attention_caches", "head_dim_of", "kv_bytes_per_sequence", "kv_bytes_per_token", "kv_heads_of",
     "layer_caches", "layer_type_caches", "namespace", "native_family", "native_model_types", "state_bytes_per_sequence", "text_config", "text_tower_name",
 ]

@@ -12,6 +12,7 @@ nothing here imports torch or transformers.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -170,6 +171,38 @@ def text_tower_name(name: str, prefix: str) -> str | None:
         if src and name.startswith(src):
             return dst + name[len(src):]
     return None
+
+
+# ---- the routed experts' names on disk -------------------------------------------------------------
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# per-expert projection -> (stacked parameter, which rows of it: 0 gate, 1 up, None the whole down)
+_STACKED_PART = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+    """Where a per-expert checkpoint weight goes among the stacked experts: ``stacked`` (the
+    ``transformers`` 5 name, ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]`` or ``...mlp.experts.down_proj``
+    ``[E, H, I]``), ``expert`` (its index ``e``) and ``half`` (0: the gate rows ``[e, :I]``, 1: the up
+    rows ``[e, I:]``, None: all of ``down_proj[e]``)."""
+
+    stacked: str
+    expert: int
+    half: int | None
+
+
+def expert_weight(name: str) -> ExpertWeight | None:
+    """The stacked place of an MoE family's per-expert weight ``...experts.{e}.{gate,up,down}_proj.weight``
+    (one tensor per expert: the layout of released Qwen3-MoE, OLMoE and Qwen3.5-MoE checkpoints and
+    of ``save_pretrained`` in ``transformers`` 5.25, which stacks them when it loads); None for any
+    other name (a stacked weight included). The one name mapping of the trainer's loading
+    (:func:`tidal.models.loading.stacked_experts`) and the engine's (``PagedLM`` loads each expert
+    into its slice)."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    param, half = _STACKED_PART[m.group(3)]
+    return ExpertWeight(f"{m.group(1)}.{param}", int(m.group(2)), half)
 
 
 # ---- reading a config (object or config.json dict) ----------------------------------------------

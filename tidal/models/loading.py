@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
@@ -53,7 +52,7 @@ def _load_text_tower(path: str, config, prefix: str, dtype: torch.dtype) -> torc
                 text = families.text_tower_name(key, prefix)
                 if text is not None:
                     state[text] = f.get_tensor(key).to(dtype)
-    missing = model.load_state_dict(_stacked_experts(state), strict=False).missing_keys
+    missing = model.load_state_dict(stacked_experts(state), strict=False).missing_keys
     if model.config.tie_word_embeddings:
         model.tie_weights()
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -62,29 +61,28 @@ def _load_text_tower(path: str, config, prefix: str, dtype: torch.dtype) -> torc
     return model
 
 
-_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with per-expert weights (``...experts.{e}.gate_proj.weight``, the layout MoE
-    checkpoints such as Qwen3.5-MoE's keep on disk) stacked as ``transformers`` 5 holds them, as its
-    own loading converts them: ``experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then
-    its up rows) and ``experts.down_proj`` ``[E, H, I]``."""
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    checkpoints keep on disk; names mapped by :func:`tidal.families.expert_weight`) stacked as
+    ``transformers`` 5 holds them, as its own loading converts them: ``experts.gate_up_proj``
+    ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``experts.down_proj`` ``[E, H, I]``."""
+    parts: dict[str, dict[int | None, dict[int, torch.Tensor]]] = {}
     out = {}
     for key, tensor in state.items():
-        m = _EXPERT_KEY.match(key)
-        if m is None:
+        w = families.expert_weight(key)
+        if w is None:
             out[key] = tensor
         else:
-            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
-    for prefix, parts in experts.items():
-        gate, up, down = (parts.get(p, {}) for p in ("gate_proj", "up_proj", "down_proj"))
-        ids = sorted(down)
-        if sorted(gate) != ids or sorted(up) != ids or ids != list(range(len(ids))):
-            raise ValueError(f"{prefix}: the checkpoint's per-expert gate/up/down weights do not cover experts 0..E-1 alike")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], 0) for e in ids])
-        out[f"{prefix}.down_proj"] = torch.stack([down[e] for e in ids])
+            parts.setdefault(w.stacked, {}).setdefault(w.half, {})[w.expert] = tensor
+    for stacked, halves in parts.items():
+        ids = sorted(next(iter(halves.values())))
+        want = {0, 1} if stacked.endswith("gate_up_proj") else {None}
+        if set(halves) != want or any(sorted(h) != ids for h in halves.values()) or ids != list(range(len(ids))):
+            raise ValueError(f"{stacked}: the checkpoint's per-expert weights do not cover experts 0..E-1 alike")
+        if None in halves:
+            out[stacked] = torch.stack([halves[None][e] for e in ids])
+        else:
+            out[stacked] = torch.stack([torch.cat([halves[0][e], halves[1][e]], 0) for e in ids])
     return out
 
 

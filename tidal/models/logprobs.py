@@ -1,8 +1,9 @@
 """Token log-probabilities and entropies of a causal LM: the body's hidden states (padded, or
 packed: :mod:`tidal.models.packing`) through the chunked LM head (:mod:`tidal.models.lm_head`).
 
-Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under ``softmax(logits / T)``;
-position 0 has no prediction and is 0. A model gets the computation as a method of its own
+Layout: ``logp_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` under the processed
+distribution of a :class:`~tidal.sampling_filter.SamplingFilter` (temperature, top-k, min-p, top-p:
+the distribution the engine samples from); position 0 has no prediction and is 0. A model gets the computation as a method of its own
 (:func:`attach_logprob_method`), whose LM-head compile flag is bound per model
 (:func:`set_head_compile`, set by the strategy that prepares it).
 """
@@ -17,6 +18,7 @@ from tidal.exact import exact_numerics
 from tidal.models.lm_head import lm_head_logprobs
 from tidal.models.packing import pack_on_the_fly, packed_token_logprobs
 from tidal.models.varlen import uses_packed_attention
+from tidal.sampling_filter import SamplingFilter
 
 LOGPROB_METHOD = "tidal_token_logprobs"
 
@@ -48,7 +50,7 @@ def _token_logprobs(
     hf_model: torch.nn.Module,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
-    temperature: float = 1.0,
+    sampling: SamplingFilter = SamplingFilter(),
     with_entropy: bool = False,
     chunk_tokens: int = 2048,
     mm_inputs: dict | None = None,
@@ -67,7 +69,7 @@ def _token_logprobs(
         if packed is None and not uses_packed_attention(hf_model):
             raise RuntimeError("exact mode runs packed forwards only (tidal.models.varlen.enable_packed_attention)")
         with exact_numerics():
-            return _token_logprobs(hf_model, input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs,
+            return _token_logprobs(hf_model, input_ids_BT, attention_mask_BT, sampling, with_entropy, chunk_tokens, mm_inputs,
                                    entropy_grad, positions_BT, packed, compile_head=False)
     if packed is None and uses_packed_attention(hf_model):
         packed, positions_BT = pack_on_the_fly(input_ids_BT, attention_mask_BT, positions_BT), None
@@ -75,13 +77,13 @@ def _token_logprobs(
         if positions_BT is not None:
             raise ValueError("with packed=, the positions are the packed batch's targets (PackedBatch.build(targets_BT=...)); pass positions_BT=None")
         return packed_token_logprobs(
-            hf_model, packed, input_ids_BT, attention_mask_BT, temperature=temperature, with_entropy=with_entropy,
+            hf_model, packed, input_ids_BT, attention_mask_BT, sampling=sampling, with_entropy=with_entropy,
             chunk_tokens=chunk_tokens, mm_inputs=mm_inputs, entropy_grad=entropy_grad, compile_head=compile_head,
         )
     hidden_BTH = body_hidden_states(hf_model, input_ids_BT, attention_mask_BT, mm_inputs)
     return lm_head_logprobs(
         hidden_BTH, hf_model.get_output_embeddings(), input_ids_BT,
-        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
+        sampling=sampling, with_entropy=with_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad,
         positions_BT=positions_BT, compile_head=compile_head,
     )
 
@@ -133,9 +135,11 @@ def _rebind(model: torch.nn.Module, **keywords) -> None:
     setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, *method.args, **{**method.keywords, **keywords}))
 
 
-def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, with_entropy=False, chunk_tokens=2048, mm_inputs=None,
-                   entropy_grad=True, positions_BT=None, packed=None):
-    """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``mm_inputs``:
+def token_logprobs(model, input_ids_BT, attention_mask_BT, *, sampling=SamplingFilter(), with_entropy=False, chunk_tokens=2048,
+                   mm_inputs=None, entropy_grad=True, positions_BT=None, packed=None):
+    """Call the model's attached logprob method (see :func:`attach_logprob_method`). ``sampling``: the
+    processed distribution scored (:class:`~tidal.sampling_filter.SamplingFilter`; a training run passes
+    ``rollout.filter``, the one its engine sampled from; default: temperature 1, no filter). ``mm_inputs``:
     the batch's collated multimodal inputs (:func:`tidal.models.vision.collate_mm_inputs`), or
     None/{} for text. ``entropy_grad``, ``positions_BT``: see :func:`lm_head_logprobs`.
 
@@ -145,5 +149,5 @@ def token_logprobs(model, input_ids_BT, attention_mask_BT, *, temperature=1.0, w
     [B, T] layout, non-zero only at the packed batch's targets (``positions_BT`` must be None).
     A model switched to packed attention packs a call without ``packed`` itself (the targets are
     ``positions_BT``; a host synchronisation to build the layout): same results, zero off the targets."""
-    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, temperature, with_entropy, chunk_tokens, mm_inputs or None,
+    return getattr(model, LOGPROB_METHOD)(input_ids_BT, attention_mask_BT, sampling, with_entropy, chunk_tokens, mm_inputs or None,
                                           entropy_grad, positions_BT, packed)

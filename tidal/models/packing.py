@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from tidal.sampling_filter import SamplingFilter
 from tidal.models.lm_head import head_logprobs
 from tidal.models.varlen import packed_attention_kwargs, uses_packed_attention
 from tidal.models.vision import image_token_id, multimodal_position_ids, placeholder_mask, vision_keepalive
@@ -210,7 +211,7 @@ def _multimodal_hidden_states(hf_model, packed: PackedBatch, input_ids_BT, atten
 
 def packed_token_logprobs(
     hf_model: torch.nn.Module, packed: PackedBatch, input_ids_BT: torch.Tensor | None = None,
-    attention_mask_BT: torch.Tensor | None = None, *, temperature: float = 1.0, with_entropy: bool = False,
+    attention_mask_BT: torch.Tensor | None = None, *, sampling: SamplingFilter = SamplingFilter(), with_entropy: bool = False,
     chunk_tokens: int = 2048, mm_inputs: dict | None = None, entropy_grad: bool = True, compile_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) of the packed batch's targets, as [B, T] fp32 tensors aligned with
@@ -222,7 +223,7 @@ def packed_token_logprobs(
     hidden_KH = hidden_1NH[0].index_select(0, packed.targets_K - 1)
     labels_K = packed.input_ids_1N[0].index_select(0, packed.targets_K)
     logp_K, entropy_K = head_logprobs(
-        hidden_KH, hf_model.get_output_embeddings(), labels_K, temperature=temperature, with_entropy=with_entropy,
+        hidden_KH, hf_model.get_output_embeddings(), labels_K, sampling=sampling, with_entropy=with_entropy,
         chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, compile_head=compile_head,
     )
     return packed.scatter_targets(logp_K), packed.scatter_targets(entropy_K) if with_entropy else None

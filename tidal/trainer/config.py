@@ -10,6 +10,7 @@ from tidal.envs.config import EnvConfig
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig
 from tidal.rewards.config import RewardConfig
+from tidal.sampling_filter import SamplingFilter
 from tidal.run.config import CheckpointConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
 from tidal.sync.config import SyncConfig
@@ -94,7 +95,10 @@ class PartialRolloutConfig:
 class RolloutConfig:
     """prompts_per_step: prompts per iteration over ALL ranks (must divide by WORLD_SIZE).
     n_samples: responses per prompt (the group size of GRPO-family estimators).
-    temperature/top_p/top_k: sampling; the actor's logprobs use the same temperature.
+    temperature/top_p/top_k/min_p: the processed distribution sampled from (:mod:`tidal.sampling_filter`:
+        temperature, top-k, min-p, top-p, renormalised; 1.0/0/0 disable the filters). The trainer's
+        logprobs (old, reference, and the update's) are of the same distribution (:attr:`filter`),
+        so the rollout-vs-trainer ratio is 1 where the weights agree.
     max_new_tokens: response length limit (longer responses are truncated, finish_reason=length).
     ignore_eos: never stop at EOS, always generate max_new_tokens (benchmarks with random models).
     partial: long-tail handling, partial rollout across iterations or drop-the-slowest
@@ -106,6 +110,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 256
     ignore_eos: bool = False
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
@@ -116,7 +121,13 @@ class RolloutConfig:
         check(self.temperature > 0, "temperature", "must be > 0 for RL sampling (use eval.greedy for greedy evaluation)")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(self.top_k >= 0, "top_k", "must be >= 0")
+        check(0 <= self.min_p < 1, "min_p", "must be in [0, 1) (0 disables)")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+
+    @property
+    def filter(self) -> SamplingFilter:
+        """The processed distribution the engine samples from and the trainer scores with."""
+        return SamplingFilter(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -47,6 +47,7 @@ from tidal.rewards import RewardEngine
 from tidal.rewards.base import RewardError
 from tidal.rewards.config import RewardConfig
 from tidal.rewards.stream import RewardStream
+from tidal.sampling_filter import SamplingFilter
 from tidal.rewards.types import RewardSample
 from tidal.trainer.budget import CompletionBudget
 from tidal.trainer.colocation import Colocation, Models
@@ -240,12 +241,14 @@ class ExperienceMaker:
         return out_BT * rows.action_mask_BT
 
     def _logprobs(self, model: torch.nn.Module, rows: PackedRows, batches: list[list[int]],
-                  temperature: float | None = None) -> torch.Tensor:
-        """``model``'s logprobs of the sampled tokens, at ``temperature`` (default: the rollout's)."""
-        temp = self.rollout_cfg.temperature if temperature is None else temperature
+                  sampling: SamplingFilter | None = None) -> torch.Tensor:
+        """``model``'s logprobs of the sampled tokens under ``sampling`` (default: the rollout's
+        processed distribution, ``rollout.filter``: the actor's old logprobs and the reference's,
+        so that the rollout/old ratio and the KL to the reference are 1 and 0 where the weights agree)."""
+        dist = self.rollout_cfg.filter if sampling is None else sampling
 
         def forward(ids, am, packed, mm):  # the LM head runs on the response tokens only
-            return token_logprobs(model, ids, am, temperature=temp, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
+            return token_logprobs(model, ids, am, sampling=dist, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
                                   mm_inputs=mm, packed=packed)[0]
 
         with self.colocation.using(model):
@@ -347,7 +350,7 @@ class ExperienceMaker:
         m = self.models
         B = packed.sequences_BT.shape[0]
         if m.teacher is not None:
-            return self._logprobs(m.teacher, packed, batches, temperature=1.0), torch.ones(B, dtype=torch.bool), {}
+            return self._logprobs(m.teacher, packed, batches, sampling=SamplingFilter()), torch.ones(B, dtype=torch.bool), {}
         rows = [r for tr in packed.trajectories for r in tr.rows]
         asked = [b for b, r in enumerate(rows) if r.token_ids]  # a row without a turn has nothing to score
         lps, errors, counters = m.remote_teacher.token_logprobs([rows[b].prompt_ids for b in asked],

@@ -127,7 +127,7 @@ class PPOTrainer:
     def sampling_params(self, step: int, attempt: int = 0) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, n=r.n_samples,
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, max_new_tokens=r.max_new_tokens, n=r.n_samples,
             ignore_eos=r.ignore_eos, seed=step_seed(self.cfg.run.seed, step, self.rt.rank, attempt),
         )
 

@@ -105,7 +105,7 @@ class UpdateResult:
 
 class Updater:
     """Policy (and critic) updates over one rollout's Experience. ``rollout``, ``train``, ``model``
-    are the config sections it reads (``rollout.temperature``, ``train.micro_batch_tokens`` /
+    are the config sections it reads (``rollout.filter``: temperature and filters, ``train.micro_batch_tokens`` /
     ``micro_batch_max_seqs``, ``model.logprob_chunk_tokens``); ``train`` as resolved by the memory
     plan (no ``auto`` budget). ``split`` times the forward, backward and optimizer parts."""
 
@@ -166,7 +166,7 @@ class Updater:
             moe.begin(packed, mb.routed_experts_BTLK)
         logp_BT, entropy_BT = token_logprobs(
             self.models.actor.model, mb.sequences_BT, mb.attention_mask_BT,
-            temperature=self.rollout_cfg.temperature, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
+            sampling=self.rollout_cfg.filter, with_entropy=True, chunk_tokens=self.model_cfg.logprob_chunk_tokens,
             mm_inputs=collate_mm_inputs(mb.mm_inputs, self.runtime.device), entropy_grad=self.algo.entropy_needs_grad,
             packed=packed,  # padding-free; the LM head runs on response tokens only; prompt positions are 0
         )

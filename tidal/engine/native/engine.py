@@ -43,7 +43,7 @@ from tidal.engine.base import Completion, Request, SamplingParams, eos_ids, sequ
 from tidal.engine.config import EngineConfig
 from tidal.engine.native.block_manager import BlockManager
 from tidal.engine.native.kernels import get_ops
-from tidal.engine.native.model_runner import ModelRunner, SamplingState
+from tidal.engine.native.model_runner import ModelRunner
 from tidal.engine.native.models import build_model
 from tidal.engine.native.parallel import TPGroup
 from tidal.engine.native.scheduler import Scheduler
@@ -53,6 +53,7 @@ from tidal.engine.native.speculative import Speculator
 from tidal.engine.sampler import request_key
 from tidal.engine.stepping import run_steps
 from tidal.host_memory import ParamHostCopy
+from tidal.sampling_filter import SamplingFilter
 
 
 TIMERS = ("schedule_s", "postprocess_s", "prepare_s", "submit_s", "wait_s")
@@ -122,7 +123,7 @@ class NativeEngine:
         self._seq_ids = itertools.count()
         self._requests: dict = {}  # request id -> Sequence, unfinished ones
         self._pending = None  # (batch, handle) of the decode step scheduled ahead and in flight
-        self._sampling: SamplingState | None = None  # of the requests in flight
+        self._sampling: SamplingFilter | None = None  # of the requests in flight
         self._policy_version = 0
         # drafts and their index (host only; survives sleep and weight loads); auto speculates on accelerators only
         self.spec = Speculator(cfg.speculative, latency_bound=self.device.type != "cpu")
@@ -327,7 +328,7 @@ class NativeEngine:
     def add(self, requests: Seq[Request]) -> None:
         """Queue ``requests`` (see :class:`~tidal.engine.base.IncrementalEngine`). All requests in
         flight sample from one distribution: the first request added to an idle engine sets its
-        temperature, top-k and top-p; a request with another distribution is refused until they
+        temperature, top-k, top-p and min-p (its :attr:`~tidal.engine.base.SamplingParams.filter`); a request with another distribution is refused until they
         finish. Its ``max_new_tokens``, stop tokens, ``ignore_eos`` and random stream are its own:
         the token at index ``i`` of its sequence is drawn with the uniform
         :func:`~tidal.engine.sampler.keyed_uniforms` of ``(params.seed, key, i)`` (``key``: the
@@ -378,21 +379,17 @@ class NativeEngine:
             self.spec.add(seq)
             self._requests[r.request_id] = seq
 
-    def _sampling_for(self, requests: Seq[Request]) -> SamplingState:
-        first = requests[0].params
-        key = (first.temperature, first.top_k, first.top_p)
+    def _sampling_for(self, requests: Seq[Request]) -> SamplingFilter:
+        key = requests[0].params.filter
         for r in requests:
-            if (r.params.temperature, r.params.top_k, r.params.top_p) != key:
-                raise ValueError(f"request {r.request_id!r} samples with temperature/top_k/top_p "
-                                 f"{(r.params.temperature, r.params.top_k, r.params.top_p)}, others with {key}: "
+            if r.params.filter != key:
+                raise ValueError(f"request {r.request_id!r} samples with {r.params.filter}, others with {key}: "
                                  f"requests in flight share one distribution")
         if self._sampling is not None and self._requests:
-            cur = (self._sampling.temperature, self._sampling.top_k, self._sampling.top_p)
-            if cur != key:
-                raise ValueError(f"requests sampling with temperature/top_k/top_p {key} while others in flight sample "
-                                 f"with {cur}: requests in flight share one distribution (finish or abort them first)")
-            return self._sampling
-        return SamplingState(first.temperature, first.top_k, first.top_p)
+            if self._sampling != key:
+                raise ValueError(f"requests sampling with {key} while others in flight sample with {self._sampling}: "
+                                 f"requests in flight share one distribution (finish or abort them first)")
+        return key
 
     def step(self) -> list[Completion]:
         """Run one step (and schedule the next decode step ahead); returns the completions that

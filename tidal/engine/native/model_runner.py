@@ -34,20 +34,7 @@ from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative.acceptance import VOID, accept
 from tidal.engine.sampler import fused_applies, keyed_uniforms, sample
 from tidal.exact import exact_numerics
-
-
-@dataclasses.dataclass
-class SamplingState:
-    """The processed distribution the requests in flight share (their random streams are their own:
-    the table's ``rng_seed``/``rng_key``)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-
-    def fused_on(self, device: torch.device) -> bool:
-        """Whether decode CUDA graphs sample in the graph (the fused sampler's distributions)."""
-        return fused_applies(device, self.top_k, self.top_p)
+from tidal.sampling_filter import SamplingFilter
 
 
 class ModelRunner:
@@ -55,7 +42,7 @@ class ModelRunner:
                  graph_max_batch: int = 0, exact: bool = False):
         """``graph_max_batch``: the largest decode batch replayed from a CUDA graph (0: no graphs);
         larger batches run eagerly. ``exact``: every step runs under :func:`tidal.exact.exact_numerics`
-        and samples through :func:`tidal.engine.sampler.process_logits` (exact mode, docs/exact.md)."""
+        and samples without the fused Triton pass (exact mode, docs/exact.md)."""
         self.model = model
         self.exact = exact
         self.tp = tp
@@ -267,12 +254,12 @@ class ModelRunner:
         return inputs, table.block_table[slot_T, :width], draft_T, group_T
 
     # ---- step -----------------------------------------------------------------------------------
-    def run(self, batch: Batch, table: SequenceTable, sampling: SamplingState) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, batch: Batch, table: SequenceTable, sampling: SamplingFilter) -> tuple[np.ndarray, np.ndarray]:
         """Run ``batch``; returns (token ids, logprobs) of its sampling rows, identical on every TP rank."""
         return self.wait(self.launch(batch, table, sampling))
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, table: SequenceTable, sampling: SamplingState,
+    def launch(self, batch: Batch, table: SequenceTable, sampling: SamplingFilter,
                prev: StepHandle | None = None) -> StepHandle:
         """Enqueue ``batch`` (model, sampling, copy of the results to the host) without waiting.
         A batch scheduled ahead (``batch.src_rows``) takes its input tokens from ``prev``'s samples
@@ -310,7 +297,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             if self.graphs is not None and self.graphs.fits(n):
                 # the logits and the draw are in the graph too (not for a verify step: it accepts)
-                in_graph = sampling.fused_on(self.device) and not verify
+                in_graph = fused_applies(self.device, sampling) and not verify
                 res = self.graphs.run(inputs, bt, self.num_blocks, ids_dev,
                                       temperature=sampling.temperature if in_graph else None, uniforms=u)
                 if in_graph:
@@ -359,7 +346,7 @@ class ModelRunner:
         idx = self._tensor(np.stack([np.maximum(src_rows, 0), src_rows >= 0, host_ids]), torch.int64)
         return torch.where(idx[1].bool(), out[idx[0]].long(), idx[2])
 
-    def _uniforms(self, table: SequenceTable, slots: np.ndarray, index: np.ndarray, sampling: SamplingState
+    def _uniforms(self, table: SequenceTable, slots: np.ndarray, index: np.ndarray, sampling: SamplingFilter
                   ) -> np.ndarray | None:
         """The keyed uniform of each sampled token (``slots``: its sequence's slot, ``index``: its
         index in the sequence); None where nothing is drawn (greedy, or a TP rank but the first)."""
@@ -367,25 +354,26 @@ class ModelRunner:
             return None
         return keyed_uniforms(table.rng_seed[slots], table.rng_key[slots], index)
 
-    def _sample(self, logits_BV, n: int, u: np.ndarray | None, sampling: SamplingState) -> StepHandle:
+    def _sample(self, logits_BV, n: int, u: np.ndarray | None, sampling: SamplingFilter) -> StepHandle:
         out = torch.empty(2, n, dtype=torch.float64, device=self.device)
         if n == 0:
             return StepHandle(out, out.cpu(), None)
         if self.tp.is_first:
             u_B = None if u is None else self._tensor(u, torch.float32)
-            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, u_B, fused=not self.exact)
+            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, u_B, min_p=sampling.min_p,
+                                   fused=not self.exact)
             out[0], out[1] = token_B, logp_B
         return self._publish(out)
 
     def _verify(self, logits_TV, draft_T: np.ndarray, group_T: np.ndarray, u: np.ndarray | None,
-                sampling: SamplingState) -> StepHandle:
+                sampling: SamplingFilter) -> StepHandle:
         """Accept the drafts on TP rank 0 (:func:`~tidal.engine.native.speculative.acceptance.accept`)
         and share the emitted tokens: ``[2, T]`` (token or ``VOID``, logprob) per computed position."""
         out = torch.empty(2, len(draft_T), dtype=torch.float64, device=self.device)
         if self.tp.is_first:
             token_T, logp_T = accept(logits_TV, self._tensor(draft_T, torch.int64), self._tensor(group_T, torch.int64),
                                      None if u is None else self._tensor(u, torch.float32),
-                                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+                                     sampling=sampling)
             out[0], out[1] = token_T, logp_T
         return self._publish(out)
 

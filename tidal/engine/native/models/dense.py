@@ -30,6 +30,7 @@ from tidal.engine.native.layers import (
 )
 from tidal.engine.native.multimodal import MultimodalPrompt, build_multimodal_prompt, mrope_cos_sin, mrope_section_columns
 from tidal.engine.native.parallel import TPGroup
+from tidal.families import expert_weight
 
 
 def head_dim_of(hf_config) -> int:
@@ -180,10 +181,14 @@ class PagedLM(nn.Module):
             cache[name] = None
             return None
         target, shard_id = name, None
-        for hf_part, (ours, sid) in self.packed_modules_mapping.items():
-            if f".{hf_part}." in name:
-                target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
-                break
+        expert = expert_weight(name)  # one expert of a checkpoint's MoE layer: its slice of the stacked experts
+        if expert is not None:
+            target, shard_id = expert.stacked, expert
+        else:
+            for hf_part, (ours, sid) in self.packed_modules_mapping.items():
+                if f".{hf_part}." in name:
+                    target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
+                    break
         module_name, _, param_name = target.rpartition(".")
         try:
             module = self.get_submodule(module_name)

@@ -2,7 +2,8 @@
 GEMM over the rows each expert received.
 
 HF weights: ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows then up rows) and ``experts.down_proj``
-``[E, H, I]``; expert ``e`` computes ``down_e(silu(gate_e x) * up_e x)``. Tensor parallelism splits
+``[E, H, I]``, or one tensor per expert and projection as checkpoints keep them on disk
+(``experts.{e}.gate_proj.weight``, mapped by :func:`tidal.families.expert_weight`); expert ``e`` computes ``down_e(silu(gate_e x) * up_e x)``. Tensor parallelism splits
 the intermediate dim ``I`` of every expert (each rank keeps ``I / tp`` gate, up and down columns) and
 sums the ranks' outputs once after the combine, as the dense row-parallel MLP does.
 
@@ -53,8 +54,17 @@ class FusedExperts(nn.Module):
 
     def weight_slices(self, param, full, shard_id=None):
         """This rank's ``I / tp`` slice of every expert: gate and up rows of ``gate_up_proj``, columns of
-        ``down_proj``."""
+        ``down_proj``. ``shard_id`` an :class:`~tidal.families.ExpertWeight`: ``full`` is one expert's
+        ``gate_proj``/``up_proj`` ``[I, H]`` or ``down_proj`` ``[H, I]`` (a per-expert checkpoint),
+        loaded into that expert's slice."""
         n, start = self.inter, self.tp.rank * self.inter
+        if shard_id is not None:
+            e = shard_id.expert
+            if not 0 <= e < self.num_experts:
+                raise KeyError(f"{shard_id.stacked}: expert {e} of a layer with {self.num_experts} experts")
+            if param is self.gate_up_proj:
+                return [(param.data[e, shard_id.half * n : (shard_id.half + 1) * n], full[start : start + n])]
+            return [(param.data[e], full[:, start : start + n])]
         if param is self.gate_up_proj:
             whole = full.shape[1] // 2
             return [(param.data[:, :n], full[:, start : start + n]),

@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 
 from tidal.engine.sampler import sample
+from tidal.sampling_filter import SamplingFilter
 
 VOID = -1  # the token of a row past its sequence's first rejection
 
 
 def accept(logits_TV: torch.Tensor, draft_T: torch.Tensor, group_T: torch.Tensor, u_T: torch.Tensor | None, *,
-           temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+           sampling: SamplingFilter) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the drafts of a batch of ``T`` rows.
 
     ``logits_TV``: the target's logits per row; ``draft_T``: the token each row verifies (``VOID`` for
@@ -42,7 +43,7 @@ def accept(logits_TV: torch.Tensor, draft_T: torch.Tensor, group_T: torch.Tensor
     sequence index of each row, non-decreasing; ``u_T``: each row's keyed uniform (None when
     greedy). Returns ``(token_T int64, logp_T fp32)``: the emitted token of each row (``VOID`` past
     its sequence's first rejection) and its logprob under the processed target distribution."""
-    token_T, logp_T = sample(logits_TV, temperature, top_k, top_p, u_T)
+    token_T, logp_T = sample(logits_TV, sampling.temperature, sampling.top_k, sampling.top_p, u_T, min_p=sampling.min_p)
     ok_T = (draft_T >= 0) & (token_T == draft_T)
     return torch.where(emitted(ok_T, group_T), token_T, VOID), logp_T
 
