@@ -44,10 +44,12 @@ from tidal.logging.progress import stage
 from tidal.distill.remote import RemoteTeacher
 from tidal.models import load_causal_lm, load_critic, load_tokenizer
 from tidal.models.loading import check_context_fits, check_same_tokenizer, check_tokenizer_fits, model_positions, tokenizer_fingerprint
+from tidal.models.logprobs import set_exact
 from tidal.models.lora import adapter_disabled_reference, apply_lora
 from tidal.models.moe import moe_training
 from tidal.families import find_family, text_config
 from tidal.models.varlen import enable_packed_attention
+from tidal.numerics import check_exact_model
 from tidal.optional_deps import check_dependencies
 from tidal.rewards import RewardEngine
 from tidal.strategy import Strategy, get_strategy
@@ -133,6 +135,7 @@ def check_model_and_data(cfg: TidalConfig, paths: ResolvedPaths, hf_config) -> t
     check_context_budget(cfg, hf_config)
     family = find_family(hf_config)  # an unknown family runs on engine.backend: hf, as a dense model
     cfg.moe.check_model(family is not None and family.moe(text_config(hf_config)) is not None, hf_config.model_type)
+    check_exact_model(cfg, hf_config)
     tokenizer = load_tokenizer(paths.tokenizer)
     if paths.tokenizer != paths.model:  # load_tokenizer checks against its own folder's model config
         check_tokenizer_fits(tokenizer, hf_config)
@@ -144,6 +147,7 @@ def build_actor(cfg: TidalConfig, paths: ResolvedPaths, strategy: Strategy):
     """(the actor sharded for training, its HF config); ``cfg`` as resolved by the memory plan."""
     require_resolved(cfg.model, "model", "gradient_checkpointing")
     actor_model = enable_packed_attention(load_causal_lm(paths.model))
+    set_exact(actor_model, cfg.numerics.exact)  # the old logprobs and the update's forward (docs/exact.md)
     hf_config = actor_model.config  # read before wrapping: a DeepSpeed engine's .config is its own
     if cfg.model.gradient_checkpointing:
         actor_model.gradient_checkpointing_enable()
@@ -267,7 +271,8 @@ def build_trainer(cfg: TidalConfig) -> PPOTrainer:
     engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
     with stage(f"starting the {run_cfg.engine.backend} rollout engine and syncing its weights", enabled=runtime.is_main):
         engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype,
-                               tp_group=runtime.tp_group, seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens)
+                               tp_group=runtime.tp_group, seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens,
+                               exact=run_cfg.numerics.exact)
         colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
 
     rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
@@ -323,7 +328,7 @@ def build_checkpoint_policy(cfg: TidalConfig, *, evaluate: bool) -> CheckpointPo
     if evaluate:
         engine_dtype = resolve_dtype(run_cfg.engine.dtype, runtime.device)
         engine = create_engine(hf_config, run_cfg.engine, device=runtime.device, dtype=engine_dtype, tp_group=runtime.tp_group,
-                               seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens)
+                               seq_len=run_cfg.data.max_prompt_len + run_cfg.rollout.max_new_tokens, exact=run_cfg.numerics.exact)
         colocation.attach_engine(engine, dtype=engine_dtype, sleep_level=run_cfg.engine.sleep_level, verify=run_cfg.sync.verify)
         rewards = RewardEngine(run_cfg.reward, device=runtime.device, placement=colocation)
         policy.maker = ExperienceMaker(colocation=colocation, rewards=rewards, algorithm=algorithm, rollout=run_cfg.rollout,

@@ -26,6 +26,7 @@ from tidal.files import check_regular, read_bounded
 from tidal.jobs import check_job, check_job_world
 from tidal.logging.config import LoggingConfig
 from tidal.models.config import ModelConfig, MoEConfig
+from tidal.numerics import NumericsConfig, check_exact
 from tidal.rewards.config import RewardConfig
 from tidal.rm.config import RewardModelConfig
 from tidal.strategy.config import OptimConfig, StrategyConfig
@@ -49,6 +50,7 @@ class TidalConfig:
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    numerics: NumericsConfig = dataclasses.field(default_factory=NumericsConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
@@ -101,6 +103,7 @@ class TidalConfig:
             self.check_micro_batches()
         check_engine_backend(self.env, self.engine.backend)
         check_partial_rollout(self)
+        check_exact(self)
         check(self.moe.routing_replay == "off" or (self.engine.backend == "native" and not self.rollout.partial.enabled),
               "moe.routing_replay", "rollout replays the routing the native engine records: it needs engine.backend=native "
               "and rollout.partial off (resumed partial groups carry no routing)")

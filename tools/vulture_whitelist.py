@@ -12,6 +12,8 @@ TokenMean, SeqMeanTokenMean, SeqMeanTokenSum, ConstantNormalizer  # algorithm.lo
 K1, K2, K3  # algorithm.kl_estimator
 CISPO, CPGDLoss, GMPO, GSPO, PPOClip  # algorithm.policy_loss
 TorchOps, TritonOps  # engine.kernel_backend
+ExactOps  # the native engine in exact mode (numerics.exact), registered by name
+process_logits  # tidal.engine.sampler: the processed distribution from flat arguments (tests; unused in tidal since the filter merge)
 Qwen3ForCausalLM, LlamaForCausalLM, Qwen2_5_VLForConditionalGeneration  # the HF config's model_type
 JsonlBackend, TensorBoardBackend, WandbBackend, ConsoleBackend  # logging.backends
 MathAnswer, ThinkAnswerFormat, LengthPenalty, ReasoningGymReward  # reward rule components

@@ -17,7 +17,8 @@ LAYER = {  # a package may import only from packages of a lower or equal floor (
     "cli": 9, "build": 8, "check": 8, "inputs": 8, "launch": 8, "config": 7, "jobs": 7, "rm": 7, "memory": 7, "trainer": 6, "run": 5, "strategy": 5, "sync": 5, "envs": 5, "tasks": 5,
     "distributed": 4, "engine": 4, "rewards": 3, "distill": 3, "algorithms": 3, "models": 3, "data": 3, "logging": 3,
     "report": 3,
-    "families": 2, "sampling_filter": 2, "registry": 1, "dtypes": 1, "host_memory": 1, "optional_deps": 1, "config_base": 0, "files": 0, "lazy": 0,
+    "families": 2, "registry": 1, "dtypes": 1, "host_memory": 1, "optional_deps": 1, "config_base": 0, "files": 0, "lazy": 0,
+    "numerics": 2, "exact": 1, "sampling_filter": 1,
 }
 
 

@@ -15,16 +15,19 @@ VL_UNSUPPORTED = ("vllm", "sglang")  # backends whose adapters take no images (y
 
 def create_engine(
     hf_config: PretrainedConfig, cfg: EngineConfig, *, device: torch.device, dtype: torch.dtype, tp_group=None,
-    seq_len: int | None = None,
+    seq_len: int | None = None, exact: bool = False,
 ) -> RolloutEngine:
     """An engine with the model's architecture and ``dtype`` weights (``engine.dtype`` resolved by the
     caller, :func:`tidal.dtypes.resolve_dtype`); its weights are loaded by weight sync. ``tp_group``:
     the rollout TP group (None for one rank); the engine's TP size is that group's size. ``seq_len``:
     the longest sequence the run generates (``data.max_prompt_len + rollout.max_new_tokens``), which
-    sizes the native engine's sliding-window block pool as the memory plan does."""
+    sizes the native engine's sliding-window block pool as the memory plan does. ``exact``: exact
+    mode (``numerics.exact``; native engine only, :func:`tidal.numerics.check_exact`)."""
     if cfg.sleep_level == "auto":  # the memory plan's to choose, before any engine is built
         raise ValueError("engine.sleep_level=auto reached the engine unresolved: build it from the run's config with the "
                          "memory plan's settings (MemorySettings.run_config), or give engine.sleep_level")
+    if exact and cfg.backend != "native":
+        raise ValueError(f"exact mode runs the native engine, not engine.backend={cfg.backend}")
     if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
         raise ValueError(
             f"engine.backend={cfg.backend} cannot generate from image prompts yet ({type(hf_config).__name__} is a "
@@ -35,7 +38,7 @@ def create_engine(
         from tidal.families import native_family
 
         native_family(hf_config)  # ConfigError naming what the native engine runs
-        return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group, seq_len=seq_len)
+        return NativeEngine(hf_config, cfg, device=device, dtype=dtype, tp_group=tp_group, seq_len=seq_len, exact=exact)
     if cfg.backend == "hf":
         from tidal.engine.hf import HFEngine
 

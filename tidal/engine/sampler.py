@@ -55,17 +55,19 @@ def sample(
     top_p: float = 1.0,
     u_B: torch.Tensor | None = None,
     min_p: float = 0.0,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row: row b takes the token whose CDF interval holds ``u_B[b]`` (fp32
     uniforms in [0, 1) on the logits' device, e.g. :func:`keyed_uniforms`; unused, and may be None,
     when ``temperature == 0``: the argmax). Returns (token_B int64, logp_B fp32): the logprob is
     ``z[token] - logsumexp(z)`` over the support (:mod:`tidal.sampling_filter`), the trainer's formula.
-    A row of non-finite logits samples :data:`NO_TOKEN` with a NaN logprob."""
+    A row of non-finite logits samples :data:`NO_TOKEN` with a NaN logprob. ``fused`` False: never
+    the fused Triton pass (exact mode returns that formula's bits)."""
     if temperature > 0 and (u_B is None or u_B.shape != logits_BV.shape[:1]):
         raise ValueError(f"sample: temperature {temperature} needs one uniform per row ({logits_BV.shape[0]}), got "
                          f"{None if u_B is None else tuple(u_B.shape)}")
     f = SamplingFilter(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    if fused_applies(logits_BV.device, f):
+    if fused and fused_applies(logits_BV.device, f):
         from tidal.engine.native.kernels.triton_sampling import fused_sample
 
         return fused_sample(logits_BV, temperature, u_B)

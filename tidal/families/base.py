@@ -136,9 +136,11 @@ class Family:
     decoder from it (:func:`tidal.models.loading.load_causal_lm`), its vision tower is not loaded.
     ``qk_norm``: how its attention normalises q and k: ``""`` not at all, ``"head"`` per head (Qwen3,
     Gemma 3: ``2 x head_dim`` weights), ``"projection"`` over the whole q and k projections (OLMo 3,
-    OLMoE: ``q_dim + kv_dim`` weights); either keeps the same activation bytes for the backward. ``norms_per_layer``: RMSNorms on a decoder layer's residual path
-    (2: pre-attention and pre-MLP; Gemma 3's sandwich adds post-attention and post-MLP ones). Both
-    size the training activations in the memory plan."""
+    OLMoE: ``q_dim + kv_dim`` weights); either keeps the same activation bytes for the backward.
+    ``norms_per_layer``: RMSNorms on a decoder layer's residual path (2: pre-attention and pre-MLP;
+    Gemma 3's sandwich adds post-attention and post-MLP ones). Both size the training activations
+    in the memory plan. ``exact``: exact mode (``numerics.exact``, docs/exact.md) covers it: its engine model and its HF
+    forward give the same bits (tested per family in tests/engine/test_exact.py)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -151,6 +153,7 @@ class Family:
     text_only: bool = False
     qk_norm: str = ""
     norms_per_layer: int = 2
+    exact: bool = False
 
     def __post_init__(self):
         if self.qk_norm not in ("", "head", "projection"):

@@ -7,4 +7,4 @@ from tidal.families.base import Family, layer_type_caches
 FAMILY = Family(name="gemma3", model_types=("gemma3", "gemma3_text"),
                 engine_model="tidal.engine.native.models.gemma3:Gemma3ForCausalLM",
                 layer_caches=layer_type_caches, packed_kernels=frozenset({"attention", "sliding_window"}),
-                text_prefix="model.language_model.", text_only=True, qk_norm="head", norms_per_layer=4)
+                text_prefix="model.language_model.", text_only=True, qk_norm="head", norms_per_layer=4, exact=True)

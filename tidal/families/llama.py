@@ -2,4 +2,4 @@
 
 from tidal.families.base import Family
 
-FAMILY = Family(name="llama", model_types=("llama",), engine_model="tidal.engine.native.models.dense:LlamaForCausalLM")
+FAMILY = Family(name="llama", model_types=("llama",), engine_model="tidal.engine.native.models.dense:LlamaForCausalLM", exact=True)

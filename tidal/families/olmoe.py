@@ -14,4 +14,4 @@ def moe(text: Any) -> MoEShape:
 
 
 FAMILY = Family(name="olmoe", model_types=("olmoe",), engine_model="tidal.engine.native.models.olmoe:OlmoeForCausalLM",
-                moe=moe, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), qk_norm="projection")
+                moe=moe, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), qk_norm="projection", exact=True)

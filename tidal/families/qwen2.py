@@ -2,4 +2,4 @@
 
 from tidal.families.base import Family
 
-FAMILY = Family(name="qwen2", model_types=("qwen2",), engine_model="tidal.engine.native.models.dense:Qwen2ForCausalLM")
+FAMILY = Family(name="qwen2", model_types=("qwen2",), engine_model="tidal.engine.native.models.dense:Qwen2ForCausalLM", exact=True)

@@ -32,5 +32,5 @@ FAMILY = Family(
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                   "gate_proj", "up_proj", "down_proj"),
     packed_kernels=frozenset({"attention", "linear_attention"}),
-    text_prefix="model.language_model.", text_only=True, qk_norm="head",
+    text_prefix="model.language_model.", text_only=True, qk_norm="head", exact=True,
 )

@@ -20,4 +20,4 @@ def moe(text: Any) -> MoEShape | None:
 
 
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), engine_model="tidal.engine.native.models.qwen3_moe:Qwen3MoeForCausalLM",
-                moe=moe, qk_norm="head")
+                moe=moe, qk_norm="head", exact=True)

@@ -175,3 +175,37 @@ def fla_recurrent_step(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV):  # pragm
                         initial_state=state_BHKV, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state_BHKV.copy_(final)
     return o[:, 0]
+
+
+# ---- exact mode (numerics.exact, docs/exact.md): one form for prefill, decode and training ------
+def exact_short_conv(window_TCK: torch.Tensor, weight_CK: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal conv given each output's window of ``K`` inputs (oldest first,
+    zeros before a sequence's first input): a last-dim sum of ``K`` fp32 products per output, the
+    same bits whether the window came from a prefill, a decode step's state or a packed row."""
+    y = (window_TCK.float() * weight_CK.float()).contiguous().sum(-1)  # contiguous: K innermost, one reduction order
+    return (y / (1.0 + torch.exp(-y))).to(window_TCK.dtype)
+
+
+def exact_gated_delta_rule(
+    q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in its recurrent form, one token at a time, for ``B`` sequences of ``T``
+    new tokens (a shorter sequence padded at the end: its padding never reaches its real tokens):
+    (``o_BTHV`` in v's dtype, the final states float32). Every product is a last-dim sum, so a
+    token's output does not depend on ``B``, ``T`` or whether it came from a prefill, a decode step
+    or a packed training row. Differentiable."""
+    B, T, Hv, dv = v_BTHV.shape
+    q, k, v, g, beta = _prepare(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, Hv)
+    dk = q.shape[-1]
+    S_BHVK = (torch.zeros(B, Hv, dv, dk, dtype=torch.float32, device=v.device) if state_BHKV is None
+              else state_BHKV.float().transpose(-1, -2).contiguous())  # dk last and innermost: the sums run over it
+    outs = []
+    for t in range(T):
+        S_BHVK = S_BHVK * torch.exp(g[:, t])[..., None, None]
+        kS_BHV = (S_BHVK * k[:, t, :, None, :]).contiguous().sum(-1)
+        u_BHV = beta[:, t, :, None] * (v[:, t] - kS_BHV)
+        S_BHVK = S_BHVK + u_BHV[..., :, None] * k[:, t, :, None, :]
+        outs.append((S_BHVK * q[:, t, :, None, :]).contiguous().sum(-1))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, Hv, dv)
+    return o.to(v_BTHV.dtype), S_BHVK.transpose(-1, -2)

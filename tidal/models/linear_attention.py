@@ -29,7 +29,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tidal.models.gated_delta_rule import chunk_gated_delta_rule, fla_available, fla_chunk_varlen
+from tidal import exact
+from tidal.models.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    exact_gated_delta_rule,
+    exact_short_conv,
+    fla_available,
+    fla_chunk_varlen,
+)
 
 _LAYER_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
@@ -105,6 +112,9 @@ def varlen_causal_conv1d(x_NC: torch.Tensor, weight_CK: torch.Tensor, cu_seqlens
     N, K = x_NC.shape[0], weight_CK.shape[1]
     starts = cu_seqlens.to(torch.long)
     pos_N = torch.arange(N, device=x_NC.device) - torch.repeat_interleave(starts[:-1], starts.diff(), output_size=N)
+    if exact.active():  # exact mode: each output from its window of K inputs, as the engine computes it
+        taps = [F.pad(x_NC[: N - j], (0, 0, j, 0)) * (pos_N >= j)[:, None].to(x_NC.dtype) for j in range(K - 1, 0, -1)]
+        return exact_short_conv(torch.stack(taps + [x_NC], dim=-1), weight_CK)
     w = weight_CK.to(x_NC.dtype)
     y = x_NC * w[:, K - 1]
     for j in range(1, K):
@@ -116,7 +126,7 @@ def varlen_causal_conv1d(x_NC: torch.Tensor, weight_CK: torch.Tensor, cu_seqlens
 def varlen_gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The gated delta rule of each packed sequence from a zero state (shapes as
     :func:`~tidal.models.gated_delta_rule.chunk_gated_delta_rule` with N packed tokens)."""
-    if q_NHK.is_cuda and fla_available():  # pragma: no cover - CUDA with fla only
+    if q_NHK.is_cuda and fla_available() and not exact.active():  # pragma: no cover - CUDA with fla only
         return fla_chunk_varlen(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens.to(torch.long))[0]
     bounds = cu_seqlens.tolist()
     spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
@@ -124,7 +134,8 @@ def varlen_gated_delta_rule(q_NHK, k_NHK, v_NHV, g_NH, beta_NH, cu_seqlens: torc
     # each sequence alone, all at once: padded at the end to [S, L] (trailing zeros never reach a real token)
     padded = [torch.stack([F.pad(x[s:e], (0, 0) * (x.dim() - 1) + (0, L - (e - s))) for s, e in spans])
               for x in (q_NHK, k_NHK, v_NHV, g_NH, beta_NH)]
-    o_SLHV = batched_gated_delta_rule(*padded)
+    # exact mode: the recurrent form the engine runs too (docs/exact.md)
+    o_SLHV = exact_gated_delta_rule(*padded)[0] if exact.active() else batched_gated_delta_rule(*padded)
     return torch.cat([o_SLHV[i, : e - s] for i, (s, e) in enumerate(spans)])
 
 

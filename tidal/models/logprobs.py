@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from tidal.exact import exact_numerics
 from tidal.models.lm_head import lm_head_logprobs
 from tidal.models.packing import pack_on_the_fly, packed_token_logprobs
 from tidal.models.varlen import uses_packed_attention
@@ -58,10 +59,18 @@ def _token_logprobs(
     packed=None,
     *,
     compile_head: bool = True,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attached method (see :func:`attach_logprob_method`). Its parameters are positional in
     this order, the order :func:`token_logprobs` passes them in (wrappers forward ``*args``);
-    ``compile_head`` is bound with the method (:func:`set_head_compile`)."""
+    ``compile_head`` and ``exact`` are bound with the method (:func:`set_head_compile`,
+    :func:`set_exact`)."""
+    if exact:
+        if packed is None and not uses_packed_attention(hf_model):
+            raise RuntimeError("exact mode runs packed forwards only (tidal.models.varlen.enable_packed_attention)")
+        with exact_numerics():
+            return _token_logprobs(hf_model, input_ids_BT, attention_mask_BT, sampling, with_entropy, chunk_tokens, mm_inputs,
+                                   entropy_grad, positions_BT, packed, compile_head=False)
     if packed is None and uses_packed_attention(hf_model):
         packed, positions_BT = pack_on_the_fly(input_ids_BT, attention_mask_BT, positions_BT), None
     if packed is not None:
@@ -92,17 +101,38 @@ def attach_logprob_method(model: torch.nn.Module, hf_model: torch.nn.Module | No
     setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, target, compile_head=compile_head))
 
 
+def set_exact(model: torch.nn.Module, enabled: bool) -> None:
+    """Whether ``model``'s attached logprob method runs in exact mode (``numerics.exact``,
+    docs/exact.md): its whole forward under :func:`tidal.exact.exact_numerics`, so its logprobs are
+    the native engine's bit for bit. Set it before a strategy wraps the method (as
+    :func:`set_head_compile`). On: an MoE model's experts run ``transformers``' eager loop (one
+    ``F.linear`` per expert over its tokens, summed per token in expert order, as the native
+    engine's experts do) instead of its grouped GEMM."""
+    _rebind(model, exact=bool(enabled))
+    method = getattr(model, LOGPROB_METHOD, None)
+    if enabled and method is not None:
+        for module in method.args[0].modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
+
+
 def set_head_compile(model: torch.nn.Module, enabled: bool) -> None:
     """Whether ``model``'s attached logprob method runs its LM-head passes compiled on CUDA (default
     on): the strategy that prepares the model sets it from ``strategy.compile``, before it wraps the
     method; it holds for this model only. A model without the method is left as it is."""
+    _rebind(model, compile_head=bool(enabled))
+
+
+def _rebind(model: torch.nn.Module, **keywords) -> None:
+    """Re-bind keywords of ``model``'s attached logprob method (none attached: nothing to do)."""
     method = getattr(model, LOGPROB_METHOD, None)
     if method is None:
         return
     if not isinstance(method, functools.partial) or method.func is not _token_logprobs:
-        raise TypeError(f"set_head_compile: {type(model).__name__}.{LOGPROB_METHOD} is already wrapped; set it before "
+        raise TypeError(f"{', '.join(keywords)}: {type(model).__name__}.{LOGPROB_METHOD} is already wrapped; set it before "
                         f"the strategy wraps the method")
-    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, *method.args, **{**method.keywords, "compile_head": bool(enabled)}))
+    setattr(model, LOGPROB_METHOD, functools.partial(_token_logprobs, *method.args, **{**method.keywords, **keywords}))
 
 
 def token_logprobs(model, input_ids_BT, attention_mask_BT, *, sampling=SamplingFilter(), with_entropy=False, chunk_tokens=2048,

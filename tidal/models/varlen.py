@@ -35,7 +35,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from tidal import families
+from tidal import exact, families
 from tidal.models.linear_attention import enable_packed_linear_attention
 
 PACKED_ATTENTION = "tidal_varlen"
@@ -74,6 +74,10 @@ def varlen_attention(
     the inputs' dtype."""
     if window is not None and not causal:
         raise NotImplementedError("a sliding window over bidirectional attention is not supported in packed forwards")
+    if exact.active():  # exact mode (docs/exact.md): the attention the native engine runs too
+        if not causal:
+            raise NotImplementedError("exact mode covers causal attention only")
+        return exact.varlen_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, scale, window)
     if uses_flash(q_NHD):
         return _flash(q_NHD, k_NKD, v_NKD, cu_seqlens, max_seqlen, causal, scale, window)
     return reference_varlen_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, causal=causal, scale=scale, window=window)

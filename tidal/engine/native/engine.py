@@ -97,16 +97,19 @@ class NativeEngine:
         dtype: torch.dtype,
         tp_group: dist.ProcessGroup | None = None,
         seq_len: int | None = None,
+        exact: bool = False,
     ):
         """``seq_len``: the longest sequence (prompt + new tokens) the caller expects, which sizes the
         sliding-window layers' block pool of a model that has one (:func:`tidal.engine.sizing.window_pool_blocks`;
-        None: as many blocks as the full layers' pool, or on CPU the requests' lengths)."""
+        None: as many blocks as the full layers' pool, or on CPU the requests' lengths). ``exact``:
+        exact mode (``numerics.exact``, docs/exact.md): batch-invariant kernels
+        (:mod:`tidal.engine.native.kernels.exact_ops`) instead of ``cfg.kernel_backend``'s, no CUDA graphs."""
         self.cfg = cfg
         self.seq_len = seq_len
         self.device = torch.device(device)
         self.dtype = dtype
         self.tp = TPGroup.of(tp_group)
-        self.ops = get_ops(cfg.kernel_backend, self.device)
+        self.ops = get_ops("exact" if exact else cfg.kernel_backend, self.device)
         self.model = build_model(hf_config, self.tp, self.ops, self.device, dtype)
         self.linear_layers = self.model.linear_layers() if hasattr(self.model, "linear_layers") else []
         if self.linear_layers and cfg.speculative != "off":
@@ -116,7 +119,7 @@ class NativeEngine:
         graph_safe = getattr(self.ops, "graph_safe", False) and not self.linear_layers
         graph_max_batch = sizing.graph_max_batch(cfg, self.device, graph_safe)
         self.runner = ModelRunner(self.model, self.tp, block_size=cfg.block_size, device=self.device,
-                                  graph_max_batch=graph_max_batch)
+                                  graph_max_batch=graph_max_batch, exact=exact)
         self.eos_token_ids = eos_ids(hf_config)
         self.table = SequenceTable(cfg.block_size)
         self.block_manager: BlockManager | None = None  # with the KV cache

@@ -40,15 +40,18 @@ from tidal.engine.native.sequence import SequenceTable
 from tidal.engine.native.state_pool import StatePool
 from tidal.engine.native.speculative.acceptance import VOID, accept
 from tidal.engine.sampler import NO_TOKEN, fused_applies, keyed_uniforms, sample
+from tidal.exact import exact_numerics
 from tidal.sampling_filter import SamplingFilter
 
 
 class ModelRunner:
     def __init__(self, model: PagedLM, tp: TPGroup, *, block_size: int, device: torch.device,
-                 graph_max_batch: int = 0):
+                 graph_max_batch: int = 0, exact: bool = False):
         """``graph_max_batch``: the largest decode batch replayed from a CUDA graph (0: no graphs);
-        larger batches run eagerly."""
+        larger batches run eagerly. ``exact``: every step runs under :func:`tidal.exact.exact_numerics`
+        and samples without the fused Triton pass (exact mode, docs/exact.md)."""
         self.model = model
+        self.exact = exact
         self.tp = tp
         self.block_size = block_size
         self.device = device
@@ -353,6 +356,10 @@ class ModelRunner:
         """Enqueue ``batch`` (model, sampling, copy of the results to the host) without waiting.
         A batch scheduled ahead (``batch.src_rows``) takes its input tokens from ``prev``'s samples
         on the device."""
+        with exact_numerics(self.exact):
+            return self._launch(batch, table, sampling, prev)
+
+    def _launch(self, batch: Batch, table: SequenceTable, sampling: SamplingState, prev: StepHandle | None) -> StepHandle:
         t0 = time.perf_counter()
         samples = None  # [2, n] (token ids, logprobs) when a graph sampled in place
         verify = batch.draft_lens is not None  # a decode step verifying drafts
@@ -454,7 +461,8 @@ class ModelRunner:
             return StepHandle(out, out.cpu(), None)
         if self.tp.is_first:
             u_B = None if u is None else self._tensor(u, torch.float32)
-            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, u_B, min_p=sampling.min_p)
+            token_B, logp_B = sample(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, u_B, min_p=sampling.min_p,
+                                   fused=not self.exact)
             out[0], out[1] = token_B, logp_B
         return self._publish(out)
 

@@ -36,6 +36,8 @@ from tidal.engine.native.layers import (
     rope_cos_sin,
 )
 from tidal.models.gated_delta_rule import (
+    exact_gated_delta_rule,
+    exact_short_conv,
     causal_conv1d,
     causal_conv1d_step,
     chunk_gated_delta_rule,
@@ -44,6 +46,7 @@ from tidal.models.gated_delta_rule import (
     fla_recurrent_step,
     recurrent_gated_delta_rule,
 )
+from tidal import exact
 from tidal.engine.native.models.dense import DecoderLM
 from tidal.engine.native.parallel import TPGroup
 from tidal.families import text_config
@@ -168,7 +171,9 @@ class GatedDeltaNet(nn.Module):
         beta_TH = self.in_proj_b(x_TH).sigmoid()
         g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TH).float() + self.dt_bias)
         slots = meta.state_slots_B
-        if x_TH.is_cuda and fla_available():  # pragma: no cover - CUDA with flash-linear-attention only
+        if exact.active():  # exact mode (docs/exact.md): the recurrent form, as packed training runs it
+            o_THV = self._exact(qkv_TC, weight_CK, g_TH, beta_TH, meta)
+        elif x_TH.is_cuda and fla_available():  # pragma: no cover - CUDA with flash-linear-attention only
             o_THV = self._fla(qkv_TC, weight_CK, g_TH, beta_TH, meta)
         elif meta.is_prefill:
             o_THV = torch.empty(T, self.hv, self.dv, dtype=x_TH.dtype, device=x_TH.device)
@@ -187,6 +192,32 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x_TH).view(T * self.hv, self.dv)
         o = self.norm(o_THV.reshape(T * self.hv, self.dv), z)
         return self.out_proj(o.view(T, self.hv * self.dv))
+
+    def _exact(self, qkv_TC, weight_CK, g_TH, beta_TH, meta: AttnMetadata):
+        """Exact mode's short conv (each output from its window of K inputs) and recurrent delta rule
+        (:func:`~tidal.models.gated_delta_rule.exact_gated_delta_rule`), from the slots' states."""
+        K = weight_CK.shape[1]
+        if not meta.is_prefill:
+            slots = meta.state_slots_B
+            conv_BCW, ssm_BHKV = self.conv_state[slots], self.ssm_state[slots]
+            window_BCK = torch.cat((conv_BCW, qkv_TC[..., None].to(conv_BCW.dtype)), dim=-1)
+            y_TC = exact_short_conv(window_BCK, weight_CK).to(qkv_TC.dtype)
+            q, k, v = self._heads(y_TC)
+            o, final = exact_gated_delta_rule(q[:, None], k[:, None], v[:, None], g_TH[:, None], beta_TH[:, None], ssm_BHKV)
+            self.conv_state[slots], self.ssm_state[slots] = window_BCK[..., 1:], final
+            return o[:, 0]
+        o_THV = torch.empty(qkv_TC.shape[0], self.hv, self.dv, dtype=qkv_TC.dtype, device=qkv_TC.device)
+        start = 0
+        for s, n in zip(meta.state_slots, meta.query_lens):
+            rows = slice(start, start + n)
+            full_CL = torch.cat((self.conv_state[s], qkv_TC[rows].t().to(self.conv_state.dtype)), dim=1)  # [C, K - 1 + n]
+            y_TC = exact_short_conv(full_CL.unfold(1, K, 1).transpose(0, 1), weight_CK).to(qkv_TC.dtype)
+            self.conv_state[s] = full_CL[:, n:]
+            q, k, v = self._heads(y_TC)
+            o, final = exact_gated_delta_rule(q[None], k[None], v[None], g_TH[None, rows], beta_TH[None, rows], self.ssm_state[s][None])
+            o_THV[rows], self.ssm_state[s] = o[0], final[0]
+            start += n
+        return o_THV
 
     def _fla(self, qkv_TC, weight_CK, g_TH, beta_TH, meta: AttnMetadata):  # pragma: no cover
         """The delta rule through flash-linear-attention's kernels (prefill: one varlen call over the

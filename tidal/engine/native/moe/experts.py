@@ -49,7 +49,8 @@ class FusedExperts(nn.Module):
         self.inter = _divide(intermediate, tp.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
-        self.impl = default_impl(self.gate_up_proj.device)
+        # exact mode (docs/exact.md) runs the loop: each expert's rows through the batch-invariant F.linear
+        self.impl = "loop" if getattr(ops, "exact", False) else default_impl(self.gate_up_proj.device)
 
     def weight_slices(self, param, full, shard_id=None):
         """This rank's ``I / tp`` slice of every expert: gate and up rows of ``gate_up_proj``, columns of
