@@ -168,17 +168,18 @@ def _check_task(cfg: TidalConfig) -> list[str]:
 def check(cfg: TidalConfig) -> list[str]:
     """Run the checks (ConfigError on the first failure) and return the lines to print."""
     from tidal.optional_deps import check_dependencies
-    from tidal.run.run_dir import check_output_dir
 
     check_dependencies(cfg)
+    paths = _config_paths(cfg)
+    if paths is not None:
+        check_data_first(cfg, paths)  # torch-free: a bad path or row is named before the model stack is imported
+    from tidal.run.run_dir import check_output_dir  # (imports torch)
+
     check_output_dir(cfg.run.output_dir)
     if cfg.job == "rl":  # the environment's own settings (env.kwargs: an MCP tool, an OpenEnv class), by building one
         from tidal.envs import make_env_factory
 
         make_env_factory(cfg.env)
-    paths = _config_paths(cfg)
-    if paths is not None:
-        check_data_first(cfg, paths)  # torch-free: a bad path or row is named before the model stack is imported
     from tidal.distributed.runtime import resolve_device, rollout_group_ranks
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

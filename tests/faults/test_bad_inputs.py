@@ -69,9 +69,12 @@ def test_unwritable_checkpoint_dir_fails_at_start(tmp_path, tiny_task_overrides,
     assert not (out / "metrics.jsonl").exists()  # nothing trained, nothing to lose
 
 
-def test_unwritable_run_dir_fails_at_start(tiny_task_overrides, capsys):
-    err = _cli_error(capsys, tiny_task_overrides + ["run.output_dir=/proc/tidal-run"], loads_models=False)  # unwritable even for root
-    assert "'run.output_dir'" in err and "cannot create /proc/tidal-run" in err
+def test_unwritable_run_dir_fails_at_start(tiny_task_overrides, capsys, tmp_path):
+    # a plain file where a folder of the path must be: uncreatable even for root (/proc itself is
+    # refused earlier, as a system folder: tests/faults/test_output_dir.py)
+    (tmp_path / "a-file").write_text("")
+    err = _cli_error(capsys, tiny_task_overrides + [f"run.output_dir={tmp_path}/a-file/run"], loads_models=False)
+    assert "'run.output_dir'" in err and f"cannot create {tmp_path}/a-file/run" in err
 
 
 def test_too_little_disk_space_for_a_checkpoint(tmp_path):
