@@ -44,7 +44,7 @@ def build_engine(args, hf_config, model):
     from tidal.engine.factory import create_engine
 
     paged = {"kv_cache_max_tokens": args.kv_cache_max_tokens, "cuda_graphs": args.device.startswith("cuda")} if args.engine == "native" else {}
-    cfg = EngineConfig(backend=args.engine, sleep_level=1, **paged)  # a standalone engine: no memory plan resolves auto
+    cfg = EngineConfig(backend=args.engine, **paged)
     device = torch.device(args.device)
     engine = create_engine(hf_config, cfg, device=device, dtype=resolve_dtype(cfg.dtype, device))
     engine.load_weights(model.named_parameters())

@@ -141,13 +141,17 @@ def test_without_a_plan_auto_sleeps_at_level_one():
     assert e.value.key == "sleep_level" and "auto" in e.value.message
 
 
-def test_an_engine_is_never_built_with_auto():
+def test_an_engine_built_on_its_own_sleeps_as_a_run_without_a_plan():
+    """A run hands the engine its plan's level; an engine built directly (a script) takes level 1."""
     from transformers import Qwen2Config
 
     from tidal.engine.factory import create_engine
+    from tidal.memory.plan import UNPLANNED_DEFAULTS
 
-    with pytest.raises(ValueError, match="engine.sleep_level=auto reached the engine unresolved"):
-        create_engine(Qwen2Config(), EngineConfig(), device=torch.device("cpu"), dtype=torch.float32)
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      vocab_size=64)
+    engine = create_engine(cfg, EngineConfig(backend="hf"), device=torch.device("cpu"), dtype=torch.float32)
+    assert engine.cfg.sleep_level == UNPLANNED_DEFAULTS["sleep_level"] == 1
 
 
 # ---- memory other processes hold ---------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import PretrainedConfig
 
@@ -23,9 +25,10 @@ def create_engine(
     the longest sequence the run generates (``data.max_prompt_len + rollout.max_new_tokens``), which
     sizes the native engine's sliding-window block pool as the memory plan does. ``exact``: exact
     mode (``numerics.exact``; native engine only, :func:`tidal.numerics.check_exact`)."""
-    if cfg.sleep_level == "auto":  # the memory plan's to choose, before any engine is built
-        raise ValueError("engine.sleep_level=auto reached the engine unresolved: build it from the run's config with the "
-                         "memory plan's settings (MemorySettings.run_config), or give engine.sleep_level")
+    if cfg.sleep_level == "auto":
+        # a run resolves it with its memory plan before it builds the engine (MemorySettings.run_config); an
+        # engine built on its own (a script, a test) sleeps as a run without a plan does: level 1
+        cfg = dataclasses.replace(cfg, sleep_level=1)
     if exact and cfg.backend != "native":
         raise ValueError(f"exact mode runs the native engine, not engine.backend={cfg.backend}")
     if cfg.backend in VL_UNSUPPORTED and is_vision_language(hf_config):
